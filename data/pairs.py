@@ -1,0 +1,234 @@
+"""Target/drafter pairs: resolve the `pair` config, load the models, check their vocabularies.
+
+Model names stay plain strings handed to `from_pretrained`; the toy world only fills them in
+(building itself first) when `pair.toy` is set. Vocabulary problems are caught here, before any
+heavy work, with an error that names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """Bad user input, reported with the config field at fault and how to fix it."""
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """Where the target p, the drafter q and the tokenizer come from."""
+
+    target: str
+    drafter: str
+    tokenizer: str
+    revision: str | None = None
+    drafter_revision: str | None = None
+    trust_remote_code: bool = False
+    toy: str | None = None
+
+
+def resolve_pair(pair: Any) -> PairSpec:
+    """Turn a `pair` config node into concrete names/paths, building the toy world if asked."""
+    get = pair.get if hasattr(pair, "get") else lambda k, d=None: getattr(pair, k, d)
+    toy = get("toy")
+    target, drafter, tokenizer = get("target"), get("drafter"), get("tokenizer")
+    if toy:
+        from specdistill.data.toy import ensure_toy_world
+
+        world = ensure_toy_world(toy)
+        target = target or str(world.target_dir)
+        drafter = drafter or str(world.drafter_dir)
+        tokenizer = tokenizer or str(world.target_dir)
+    if not target:
+        raise ConfigError("pair.target is empty: set it to a hub name or a local checkpoint path")
+    if not drafter:
+        raise ConfigError("pair.drafter is empty: set it to a hub name or a local checkpoint path")
+    for field, name in (("pair.target", target), ("pair.drafter", drafter)):
+        _check_model_path(field, name)
+    return PairSpec(
+        target=str(target),
+        drafter=str(drafter),
+        tokenizer=str(tokenizer or target),
+        revision=get("revision"),
+        drafter_revision=get("drafter_revision"),
+        trust_remote_code=bool(get("trust_remote_code", False)),
+        toy=toy,
+    )
+
+
+def _check_model_path(field: str, name: str) -> None:
+    """A local-looking path that does not exist is a typo, not a hub id: say so up front."""
+    p = Path(name).expanduser()
+    looks_local = name.startswith((".", "/", "~")) or p.exists() or name.count("/") > 1
+    if looks_local and not (p / "config.json").exists():
+        what = "does not exist" if not p.exists() else "has no config.json"
+        raise ConfigError(
+            f"{field}={name!r} {what}: point it at a saved `transformers` checkpoint "
+            "(a folder written by save_pretrained) or a hub model id"
+        )
+
+
+def parse_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.dtype:
+    """`auto` means bf16 on CUDA and fp32 on CPU (CPU bf16 matmuls are slow and lossy)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16}
+    table |= {"bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if name not in table:
+        raise ConfigError(f"dtype={name!r} is not known; use one of auto, {', '.join(table)}")
+    return table[name]
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but no CUDA device is visible; use device=cpu or auto")
+    return dev
+
+
+def load_tokenizer(spec: PairSpec):
+    """The target's tokenizer, with a pad token guaranteed (left padding for decoder-only)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            spec.tokenizer, revision=spec.revision, trust_remote_code=spec.trust_remote_code
+        )
+    except OSError as e:
+        raise ConfigError(f"pair.tokenizer={spec.tokenizer!r} could not be loaded: {e}") from e
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ConfigError(
+                f"the tokenizer of {spec.tokenizer!r} has neither a pad nor an EOS token: "
+                "add a pad token to it (tokenizer.add_special_tokens) and save it"
+            )
+        log.warning(
+            "tokenizer %s has no pad token; using its EOS token %r", spec.tokenizer, tok.eos_token
+        )
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_model(
+    name: str,
+    *,
+    revision: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    trust_remote_code: bool = False,
+    field: str = "model",
+):
+    """`AutoModelForCausalLM.from_pretrained` in eval mode, with a field-naming error."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name, revision=revision, dtype=dtype, trust_remote_code=trust_remote_code
+        )
+    except OSError as e:
+        raise ConfigError(f"{field}={name!r} could not be loaded: {e}") from e
+    return model.to(device).eval()
+
+
+def load_pair(
+    spec: PairSpec, *, device="cpu", dtype: torch.dtype = torch.float32, target: bool = True
+):
+    """(target or None, drafter, tokenizer), vocabularies checked against each other."""
+    tok = load_tokenizer(spec)
+    drafter = load_model(
+        spec.drafter,
+        revision=spec.drafter_revision,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=spec.trust_remote_code,
+        field="pair.drafter",
+    )
+    tgt = None
+    if target:
+        tgt = load_model(
+            spec.target,
+            revision=spec.revision,
+            dtype=dtype,
+            device=device,
+            trust_remote_code=spec.trust_remote_code,
+            field="pair.target",
+        )
+        check_vocab(vocab_size(tgt), vocab_size(drafter), len(tok))
+        drafter_tok = _maybe_tokenizer(spec.drafter, spec.drafter_revision, spec.trust_remote_code)
+        if drafter_tok is not None:
+            check_same_tokenizer(tok, drafter_tok)
+    else:
+        check_vocab(vocab_size(drafter), vocab_size(drafter), len(tok))
+    return tgt, drafter, tok
+
+
+def _maybe_tokenizer(name: str, revision: str | None, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(
+            name, revision=revision, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError):
+        return None
+
+
+def vocab_size(model) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def check_vocab(target_vocab: int, drafter_vocab: int, tokenizer_len: int) -> int:
+    """The common vocabulary size both models' logits are brought to.
+
+    Checkpoints often pad the embedding matrix to a multiple of 64/128: a drafter that differs
+    from the target only in that padding (both cover every real token of the tokenizer) is fine,
+    and its logits are padded with -inf or trimmed to the target's size. Anything else means
+    the two models do not share a tokenizer and speculative decoding would be meaningless.
+    """
+    if tokenizer_len > target_vocab:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer_len} tokens but pair.target has only {target_vocab} "
+            "logits: set pair.tokenizer to the target's own tokenizer"
+        )
+    if tokenizer_len > drafter_vocab:
+        raise ConfigError(
+            f"target and drafter vocab sizes differ ({target_vocab} vs {drafter_vocab}) beyond "
+            f"padding: the tokenizer has {tokenizer_len} tokens, more than the drafter covers. "
+            "Choose a pair.drafter trained with the target's tokenizer"
+        )
+    return target_vocab
+
+
+def match_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
+    """Pad (with -inf) or trim the last dim of drafter logits to the target's vocab size."""
+    v = logits.shape[-1]
+    if v == size:
+        return logits
+    if v > size:
+        return logits[..., :size]
+    pad = logits.new_full((*logits.shape[:-1], size - v), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
+
+
+def check_same_tokenizer(target_tok, drafter_tok, *, field: str = "pair.drafter") -> None:
+    """Both tokenizers must map the same strings to the same ids (padding aside)."""
+    a, b = target_tok.get_vocab(), drafter_tok.get_vocab()
+    common = min(len(a), len(b))
+    diff = [t for t, i in a.items() if i < common and b.get(t) != i]
+    if diff:
+        raise ConfigError(
+            f"{field} uses a different tokenizer than pair.target ({len(diff)} tokens map to other "
+            f"ids, e.g. {diff[:3]!r}): distil only between models that share a tokenizer"
+        )

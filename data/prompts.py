@@ -1,0 +1,132 @@
+"""Prompt sources: a hub dataset, a local jsonl/parquet file, or the toy world's code prompts.
+
+Every stage that needs prompts (generate, distill's on-policy and eval data, validate) reads
+them through `load_prompts(cfg.dataset, tokenizer)`, so a source works everywhere once it works
+here. Fields that do not exist and empty sets are reported before any model runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from specdistill.data.pairs import ConfigError
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: its stable index in the source, text as the model sees it, and a reference."""
+
+    index: int
+    text: str
+    reference: str | None = None
+
+
+def _get(cfg: Any, key: str, default=None):
+    if cfg is None:
+        return default
+    if hasattr(cfg, "get"):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def load_prompts(cfg: Any, tokenizer=None, *, default_split: str = "train") -> list[Prompt]:
+    """Read prompts per the `dataset` config node; a stage passes its usual split as default."""
+    source = _get(cfg, "source", "toy")
+    split = _get(cfg, "split") or default_split
+    field = _get(cfg, "field", "prompt")
+    ref_field = _get(cfg, "reference_field")
+    if source == "toy":
+        rows = _toy_rows(_get(cfg, "toy") or "toy-tiny", split)
+        ref_field = ref_field or "completion"
+    elif source == "hub":
+        rows = _hub_rows(cfg, split)
+    elif source in ("jsonl", "json", "parquet", "csv"):
+        rows = _file_rows(cfg, source, split)
+    else:
+        raise ConfigError(f"dataset.source={source!r} is not known; use toy, hub, jsonl or parquet")
+    if not rows:
+        raise ConfigError(
+            f"dataset (source={source!r}, split={split!r}) has no rows: check dataset.path/name/split"
+        )
+    if field not in rows[0]:
+        raise ConfigError(
+            f"dataset.field={field!r} is not a column of the prompt set; columns are "
+            f"{sorted(rows[0])}. Set dataset.field to one of them (or `messages` with chat: true)"
+        )
+    if ref_field and ref_field not in rows[0]:
+        raise ConfigError(f"dataset.reference_field={ref_field!r} is not one of {sorted(rows[0])}")
+    chat = bool(_get(cfg, "chat", False)) or (field == "messages")
+    prompts = []
+    for i, row in enumerate(rows):
+        value = row[field]
+        text = _apply_chat(value, tokenizer) if chat else value
+        if not isinstance(text, str):
+            raise ConfigError(
+                f"dataset.field={field!r} holds {type(value).__name__} values, not text; "
+                "for a list of chat messages set dataset.chat=true"
+            )
+        prompts.append(
+            Prompt(index=i, text=text, reference=row.get(ref_field) if ref_field else None)
+        )
+    limit = _get(cfg, "limit")
+    if limit is not None:
+        if int(limit) <= 0:
+            raise ConfigError(f"dataset.limit={limit} must be positive (or null for all prompts)")
+        prompts = prompts[: int(limit)]
+    return prompts
+
+
+def _apply_chat(messages: Any, tokenizer) -> str:
+    if tokenizer is None:
+        raise ConfigError("chat prompts need the target's tokenizer to apply its chat template")
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            "dataset.chat=true but the target's tokenizer has no chat_template: "
+            "use a chat model's tokenizer (pair.tokenizer) or set dataset.chat=false"
+        )
+    # A trailing assistant turn is the reference, not part of the prompt.
+    if messages and messages[-1].get("role") == "assistant":
+        messages = messages[:-1]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _toy_rows(name: str, split: str) -> list[dict]:
+    from specdistill.data.toy import ensure_toy_world, read_jsonl
+
+    world = ensure_toy_world(name)
+    if split not in ("train", "test"):
+        raise ConfigError(f"dataset.split={split!r}: the toy prompt set has splits train and test")
+    return read_jsonl(world.train_prompts if split == "train" else world.test_prompts)
+
+
+def _hub_rows(cfg: Any, split: str) -> list[dict]:
+    import datasets
+
+    name = _get(cfg, "name")
+    if not name:
+        raise ConfigError("dataset.source=hub needs dataset.name (a `datasets.load_dataset` name)")
+    try:
+        ds = datasets.load_dataset(
+            name, _get(cfg, "config"), split=split, revision=_get(cfg, "revision")
+        )
+    except Exception as e:  # datasets raises many types for a missing dataset/split
+        raise ConfigError(f"dataset.name={name!r} split={split!r} could not be loaded: {e}") from e
+    return [dict(r) for r in ds]
+
+
+def _file_rows(cfg: Any, source: str, split: str) -> list[dict]:
+    from pathlib import Path
+
+    import datasets
+
+    path = _get(cfg, "path")
+    if not path or not Path(path).expanduser().exists():
+        raise ConfigError(f"dataset.path={path!r} does not exist: point it at a {source} file")
+    builder = "json" if source in ("jsonl", "json") else source
+    ds = datasets.load_dataset(
+        builder, data_files={split: str(Path(path).expanduser())}, split=split
+    )
+    return [dict(r) for r in ds]

@@ -1,0 +1,1 @@
+"""Top floor: divergences, the distill stage, online adaptation, export and the pipeline."""

@@ -1,0 +1,59 @@
+"""Shared fixtures: the tiny toy world (built once per cache, in seconds) and tiny random pairs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def toy_tiny():
+    """The `toy-tiny` world (tokenizer, target, drafter, prompts), cached under SPECDISTILL_HOME."""
+    from specdistill.data.toy import ensure_toy_world
+
+    return ensure_toy_world("toy-tiny")
+
+
+@pytest.fixture(scope="session")
+def toy_tiny_pair(toy_tiny):
+    """(target, drafter, tokenizer) of the tiny toy world, fp32 on CPU, eval mode."""
+    from specdistill.data.pairs import load_pair, resolve_pair
+
+    return load_pair(resolve_pair({"toy": "toy-tiny"}))
+
+
+def tiny_llama(vocab: int = 64, layers: int = 2, hidden: int = 32, seed: int = 0, heads: int = 4):
+    """A random-init Llama small enough for exhaustive tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=256,
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HYDRA_FULL_ERROR", "1")

@@ -1,0 +1,64 @@
+"""The toy world builds, is an ordinary HF checkpoint set, and has the prompts stages rely on."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from specdistill.data.toy import extract_prompts, read_jsonl
+
+
+def test_toy_tiny_is_real_hf_checkpoints(toy_tiny):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(toy_tiny.target_dir)
+    target = AutoModelForCausalLM.from_pretrained(toy_tiny.target_dir)
+    drafter = AutoModelForCausalLM.from_pretrained(toy_tiny.drafter_dir)
+    assert tok.pad_token_id is not None and tok.eos_token_id is not None
+    assert tok.pad_token_id != tok.eos_token_id
+    assert target.config.vocab_size == drafter.config.vocab_size == len(tok)
+    n_t = sum(p.numel() for p in target.parameters())
+    n_d = sum(p.numel() for p in drafter.parameters())
+    assert n_d * 3 < n_t, "the drafter must be much smaller than the target"
+    text = "def add(a, b):\n    return a + b\n"
+    assert tok.decode(tok(text)["input_ids"]) == text  # byte-level BPE round-trips code
+
+
+def test_toy_target_learned_more_than_drafter(toy_tiny):
+    info = toy_tiny.build_info
+    uniform = torch.log(torch.tensor(float(info["spec"]["vocab_size"]))).item()
+    assert info["target"]["heldout_loss"] < info["drafter"]["heldout_loss"] < uniform
+
+
+def test_prompts_heldout_and_enough(toy_tiny):
+    test = read_jsonl(toy_tiny.test_prompts)
+    train = read_jsonl(toy_tiny.train_prompts)
+    assert len(test) >= 200
+    assert {r["module"] for r in test}.isdisjoint({r["module"] for r in train})
+    for r in test[:50]:
+        assert r["prompt"].startswith(("def ", "async def "))
+        assert r["prompt"].rstrip().endswith(('"', "'")), r["prompt"][-20:]
+        assert r["completion"].strip()
+
+
+def test_extract_prompts_cuts_after_docstring():
+    src = 'class A:\n    def f(self, x):\n        """Doc."""\n        return x\n'
+    rows = extract_prompts(src, "m.py")
+    assert rows == [
+        {
+            "prompt": 'def f(self, x):\n    """Doc."""',
+            "completion": "\n    return x\n",
+            "module": "m.py",
+            "name": "f",
+        }
+    ]
+
+
+def test_build_is_cached(toy_tiny):
+    from specdistill.data.toy import ensure_toy_world
+
+    before = json.loads((toy_tiny.root / "build.json").read_text())
+    again = ensure_toy_world("toy-tiny")
+    assert again.root == toy_tiny.root
+    assert again.build_info == before
