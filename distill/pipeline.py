@@ -1,0 +1,229 @@
+"""The whole pipeline: generate (Seq-KD) -> distill -> validate, on one pair.
+
+Each stage composes its own primary config (`conf/<stage>.yaml`) with the pipeline's pair, the
+run's folders and the overrides under the stage's key, and runs in-process. Stages hand off only
+through paths (generate's output_dir is distill's `data.path`; distill's `drafter_path` is
+validate's `pair.drafter`), so any one of them can also run alone or as a Slurm job. A stage
+whose folder holds a completion marker for the same composed config is not run again, so a
+killed pipeline restarted with the same command resumes at the first unfinished stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from specdistill.data.io import atomic_write_json, atomic_write_text, read_json
+from specdistill.data.pairs import ConfigError
+
+log = logging.getLogger("specdistill.pipeline")
+
+STAGES = ("generate", "distill", "validate")
+DONE = ".stage_done.json"
+
+
+@dataclass
+class PipelineResult:
+    run_dir: str
+    stages: dict[str, dict] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    wall_seconds: float = 0.0
+
+
+def format_override(key: str, value: Any) -> str:
+    """One Hydra command-line override, quoting strings the override grammar would misread."""
+    if value is None:
+        return f"{key}=null"
+    if isinstance(value, bool):
+        return f"{key}={str(value).lower()}"
+    if isinstance(value, int | float):
+        return f"{key}={value}"
+    if isinstance(value, list | tuple):
+        return f"{key}=[{','.join(format_override('x', v)[2:] for v in value)}]"
+    text = str(value)
+    if text and all(c.isalnum() or c in "_-./" for c in text):
+        return f"{key}={text}"
+    escaped = text.replace("\\", "\\\\").replace("'", "\\'")
+    return f"{key}='{escaped}'"
+
+
+def flatten_overrides(node: Any, prefix: str = "") -> list[str]:
+    """Nested stage overrides as dotted `key=value` strings (a bare string may pick a group)."""
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
+    out: list[str] = []
+    for key, value in (node or {}).items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.extend(flatten_overrides(value, dotted + "."))
+        else:
+            out.append(format_override(dotted, value))
+    return out
+
+
+def compose_stage(stage: str, cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """The stage's primary config with the pipeline's pair and the given overrides."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    user = flatten_overrides(cfg.get(stage) or {})
+
+    def _compose() -> DictConfig:
+        return compose(config_name=stage, overrides=[*overrides, *user])
+
+    try:
+        if GlobalHydra.instance().is_initialized():
+            stage_cfg = _compose()
+        else:
+            with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+                stage_cfg = _compose()
+    except Exception as e:  # hydra's errors name the bad key; add which section it came from
+        raise ConfigError(
+            f"{stage}: {e} (check the `{stage}:` section of the pipeline config)"
+        ) from e
+    OmegaConf.set_struct(stage_cfg, False)
+    stage_cfg.pair = OmegaConf.merge(stage_cfg.pair, cfg.pair)
+    return stage_cfg
+
+
+def _fingerprint(stage_cfg: DictConfig) -> str:
+    text = OmegaConf.to_yaml(stage_cfg, resolve=True, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _stage_runner(stage: str) -> Callable[[DictConfig], Any]:
+    if stage == "generate":
+        from specdistill.data.generate import run
+    elif stage == "distill":
+        from specdistill.distill.train import run
+    elif stage == "validate":
+        from specdistill.decode.bench import run
+    else:
+        raise ConfigError(f"stages contains {stage!r}; known stages are {', '.join(STAGES)}")
+    return run
+
+
+def run_stage(stage: str, stage_cfg: DictConfig, out_dir: Path, result_file: str) -> dict:
+    """Run one stage unless its folder says it already finished with this exact config."""
+    marker = out_dir / DONE
+    fp = _fingerprint(stage_cfg)
+    if marker.exists() and read_json(marker).get("fingerprint") == fp:
+        log.info("[%s] already done in %s; skipping", stage, out_dir)
+        return read_json(out_dir / result_file)
+    log.info("[%s] running -> %s", stage, out_dir)
+    t0 = time.perf_counter()
+    _stage_runner(stage)(stage_cfg)
+    result = read_json(out_dir / result_file)
+    atomic_write_json(marker, {"fingerprint": fp, "seconds": round(time.perf_counter() - t0, 1)})
+    return result
+
+
+def run(cfg: DictConfig) -> PipelineResult:
+    t0 = time.perf_counter()
+    run_dir = Path(cfg.run_dir)
+    stages = list(cfg.stages)
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ConfigError(f"stages={stages}: unknown {unknown}; choose from {list(STAGES)}")
+    result = PipelineResult(run_dir=str(run_dir))
+    seed = f"seed={cfg.seed}"
+
+    data_path: str | None = None
+    drafter_path: str | None = None
+    if "generate" in stages:
+        out = run_dir / "generate"
+        gcfg = compose_stage("generate", cfg, [f"output_dir={out}", seed])
+        result.stages["generate"] = run_stage("generate", gcfg, out, "result.json")
+        data_path = str(out)
+    if "distill" in stages:
+        out = run_dir / "distill"
+        extra = [f"output_dir={out}", seed]
+        if data_path:
+            extra.append(format_override("data.path", data_path))
+        dcfg = compose_stage("distill", cfg, extra)
+        result.stages["distill"] = run_stage("distill", dcfg, out, "result.json")
+        drafter_path = result.stages["distill"]["drafter_path"]
+    if "validate" in stages:
+        if drafter_path and cfg.get("validate_base", True):
+            out = run_dir / "validate_base"
+            vcfg = compose_stage("validate", cfg, [f"output_dir={out}", seed])
+            result.stages["validate_base"] = run_stage("validate", vcfg, out, "report.json")
+        out = run_dir / "validate"
+        vcfg = compose_stage("validate", cfg, [f"output_dir={out}", seed])
+        if drafter_path:
+            vcfg.pair.drafter = drafter_path
+        result.stages["validate"] = run_stage("validate", vcfg, out, "report.json")
+
+    result.summary = summarize(result.stages)
+    result.wall_seconds = round(time.perf_counter() - t0, 1)
+    atomic_write_json(run_dir / "pipeline.json", result)
+    atomic_write_text(run_dir / "summary.md", summary_markdown(result))
+    return result
+
+
+# Figures worth a line in the summary, by the stage report that holds them.
+_SUMMARY_KEYS = {
+    "distill": ("alpha_before", "alpha_after", "steps", "tokens_per_s", "wall_seconds"),
+    "validate": (
+        "alpha",
+        "tau",
+        "gamma",
+        "c",
+        "speedup",
+        "theoretical_speedup",
+        "decoder_efficiency",
+        "lossless",
+        "device",
+    ),
+}
+
+
+def summarize(stages: dict[str, dict]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for stage, figures in stages.items():
+        keys = _SUMMARY_KEYS.get(stage.removesuffix("_base"), ())
+        for key in keys:
+            if key in figures:
+                out[f"{stage}.{key}"] = figures[key]
+    return out
+
+
+def summary_markdown(result: PipelineResult) -> str:
+    lines = [f"# specdistill run: {result.run_dir}", "", "| figure | value |", "| --- | --- |"]
+    for key, value in result.summary.items():
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        lines.append(f"| {key} | {shown} |")
+    lines += ["", f"wall time: {result.wall_seconds} s", ""]
+    return "\n".join(lines)
+
+
+@hydra.main(config_path="pkg://specdistill.conf", config_name="pipeline", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    # Hydra reports exceptions itself, with a traceback; bad input deserves one clear line.
+    try:
+        result = run(cfg)
+    except ConfigError as e:
+        print(f"specdistill: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(summary_markdown(result))
+    print(json.dumps(result.summary, indent=2))
+
+
+def main() -> None:
+    """Console script `specdistill`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()
