@@ -125,8 +125,12 @@ def _file_rows(cfg: Any, source: str, split: str) -> list[dict]:
     path = _get(cfg, "path")
     if not path or not Path(path).expanduser().exists():
         raise ConfigError(f"dataset.path={path!r} does not exist: point it at a {source} file")
+    file = Path(path).expanduser()
+    if file.stat().st_size == 0:
+        return []
     builder = "json" if source in ("jsonl", "json") else source
-    ds = datasets.load_dataset(
-        builder, data_files={split: str(Path(path).expanduser())}, split=split
-    )
+    try:
+        ds = datasets.load_dataset(builder, data_files={split: str(file)}, split=split)
+    except Exception as e:  # malformed files surface as many exception types
+        raise ConfigError(f"dataset.path={path!r} could not be read as {source}: {e}") from e
     return [dict(r) for r in ds]

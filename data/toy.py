@@ -150,7 +150,9 @@ def _cache_dir(name: str) -> Path:
 def ensure_toy_world(name: str = "toy-tiny") -> ToyWorld:
     """Return the toy world `name`, building it first if it is not cached."""
     if name not in SPECS:
-        raise ValueError(f"pair.toy={name!r} is not a toy world; choose one of {sorted(SPECS)}")
+        from specdistill.data.pairs import ConfigError
+
+        raise ConfigError(f"pair.toy={name!r} is not a toy world; choose one of {sorted(SPECS)}")
     root = _cache_dir(name)
     world = ToyWorld(name=name, root=root)
     if (root / "build.json").exists():
