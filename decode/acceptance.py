@@ -1,0 +1,185 @@
+"""Pure accept/resample math for speculative decoding (fp32, vectorised over rows).
+
+Convention everywhere: p = the target's distribution, q = the drafter's. Shapes: `B` rows,
+`G` = gamma drafted tokens per round, `V` vocabulary. Every random choice takes explicit uniforms
+so tests can enumerate outcomes exactly; `uniforms()` draws them from a `torch.Generator`.
+
+The rules are lossless (the output follows p exactly) except `lenience < 1`, the DistillSpec
+lossy variant, which callers must label as such wherever it is reported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Logits processing shared by target and drafter; temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def process_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (the `transformers` order) on fp32 logits.
+
+    Applied identically to p (target) and q (drafter) so both rules compare the same
+    distributions. Returns logits with removed tokens at -inf; greedy leaves them unscaled.
+    """
+    x = logits.float()
+    if sampling.greedy:
+        return x
+    x = x / sampling.temperature
+    v = x.shape[-1]
+    if 0 < sampling.top_k < v:
+        kth = torch.topk(x, sampling.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, NEG_INF)
+    if sampling.top_p < 1.0:
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        # Keep the smallest prefix whose mass reaches top_p: a token goes once the mass before it
+        # already reaches top_p (the most likely token always stays).
+        drop_sorted = mass_before >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        x = x.masked_fill(drop, NEG_INF)
+    return x
+
+
+def probs_from_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Processed fp32 distribution; greedy gives the one-hot of the argmax."""
+    x = process_logits(logits, sampling)
+    if sampling.greedy:
+        return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).float()
+    return torch.softmax(x, dim=-1)
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample per row of `probs` (..., V) with uniforms `u` (...) in [0, 1).
+
+    Unnormalised rows are fine (the CDF is scaled by the row's total). Zero-probability tokens
+    are never picked.
+    """
+    cdf = torch.cumsum(probs.float(), dim=-1)
+    target = (u.float() * cdf[..., -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
+    # Float round-off can put u*total at the very end: clamp, then step back over zero-prob tail.
+    idx = idx.clamp(max=probs.shape[-1] - 1)
+    last_nonzero = probs.shape[-1] - 1 - torch.argmax((probs.flip(-1) > 0).int(), dim=-1)
+    return torch.minimum(idx, last_nonzero)
+
+
+def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, device) -> torch.Tensor:
+    """U[0,1) draws; the decoder calls this so one generator seeds a whole run."""
+    return torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+
+
+def verify_greedy(
+    draft: torch.Tensor, target_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: accept drafts while they equal the target's argmax.
+
+    draft: (B, G) drafter tokens; target_logits: (B, G+1, V) target logits at the positions
+    that predict draft[0..G-1] and the bonus slot. Returns (n_accepted (B,), next_token (B,)),
+    next_token being the target's argmax at the first mismatch (or the bonus position).
+    """
+    target_tok = target_logits.float().argmax(-1)  # (B, G+1)
+    return _accept_prefix(draft == target_tok[:, :-1], target_tok)
+
+
+def _accept_prefix(
+    ok: torch.Tensor, next_by_pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """n = length of the all-true prefix of `ok` (B, G); next token = next_by_pos[:, n]."""
+    n = torch.cumprod(ok.int(), dim=-1).sum(-1)
+    return n, next_by_pos.gather(1, n.unsqueeze(1)).squeeze(1)
+
+
+def acceptance_probs(
+    p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, lenience: float = 1.0
+) -> torch.Tensor:
+    """min(1, f(p(x))/q(x)) at each drafted token x, f(p) = p / lenience (lenience 1: lossless).
+
+    p: (B, G, V) target, q: (B, G, V) drafter (both processed), draft: (B, G). q(x) > 0 always
+    holds for a token the drafter sampled; the clamp only guards degenerate inputs.
+    """
+    px = p.gather(-1, draft.unsqueeze(-1)).squeeze(-1)
+    qx = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1)
+    return torch.clamp(px / (lenience * qx.clamp_min(1e-30)), max=1.0)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor, lenience: float = 1.0) -> torch.Tensor:
+    """normalize(max(0, p - lenience*q)): where to resample after a rejection (p where it is 0).
+
+    With lenience 1 this is exactly the distribution that makes speculative sampling lossless.
+    """
+    r = torch.clamp(p - lenience * q, min=0.0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp_min(1e-30), p)
+
+
+def verify_sampling(
+    draft: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_sample: torch.Tensor,
+    lenience: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al. / Chen et al.) for rows that accept different lengths.
+
+    draft: (B, G) tokens sampled from q; p: (B, G+1, V) target probs (the last position is the
+    bonus slot); q: (B, G, V) drafter probs; u_accept: (B, G) and u_sample: (B,) uniforms.
+    Accept draft[j] iff u_accept[j] < min(1, p/q); at the first rejection j resample from
+    residual(p_j, q_j); with all G accepted, sample the bonus token from p_G.
+    Returns (n_accepted (B,), next_token (B,)).
+    """
+    b, g = draft.shape
+    ok = u_accept < acceptance_probs(p[:, :g], q, draft, lenience)
+    n = torch.cumprod(ok.int(), dim=-1).sum(-1)
+    # Distribution for the next token: residual at the rejected position, p at the bonus slot.
+    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # q = 0 at the bonus slot
+    rows = torch.arange(b, device=draft.device)
+    dist = residual(p[rows, n], q_pad[rows, n], lenience)
+    return n, sample_from(dist, u_sample)
+
+
+def expected_alpha(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Per-position acceptance probability sum_x min(p, q) = 1 - TVD(p, q) (p target, q drafter)."""
+    return torch.minimum(p.float(), q.float()).sum(-1)
+
+
+def expected_tau(alpha: float, gamma: int) -> float:
+    """Expected tokens per target forward: (1 - alpha^(gamma+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def theoretical_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Leviathan et al.'s walltime improvement: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)).
+
+    c = drafter step time / target step time; assumes a (gamma+1)-token verify costs one step.
+    """
+    if gamma < 1:
+        raise ValueError(f"gamma={gamma} must be >= 1")
+    if not 0.0 <= alpha <= 1.0 or math.isnan(alpha):
+        raise ValueError(f"alpha={alpha} must lie in [0, 1]")
+    return expected_tau(alpha, gamma) / (gamma * c + 1.0)
+
+
+def best_gamma(alpha: float, c: float, max_gamma: int = 16) -> int:
+    """The gamma in 1..max_gamma that maximises the theoretical speedup (`gamma: auto`)."""
+    scores = [theoretical_speedup(alpha, g, c) for g in range(1, max_gamma + 1)]
+    return 1 + max(range(len(scores)), key=scores.__getitem__)

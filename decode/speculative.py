@@ -1,0 +1,349 @@
+"""The speculative decoder: a drafter q proposes gamma tokens, the target p verifies them at once.
+
+Works over any two `transformers` causal LMs sharing a vocabulary (a drafter padded differently
+is padded/trimmed to the target's size). Both KV caches share one slot layout (see
+`specdistill.decode.cache`): a round feeds the drafter gamma single-token steps and the target one
+(gamma+1)-token verify step, then rolls both caches back to the longest accepted prefix in the
+batch; rows that accepted less keep masked "holes", so rows may accept different lengths and
+nothing is recomputed. When a row accepts all gamma drafts, the drafter's cache lacks the last
+draft and catches it up in its next step. `baseline` decodes with the target alone through the
+same machinery, so a speedup compares like with like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdistill.data.pairs import ConfigError, check_vocab, match_vocab, vocab_size
+from specdistill.decode.acceptance import (
+    Sampling,
+    expected_alpha,
+    probs_from_logits,
+    sample_from,
+    uniforms,
+    verify_greedy,
+    verify_sampling,
+)
+from specdistill.decode.cache import ModelRunner, padded_positions
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """How to decode; `lenience` < 1 is DistillSpec's lossy rule (report it as lossy)."""
+
+    gamma: int = 4
+    max_new_tokens: int = 64
+    sampling: Sampling = field(default_factory=Sampling)
+    lenience: float = 1.0
+    eos_token_id: tuple[int, ...] = ()
+    cache: str = "auto"  # auto (static on CUDA, dynamic on CPU) | static | dynamic
+    compile: str | bool = "auto"  # auto: CUDA graphs on CUDA only
+    record_probs: bool = False  # keep the target's probabilities per verified position
+
+    @property
+    def lossy(self) -> bool:
+        return self.lenience != 1.0
+
+
+@dataclass
+class RoundRecord:
+    """One draft/verify round, for online adaptation (p = target, q = drafter).
+
+    `start[r]`: tokens row r had emitted before the round (the drafts continue from there);
+    `draft` (B, gamma): proposed tokens; `accepted` (B,): how many were kept; `next_token` (B,):
+    the target's correction or bonus token; `target_probs` (B, gamma+1, V) fp32 softmax of the
+    target's raw (temperature-1) logits at each verified position, if `record_probs`.
+    Rows that were already finished are flagged in `active`.
+    """
+
+    start: list[int]
+    draft: torch.Tensor
+    accepted: torch.Tensor
+    next_token: torch.Tensor
+    active: list[bool]
+    target_probs: torch.Tensor | None = None
+
+
+@dataclass
+class DecodeOutput:
+    """New tokens per row (EOS included when hit) and the counters the report is built from."""
+
+    tokens: list[list[int]]
+    target_forwards: int = 0  # decode-time forwards of the target (prefill excluded)
+    drafter_forwards: int = 0
+    rounds: list[RoundRecord] = field(default_factory=list)
+    block_tokens: int = 0  # sum over active row-rounds of accepted + 1
+    row_rounds: int = 0
+    alpha_sum: float = 0.0  # sum over acceptance trials of sum_x min(p, q)
+    trials: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # by draft position
+    trials_at: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        return self.block_tokens / max(self.row_rounds, 1)
+
+    @property
+    def alpha(self) -> float:
+        return self.alpha_sum / max(self.trials, 1)
+
+
+def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
+    param = next(model.parameters())
+    return param.device, param.dtype
+
+
+def check_decoder_config(cfg: DecoderConfig) -> None:
+    """Reject bad settings before any decoding, naming the config field."""
+    s = cfg.sampling
+    if not isinstance(cfg.gamma, int) or cfg.gamma < 1:
+        raise ConfigError(f"decoder.gamma={cfg.gamma!r} must be an integer >= 1 (or auto)")
+    if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={cfg.max_new_tokens!r} must be an integer >= 1")
+    if not s.temperature >= 0:
+        raise ConfigError(f"decoder.temperature={s.temperature} must be >= 0 (0 = greedy)")
+    if not isinstance(s.top_k, int) or s.top_k < 0:
+        raise ConfigError(f"decoder.top_k={s.top_k!r} must be an integer >= 0 (0 = off)")
+    if not 0.0 < s.top_p <= 1.0:
+        raise ConfigError(f"decoder.top_p={s.top_p} must lie in (0, 1] (1 = off)")
+    if not 0.0 < cfg.lenience <= 1.0:
+        raise ConfigError(f"decoder.lenience={cfg.lenience} must lie in (0, 1] (1 = lossless)")
+    if cfg.cache not in ("auto", "static", "dynamic"):
+        raise ConfigError(f"decoder.cache={cfg.cache!r}: use auto, static or dynamic")
+
+
+def check_pair_for_decoding(target, drafter, tokenizer_len: int | None = None) -> int:
+    """Same device, same dtype, compatible vocabularies; returns the common vocab size."""
+    t_dev, t_dtype = model_device_dtype(target)
+    d_dev, d_dtype = model_device_dtype(drafter)
+    if t_dev != d_dev:
+        raise ConfigError(
+            f"pair.drafter is on {d_dev} but pair.target is on {t_dev}: load both on one device"
+        )
+    if t_dtype != d_dtype:
+        raise ConfigError(
+            f"pair.drafter has dtype {d_dtype} but pair.target has {t_dtype}: load both with the "
+            "same dtype (the `dtype` setting)"
+        )
+    tv, dv = vocab_size(target), vocab_size(drafter)
+    if tokenizer_len is None:
+        if tv != dv:
+            raise ConfigError(
+                f"target and drafter vocab sizes differ ({tv} vs {dv}): pass the tokenizer's "
+                "length so padding can be told apart from a different tokenizer (pair.tokenizer)"
+            )
+        tokenizer_len = tv
+    return check_vocab(tv, dv, tokenizer_len)
+
+
+class SpeculativeDecoder:
+    """Draft with q (drafter), verify with p (target); lossless unless `lenience` < 1."""
+
+    def __init__(
+        self, target, drafter, cfg: DecoderConfig, *, tokenizer_len: int | None = None
+    ) -> None:
+        check_decoder_config(cfg)
+        self.vocab = check_pair_for_decoding(target, drafter, tokenizer_len)
+        self.target, self.drafter, self.cfg = target, drafter, cfg
+        self.device, self.dtype = model_device_dtype(target)
+        cuda = self.device.type == "cuda"
+        self.static = cfg.cache == "static" or (cfg.cache == "auto" and cuda)
+        self.compile = cuda and self.static and cfg.compile in ("auto", True)
+        self._eos = torch.tensor(list(cfg.eos_token_id) or [-1], device=self.device)
+
+    # ---------------------------------------------------------------- shared setup
+    def _prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+        ids = input_ids.to(self.device)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(ids)
+        mask = attention_mask.to(self.device).bool()
+        if ids.shape[0] == 1:  # strip left padding: batch 1 runs dense (no mask, no positions)
+            ids = ids[:, mask[0]]
+            mask = mask[:, mask[0]]
+        if ids.shape[1] == 0:
+            raise ConfigError("an empty prompt cannot be decoded: every prompt needs >= 1 token")
+        if not bool(mask[:, -1].all()):
+            raise ConfigError("prompts must be left-padded (tokenizer.padding_side = 'left')")
+        return ids, mask
+
+    def _runner(self, model, capacity: int) -> ModelRunner:
+        return ModelRunner(model, static=self.static, capacity=capacity, compile_steps=self.compile)
+
+    def _prefill(self, runners, ids, mask, dense):
+        """Feed all prompt tokens but the last (it opens the first round): both caches alike."""
+        if ids.shape[1] > 1:
+            attn = None if dense else mask[:, :-1]
+            pos = None if dense else padded_positions(mask)[:, :-1]
+            for r in runners:
+                r.forward(ids[:, :-1], attn, pos, keep=1, prefill=True)
+        return ids[:, -1], mask.long().sum(1) - 1  # pending token, its position
+
+    # ---------------------------------------------------------------- target alone
+    @torch.inference_mode()
+    def baseline(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> DecodeOutput:
+        """Autoregressive decoding with the target p alone, same caches and stopping rules."""
+        cfg, s = self.cfg, self.cfg.sampling
+        ids, mask0 = self._prepare(input_ids, attention_mask)
+        b, plen = ids.shape
+        dense = b == 1
+        cap = plen + cfg.max_new_tokens + 1
+        runner = self._runner(self.target, cap)
+        mask = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
+        mask[:, :plen] = mask0
+        t, pos = self._prefill([runner], ids, mask0, dense)
+        out = DecodeOutput(tokens=[[] for _ in range(b)])
+        done = [False] * b
+        while not all(done):
+            length = runner.length
+            mask[:, length] = True
+            attn = None if dense else mask[:, : length + 1]
+            logits = runner.forward(t[:, None], attn, None if dense else pos[:, None], keep=1)[
+                :, -1
+            ]
+            if s.greedy:
+                t = logits.argmax(-1)
+            else:
+                probs = probs_from_logits(logits, s)
+                t = sample_from(probs, uniforms((b,), generator, self.device))
+            pos = pos + 1
+            out.target_forwards += 1
+            for r, tok in enumerate(t.tolist()):
+                if not done[r]:
+                    done[r] = self._emit(out.tokens[r], [tok])
+        return out
+
+    # ---------------------------------------------------------------- speculative
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> DecodeOutput:
+        """Speculative decoding of left-padded `input_ids` (B, P); see the module docstring."""
+        cfg, s, g = self.cfg, self.cfg.sampling, self.cfg.gamma
+        ids, mask0 = self._prepare(input_ids, attention_mask)
+        b, plen = ids.shape
+        dense = b == 1
+        # Rows that reject early leave holes, so the layout can outgrow the tokens emitted.
+        rounds_max = cfg.max_new_tokens
+        cap = plen + (g + 1) * (1 if dense else rounds_max) + cfg.max_new_tokens + 2
+        tgt, dft = self._runner(self.target, cap), self._runner(self.drafter, cap)
+        mask = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
+        mask[:, :plen] = mask0
+        t, pos = self._prefill([tgt, dft], ids, mask0, dense)
+        out = DecodeOutput(tokens=[[] for _ in range(b)], accepted_at=[0] * g, trials_at=[0] * g)
+        done = [False] * b
+        catch: torch.Tensor | None = None  # last draft, when the drafter's cache lacks it
+        steps = torch.arange(g + 1, device=self.device)
+        while not all(done):
+            length = tgt.length
+            mask[:, length : length + g + 1] = True
+            # Draft gamma tokens with q (the first step also catches the drafter up).
+            draft, q_probs = [], []
+            x = t[:, None] if catch is None else torch.stack([catch, t], 1)
+            xpos = None if dense else (pos[:, None] - x.shape[1] + 1 + steps[: x.shape[1]])
+            for i in range(g):
+                attn = None if dense else mask[:, : dft.length + x.shape[1]]
+                logits = match_vocab(dft.forward(x, attn, xpos, keep=1)[:, -1], self.vocab)
+                if s.greedy:
+                    d = logits.argmax(-1)
+                else:
+                    qp = probs_from_logits(logits, s)
+                    d = sample_from(qp, uniforms((b,), generator, self.device))
+                    q_probs.append(qp)
+                draft.append(d)
+                if i + 1 < g:
+                    x = d[:, None]
+                    xpos = None if dense else pos[:, None] + i + 1
+            out.drafter_forwards += g
+            draft_t = torch.stack(draft, 1)  # (B, G)
+            # Verify [t, d_1..d_G] with p in one forward.
+            vin = torch.cat([t[:, None], draft_t], 1)
+            attn = None if dense else mask[:, : length + g + 1]
+            vpos = None if dense else pos[:, None] + steps
+            t_logits = tgt.forward(vin, attn, vpos, keep=g + 1)[..., : self.vocab]
+            out.target_forwards += 1
+            if s.greedy:
+                n, nxt = verify_greedy(draft_t, t_logits)
+                alpha_pos = (draft_t == t_logits[:, :g].argmax(-1)).float()
+            else:
+                p = probs_from_logits(t_logits, s)
+                q = torch.stack(q_probs, 1)
+                n, nxt = verify_sampling(
+                    draft_t,
+                    p,
+                    q,
+                    uniforms((b, g), generator, self.device),
+                    uniforms((b,), generator, self.device),
+                    cfg.lenience,
+                )
+                alpha_pos = expected_alpha(p[:, :g], q)
+            # One host sync per round: the drafts, accepted counts and next tokens.
+            host = torch.cat([draft_t, n[:, None], nxt[:, None]], 1).tolist()
+            n_list = [row[g] for row in host]
+            active = [not d for d in done]
+            self._record(out, n_list, active, alpha_pos, g)
+            if cfg.record_probs:
+                out.rounds.append(
+                    RoundRecord(
+                        start=[len(tk) for tk in out.tokens],
+                        draft=draft_t,
+                        accepted=n,
+                        next_token=nxt,
+                        active=active,
+                        target_probs=torch.softmax(t_logits.float(), -1),
+                    )
+                )
+            for r, row in enumerate(host):
+                if not done[r]:
+                    done[r] = self._emit(out.tokens[r], [*row[: row[g]], row[g + 1]])
+            # Roll back to the longest accepted prefix; shorter rows keep masked holes.
+            maxn = max(n_list)
+            new_len = length + 1 + maxn
+            if not dense:
+                mask[:, length + 1 : length + 1 + g] &= steps[None, :g] < n[:, None]
+            tgt.rollback(new_len)
+            if maxn == g:  # the drafter never saw d_G: feed it first next round
+                catch = draft_t[:, -1]
+            else:
+                dft.rollback(new_len)
+                catch = None
+            pos = pos + 1 + n
+            t = nxt
+        return out
+
+    def _emit(self, row: list[int], tokens: list[int]) -> bool:
+        """Append up to the budget, stopping after an EOS; True when the row is finished."""
+        eos = self.cfg.eos_token_id
+        for tok in tokens:
+            row.append(tok)
+            if tok in eos or len(row) >= self.cfg.max_new_tokens:
+                return True
+        return False
+
+    @staticmethod
+    def _record(out: DecodeOutput, n_list, active, alpha_pos: torch.Tensor, g: int) -> None:
+        """Acceptance counters over the rows still decoding (trials stop at the first reject)."""
+        trial = torch.tensor([[j <= n for j in range(g)] for n in n_list], dtype=torch.bool)
+        act = torch.tensor(active, dtype=torch.bool)[:, None]
+        trial &= act
+        out.alpha_sum += float((alpha_pos.float().cpu() * trial).sum())
+        out.trials += int(trial.sum())
+        for n, a in zip(n_list, active):
+            if not a:
+                continue
+            out.row_rounds += 1
+            out.block_tokens += n + 1
+            out.accepted += n
+            for j in range(g):
+                out.trials_at[j] += int(j <= n)
+                out.accepted_at[j] += int(j < n)

@@ -1,0 +1,236 @@
+"""Brute-force checks of every function in specdistill.decode.acceptance (p target, q drafter)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdistill.decode.acceptance import (
+    Sampling,
+    acceptance_probs,
+    best_gamma,
+    expected_alpha,
+    expected_tau,
+    probs_from_logits,
+    process_logits,
+    residual,
+    sample_from,
+    theoretical_speedup,
+    uniforms,
+    verify_greedy,
+    verify_sampling,
+)
+
+
+def _dist(v: int, seed: int, sharp: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(sharp * torch.randn(v, generator=g, dtype=torch.float64), -1)
+
+
+def _brute_kept(probs: list[float], top_k: int, top_p: float) -> set[int]:
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    if top_k:
+        order = order[:top_k]
+    kept_probs = [probs[i] for i in order]
+    total = sum(kept_probs)
+    kept, mass = [], 0.0
+    for i, pi in zip(order, kept_probs):
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += pi / total
+    return set(kept)
+
+
+@pytest.mark.parametrize(
+    "top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.5), (4, 0.7), (0, 0.999), (1, 0.3)]
+)
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_process_logits_matches_brute_force(temperature, top_k, top_p):
+    s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    for seed in range(20):
+        logits = torch.randn(10, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        probs = torch.softmax(logits / temperature, -1).tolist()
+        want = _brute_kept(probs, top_k, top_p)
+        got_logits = process_logits(logits[None], s)[0]
+        kept = {i for i in range(10) if got_logits[i] > float("-inf")}
+        assert kept == want, (seed, kept, want)
+        got = probs_from_logits(logits[None], s)[0].double()
+        z = sum(probs[i] for i in want)
+        for i in range(10):
+            assert got[i].item() == pytest.approx(probs[i] / z if i in want else 0.0, abs=1e-6)
+
+
+def test_greedy_probs_are_one_hot_of_argmax():
+    logits = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
+    got = probs_from_logits(logits, Sampling(temperature=0.0))
+    assert torch.equal(got.argmax(-1), logits.argmax(-1))
+    assert torch.equal(got.sum(-1), torch.ones(5))
+
+
+def test_sample_from_is_inverse_cdf():
+    probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
+    cdf = [0.0, 0.2, 0.2, 0.7, 1.0, 1.0]
+    for u in [i / 1000 for i in range(1000)] + [0.999999]:
+        want = next(i for i, c in enumerate(cdf) if c > u and probs[i] > 0)
+        assert sample_from(probs, torch.tensor(u)).item() == want
+    # unnormalised rows and a batch of rows
+    batch = torch.tensor([[0.0, 2.0, 2.0], [1.0, 0.0, 0.0]])
+    assert sample_from(batch, torch.tensor([0.75, 0.99])).tolist() == [2, 0]
+    assert sample_from(batch, torch.tensor([1.0, 1.0])).tolist() == [2, 0]  # never a zero-prob tail
+
+
+def test_uniforms_are_reproducible_and_in_range():
+    a = uniforms((1000,), torch.Generator().manual_seed(3), "cpu")
+    b = uniforms((1000,), torch.Generator().manual_seed(3), "cpu")
+    assert torch.equal(a, b) and a.min() >= 0 and a.max() < 1 and a.dtype == torch.float32
+
+
+def test_verify_greedy_matches_python_loop():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        b, g, v = 3, 4, 3
+        logits = torch.randn(b, g + 1, v, generator=gen)
+        draft = torch.randint(0, v, (b, g), generator=gen)
+        n, nxt = verify_greedy(draft, logits)
+        for r in range(b):
+            k = 0
+            while k < g and draft[r, k] == logits[r, k].argmax():
+                k += 1
+            assert n[r].item() == k
+            assert nxt[r].item() == logits[r, k].argmax().item()
+
+
+def test_acceptance_probs_and_residual_brute_force():
+    p = torch.stack([_dist(6, 1), _dist(6, 2)])[None].float()  # (1, 2, 6)
+    q = torch.stack([_dist(6, 3), _dist(6, 4)])[None].float()
+    draft = torch.tensor([[2, 5]])
+    for lenience in (1.0, 0.5):
+        got = acceptance_probs(p, q, draft, lenience)[0]
+        for j, x in enumerate([2, 5]):
+            want = min(1.0, p[0, j, x].item() / (lenience * q[0, j, x].item()))
+            assert got[j].item() == pytest.approx(want, rel=1e-6)
+        r = residual(p, q, lenience)[0]
+        for j in range(2):
+            raw = [max(0.0, p[0, j, i].item() - lenience * q[0, j, i].item()) for i in range(6)]
+            z = sum(raw)
+            for i in range(6):
+                assert r[j, i].item() == pytest.approx(raw[i] / z, abs=1e-6)
+    # p == q: nothing left over, residual falls back to p (never reached: acceptance is 1)
+    assert torch.allclose(residual(p, p), p)
+
+
+def _exact_output_distribution(
+    p: torch.Tensor, q: torch.Tensor, lenience: float = 1.0
+) -> torch.Tensor:
+    """P(next emitted token) for one round with G=1, by enumerating drafts and the accept coin."""
+    v = p.shape[-1]
+    out = torch.zeros(v, dtype=torch.float64)
+    for x in range(v):
+        if q[0, 0, x] == 0:
+            continue
+        draft = torch.tensor([[x]])
+        a = acceptance_probs(p[:, :1], q, draft, lenience)[0, 0].double()
+        out[x] += q[0, 0, x].double() * a
+        out += q[0, 0, x].double() * (1 - a) * residual(p[0, 0], q[0, 0], lenience).double()
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_speculative_sampling_first_token_is_exactly_p(seed):
+    v = 8
+    p = torch.stack([_dist(v, seed, 2.0), _dist(v, seed + 100)])[None].float()
+    q = _dist(v, seed + 50, 2.0)[None, None].float()
+    got = _exact_output_distribution(p, q)
+    assert torch.allclose(got, p[0, 0].double(), atol=1e-6)
+    # the lossy lenience variant is really lossy (that is why it is off by default)
+    assert not torch.allclose(_exact_output_distribution(p, q, 0.3), p[0, 0].double(), atol=1e-3)
+
+
+def _law_over_grid(draft_probs, p, q, fixed, depth, m=200):
+    """Law of the token emitted at `depth` by verify_sampling, integrating the drafts exactly
+    (weights q) and the uniforms on independent m-point midpoint grids."""
+    v = p.shape[-1]
+    grid = (torch.arange(m, dtype=torch.float32) + 0.5) / m
+    ua_free, us = torch.cartesian_prod(grid, grid).unbind(-1)  # independent coin and draw
+    law = torch.zeros(v, dtype=torch.float64)
+    for x in range(v):
+        draft = torch.tensor(fixed + [x] + [0] * (q.shape[1] - len(fixed) - 1)).expand(len(us), -1)
+        ua = torch.zeros(len(us), q.shape[1])  # coins before `depth`: 0 -> accepted
+        ua[:, len(fixed)] = ua_free
+        ua[:, len(fixed) + 1 :] = 1.0 - 1e-7  # later coins: reject (irrelevant at `depth`)
+        n, nxt = verify_sampling(
+            draft, p.expand(len(us), -1, -1), q.expand(len(us), -1, -1), ua, us
+        )
+        emitted = torch.where(n > depth, draft[:, min(depth, q.shape[1] - 1)], nxt)
+        assert bool((n >= depth).all())
+        law += draft_probs[x].double() * torch.bincount(emitted, minlength=v).double() / len(us)
+    return law
+
+
+def test_verify_sampling_follows_p_at_every_depth():
+    """Given the earlier drafts accepted, the token emitted at depth j follows p_j (drafts ~ q_j)."""
+    v, g = 5, 2
+    p = torch.stack([_dist(v, 7, 2.0), _dist(v, 8), _dist(v, 9)])[None].float()  # (1, G+1, V)
+    q = torch.stack([_dist(v, 10, 2.0), _dist(v, 11)])[None].float()  # (1, G, V)
+    for depth in range(g):
+        law = _law_over_grid(q[0, depth], p, q, [1] * depth, depth)
+        assert torch.allclose(law, p[0, depth].double(), atol=0.01), (depth, law, p[0, depth])
+    # All accepted: the bonus token comes from p_G.
+    m = 1000
+    us = (torch.arange(m, dtype=torch.float32) + 0.5) / m
+    draft = torch.tensor([[1, 2]]).expand(m, -1)
+    n, nxt = verify_sampling(draft, p.expand(m, -1, -1), q.expand(m, -1, -1), torch.zeros(m, g), us)
+    assert bool((n == g).all())
+    law = torch.bincount(nxt, minlength=v).double() / m
+    assert torch.allclose(law, p[0, g].double(), atol=0.002)
+
+
+def test_verify_sampling_rows_accept_different_lengths():
+    v = 4
+    onehot = torch.eye(v)
+    # row 0: q == p, always accepted -> bonus from p[2]; row 1: q puts mass where p has none.
+    p = torch.stack(
+        [
+            torch.stack([onehot[1], onehot[2], onehot[3]]),
+            torch.stack([onehot[0], onehot[0], onehot[0]]),
+        ]
+    )
+    q = torch.stack([torch.stack([onehot[1], onehot[2]]), torch.stack([onehot[3], onehot[3]])])
+    draft = torch.tensor([[1, 2], [3, 3]])
+    n, nxt = verify_sampling(draft, p, q, torch.full((2, 2), 0.5), torch.full((2,), 0.5))
+    assert n.tolist() == [2, 0] and nxt.tolist() == [3, 0]
+
+
+def test_expected_alpha_is_one_minus_tvd():
+    p, q = _dist(9, 1), _dist(9, 2)
+    tvd = 0.5 * (p - q).abs().sum()
+    assert expected_alpha(p, q).item() == pytest.approx(1 - tvd.item(), abs=1e-6)
+    assert expected_alpha(p, p).item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 0.99, 1.0])
+@pytest.mark.parametrize("gamma", [1, 3, 7])
+def test_tau_and_speedup_match_series(alpha, gamma):
+    # tau = sum_{i=0}^{gamma} alpha^i (expected tokens per round when acceptance is iid)
+    series = sum(alpha**i for i in range(gamma + 1))
+    assert expected_tau(alpha, gamma) == pytest.approx(series)
+    c = 0.3
+    assert theoretical_speedup(alpha, gamma, c) == pytest.approx(series / (gamma * c + 1))
+
+
+def test_best_gamma_is_the_argmax():
+    for alpha, c in [(0.5, 0.1), (0.8, 0.05), (0.9, 0.35), (0.2, 0.5), (0.99, 0.01)]:
+        scores = {g: theoretical_speedup(alpha, g, c) for g in range(1, 13)}
+        assert best_gamma(alpha, c, 12) == max(scores, key=scores.get)
+    assert best_gamma(0.99, 0.001, 8) == 8
+    assert best_gamma(0.1, 0.9, 8) == 1
+
+
+def test_speedup_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="gamma"):
+        theoretical_speedup(0.5, 0, 0.1)
+    with pytest.raises(ValueError, match="alpha"):
+        theoretical_speedup(math.nan, 2, 0.1)
