@@ -1,0 +1,79 @@
+"""Atomic training checkpoints and `save_pretrained` exports for the distill stage.
+
+A checkpoint is accelerate's `save_state` (model, optimizer, scheduler and every process's RNG
+states; DeepSpeed shards under ZeRO) plus `trainer_state.json` (step, data position, best alpha,
+history). It is written to a temp folder and renamed into place, and `latest` names the newest
+complete one, so a run killed mid-save resumes from the previous checkpoint, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from specdistill.data.io import atomic_write_json, atomic_write_text
+
+STATE_FILE = "trainer_state.json"
+
+
+def save_checkpoint(accelerator, root: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    """Collective: every process calls it. Returns the checkpoint folder."""
+    root = Path(root)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".step-{step:08d}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        atomic_write_json(tmp / STATE_FILE, state)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        atomic_write_text(root / "latest", final.name + "\n")
+        done = sorted(p for p in root.glob("step-*") if p.is_dir())
+        for old in done[: max(0, len(done) - max(1, keep))]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    pointer = Path(root) / "latest"
+    if not pointer.exists():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    return path if (path / STATE_FILE).exists() else None
+
+
+def load_checkpoint(accelerator, path: Path) -> dict[str, Any]:
+    """Restore model/optimizer/scheduler/RNG in place; return the trainer state."""
+    accelerator.load_state(str(path))
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
+def export_pretrained(accelerator, model, tokenizer, path: Path) -> Path:
+    """`save_pretrained` (+ tokenizer) into `path`, atomically replacing what was there.
+
+    Collective: under ZeRO-3 the full state dict is gathered from every process.
+    """
+    path = Path(path)
+    state = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        tmp = path.with_name(f".{path.name}.tmp")
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.unwrap_model(model).save_pretrained(
+            str(tmp), state_dict=state, safe_serialization=True
+        )
+        tokenizer.save_pretrained(str(tmp))
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return path

@@ -1,0 +1,333 @@
+"""The distill stage: train the drafter q towards the frozen target p (DistillSpec / GKD).
+
+    python -m specdistill.distill.train pair=toy-tiny output_dir=DIR max_steps=50
+    accelerate launch --num_processes 2 --cpu -m specdistill.distill.train ... grad_accum=1
+
+Data sources mix (Seq-KD rows, reference completions, on-policy drafter samples with
+probability `lmbda` per micro-batch); the target runs on the fly (frozen, no grad) unless the
+Seq-KD rows carry stored top-k log-probs. The loss is summed over completion tokens and divided
+by the token count of the whole accumulation window across processes, so 2 processes x 1
+micro-batch train exactly like 1 process x 2. Writes `output_dir/result.json`, `best/` (the
+best held-out alpha: the drafter to ship), `final/` and resumable `checkpoints/`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from specdistill.data.io import atomic_write_json
+from specdistill.data.pairs import ConfigError, load_model, load_tokenizer, resolve_pair
+from specdistill.distill import checkpoint as ckpt
+from specdistill.distill import setup
+from specdistill.distill.data import StreamSpec, collate, is_onpolicy, micro_seed, sample_onpolicy
+from specdistill.distill.evaluate import evaluate
+from specdistill.distill.losses import distill_loss
+
+log = logging.getLogger("specdistill.distill")
+
+# Test hook: called as STEP_HOOK(step) after every optimizer step (and its checkpoint), e.g. to
+# simulate a crash at a chosen step.
+STEP_HOOK: Callable[[int], None] | None = None
+
+
+@dataclass
+class DistillResult:
+    output_dir: str
+    drafter_path: str
+    final_path: str
+    alpha_before: float
+    alpha_after: float
+    greedy_agreement_before: float
+    greedy_agreement_after: float
+    best_alpha: float
+    best_step: int
+    steps: int
+    tokens: int
+    tokens_per_s: float
+    wall_seconds: float
+    peak_memory_mb: float
+    peak_memory_kind: str
+    loss: dict[str, Any]
+    lmbda: float
+    data: dict[str, Any]
+    world_size: int
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def _schedule(cfg: DictConfig) -> Callable[[int], float]:
+    """LR multiplier: linear warmup, then cosine/linear decay to min_lr_ratio (or constant)."""
+    warm, total = int(cfg.optim.warmup_steps), int(cfg.max_steps)
+    floor, kind = float(cfg.optim.min_lr_ratio), cfg.optim.schedule
+
+    def mult(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if kind == "constant":
+            return 1.0
+        frac = min(1.0, (step - warm) / max(1, total - warm))
+        shape = 0.5 * (1 + math.cos(math.pi * frac)) if kind == "cosine" else 1 - frac
+        return floor + (1 - floor) * shape
+
+    return mult
+
+
+def _peak_memory(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_max_rss"
+
+
+def run(cfg: DictConfig) -> DistillResult:
+    t_start = time.perf_counter()
+    setup.check_config(cfg)
+    out = Path(str(cfg.output_dir))
+    out.mkdir(parents=True, exist_ok=True)
+    accelerator = setup.make_accelerator(cfg)
+    device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
+    torch.manual_seed(int(cfg.seed))
+
+    spec = resolve_pair(cfg.pair)
+    tok = load_tokenizer(spec)
+    drafter = load_model(
+        spec.drafter,
+        revision=spec.drafter_revision,
+        device=device,
+        trust_remote_code=spec.trust_remote_code,
+        field="pair.drafter",
+    )
+    train_examples, topk = setup.build_train_examples(cfg, tok, accelerator)
+    eval_examples = setup.build_eval_examples(cfg, tok)
+    eval_has_topk = all(e.topk_ids is not None for e in eval_examples)
+    target = None
+    if not topk or not eval_has_topk:
+        target = setup.load_target(spec, cfg, device, drafter, tok)
+    vocab = len(tok)  # both models' logits are cut to the real tokens (padding rows dropped)
+    pad_id = tok.pad_token_id
+    eval_batches = [
+        collate(eval_examples[i : i + int(cfg.eval.batch_size)], pad_id, int(cfg.max_seq_len))
+        for i in range(0, len(eval_examples), int(cfg.eval.batch_size))
+    ]
+
+    drafter.train()
+    opt = hydra.utils.instantiate(cfg.optim.optimizer)(drafter.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(cfg))
+    model, opt, sched = accelerator.prepare(drafter, opt, sched)
+    setup.init_logger(accelerator, cfg)
+    ds_on = bool(cfg.deepspeed.enabled)
+    zero3 = ds_on and int(cfg.deepspeed.config.zero_optimization.stage) == 3
+    A = int(cfg.grad_accum)
+    stream = StreamSpec(len(train_examples), int(cfg.micro_batch_size), world, A, int(cfg.seed))
+
+    def run_eval() -> dict[str, float]:
+        return evaluate(
+            accelerator.unwrap_model(model),
+            target,
+            eval_batches,
+            vocab=vocab,
+            temperature=float(cfg.eval.temperature),
+            device=device,
+        )
+
+    root = out / "checkpoints"
+    state: dict[str, Any] = {}
+    latest = ckpt.latest_checkpoint(root) if cfg.resume else None
+    if latest is not None:
+        state = ckpt.load_checkpoint(accelerator, latest)
+        if state["stream"] != stream.__dict__:
+            raise ConfigError(
+                f"resume=true but the data layout changed since {latest} "
+                f"({state['stream']} vs {stream.__dict__}): keep the data, micro_batch_size, "
+                "grad_accum, process count and seed, or start a fresh output_dir"
+            )
+        log.info("resumed from %s at step %d", latest, state["step"])
+    else:
+        if cfg.resume:
+            log.warning("resume=true but no checkpoint in %s: starting fresh", root)
+        before = run_eval()
+        state = {
+            "step": 0,
+            "tokens": 0,
+            "train_seconds": 0.0,
+            "history": [],
+            "before": before,
+            "best_alpha": before["alpha"],
+            "best_step": 0,
+        }
+        ckpt.export_pretrained(accelerator, model, tok, out / "best")
+        accelerator.log(
+            {"eval/alpha": before["alpha"], "eval/greedy": before["greedy_agreement"]}, step=0
+        )
+
+    step = int(state["step"])
+    max_steps = int(cfg.max_steps)
+    lmbda = float(cfg.lmbda)
+    bar = tqdm(
+        total=max_steps,
+        initial=step,
+        disable=not accelerator.is_main_process,
+        desc=f"distill[{cfg.loss.name}]",
+        dynamic_ncols=True,
+    )
+    t_train = time.perf_counter()
+    while step < max_steps:
+        window = []
+        for a in range(A):
+            g = stream.global_micro_index(step, a, rank)
+            exs = [train_examples[i] for i in stream.indices(g)]
+            coin = step * A + a if zero3 else g  # ZeRO-3 generation must run on all ranks at once
+            onp = is_onpolicy(int(cfg.seed), coin, lmbda)
+            if onp:
+                exs = sample_onpolicy(
+                    accelerator.unwrap_model(model),
+                    exs,
+                    pad_id=pad_id,
+                    eos_id=tok.eos_token_id,
+                    max_new_tokens=int(cfg.onpolicy.max_new_tokens),
+                    temperature=float(cfg.onpolicy.temperature),
+                    seed=micro_seed(int(cfg.seed), coin),
+                    synced_gpus=zero3,
+                )
+            window.append((collate(exs, pad_id, int(cfg.max_seq_len)), onp))
+        n_local = sum(int(b["loss_mask"].sum()) for b, _ in window)
+        n_window = int(accelerator.reduce(torch.tensor(n_local, device=device), "sum"))
+        # DDP averages gradients over processes and DeepSpeed divides by its accumulation steps:
+        # undo both so the gradient is exactly sum(token losses) / n_window.
+        scale = world * (A if ds_on else 1)
+        loss_sum = torch.zeros((), device=device)
+        for a, (batch, onp) in enumerate(window):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            sync = ds_on or a == A - 1
+            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+                with accelerator.autocast():
+                    logits = model(
+                        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                    ).logits[..., :vocab]
+                kwargs: dict[str, Any] = {}
+                if topk and not onp:
+                    kwargs = {"topk_ids": batch["topk_ids"], "topk_lp": batch["topk_lp"]}
+                else:
+                    with torch.no_grad():
+                        kwargs["target_logits"] = target(  # type: ignore[misc]
+                            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                        ).logits[..., :vocab]
+                loss = distill_loss(
+                    logits,
+                    batch["loss_mask"],
+                    divergence=cfg.loss.name,
+                    beta=float(cfg.loss.beta),
+                    temperature=float(cfg.loss.temperature),
+                    num_tokens=max(n_window, 1),
+                    chunk_size=cfg.loss_chunk_size,
+                    **kwargs,
+                )
+                accelerator.backward(loss * scale)
+            loss_sum += loss.detach()
+        grad_norm = None
+        if cfg.optim.max_grad_norm is not None and not ds_on:
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        window_loss = float(accelerator.reduce(loss_sum, "sum"))
+        state["tokens"] += n_window
+        rec = {"step": step, "loss": window_loss, "lr": sched.get_last_lr()[0], "tokens": n_window}
+        if grad_norm is not None:
+            rec["grad_norm"] = float(grad_norm)
+        if step % int(cfg.eval_every) == 0 or step == max_steps:
+            ev = run_eval()
+            rec |= {"alpha": ev["alpha"], "greedy_agreement": ev["greedy_agreement"]}
+            if ev["alpha"] > state["best_alpha"]:
+                state["best_alpha"], state["best_step"] = ev["alpha"], step
+                ckpt.export_pretrained(accelerator, model, tok, out / "best")
+        state["history"].append(rec)
+        accelerator.log({f"train/{k}" if k != "step" else k: v for k, v in rec.items()}, step=step)
+        bar.update(1)
+        bar.set_postfix(loss=f"{window_loss:.4f}", alpha=f"{state['best_alpha']:.3f}")
+        if step % int(cfg.save_every) == 0 or step == max_steps:
+            state["step"] = step
+            state["examples_seen"] = stream.examples_seen(step)
+            state["stream"] = stream.__dict__
+            state["train_seconds"] += time.perf_counter() - t_train
+            t_train = time.perf_counter()
+            ckpt.save_checkpoint(accelerator, root, step, state, int(cfg.keep_checkpoints))
+        if STEP_HOOK is not None:
+            STEP_HOOK(step)
+    bar.close()
+    state["train_seconds"] += time.perf_counter() - t_train
+    ckpt.export_pretrained(accelerator, model, tok, out / "final")
+    after = next((h for h in reversed(state["history"]) if "alpha" in h), None)
+    before = state["before"]
+    peak, peak_kind = _peak_memory(device)
+    result = DistillResult(
+        output_dir=str(out),
+        drafter_path=str(out / "best"),
+        final_path=str(out / "final"),
+        alpha_before=before["alpha"],
+        alpha_after=after["alpha"] if after else before["alpha"],
+        greedy_agreement_before=before["greedy_agreement"],
+        greedy_agreement_after=after["greedy_agreement"] if after else before["greedy_agreement"],
+        best_alpha=state["best_alpha"],
+        best_step=state["best_step"],
+        steps=step,
+        tokens=state["tokens"],
+        tokens_per_s=state["tokens"] / max(state["train_seconds"], 1e-9),
+        wall_seconds=time.perf_counter() - t_start,
+        peak_memory_mb=peak,
+        peak_memory_kind=peak_kind,
+        loss=OmegaConf.to_container(cfg.loss, resolve=True),  # type: ignore[arg-type]
+        lmbda=lmbda,
+        data={
+            "path": str(cfg.data.path or (out / "seqkd" if cfg.data.seq_kd else "")),
+            "reference": bool(cfg.data.reference),
+            "topk": topk,
+            "train_examples": len(train_examples),
+            "eval_tokens": before["tokens"],
+            "eval_source": cfg.eval.source,
+        },
+        world_size=world,
+        history=state["history"],
+    )
+    if accelerator.is_main_process:
+        atomic_write_json(out / "result.json", result)
+        if OmegaConf.select(cfg, "sweep_dir"):
+            from specdistill.distill.sweep_summary import write_summary
+
+            write_summary(Path(str(cfg.sweep_dir)))
+    accelerator.end_training()
+    return result
+
+
+@hydra.main(config_path="pkg://specdistill.conf", config_name="distill", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        res = run(cfg)
+    except ConfigError as e:  # a one-line error, not a traceback, for bad input
+        print(f"specdistill.distill: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(
+        f"distill: alpha {res.alpha_before:.4f} -> {res.alpha_after:.4f} "
+        f"(best {res.best_alpha:.4f} at step {res.best_step}); drafter: {res.drafter_path}"
+    )
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()
