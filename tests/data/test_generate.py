@@ -1,0 +1,232 @@
+"""The generate stage on toy-tiny: lossless batching, resume, shards, merge, CLI, top-k log-probs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from specdistill.data import generate as gen
+from specdistill.data.pairs import ConfigError
+from specdistill.data.prompts import load_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RESULT_FIELDS = {
+    "prompts",
+    "samples",
+    "skipped_long_prompts",
+    "truncated_long_prompts",
+    "tokens_generated",
+    "tokens_per_s",
+    "wall_seconds",
+}
+
+
+def _rows(path) -> list[tuple[int, int, list[int], list[int], str]]:
+    ds = datasets.load_from_disk(str(path))
+    cols = ("prompt_index", "sample_index", "prompt_ids", "completion_ids", "finish_reason")
+    return list(zip(*(ds[c] for c in cols)))
+
+
+def _prepared(tok, n: int, split: str = "test") -> list[gen.PreparedPrompt]:
+    prompts = load_prompts(
+        {"source": "toy", "toy": "toy-tiny", "limit": n}, tok, default_split=split
+    )
+    prepared, _ = gen.prepare_prompts(prompts, tok, 400, "truncate", add_special_tokens=True)
+    return prepared
+
+
+def test_batched_greedy_equals_one_at_a_time_generate(toy_tiny_pair):
+    """Left padding and batching change nothing in fp32: same tokens as unpadded, single calls."""
+    target, _, tok = toy_tiny_pair
+    prompts = _prepared(tok, 12)
+    assert len({len(p.ids) for p in prompts}) > 6  # lengths differ, so padding is exercised
+    s = gen.Sampling(max_new_tokens=12, do_sample=False, temperature=1.0, top_p=1.0, top_k=0,
+                     num_samples=1, seed=0)  # fmt: skip
+    batched, tokens = gen.generate_rows(target, tok, prompts, s, batch_size=8, topk=0)
+    eos = gen.eos_ids(target.generation_config, tok)
+    for p, row in zip(prompts, batched):
+        with torch.inference_mode():
+            out = target.generate(
+                torch.tensor([p.ids]), max_new_tokens=12, do_sample=False,
+                pad_token_id=tok.pad_token_id, eos_token_id=eos,
+            )  # fmt: skip
+        single, reason = gen.split_completion(out[0, len(p.ids) :].tolist(), eos)
+        assert row["prompt_index"] == p.index
+        assert row["completion_ids"] == single
+        assert row["finish_reason"] == reason
+    assert tokens == sum(len(r["completion_ids"]) for r in batched)
+
+
+def test_run_writes_dataset_with_schema_and_result(generate_cfg, tmp_path):
+    res = gen.run(generate_cfg("dataset.limit=9"))
+    ds = datasets.load_from_disk(str(tmp_path / "gen"))
+    assert res.merged and res.samples == 9 and ds.num_rows == 9
+    assert ds["prompt_index"] == list(range(9))  # deterministic order, whatever the batching
+    for row in ds:
+        assert len(row["completion_ids"]) == 6 or row["finish_reason"] == "eos"
+        assert row["finish_reason"] in ("eos", "length")
+    result = json.loads((tmp_path / "gen" / "result.json").read_text())
+    assert set(result) >= RESULT_FIELDS
+    assert result["tokens_generated"] == sum(len(c) for c in ds["completion_ids"])
+    config = json.loads(ds.info.description)
+    assert config["sampling"]["max_new_tokens"] == 6 and config["target"].endswith("target")
+    assert config == json.loads((tmp_path / "gen" / "generation_config.json").read_text())
+
+
+def test_resume_after_crash_generates_only_missing_chunks(generate_cfg, tmp_path, monkeypatch):
+    """A crash after 2 of 3 chunks: the restart generates chunk 3 only; each prompt once."""
+    out = tmp_path / "gen"
+    cfg = generate_cfg("dataset.limit=12")
+    written: list[Path] = []
+    real_write = gen.write_chunk
+
+    def write_then_die(path, rows, topk):
+        real_write(path, rows, topk)
+        written.append(path)
+        if len(written) == 2:
+            raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(gen, "write_chunk", write_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        gen.run(cfg)
+    assert not (out / "state.json").exists()
+    mtimes = {p: p.stat().st_mtime_ns for p in written}
+    monkeypatch.setattr(gen, "write_chunk", real_write)
+    generated: list[int] = []
+    real_batch = gen.generate_batch
+
+    def counting_batch(model, prompt_ids, gen_config, eos):
+        generated.extend(len(p) for p in prompt_ids)
+        return real_batch(model, prompt_ids, gen_config, eos)
+
+    monkeypatch.setattr(gen, "generate_batch", counting_batch)
+    res = gen.run(cfg)
+    assert (res.chunks_resumed, res.chunks_generated) == (2, 1)
+    assert len(generated) == 4  # the one missing chunk's prompts, nothing else
+    assert {p: p.stat().st_mtime_ns for p in written} == mtimes
+    assert [r[0] for r in _rows(out)] == list(range(12))
+    # A third run finds everything done and generates nothing.
+    generated.clear()
+    assert gen.run(cfg).chunks_generated == 0 and not generated
+
+
+def test_two_shards_merged_equal_one_shard(generate_cfg, tmp_path):
+    one = gen.run(generate_cfg(out=tmp_path / "one"))
+    cfg0 = generate_cfg("shard.index=0", "shard.count=2", out=tmp_path / "two")
+    first = gen.run(cfg0)
+    assert not first.merged and not (tmp_path / "two" / "state.json").exists()
+    with pytest.raises(ConfigError, match=r"shards \[1\] of 2"):
+        gen.run(generate_cfg("merge_only=true", out=tmp_path / "two"))
+    second = gen.run(generate_cfg("shard.index=1", "shard.count=2", out=tmp_path / "two"))
+    assert second.merged and first.prompts + second.prompts == one.prompts == 10
+    assert _rows(tmp_path / "two") == _rows(tmp_path / "one")
+    merged = gen.run(generate_cfg("merge_only=true", out=tmp_path / "two"))
+    assert merged.merged and merged.result["samples"] == 10
+
+
+def test_sampled_run_is_seeded_and_has_n_samples(generate_cfg, tmp_path):
+    args = ("do_sample=true", "num_samples=3", "temperature=1.0", "top_p=0.9", "dataset.limit=5")
+    gen.run(generate_cfg(*args, out=tmp_path / "a"))
+    gen.run(generate_cfg(*args, out=tmp_path / "b"))
+    rows = _rows(tmp_path / "a")
+    assert [(r[0], r[1]) for r in rows] == [(i, j) for i in range(5) for j in range(3)]
+    assert rows == _rows(tmp_path / "b")
+    assert len({tuple(r[3]) for r in rows}) > 5  # samples differ from one another
+
+
+def test_topk_logprobs_match_a_direct_forward_pass(generate_cfg, toy_tiny_pair, tmp_path):
+    target, _, _ = toy_tiny_pair
+    gen.run(generate_cfg("topk_logprobs=5", "dataset.limit=6", "batch_size=3"))
+    ds = datasets.load_from_disk(str(tmp_path / "gen"))
+    for row in ds:
+        p, c = row["prompt_ids"], row["completion_ids"]
+        ids, lps = torch.tensor(row["topk_ids"]), torch.tensor(row["topk_logprobs"])
+        assert ids.shape == lps.shape == (len(c), 5)
+        with torch.inference_mode():
+            logits = target(torch.tensor([p + c])).logits[0, len(p) - 1 : -1]
+        ref = logits.float().log_softmax(-1)
+        torch.testing.assert_close(lps, ref.gather(-1, ids), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lps, ref.topk(5).values, atol=1e-4, rtol=1e-4)
+        assert ids[:, 0].tolist() == c  # greedy: the stored top-1 is the token generated
+
+
+def _cli(*args: str, **kw) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "specdistill.data.generate", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw
+    )
+
+
+def test_cli_interface(toy_tiny, tmp_path):
+    out = tmp_path / "cli"
+    proc = _cli("pair=toy-tiny", f"output_dir={out}", "max_new_tokens=4", "batch_size=4",
+                "dataset.limit=6", "progress=false", cwd=tmp_path)  # fmt: skip
+    _stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert len(datasets.load_from_disk(str(out))["prompt_ids"]) == 6
+    assert set(json.loads((out / "result.json").read_text())) >= RESULT_FIELDS
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cli"]  # hydra did not litter cwd
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(toy_tiny, tmp_path, monkeypatch, capsys):
+    """main() turns a ConfigError into one line on stderr and status 2 (in-process: no import)."""
+    argv = ["generate", "pair=toy-tiny", f"output_dir={tmp_path}", "max_new_tokens=0"]
+    monkeypatch.setattr(sys, "argv", argv)
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))  # hydra reconfigures logging
+    with pytest.raises(SystemExit) as exit_info:
+        gen.main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: max_new_tokens=0")
+
+
+@pytest.mark.slow
+def test_sigkill_midway_then_restart_finishes_each_prompt_once(toy_tiny, tmp_path):
+    out = tmp_path / "killed"
+    args = ("pair=toy-tiny", f"output_dir={out}", "max_new_tokens=16", "batch_size=8",
+            "chunk_size=8", "dataset.limit=48", "progress=false")  # fmt: skip
+    proc = _cli(*args, start_new_session=True)
+    shard = out / "chunks"
+    deadline = time.time() + 240
+    while not any(shard.glob("*/*/chunk-00001.parquet")) and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = sorted(p.name for p in shard.glob("*/*/chunk-*.parquet"))
+    assert 2 <= len(done_before) < 6 and not (out / "state.json").exists()
+    proc = _cli(*args)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["shards"][0]["chunks_generated"] == 6 - len(done_before)
+    assert [r[0] for r in _rows(out)] == list(range(48))
+
+
+@pytest.mark.slow
+def test_accelerate_two_processes_equal_one_process(toy_tiny, tmp_path):
+    args = ["pair=toy-tiny", "max_new_tokens=8", "batch_size=4", "chunk_size=4",
+            "dataset.limit=16", "progress=false"]  # fmt: skip
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes",
+              "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+    for cmd, out in (
+        ([*launch, "-m", "specdistill.data.generate"], tmp_path / "two"),
+        ([sys.executable, "-m", "specdistill.data.generate"], tmp_path / "one"),
+    ):
+        proc = subprocess.run([*cmd, *args, f"output_dir={out}"], capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "two" / "result.json").read_text())["shard_count"] == 2
+    assert _rows(tmp_path / "two") == _rows(tmp_path / "one")
