@@ -217,9 +217,15 @@ def test_sigkill_midway_then_restart_finishes_each_prompt_once(toy_tiny, tmp_pat
 
 @pytest.mark.slow
 def test_accelerate_two_processes_equal_one_process(toy_tiny, tmp_path):
+    """Two ranks under `accelerate launch` merge to exactly the one-process dataset (greedy).
+
+    accelerate 1.15's `--cpu --num_processes 2` starts ONE process (its simple launcher; multi-CPU
+    needs an mpirun hostfile), so two CPU ranks are launched with `--multi_gpu`, which is
+    torchrun underneath and runs on a CPU-only machine too.
+    """
     args = ["pair=toy-tiny", "max_new_tokens=8", "batch_size=4", "chunk_size=4",
             "dataset.limit=16", "progress=false"]  # fmt: skip
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes",
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
               "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
     for cmd, out in (
         ([*launch, "-m", "specdistill.data.generate"], tmp_path / "two"),
@@ -228,5 +234,7 @@ def test_accelerate_two_processes_equal_one_process(toy_tiny, tmp_path):
         proc = subprocess.run([*cmd, *args, f"output_dir={out}"], capture_output=True, text=True,
                               timeout=600)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((tmp_path / "two" / "result.json").read_text())["shard_count"] == 2
+    result = json.loads((tmp_path / "two" / "result.json").read_text())
+    assert result["shard_count"] == 2
+    assert sorted(s["shard_index"] for s in result["shards"]) == [0, 1]
     assert _rows(tmp_path / "two") == _rows(tmp_path / "one")
