@@ -192,6 +192,11 @@ def prepare_prompts(
     return out, stats
 
 
+def is_chat(dataset_cfg: Any) -> bool:
+    """Chat prompts already hold the template's special tokens: add none when tokenizing."""
+    return bool(dataset_cfg.get("chat", False)) or dataset_cfg.get("field") == "messages"
+
+
 def eos_ids(model_generation_config: Any, tokenizer: Any) -> list[int]:
     """Every id that ends a completion (chat models often have several)."""
     ids = getattr(model_generation_config, "eos_token_id", None)
@@ -410,10 +415,13 @@ def run(cfg: DictConfig) -> GenerateResult:
     vocab = getattr(model_config, "vocab_size", None) or len(tokenizer)
     if int(cfg.topk_logprobs) > vocab:
         raise ConfigError(f"topk_logprobs={cfg.topk_logprobs} exceeds the vocabulary ({vocab})")
-    chat = bool(cfg.dataset.get("chat", False)) or cfg.dataset.get("field") == "messages"
     prompts = load_prompts(cfg.dataset, tokenizer, default_split=str(cfg.split))
     prepared, stats = prepare_prompts(
-        prompts, tokenizer, budget, str(cfg.long_prompts), add_special_tokens=not chat
+        prompts,
+        tokenizer,
+        budget,
+        str(cfg.long_prompts),
+        add_special_tokens=not is_chat(cfg.dataset),
     )
     if not prepared:
         raise ConfigError(

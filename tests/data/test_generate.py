@@ -238,3 +238,20 @@ def test_accelerate_two_processes_equal_one_process(toy_tiny, tmp_path):
     assert result["shard_count"] == 2
     assert sorted(s["shard_index"] for s in result["shards"]) == [0, 1]
     assert _rows(tmp_path / "two") == _rows(tmp_path / "one")
+
+
+def test_bench_reports_ratios_and_identical_greedy_tokens(generate_cfg, tmp_path):
+    from specdistill.data.bench_generate import format_report, run_bench
+
+    cfg = generate_cfg(
+        "bench.num_prompts=6", "bench.batch_sizes=[1,4]", f"bench.output={tmp_path}/b.json"
+    )
+    report = run_bench(cfg)
+    assert json.loads((tmp_path / "b.json").read_text()) == report
+    base = report["one_at_a_time"]
+    assert report["prompts"] == 6 and base["tokens"] > 0
+    for entry in report["batched"]:
+        assert entry["tokens"] == base["tokens"] and entry["identical_to_one_at_a_time"]
+        ratio = entry["tokens_per_s"] / base["tokens_per_s"]
+        assert entry["ratio_vs_one_at_a_time"] == pytest.approx(ratio, abs=0.01)
+    assert "batched bs=4" in format_report(report)
