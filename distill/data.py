@@ -41,8 +41,10 @@ def load_seqkd(path: str | Path, *, limit: int | None = None, use_topk: bool = T
         )
     try:
         ds = datasets.load_from_disk(str(p))
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(f"data.path={str(path)!r} is not a saved `datasets` dataset: {e}") from e
+    except Exception as e:  # datasets raises IndexError for a 0-row save, ValueError, ...
+        raise ConfigError(
+            f"data.path={str(path)!r} is empty or not a saved `datasets` dataset ({e!r})"
+        ) from e
     if isinstance(ds, datasets.DatasetDict):
         raise ConfigError(f"data.path={str(path)!r} holds several splits; point it at one")
     missing = [c for c in SEQKD_COLUMNS if c not in ds.column_names]
@@ -51,6 +53,8 @@ def load_seqkd(path: str | Path, *, limit: int | None = None, use_topk: bool = T
             f"data.path={str(path)!r} lacks columns {missing} (has {ds.column_names}); "
             "it must be written by the generate stage"
         )
+    if len(ds) == 0:
+        raise ConfigError(f"data.path={str(path)!r} has no rows")
     if limit is not None:
         ds = ds.select(range(min(int(limit), len(ds))))
     topk = use_topk and "topk_ids" in ds.column_names and "topk_logprobs" in ds.column_names

@@ -1,0 +1,127 @@
+"""The distill stage end to end on toy-tiny: alpha rises, top-k mode, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdistill.data.pairs import ConfigError
+from specdistill.distill import setup, train
+
+
+@pytest.mark.slow  # ~1 min on 2 shared CPU cores (builds a Seq-KD set, trains, evaluates)
+def test_distillation_raises_heldout_alpha(distill_cfg, tmp_path, seqkd_dir):
+    cfg = distill_cfg(tmp_path / "run", f"data.path={seqkd_dir}", "max_steps=12", "eval_every=6")
+    res = train.run(cfg)
+    assert res.alpha_after > res.alpha_before + 0.01, (res.alpha_before, res.alpha_after)
+    saved = json.loads((tmp_path / "run" / "result.json").read_text())
+    for key in ("alpha_before", "alpha_after", "drafter_path", "tokens_per_s", "peak_memory_mb"):
+        assert key in saved
+    assert saved["steps"] == 12 and saved["loss"]["name"] == "fkl"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    best = AutoModelForCausalLM.from_pretrained(saved["drafter_path"])
+    AutoTokenizer.from_pretrained(saved["drafter_path"])
+    assert best.config.vocab_size > 0 and (tmp_path / "run" / "final" / "config.json").exists()
+
+
+@pytest.mark.slow  # ~1 min on 2 shared CPU cores (builds a Seq-KD set, trains, evaluates)
+def test_topk_mode_trains_without_loading_the_target(
+    distill_cfg, tmp_path, seqkd_topk_dir, monkeypatch
+):
+    def no_target(*a, **k):
+        raise AssertionError("the target must not be loaded in top-k mode")
+
+    monkeypatch.setattr(setup, "load_target", no_target)
+    cfg = distill_cfg(
+        tmp_path / "run", f"data.path={seqkd_topk_dir}", "eval.source=path",
+        f"eval.path={seqkd_topk_dir}", "max_steps=8", "eval_every=8", "loss=jsd",
+    )  # fmt: skip
+    res = train.run(cfg)
+    assert res.data["topk"] is True
+    assert res.alpha_after > res.alpha_before
+
+
+def _weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.slow  # ~1 min on 2 shared CPU cores (builds a Seq-KD set, trains, evaluates)
+def test_resume_after_a_crash_matches_an_uninterrupted_run(
+    distill_cfg, tmp_path, seqkd_dir, monkeypatch
+):
+    common = (f"data.path={seqkd_dir}", "max_steps=6", "save_every=2", "eval_every=3", "lmbda=0.5",
+              "onpolicy.max_new_tokens=8")  # fmt: skip
+    ref = train.run(distill_cfg(tmp_path / "ref", *common))
+
+    class Crash(RuntimeError):
+        pass
+
+    def crash(step: int) -> None:
+        if step == 5:  # after step 5, whose checkpoint was never written (last one: step 4)
+            raise Crash
+
+    monkeypatch.setattr(train, "STEP_HOOK", crash)
+    with pytest.raises(Crash):
+        train.run(distill_cfg(tmp_path / "run", *common))
+    state = json.loads((tmp_path / "run/checkpoints/step-00000004/trainer_state.json").read_text())
+    assert state["step"] == 4 and state["examples_seen"] == 4 * 4
+    monkeypatch.setattr(train, "STEP_HOOK", None)
+    res = train.run(distill_cfg(tmp_path / "run", *common, "resume=true"))
+    assert res.steps == 6
+    assert [h["step"] for h in res.history] == [1, 2, 3, 4, 5, 6]
+    assert [h["loss"] for h in res.history] == [h["loss"] for h in ref.history]
+    a, b = _weights(tmp_path / "ref" / "final"), _weights(tmp_path / "run" / "final")
+    for k in a:  # same process, same data, same RNG: bit-identical (tolerance 0)
+        assert torch.equal(a[k], b[k]), k
+    assert res.alpha_after == ref.alpha_after
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (["lmbda=1.5"], "lmbda"),
+        (["loss.beta=-0.1"], "loss.beta"),
+        (["data.path=/nonexistent/seqkd"], "data.path"),
+        (["deepspeed=zero2"], "deepspeed"),
+        (["data.seq_kd=false"], "data.path"),
+    ],
+)
+def test_bad_input_names_the_field(distill_cfg, tmp_path, overrides, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        train.run(distill_cfg(tmp_path / "run", *overrides))
+
+
+def test_empty_dataset_is_an_error(distill_cfg, tmp_path):
+    import datasets
+
+    empty = tmp_path / "empty"
+    datasets.Dataset.from_dict({"prompt_ids": [], "completion_ids": []}).save_to_disk(str(empty))
+    with pytest.raises(ConfigError, match=r"data\.path"):
+        train.run(distill_cfg(tmp_path / "run", f"data.path={empty}"))
+
+
+def test_drafter_with_another_vocab_is_an_error(distill_cfg, tmp_path, seqkd_dir):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = tmp_path / "other_drafter"
+    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, **small)).save_pretrained(other)
+    cfg = distill_cfg(tmp_path / "run", f"data.path={seqkd_dir}", f"pair.drafter={other}")
+    with pytest.raises(ConfigError, match=r"pair\.drafter|vocab"):
+        train.run(cfg)
+
+
+def test_cli_prints_one_line_error_and_exits_2(distill_cfg, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdistill.distill.train", "pair=toy-tiny", "lmbda=2",
+         f"output_dir={tmp_path}", "logger=none"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "error: lmbda=2" in proc.stderr and "Traceback" not in proc.stderr
