@@ -23,18 +23,20 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from specdistill.data.generate import (
+from specdistill.data.batched import (
     PreparedPrompt,
     Sampling,
-    check_settings,
-    context_length,
     eos_ids,
     generate_rows,
     generation_config,
+    split_completion,
+)
+from specdistill.data.generate import (
+    check_settings,
+    context_length,
     is_chat,
     prepare_prompts,
     prompt_budget,
-    split_completion,
 )
 from specdistill.data.io import atomic_write_json
 from specdistill.data.pairs import (
@@ -90,8 +92,14 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     device = resolve_device(str(cfg.device))
     dtype = parse_dtype(str(cfg.dtype), device)
     tokenizer = load_tokenizer(spec)
-    model = load_model(spec.target, revision=spec.revision, dtype=dtype, device=device,
-                       trust_remote_code=spec.trust_remote_code, field="pair.target")  # fmt: skip
+    model = load_model(
+        spec.target,
+        revision=spec.revision,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=spec.trust_remote_code,
+        field="pair.target",
+    )
     budget = prompt_budget(
         context_length(model.config, tokenizer), s.max_new_tokens, cfg.max_prompt_tokens
     )
@@ -112,8 +120,11 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     torch.manual_seed(s.seed)
     base, base_s = _timed(lambda: one_at_a_time(model, tokenizer, prepared, s), repeats)
     base_tokens = sum(map(len, base))
-    baseline = {"seconds": round(base_s, 3), "tokens": base_tokens,
-                "tokens_per_s": round(base_tokens / base_s, 1)}  # fmt: skip
+    baseline = {
+        "seconds": round(base_s, 3),
+        "tokens": base_tokens,
+        "tokens_per_s": round(base_tokens / base_s, 1),
+    }
     reference = {p.index: c for p, c in zip(prepared, base)}
     rows_out = []
     for bs in sizes:
@@ -122,9 +133,13 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
             lambda bs=bs: generate_rows(model, tokenizer, by_length, s, bs, topk=0), repeats
         )
         tps = tokens / secs
-        entry = {"batch_size": bs, "seconds": round(secs, 3), "tokens": tokens,
-                 "tokens_per_s": round(tps, 1),
-                 "ratio_vs_one_at_a_time": round(tps / baseline["tokens_per_s"], 2)}  # fmt: skip
+        entry = {
+            "batch_size": bs,
+            "seconds": round(secs, 3),
+            "tokens": tokens,
+            "tokens_per_s": round(tps, 1),
+            "ratio_vs_one_at_a_time": round(tps / baseline["tokens_per_s"], 2),
+        }
         if not s.do_sample:
             entry["identical_to_one_at_a_time"] = all(
                 r["completion_ids"] == reference[r["prompt_index"]] for r in rows
@@ -155,8 +170,10 @@ def format_report(report: dict[str, Any]) -> str:
     )
     base = report["one_at_a_time"]
     lines = [head, f"{'mode':<22}{'tokens':>8}{'seconds':>10}{'tok/s':>10}{'ratio':>8}"]
-    lines.append(f"{'one-at-a-time':<22}{base['tokens']:>8}{base['seconds']:>10.2f}"
-                 f"{base['tokens_per_s']:>10.1f}{1.0:>8.2f}")  # fmt: skip
+    lines.append(
+        f"{'one-at-a-time':<22}{base['tokens']:>8}{base['seconds']:>10.2f}"
+        f"{base['tokens_per_s']:>10.1f}{1.0:>8.2f}"
+    )
     for r in report["batched"]:
         same = {True: "  same tokens", False: "  DIFFERENT tokens"}.get(
             r.get("identical_to_one_at_a_time"), ""

@@ -15,6 +15,7 @@ import datasets
 import pytest
 import torch
 
+from specdistill.data import batched
 from specdistill.data import generate as gen
 from specdistill.data.pairs import ConfigError
 from specdistill.data.prompts import load_prompts
@@ -38,7 +39,7 @@ def _rows(path) -> list[tuple[int, int, list[int], list[int], str]]:
     return list(zip(*(ds[c] for c in cols)))
 
 
-def _prepared(tok, n: int, split: str = "test") -> list[gen.PreparedPrompt]:
+def _prepared(tok, n: int, split: str = "test") -> list[batched.PreparedPrompt]:
     prompts = load_prompts(
         {"source": "toy", "toy": "toy-tiny", "limit": n}, tok, default_split=split
     )
@@ -51,21 +52,31 @@ def test_batched_greedy_equals_one_at_a_time_generate(toy_tiny_pair):
     target, _, tok = toy_tiny_pair
     prompts = _prepared(tok, 12)
     assert len({len(p.ids) for p in prompts}) > 6  # lengths differ, so padding is exercised
-    s = gen.Sampling(max_new_tokens=12, do_sample=False, temperature=1.0, top_p=1.0, top_k=0,
-                     num_samples=1, seed=0)  # fmt: skip
-    batched, tokens = gen.generate_rows(target, tok, prompts, s, batch_size=8, topk=0)
-    eos = gen.eos_ids(target.generation_config, tok)
-    for p, row in zip(prompts, batched):
+    s = batched.Sampling(
+        max_new_tokens=12,
+        do_sample=False,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        num_samples=1,
+        seed=0,
+    )
+    rows, tokens = batched.generate_rows(target, tok, prompts, s, batch_size=8, topk=0)
+    eos = batched.eos_ids(target.generation_config, tok)
+    for p, row in zip(prompts, rows):
         with torch.inference_mode():
             out = target.generate(
-                torch.tensor([p.ids]), max_new_tokens=12, do_sample=False,
-                pad_token_id=tok.pad_token_id, eos_token_id=eos,
-            )  # fmt: skip
-        single, reason = gen.split_completion(out[0, len(p.ids) :].tolist(), eos)
+                torch.tensor([p.ids]),
+                max_new_tokens=12,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=eos,
+            )
+        single, reason = batched.split_completion(out[0, len(p.ids) :].tolist(), eos)
         assert row["prompt_index"] == p.index
         assert row["completion_ids"] == single
         assert row["finish_reason"] == reason
-    assert tokens == sum(len(r["completion_ids"]) for r in batched)
+    assert tokens == sum(len(r["completion_ids"]) for r in rows)
 
 
 def test_run_writes_dataset_with_schema_and_result(generate_cfg, tmp_path):
@@ -104,13 +115,13 @@ def test_resume_after_crash_generates_only_missing_chunks(generate_cfg, tmp_path
     mtimes = {p: p.stat().st_mtime_ns for p in written}
     monkeypatch.setattr(gen, "write_chunk", real_write)
     generated: list[int] = []
-    real_batch = gen.generate_batch
+    real_batch = batched.generate_batch
 
     def counting_batch(model, prompt_ids, gen_config, eos):
         generated.extend(len(p) for p in prompt_ids)
         return real_batch(model, prompt_ids, gen_config, eos)
 
-    monkeypatch.setattr(gen, "generate_batch", counting_batch)
+    monkeypatch.setattr(batched, "generate_batch", counting_batch)
     res = gen.run(cfg)
     assert (res.chunks_resumed, res.chunks_generated) == (2, 1)
     assert len(generated) == 4  # the one missing chunk's prompts, nothing else
@@ -171,8 +182,15 @@ def _cli(*args: str, **kw) -> subprocess.Popen:
 
 def test_cli_interface(toy_tiny, tmp_path):
     out = tmp_path / "cli"
-    proc = _cli("pair=toy-tiny", f"output_dir={out}", "max_new_tokens=4", "batch_size=4",
-                "dataset.limit=6", "progress=false", cwd=tmp_path)  # fmt: skip
+    proc = _cli(
+        "pair=toy-tiny",
+        f"output_dir={out}",
+        "max_new_tokens=4",
+        "batch_size=4",
+        "dataset.limit=6",
+        "progress=false",
+        cwd=tmp_path,
+    )
     _stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     assert len(datasets.load_from_disk(str(out))["prompt_ids"]) == 6
@@ -196,8 +214,15 @@ def test_cli_bad_input_is_one_line_and_exit_2(toy_tiny, tmp_path, monkeypatch, c
 @pytest.mark.slow
 def test_sigkill_midway_then_restart_finishes_each_prompt_once(toy_tiny, tmp_path):
     out = tmp_path / "killed"
-    args = ("pair=toy-tiny", f"output_dir={out}", "max_new_tokens=16", "batch_size=8",
-            "chunk_size=8", "dataset.limit=48", "progress=false")  # fmt: skip
+    args = (
+        "pair=toy-tiny",
+        f"output_dir={out}",
+        "max_new_tokens=16",
+        "batch_size=8",
+        "chunk_size=8",
+        "dataset.limit=48",
+        "progress=false",
+    )
     proc = _cli(*args, start_new_session=True)
     shard = out / "chunks"
     deadline = time.time() + 240
@@ -223,16 +248,35 @@ def test_accelerate_two_processes_equal_one_process(toy_tiny, tmp_path):
     needs an mpirun hostfile), so two CPU ranks are launched with `--multi_gpu`, which is
     torchrun underneath and runs on a CPU-only machine too.
     """
-    args = ["pair=toy-tiny", "max_new_tokens=8", "batch_size=4", "chunk_size=4",
-            "dataset.limit=16", "progress=false"]  # fmt: skip
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-              "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+    args = [
+        "pair=toy-tiny",
+        "max_new_tokens=8",
+        "batch_size=4",
+        "chunk_size=4",
+        "dataset.limit=16",
+        "progress=false",
+    ]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
     for cmd, out in (
         ([*launch, "-m", "specdistill.data.generate"], tmp_path / "two"),
         ([sys.executable, "-m", "specdistill.data.generate"], tmp_path / "one"),
     ):
-        proc = subprocess.run([*cmd, *args, f"output_dir={out}"], capture_output=True, text=True,
-                              timeout=600)  # fmt: skip
+        proc = subprocess.run(
+            [*cmd, *args, f"output_dir={out}"], capture_output=True, text=True, timeout=600
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "two" / "result.json").read_text())
     assert result["shard_count"] == 2

@@ -11,6 +11,7 @@ import datasets
 import pytest
 
 from specdistill.data import generate as gen
+from specdistill.data.batched import split_completion
 from specdistill.data.pairs import ConfigError
 from specdistill.data.shards import plan_shard, resolve_shard
 
@@ -121,5 +122,5 @@ def test_resolve_shard_reads_the_launcher_environment():
 
 
 def test_split_completion_keeps_the_first_eos():
-    assert gen.split_completion([5, 6, 0, 1, 1], [0]) == ([5, 6, 0], "eos")
-    assert gen.split_completion([5, 6, 7], [0, 9]) == ([5, 6, 7], "length")
+    assert split_completion([5, 6, 0, 1, 1], [0]) == ([5, 6, 0], "eos")
+    assert split_completion([5, 6, 7], [0, 9]) == ([5, 6, 7], "length")
