@@ -125,7 +125,10 @@ def run(cfg: DictConfig) -> DistillResult:
     drafter.train()
     opt = hydra.utils.instantiate(cfg.optim.optimizer)(drafter.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(cfg))
-    model, opt, sched = accelerator.prepare(drafter, opt, sched)
+    # The scheduler is not prepared: accelerate would step it once per process per step (for
+    # split data), so 2 processes would decay the LR twice as fast as 1 with 2x accumulation.
+    model, opt = accelerator.prepare(drafter, opt)
+    accelerator.register_for_checkpointing(sched)
     setup.init_logger(accelerator, cfg)
     ds_on = bool(cfg.deepspeed.enabled)
     zero3 = ds_on and int(cfg.deepspeed.config.zero_optimization.stage) == 3
