@@ -152,7 +152,6 @@ class SpeculativeDecoder:
         cuda = self.device.type == "cuda"
         self.static = cfg.cache == "static" or (cfg.cache == "auto" and cuda)
         self.compile = cuda and self.static and cfg.compile in ("auto", True)
-        self._eos = torch.tensor(list(cfg.eos_token_id) or [-1], device=self.device)
 
     # ---------------------------------------------------------------- shared setup
     def _prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
@@ -287,11 +286,13 @@ class SpeculativeDecoder:
                     cfg.lenience,
                 )
                 alpha_pos = expected_alpha(p[:, :g], q)
-            # One host sync per round: the drafts, accepted counts and next tokens.
-            host = torch.cat([draft_t, n[:, None], nxt[:, None]], 1).tolist()
+            # The round's one host sync: drafts, accepted counts, next tokens, per-position alpha
+            # (token ids < 2^24 are exact in fp32).
+            host = torch.cat([draft_t, n[:, None], nxt[:, None], alpha_pos], 1).float().tolist()
+            host = [[int(v) for v in row[: g + 2]] + row[g + 2 :] for row in host]
             n_list = [row[g] for row in host]
             active = [not d for d in done]
-            self._record(out, n_list, active, alpha_pos, g)
+            self._record(out, host, active, g)
             if cfg.record_probs:
                 out.rounds.append(
                     RoundRecord(
@@ -331,19 +332,17 @@ class SpeculativeDecoder:
         return False
 
     @staticmethod
-    def _record(out: DecodeOutput, n_list, active, alpha_pos: torch.Tensor, g: int) -> None:
+    def _record(out: DecodeOutput, host: list[list], active: list[bool], g: int) -> None:
         """Acceptance counters over the rows still decoding (trials stop at the first reject)."""
-        trial = torch.tensor([[j <= n for j in range(g)] for n in n_list], dtype=torch.bool)
-        act = torch.tensor(active, dtype=torch.bool)[:, None]
-        trial &= act
-        out.alpha_sum += float((alpha_pos.float().cpu() * trial).sum())
-        out.trials += int(trial.sum())
-        for n, a in zip(n_list, active):
+        for row, a in zip(host, active):
             if not a:
                 continue
+            n = row[g]
             out.row_rounds += 1
             out.block_tokens += n + 1
             out.accepted += n
-            for j in range(g):
-                out.trials_at[j] += int(j <= n)
+            for j in range(min(n + 1, g)):  # positions that were put to the test
+                out.trials_at[j] += 1
                 out.accepted_at[j] += int(j < n)
+                out.alpha_sum += row[g + 2 + j]
+                out.trials += 1
