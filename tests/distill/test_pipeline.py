@@ -1,0 +1,65 @@
+"""The whole pipeline on the tiny toy world: stages hand off through paths, and a rerun resumes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from specdistill.data.io import read_json
+from specdistill.distill import pipeline
+
+FAST = [
+    "pair=toy-tiny",
+    "+generate.dataset.limit=12",
+    "+generate.max_new_tokens=16",
+    "+generate.progress=false",
+    "+distill.max_steps=4",
+    "+distill.eval_every=2",
+    "+distill.save_every=2",
+    "+distill.logger=none",
+    "+distill.eval.limit=8",
+    "+distill.micro_batch_size=4",
+    "+validate.num_prompts=2",
+    "+validate.max_new_tokens=16",
+    "+validate.repeats=1",
+    "+validate.step_time_iters=3",
+    "+validate.plot=false",
+]
+
+
+def _cfg(run_dir, extra=()):
+    with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+        return compose(config_name="pipeline", overrides=[*FAST, f"run_dir={run_dir}", *extra])
+
+
+def test_pipeline_end_to_end_and_resume(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    result = pipeline.run(_cfg(run_dir))
+    assert set(result.stages) == {"generate", "distill", "validate_base", "validate"}
+    distilled = result.stages["distill"]["drafter_path"]
+    assert distilled.startswith(str(run_dir / "distill"))
+    # validate ran on the distilled drafter, validate_base on the toy's base drafter
+    report = read_json(run_dir / "validate" / "report.json")
+    base = read_json(run_dir / "validate_base" / "report.json")
+    assert json.dumps(report).count(distilled) >= 1
+    assert distilled not in json.dumps(base)
+    assert report["lossless"] is True and base["lossless"] is True
+    assert 1.0 <= report["tau"] <= report["gamma"] + 1
+    summary = read_json(run_dir / "pipeline.json")["summary"]
+    assert summary["distill.alpha_before"] == result.stages["distill"]["alpha_before"]
+    assert (run_dir / "summary.md").read_text().startswith("# specdistill run")
+
+    # A rerun with the same config finds every stage done and runs none of them.
+    def boom(stage):
+        raise AssertionError(f"{stage} ran again")
+
+    monkeypatch.setattr(pipeline, "_stage_runner", boom)
+    again = pipeline.run(_cfg(run_dir))
+    assert again.stages["distill"] == result.stages["distill"]
+
+
+def test_pipeline_rejects_unknown_stage(tmp_path):
+    with pytest.raises(pipeline.ConfigError, match="stages"):
+        pipeline.run(_cfg(tmp_path, ["stages=[generate,train]"]))
