@@ -94,6 +94,7 @@ def test_cli_small_run_writes_report(tmp_path, toy_tiny):
         "step_time_iters=3",
         "decoder.gamma=auto",
         "decoder.max_gamma=4",
+        f"pair.drafter={toy_tiny.drafter_dir}",  # how the pipeline passes a distilled drafter
     )
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
@@ -103,6 +104,7 @@ def test_cli_small_run_writes_report(tmp_path, toy_tiny):
     assert 1 <= report["gamma"] <= 4 and report["gamma_auto"]
     assert report["hf_assisted"]["same_tokens"] is True
     assert report["alpha_sampled"] is not None
+    assert report["drafter"] == str(toy_tiny.drafter_dir)
     assert (out / "report.md").read_text().count("|") > 20
 
 
@@ -112,6 +114,22 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, toy_tiny):
     assert r.stderr.strip().splitlines()[-1].startswith("error: decoder.gamma=0")
     r = _cli("pair=toy-tiny", f"output_dir={tmp_path}", "pair.drafter=/nonexistent/ckpt")
     assert r.returncode == 2 and "pair.drafter" in r.stderr
+
+
+def test_sampling_decoder_in_process(tmp_path, toy_tiny):
+    """`decoder=sampling`: lossless is distributional (None here), alpha is the sampled alpha."""
+    from hydra import compose, initialize_config_module
+
+    from specdistill.decode.bench import run
+
+    overrides = ["pair=toy-tiny", "decoder=sampling", f"output_dir={tmp_path}", "num_prompts=2"]
+    overrides += ["max_new_tokens=8", "repeats=1", "hf_assisted=false", "step_time_iters=2"]
+    with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+        cfg = compose(config_name="validate", overrides=overrides)
+    r = run(cfg)
+    assert r.temperature == 1.0 and r.lossless is None and r.alpha_sampled == r.alpha
+    assert 0.0 <= r.alpha <= 1.0 and 1.0 <= r.tau <= r.gamma + 1
+    assert json.loads((tmp_path / "report.json").read_text())["hf_assisted"] is None
 
 
 @pytest.mark.slow
