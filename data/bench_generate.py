@@ -41,7 +41,7 @@ from specdistill.data.generate import (
 from specdistill.data.io import atomic_write_json
 from specdistill.data.pairs import (
     ConfigError,
-    load_model,
+    load_role,
     load_tokenizer,
     parse_dtype,
     resolve_device,
@@ -92,14 +92,7 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     device = resolve_device(str(cfg.device))
     dtype = parse_dtype(str(cfg.dtype), device)
     tokenizer = load_tokenizer(spec)
-    model = load_model(
-        spec.target,
-        revision=spec.revision,
-        dtype=dtype,
-        device=device,
-        trust_remote_code=spec.trust_remote_code,
-        field="pair.target",
-    )
+    model = load_role(spec, "target", dtype=dtype, device=device)
     budget = prompt_budget(
         context_length(model.config, tokenizer), s.max_new_tokens, cfg.max_prompt_tokens
     )

@@ -36,7 +36,7 @@ from specdistill.data.io import read_json
 from specdistill.data.pairs import (
     ConfigError,
     PairSpec,
-    load_model,
+    load_role,
     load_tokenizer,
     parse_dtype,
     resolve_device,
@@ -341,14 +341,7 @@ def _generate_todo(
     count: int,
 ) -> tuple[int, float]:
     """Load p and generate the missing chunks, each written atomically as soon as it is done."""
-    model = load_model(
-        spec.target,
-        revision=spec.revision,
-        dtype=dtype,
-        device=device,
-        trust_remote_code=spec.trust_remote_code,
-        field="pair.target",
-    )
+    model = load_role(spec, "target", dtype=dtype, device=device)
     total = sum(len(c) for _, c in todo) * s.num_samples
     tokens, seconds = 0, 0.0
     with tqdm(

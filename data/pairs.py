@@ -142,29 +142,29 @@ def load_model(
     return model.to(device).eval()
 
 
+def load_role(spec: PairSpec, role: str, *, dtype: torch.dtype = torch.float32, device="cpu"):
+    """The pair's `target` or `drafter`, with its own revision; errors name `pair.<role>`."""
+    if role not in ("target", "drafter"):
+        raise ValueError(f"role must be 'target' or 'drafter', not {role!r}")
+    return load_model(
+        getattr(spec, role),
+        revision=spec.revision if role == "target" else spec.drafter_revision,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=spec.trust_remote_code,
+        field=f"pair.{role}",
+    )
+
+
 def load_pair(
     spec: PairSpec, *, device="cpu", dtype: torch.dtype = torch.float32, target: bool = True
 ):
     """(target or None, drafter, tokenizer), vocabularies checked against each other."""
     tok = load_tokenizer(spec)
-    drafter = load_model(
-        spec.drafter,
-        revision=spec.drafter_revision,
-        dtype=dtype,
-        device=device,
-        trust_remote_code=spec.trust_remote_code,
-        field="pair.drafter",
-    )
+    drafter = load_role(spec, "drafter", dtype=dtype, device=device)
     tgt = None
     if target:
-        tgt = load_model(
-            spec.target,
-            revision=spec.revision,
-            dtype=dtype,
-            device=device,
-            trust_remote_code=spec.trust_remote_code,
-            field="pair.target",
-        )
+        tgt = load_role(spec, "target", dtype=dtype, device=device)
         check_vocab(vocab_size(tgt), vocab_size(drafter), len(tok))
         drafter_tok = _maybe_tokenizer(spec.drafter, spec.drafter_revision, spec.trust_remote_code)
         if drafter_tok is not None:

@@ -36,7 +36,7 @@ from specdistill.data.pairs import (
     resolve_pair,
 )
 from specdistill.data.prompts import load_prompts
-from specdistill.decode.acceptance import Sampling, best_gamma, theoretical_speedup
+from specdistill.decode.acceptance import Sampling, best_gamma, expected_tau, theoretical_speedup
 from specdistill.decode.speculative import (
     DecodeOutput,
     DecoderConfig,
@@ -78,6 +78,9 @@ class ValidateResult:
     speedup: float
     theoretical_speedup: float
     decoder_efficiency: float
+    # The same model with the measured verify cost instead of 1 target step: on CPU a
+    # (gamma+1)-token verify is dearer than one step, which the classic formula ignores.
+    theoretical_speedup_measured_verify: float
     lossless: bool | None
     mismatched_sequences: int
     acceptance_by_position: list[float]
@@ -312,6 +315,9 @@ def run(cfg: DictConfig) -> ValidateResult:
         speedup=round(speedup, 3),
         theoretical_speedup=round(theory, 3),
         decoder_efficiency=round(speedup / theory, 3),
+        theoretical_speedup_measured_verify=round(
+            expected_tau(min(max(alpha, 0.0), 1.0), gamma) / (gamma * c + verify_cost), 3
+        ),
         lossless=lossless,
         mismatched_sequences=mismatched,
         acceptance_by_position=[round(x, 4) for x in by_pos],
@@ -350,6 +356,7 @@ def report_markdown(r: ValidateResult) -> str:
         ("speedup (measured)", f"{r.speedup}x"),
         ("theoretical speedup", f"{r.theoretical_speedup}x"),
         ("decoder efficiency", f"{r.decoder_efficiency}"),
+        ("theoretical, measured verify cost", f"{r.theoretical_speedup_measured_verify}x"),
         ("lossless", f"{r.lossless}{' (LOSSY lenience)' if r.lossy else ''}"),
     ]
     if r.hf_assisted:

@@ -19,7 +19,7 @@ from specdistill.data.pairs import (
     PairSpec,
     check_same_tokenizer,
     check_vocab,
-    load_model,
+    load_role,
     parse_dtype,
     vocab_size,
 )
@@ -111,14 +111,7 @@ def init_logger(accelerator, cfg: DictConfig) -> None:
 def load_target(spec: PairSpec, cfg: DictConfig, device, drafter, tokenizer):
     """The frozen target: eval mode, no grad, bf16 on GPU; vocab and tokenizer checked."""
     dtype = parse_dtype(cfg.target_dtype, device)
-    target = load_model(
-        spec.target,
-        revision=spec.revision,
-        dtype=dtype,
-        device=device,
-        trust_remote_code=spec.trust_remote_code,
-        field="pair.target",
-    )
+    target = load_role(spec, "target", dtype=dtype, device=device)
     target.requires_grad_(False)
     check_vocab(vocab_size(target), vocab_size(drafter), len(tokenizer))
     from transformers import AutoTokenizer

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from specdistill.data.io import atomic_write_json
-from specdistill.data.pairs import ConfigError, load_model, load_tokenizer, resolve_pair
+from specdistill.data.pairs import ConfigError, load_role, load_tokenizer, resolve_pair
 from specdistill.distill import checkpoint as ckpt
 from specdistill.distill import setup
 from specdistill.distill.data import StreamSpec, collate, is_onpolicy, micro_seed, sample_onpolicy
@@ -102,13 +102,7 @@ def run(cfg: DictConfig) -> DistillResult:
 
     spec = resolve_pair(cfg.pair)
     tok = load_tokenizer(spec)
-    drafter = load_model(
-        spec.drafter,
-        revision=spec.drafter_revision,
-        device=device,
-        trust_remote_code=spec.trust_remote_code,
-        field="pair.drafter",
-    )
+    drafter = load_role(spec, "drafter", device=device)
     train_examples, topk = setup.build_train_examples(cfg, tok, accelerator)
     eval_examples = setup.build_eval_examples(cfg, tok)
     eval_has_topk = all(e.topk_ids is not None for e in eval_examples)
