@@ -246,6 +246,8 @@ def run(cfg: DictConfig) -> ValidateResult:
             f"gamma=auto picked {gamma} (pilot alpha {_merge(pilot).alpha:.3f}, c {c:.3f})"
         )
     dec = make(gamma)
+    if fixed_gamma is None:  # the verify cost depends on gamma: measure it for the one picked
+        c, verify_cost = measure_c(dec, warm[0][0], int(cfg.step_time_iters), gamma)
     # Warm-up (untimed), then interleaved timed repeats.
     _run_all(dec.baseline, warm, seed)
     _run_all(dec.generate, warm, seed)
