@@ -299,7 +299,8 @@ def train_lm(model, stream: torch.Tensor, spec: ToySpec, steps: int, seed: int, 
     batches = _batches(stream, spec.seq_len, spec.batch_size, seed)
     t0 = time.perf_counter()
     bar = tqdm(range(steps), desc=desc, leave=False, disable=None)
-    for _ in bar:
+    log_every = max(1, steps // 10)  # tqdm is silent without a TTY: logs show progress too
+    for step in bar:
         b = next(batches)
         logits = model(input_ids=b[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten())
@@ -309,6 +310,11 @@ def train_lm(model, stream: torch.Tensor, spec: ToySpec, steps: int, seed: int, 
         sched.step()
         opt.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if (step + 1) % log_every == 0:
+            rate = (step + 1) * spec.batch_size * spec.seq_len / (time.perf_counter() - t0)
+            log.info(
+                "%s: step %d/%d loss %.3f (%.0f tokens/s)", desc, step + 1, steps, loss.item(), rate
+            )
     elapsed = time.perf_counter() - t0
     return steps * spec.batch_size * spec.seq_len / max(elapsed, 1e-9)
 
