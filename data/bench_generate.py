@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from specdistill.data.pairs import (
     parse_dtype,
     resolve_device,
     resolve_pair,
+    run_or_exit,
 )
 from specdistill.data.prompts import load_prompts
 
@@ -180,11 +180,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="generate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    try:
-        report = run_bench(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    report = run_or_exit(run_bench, cfg)
     print(format_report(report))
     print(f"wrote {cfg.bench.output}")
 

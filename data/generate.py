@@ -19,7 +19,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from specdistill.data.pairs import (
     parse_dtype,
     resolve_device,
     resolve_pair,
+    run_or_exit,
 )
 from specdistill.data.prompts import Prompt, load_prompts
 from specdistill.data.shards import (
@@ -397,11 +397,7 @@ def _merged_result(out: Path, result: dict[str, Any], wall: float) -> GenerateRe
 @hydra.main(config_path="pkg://specdistill.conf", config_name="generate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """CLI: bad input is one clean line on stderr and exit status 2, not a traceback."""
-    try:
-        res = run(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    res = run_or_exit(run, cfg)
     status = "merged" if res.merged else "waiting for other shards"
     print(
         f"shard {res.shard_index}/{res.shard_count}: {res.samples} samples, "

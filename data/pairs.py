@@ -8,17 +8,32 @@ heavy work, with an error that names the field and the fix.
 from __future__ import annotations
 
 import logging
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
     """Bad user input, reported with the config field at fault and how to fix it."""
+
+
+def run_or_exit(run: Callable[[Any], T], cfg: Any) -> T:
+    """Run a stage for a CLI: a ConfigError becomes one `error: ...` line and exit status 2.
+
+    Hydra would print it with a traceback; bad input deserves the field and the fix, alone.
+    """
+    try:
+        return run(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from specdistill.data.pairs import (
     parse_dtype,
     resolve_device,
     resolve_pair,
+    run_or_exit,
 )
 from specdistill.data.prompts import load_prompts
 from specdistill.decode.acceptance import Sampling, best_gamma, expected_tau, theoretical_speedup
@@ -405,11 +405,7 @@ def _plot(by_pos: list[float], path: Path, notes: list[str]) -> None:
 @hydra.main(config_path="pkg://specdistill.conf", config_name="validate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """CLI: bad input is one clean line on stderr and exit status 2, not a traceback."""
-    try:
-        r = run(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    r = run_or_exit(run, cfg)
     print(
         f"speedup {r.speedup}x (theoretical {r.theoretical_speedup}x, efficiency "
         f"{r.decoder_efficiency}); alpha {r.alpha}, tau {r.tau}, c {r.c}, gamma {r.gamma}, "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json, atomic_write_text, read_json
-from specdistill.data.pairs import ConfigError
+from specdistill.data.pairs import ConfigError, run_or_exit
 
 log = logging.getLogger("specdistill.pipeline")
 
@@ -209,12 +208,7 @@ def summary_markdown(result: PipelineResult) -> str:
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="pipeline", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    # Hydra reports exceptions itself, with a traceback; bad input deserves one clear line.
-    try:
-        result = run(cfg)
-    except ConfigError as e:
-        print(f"specdistill: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    result = run_or_exit(run, cfg)
     print(summary_markdown(result))
     print(json.dumps(result.summary, indent=2))
 

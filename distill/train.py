@@ -17,7 +17,6 @@ import contextlib
 import logging
 import math
 import resource
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from specdistill.data.io import atomic_write_json
-from specdistill.data.pairs import ConfigError, load_role, load_tokenizer, resolve_pair
+from specdistill.data.pairs import ConfigError, load_role, load_tokenizer, resolve_pair, run_or_exit
 from specdistill.distill import checkpoint as ckpt
 from specdistill.distill import setup
 from specdistill.distill.data import StreamSpec, collate, is_onpolicy, micro_seed, sample_onpolicy
@@ -311,11 +310,7 @@ def run(cfg: DictConfig) -> DistillResult:
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="distill", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    try:
-        res = run(cfg)
-    except ConfigError as e:  # a one-line error, not a traceback, for bad input
-        print(f"specdistill.distill: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    res = run_or_exit(run, cfg)
     print(
         f"distill: alpha {res.alpha_before:.4f} -> {res.alpha_after:.4f} "
         f"(best {res.best_alpha:.4f} at step {res.best_step}); drafter: {res.drafter_path}"
