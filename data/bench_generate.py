@@ -33,8 +33,7 @@ from specdistill.data.batched import (
 from specdistill.data.generate import (
     check_settings,
     context_length,
-    is_chat,
-    prepare_prompts,
+    load_prepared_prompts,
     prompt_budget,
 )
 from specdistill.data.io import atomic_write_json
@@ -47,7 +46,6 @@ from specdistill.data.pairs import (
     resolve_pair,
     run_or_exit,
 )
-from specdistill.data.prompts import load_prompts
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +94,7 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     budget = prompt_budget(
         context_length(model.config, tokenizer), s.max_new_tokens, cfg.max_prompt_tokens
     )
-    prompts = load_prompts(cfg.dataset, tokenizer, default_split=str(cfg.split))
-    prepared, _ = prepare_prompts(
-        prompts,
-        tokenizer,
-        budget,
-        str(cfg.long_prompts),
-        add_special_tokens=not is_chat(cfg.dataset),
-    )
+    prepared, _ = load_prepared_prompts(cfg, tokenizer, budget)
     prepared = prepared[: int(bench.num_prompts)]
     by_length = sorted(prepared, key=lambda p: (len(p.ids), p.index))  # as the stage batches
     repeats = max(1, int(bench.get("repeats", 1)))

@@ -171,6 +171,20 @@ def prepare_prompts(
     return out, stats
 
 
+def load_prepared_prompts(
+    cfg: Any, tokenizer: Any, budget: int
+) -> tuple[list[PreparedPrompt], dict[str, int]]:
+    """The stage's prompts, tokenised and fitted to `budget` (the benchmark uses the same)."""
+    prompts = load_prompts(cfg.dataset, tokenizer, default_split=str(cfg.split))
+    return prepare_prompts(
+        prompts,
+        tokenizer,
+        budget,
+        str(cfg.long_prompts),
+        add_special_tokens=not is_chat(cfg.dataset),
+    )
+
+
 def is_chat(dataset_cfg: Any) -> bool:
     """Chat prompts already hold the template's special tokens: add none when tokenizing."""
     return bool(dataset_cfg.get("chat", False)) or dataset_cfg.get("field") == "messages"
@@ -250,14 +264,7 @@ def run(cfg: DictConfig) -> GenerateResult:
     vocab = getattr(model_config, "vocab_size", None) or len(tokenizer)
     if int(cfg.topk_logprobs) > vocab:
         raise ConfigError(f"topk_logprobs={cfg.topk_logprobs} exceeds the vocabulary ({vocab})")
-    prompts = load_prompts(cfg.dataset, tokenizer, default_split=str(cfg.split))
-    prepared, stats = prepare_prompts(
-        prompts,
-        tokenizer,
-        budget,
-        str(cfg.long_prompts),
-        add_special_tokens=not is_chat(cfg.dataset),
-    )
+    prepared, stats = load_prepared_prompts(cfg, tokenizer, budget)
     if not prepared:
         raise ConfigError(
             f"no prompts left to generate for ({stats}): with long_prompts=skip every prompt "
