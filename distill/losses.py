@@ -26,6 +26,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from specdistill.decode.acceptance import expected_alpha
+
 DIVERGENCES = ("fkl", "rkl", "tvd", "jsd")
 _REST_FLOOR = -80.0  # log-prob floor of the top-k "rest" bucket (e^-80 ~ 2e-35: zero mass)
 
@@ -236,7 +238,7 @@ def per_token_acceptance(
 ) -> torch.Tensor:
     """sum_x min(p, q) per position (target p, drafter q): the chance a drafted token is kept."""
     lp, lq = full_logprobs(q_logits, p_logits, temperature)
-    return torch.minimum(lp, lq).exp().sum(-1)
+    return expected_alpha(lp.exp(), lq.exp())
 
 
 def expected_acceptance(
