@@ -106,7 +106,7 @@ def _stage_runner(stage: str) -> Callable[[DictConfig], Any]:
     elif stage == "distill":
         from specdistill.distill.train import run
     elif stage == "validate":
-        from specdistill.decode.bench import run
+        from specdistill.decode.validate import run
     else:
         raise ConfigError(f"stages contains {stage!r}; known stages are {', '.join(STAGES)}")
     return run

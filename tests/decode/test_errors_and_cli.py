@@ -71,7 +71,7 @@ def test_bad_prompts(models):
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, HYDRA_FULL_ERROR="1")
     return subprocess.run(
-        [sys.executable, "-m", "specdistill.decode.bench", *args],
+        [sys.executable, "-m", "specdistill.decode.validate", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -120,7 +120,7 @@ def test_sampling_decoder_in_process(tmp_path, toy_tiny):
     """`decoder=sampling`: lossless is distributional (None here), alpha is the sampled alpha."""
     from hydra import compose, initialize_config_module
 
-    from specdistill.decode.bench import run
+    from specdistill.decode.validate import run
 
     overrides = ["pair=toy-tiny", "decoder=sampling", f"output_dir={tmp_path}", "num_prompts=2"]
     overrides += ["max_new_tokens=8", "repeats=1", "hf_assisted=false", "step_time_iters=2"]

@@ -1,0 +1,417 @@
+"""The validate stage: prove the speedup and that the output stayed the target's.
+
+    python -m specdistill.decode.validate pair=toy-tiny output_dir=DIR
+    python -m specdistill.decode.validate pair=toy pair.drafter=/path/to/distilled decoder=sampling
+
+On the same prompts and max_new_tokens it decodes with the target p alone and speculatively
+(drafter q proposes, p verifies), untimed warm-up first, `repeats` timed passes interleaved so
+load drifts hit both alike, and reports side by side: tokens/s (median, min, max), the measured
+speedup, alpha, tau, c (drafter/target step time), the theoretical speedup those imply, their
+ratio (decoder efficiency), `lossless` (greedy: every sequence token-identical to target-only),
+alpha on temperature-1 samples (greedy agreement saturates and flatters a drafter), and the same
+pair through `transformers` assisted generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from specdistill.data.io import atomic_write_json, atomic_write_text
+from specdistill.data.pairs import (
+    ConfigError,
+    load_pair,
+    parse_dtype,
+    resolve_device,
+    resolve_pair,
+    run_or_exit,
+)
+from specdistill.data.prompts import load_prompts
+from specdistill.decode.acceptance import Sampling, best_gamma, expected_tau, theoretical_speedup
+from specdistill.decode.speculative import (
+    DecodeOutput,
+    DecoderConfig,
+    SpeculativeDecoder,
+    check_decoder_config,
+)
+from specdistill.decode.timing import hf_assisted_speed, measure_c
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ValidateResult:
+    """Everything report.json holds; p = target, q = drafter."""
+
+    output_dir: str
+    target: str
+    drafter: str
+    device: str
+    dtype: str
+    gamma: int
+    gamma_auto: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    lenience: float
+    lossy: bool
+    batch_size: int
+    prompts: int
+    max_new_tokens: int
+    repeats: int
+    alpha: float
+    acceptance_rate: float
+    tau: float
+    c: float
+    verify_cost: float  # (gamma+1)-token verify / 1-token target step
+    baseline_tokens_per_s: dict[str, float]
+    speculative_tokens_per_s: dict[str, float]
+    speedup: float
+    theoretical_speedup: float
+    decoder_efficiency: float
+    # The same model with the measured verify cost instead of 1 target step: on CPU a
+    # (gamma+1)-token verify is dearer than one step, which the classic formula ignores.
+    theoretical_speedup_measured_verify: float
+    lossless: bool | None
+    mismatched_sequences: int
+    acceptance_by_position: list[float]
+    alpha_sampled: float | None = None
+    tau_sampled: float | None = None
+    hf_assisted: dict[str, Any] | None = None
+    cache: str = "dynamic"
+    compiled: bool = False
+    wall_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), 2),
+        "min": round(min(values), 2),
+        "max": round(max(values), 2),
+    }
+
+
+def decoder_config(
+    dcfg: Any, max_new_tokens: int, eos: tuple[int, ...], gamma: int
+) -> DecoderConfig:
+    """The `decoder` config node as a DecoderConfig (gamma resolved by the caller)."""
+    sampling = Sampling(
+        temperature=float(dcfg.get("temperature", 0.0)),
+        top_k=int(dcfg.get("top_k", 0) or 0),
+        top_p=float(dcfg.get("top_p", 1.0)),
+    )
+    return DecoderConfig(
+        gamma=gamma,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        lenience=float(dcfg.get("lenience", 1.0)),
+        eos_token_id=eos,
+        cache=str(dcfg.get("cache", "auto")),
+        compile=dcfg.get("compile", "auto"),
+        record_probs=bool(dcfg.get("record_probs", False)),
+    )
+
+
+def _gamma_setting(dcfg: Any) -> tuple[int | None, int]:
+    raw, max_gamma = dcfg.get("gamma", 4), int(dcfg.get("max_gamma", 12))
+    if raw == "auto":
+        if max_gamma < 1:
+            raise ConfigError(f"decoder.max_gamma={max_gamma} must be >= 1 for gamma=auto")
+        return None, max_gamma
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        raise ConfigError(f"decoder.gamma={raw!r} must be an integer >= 1 or `auto`")
+    return raw, max_gamma
+
+
+def _batches(prompts: list[str], tok, batch_size: int, max_prompt_tokens: int):
+    """Left-padded tensors, prompts cut to their last `max_prompt_tokens` tokens."""
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        rows = [
+            tok(p, add_special_tokens=False).input_ids[-max_prompt_tokens:]
+            for p in prompts[i : i + batch_size]
+        ]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, r in enumerate(rows):
+            if r:
+                ids[j, width - len(r) :] = torch.tensor(r)
+                mask[j, width - len(r) :] = 1
+        out.append((ids, mask))
+    return out
+
+
+def _run_all(fn: Callable, batches, seed: int) -> tuple[float, list[DecodeOutput]]:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    t0 = time.perf_counter()
+    outs = [fn(ids, mask, generator=gen) for ids, mask in batches]
+    return time.perf_counter() - t0, outs
+
+
+def _merge(outs: list[DecodeOutput]) -> DecodeOutput:
+    total = DecodeOutput(tokens=[tk for o in outs for tk in o.tokens])
+    for o in outs:
+        total.block_tokens += o.block_tokens
+        total.row_rounds += o.row_rounds
+        total.alpha_sum += o.alpha_sum
+        total.trials += o.trials
+        total.accepted += o.accepted
+        total.target_forwards += o.target_forwards
+        total.drafter_forwards += o.drafter_forwards
+        if o.trials_at:
+            total.trials_at = [
+                a + b for a, b in zip(total.trials_at or [0] * len(o.trials_at), o.trials_at)
+            ]
+            total.accepted_at = [
+                a + b for a, b in zip(total.accepted_at or [0] * len(o.accepted_at), o.accepted_at)
+            ]
+    return total
+
+
+def _set_threads(setting: Any, device: torch.device) -> None:
+    """`auto`: one CPU thread. Decode steps of small models are a few tiny matmuls each, and on
+    a shared CPU a second thread's synchronisation stalls them (measured on the toy pair: a
+    5-token verify took 15 single-token steps at 2 threads, 1.1 at 1)."""
+    if setting in (None, "default"):
+        return
+    n = 1 if setting == "auto" else setting
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"threads={setting!r} must be auto, default or a positive integer")
+    if device.type == "cpu":
+        torch.set_num_threads(n)
+
+
+def run(cfg: DictConfig) -> ValidateResult:
+    """Validate one pair; see the module docstring. Writes report.json and report.md."""
+    t_start = time.perf_counter()
+    out_dir = Path(str(cfg.output_dir)).expanduser().absolute()
+    dcfg = cfg.decoder
+    fixed_gamma, max_gamma = _gamma_setting(dcfg)
+    for key in ("max_new_tokens", "repeats", "batch_size", "step_time_iters"):
+        if not isinstance(cfg.get(key), int) or cfg.get(key) < 1:
+            raise ConfigError(f"{key}={cfg.get(key)!r} must be a positive integer")
+    device = resolve_device(str(cfg.get("device", "auto")))
+    _set_threads(cfg.get("threads", "auto"), device)
+    dtype = parse_dtype(str(cfg.get("dtype", "auto")), device)
+    spec = resolve_pair(cfg.pair)
+    # Check the decoder settings before loading anything heavy.
+    check_decoder_config(decoder_config(dcfg, int(cfg.max_new_tokens), (), fixed_gamma or 1))
+    target, drafter, tok = load_pair(spec, device=device, dtype=dtype)
+    prompts = load_prompts(cfg.dataset, tok, default_split="test")
+    if cfg.get("num_prompts"):
+        prompts = prompts[: int(cfg.num_prompts)]
+    eos = tuple(sorted({i for i in [tok.eos_token_id] if i is not None}))
+    context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
+    room = context - int(cfg.max_new_tokens) - (fixed_gamma or max_gamma) - 2
+    max_prompt = int(cfg.get("max_prompt_tokens") or room)
+    if max_prompt < 1 or max_prompt > room:
+        raise ConfigError(
+            f"max_prompt_tokens={max_prompt}: the context ({context}) leaves {room} prompt tokens "
+            f"after max_new_tokens={cfg.max_new_tokens}; lower max_new_tokens or max_prompt_tokens"
+        )
+    texts = [p.text for p in prompts]
+    batches = _batches(texts, tok, int(cfg.batch_size), max_prompt)
+    warm = _batches(texts[:1], tok, 1, max_prompt)
+    seed = int(cfg.get("seed", 0))
+    notes: list[str] = []
+
+    def make(gamma: int, dc: Any = dcfg) -> SpeculativeDecoder:
+        return SpeculativeDecoder(
+            target,
+            drafter,
+            decoder_config(dc, int(cfg.max_new_tokens), eos, gamma),
+            tokenizer_len=len(tok),
+        )
+
+    # c: drafter vs target single-token step time, measured with the decoder's own caches.
+    probe_dec = make(fixed_gamma or 4)
+    c, verify_cost = measure_c(probe_dec, warm[0][0], int(cfg.step_time_iters), fixed_gamma or 4)
+    gamma = fixed_gamma
+    if gamma is None:  # gamma=auto: a pilot run measures alpha, the speedup model picks gamma
+        _, pilot = _run_all(make(4).generate, batches[: max(1, len(batches) // 4)], seed)
+        gamma = best_gamma(_merge(pilot).alpha, c, max_gamma)
+        notes.append(
+            f"gamma=auto picked {gamma} (pilot alpha {_merge(pilot).alpha:.3f}, c {c:.3f})"
+        )
+    dec = make(gamma)
+    if fixed_gamma is None:  # the verify cost depends on gamma: measure it for the one picked
+        c, verify_cost = measure_c(dec, warm[0][0], int(cfg.step_time_iters), gamma)
+    # Warm-up (untimed), then interleaved timed repeats.
+    _run_all(dec.baseline, warm, seed)
+    _run_all(dec.generate, warm, seed)
+    base_rates, spec_rates = [], []
+    base_out = spec_out = None
+    for rep in range(int(cfg.repeats)):
+        tb, bo = _run_all(dec.baseline, batches, seed + rep)
+        ts, so = _run_all(dec.generate, batches, seed + rep)
+        base_rates.append(sum(len(t) for o in bo for t in o.tokens) / tb)
+        spec_rates.append(sum(len(t) for o in so for t in o.tokens) / ts)
+        if rep == 0:
+            base_out, spec_out = _merge(bo), _merge(so)
+    assert base_out is not None and spec_out is not None
+    greedy = dec.cfg.sampling.greedy
+    mismatched = sum(a != b for a, b in zip(base_out.tokens, spec_out.tokens))
+    lossless = (mismatched == 0 and not dec.cfg.lossy) if greedy else None
+    if not greedy:
+        notes.append("sampling: lossless is distributional (checked by tests), not per token")
+    if dec.cfg.lossy:
+        notes.append(f"LOSSY: lenience={dec.cfg.lenience} < 1 changes the output distribution")
+    if greedy and mismatched and dtype != torch.float32:
+        notes.append(f"{mismatched} sequences differ in {dtype}: near-ties, rerun with dtype=fp32")
+    alpha = spec_out.alpha
+    speedup = statistics.median(spec_rates) / statistics.median(base_rates)
+    theory = theoretical_speedup(min(max(alpha, 0.0), 1.0), gamma, c)
+    by_pos = [a / t if t else 0.0 for a, t in zip(spec_out.accepted_at, spec_out.trials_at)]
+
+    alpha_s = tau_s = None
+    if cfg.get("sampled_alpha", True) and greedy:
+        sampled = OmegaConf.merge(dcfg, {"temperature": 1.0, "top_k": 0, "top_p": 1.0})
+        _, so = _run_all(make(gamma, sampled).generate, batches, seed)
+        alpha_s, tau_s = round(_merge(so).alpha, 4), round(_merge(so).tau, 3)
+    elif not greedy:
+        alpha_s, tau_s = round(alpha, 4), round(spec_out.tau, 3)
+
+    hf = None
+    if cfg.get("hf_assisted", True):
+        hf = hf_assisted_speed(
+            target, drafter, tok, warm, batches, dec.cfg, int(cfg.repeats), base_out
+        )
+        hf["ours_over_hf"] = round(speedup / hf["speedup"], 3)
+
+    result = ValidateResult(
+        output_dir=str(out_dir),
+        target=spec.target,
+        drafter=spec.drafter,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        gamma=gamma,
+        gamma_auto=fixed_gamma is None,
+        temperature=dec.cfg.sampling.temperature,
+        top_k=dec.cfg.sampling.top_k,
+        top_p=dec.cfg.sampling.top_p,
+        lenience=dec.cfg.lenience,
+        lossy=dec.cfg.lossy,
+        batch_size=int(cfg.batch_size),
+        prompts=len(texts),
+        max_new_tokens=int(cfg.max_new_tokens),
+        repeats=int(cfg.repeats),
+        alpha=round(alpha, 4),
+        acceptance_rate=round(spec_out.accepted / max(spec_out.trials, 1), 4),
+        tau=round(spec_out.tau, 3),
+        c=round(c, 4),
+        verify_cost=round(verify_cost, 3),
+        baseline_tokens_per_s=_spread(base_rates),
+        speculative_tokens_per_s=_spread(spec_rates),
+        speedup=round(speedup, 3),
+        theoretical_speedup=round(theory, 3),
+        decoder_efficiency=round(speedup / theory, 3),
+        theoretical_speedup_measured_verify=round(
+            expected_tau(min(max(alpha, 0.0), 1.0), gamma) / (gamma * c + verify_cost), 3
+        ),
+        lossless=lossless,
+        mismatched_sequences=mismatched,
+        acceptance_by_position=[round(x, 4) for x in by_pos],
+        alpha_sampled=alpha_s,
+        tau_sampled=tau_s,
+        hf_assisted=hf,
+        cache="static" if dec.static else "dynamic",
+        compiled=dec.compile,
+        notes=notes,
+        config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+    )
+    result.wall_seconds = round(time.perf_counter() - t_start, 1)
+    atomic_write_json(out_dir / "report.json", result)
+    atomic_write_text(out_dir / "report.md", report_markdown(result))
+    if cfg.get("plot", True):
+        _plot(by_pos, out_dir / "report.png", notes)
+    return result
+
+
+def report_markdown(r: ValidateResult) -> str:
+    """A short side-by-side table (p = target, q = drafter)."""
+    b, s = r.baseline_tokens_per_s, r.speculative_tokens_per_s
+    rows = [
+        (
+            "device / dtype",
+            f"{r.device} / {r.dtype} ({r.cache} cache{', compiled' if r.compiled else ''})",
+        ),
+        ("gamma", f"{r.gamma}{' (auto)' if r.gamma_auto else ''}"),
+        ("temperature / top_k / top_p", f"{r.temperature} / {r.top_k} / {r.top_p}"),
+        ("alpha (measured)", f"{r.alpha}"),
+        ("alpha at temperature 1", f"{r.alpha_sampled}"),
+        ("tau (tokens per target forward)", f"{r.tau} (temperature 1: {r.tau_sampled})"),
+        ("c (drafter / target step time)", f"{r.c}; verify step = {r.verify_cost} target steps"),
+        ("target-only tokens/s", f"{b['median']} (min {b['min']}, max {b['max']})"),
+        ("speculative tokens/s", f"{s['median']} (min {s['min']}, max {s['max']})"),
+        ("speedup (measured)", f"{r.speedup}x"),
+        ("theoretical speedup", f"{r.theoretical_speedup}x"),
+        ("decoder efficiency", f"{r.decoder_efficiency}"),
+        ("theoretical, measured verify cost", f"{r.theoretical_speedup_measured_verify}x"),
+        ("lossless", f"{r.lossless}{' (LOSSY lenience)' if r.lossy else ''}"),
+    ]
+    if r.hf_assisted:
+        h = r.hf_assisted
+        rows.append(
+            (
+                "HF assisted generation",
+                f"{h['speedup']}x ({h['assisted_tokens_per_s']['median']} vs "
+                f"{h['generate_tokens_per_s']['median']} tokens/s; same tokens as ours: {h['same_tokens']})",
+            )
+        )
+        rows.append(("our speedup / HF's", f"{h['ours_over_hf']}"))
+    lines = [
+        f"# Validate: {Path(r.drafter).name} drafting for {Path(r.target).name}",
+        "",
+        f"{r.prompts} prompts x {r.max_new_tokens} new tokens, batch {r.batch_size}, {r.repeats} repeats.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        *[f"| {k} | {v} |" for k, v in rows],
+        "",
+    ]
+    lines += [f"- {n}" for n in r.notes]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(by_pos: list[float], path: Path, notes: list[str]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        notes.append("matplotlib not installed: no report.png")
+        return
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.bar(range(1, len(by_pos) + 1), by_pos)
+    ax.set(xlabel="draft position", ylabel="P(accept | reached)", ylim=(0, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+@hydra.main(config_path="pkg://specdistill.conf", config_name="validate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """CLI: bad input is one clean line on stderr and exit status 2, not a traceback."""
+    r = run_or_exit(run, cfg)
+    print(
+        f"speedup {r.speedup}x (theoretical {r.theoretical_speedup}x, efficiency "
+        f"{r.decoder_efficiency}); alpha {r.alpha}, tau {r.tau}, c {r.c}, gamma {r.gamma}, "
+        f"lossless {r.lossless}: {r.output_dir}/report.json"
+    )
+
+
+if __name__ == "__main__":
+    main()
