@@ -1,0 +1,141 @@
+"""The export's self-check: what a serving stack will rely on, verified on the written files.
+
+Run on the temporary folder before it is published, so a failing export never reaches the
+destination. Any failure is a `ExportCheckError` naming what differs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdistill.data.pairs import PairSpec, load_role
+
+
+class ExportCheckError(RuntimeError):
+    """The written checkpoint does not behave like the drafter it was exported from."""
+
+
+def _fail(what: str) -> None:
+    raise ExportCheckError(f"export self-check failed: {what}")
+
+
+def check_config(
+    config, *, expect_vocab: int, expect_dtype: torch.dtype, min_positions: int | None
+):
+    """architectures, dtype, vocab_size and context length as engines read them."""
+    if not getattr(config, "architectures", None):
+        _fail("config.json has no `architectures`; engines pick the model class from it")
+    if int(config.vocab_size) != expect_vocab:
+        _fail(f"config.json vocab_size {config.vocab_size} != the target's {expect_vocab}")
+    saved = str(getattr(config, "dtype", None) or "").removeprefix("torch.")
+    if saved != str(expect_dtype).removeprefix("torch."):
+        _fail(f"config.json dtype {saved!r} != the exported weights' {expect_dtype}")
+    positions = getattr(config, "max_position_embeddings", None)
+    if min_positions and (positions is None or int(positions) < min_positions):
+        _fail(f"max_position_embeddings {positions} < the validated context {min_positions}")
+
+
+def check_tokenizer(folder: Path, target_tok) -> None:
+    """Vocabulary, special tokens and chat template equal the target's."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    if tok.get_vocab() != target_tok.get_vocab():
+        _fail("the exported tokenizer's vocabulary differs from the target's")
+    for attr in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        if getattr(tok, attr) != getattr(target_tok, attr):
+            _fail(f"tokenizer {attr} {getattr(tok, attr)!r} != {getattr(target_tok, attr)!r}")
+    if sorted(tok.all_special_tokens) != sorted(target_tok.all_special_tokens):
+        _fail("the exported tokenizer's special tokens differ from the target's")
+    if getattr(tok, "chat_template", None) != getattr(target_tok, "chat_template", None):
+        _fail("the exported tokenizer's chat template differs from the target's")
+
+
+def _greedy(target, ids: torch.Tensor, max_new_tokens: int, pad_id: int | None, **kw) -> list[int]:
+    out = target.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_id,
+        **kw,
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def self_check(
+    folder: Path,
+    spec: PairSpec,
+    target_tok,
+    *,
+    prompts: list[str],
+    max_new_tokens: int,
+    device: torch.device,
+    target_dtype: torch.dtype,
+    expect_dtype: torch.dtype,
+    expect_vocab: int,
+    min_positions: int | None,
+    reference_logits: torch.Tensor,
+    probe: torch.Tensor,
+) -> dict[str, Any]:
+    """Reload the export and check it; returns the findings recorded in export.json."""
+    from transformers import AutoModelForCausalLM
+
+    drafter = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto")
+    check_config(
+        drafter.config,
+        expect_vocab=expect_vocab,
+        expect_dtype=expect_dtype,
+        min_positions=min_positions,
+    )
+    if drafter.dtype != expect_dtype:
+        _fail(f"reloaded weights are {drafter.dtype}, expected {expect_dtype}")
+    if int(drafter.get_output_embeddings().weight.shape[0]) != expect_vocab:
+        _fail("the LM head's rows do not match config.json vocab_size")
+    tied = bool(getattr(drafter.config, "tie_word_embeddings", False))
+    same = drafter.get_output_embeddings().weight.data_ptr() == (
+        drafter.get_input_embeddings().weight.data_ptr()
+    )
+    if tied != same:
+        _fail(f"tie_word_embeddings={tied} but the reloaded head and embedding tied={same}")
+    check_tokenizer(folder, target_tok)
+    drafter.eval()
+    with torch.no_grad():
+        logits = drafter(probe).logits[0, :, : reference_logits.shape[-1]].float()
+    drift = float((logits - reference_logits).abs().max())
+    if drift > 1e-4 * max(1.0, float(reference_logits.abs().max())):
+        _fail(f"real-token logits changed by {drift:.3g} after export")
+
+    target = load_role(spec, "target", dtype=target_dtype, device=device)
+    drafter = drafter.to(device)
+    pad = (
+        target_tok.pad_token_id if target_tok.pad_token_id is not None else target_tok.eos_token_id
+    )
+    same_tokens = 0
+    for text in prompts:
+        ids = torch.tensor([target_tok(text, add_special_tokens=False).input_ids], device=device)
+        with torch.no_grad():
+            plain = _greedy(target, ids, max_new_tokens, pad)
+            assisted = _greedy(target, ids, max_new_tokens, pad, assistant_model=drafter)
+        if plain != assisted:
+            _fail(
+                f"generate(assistant_model=drafter) gave {assisted[:12]}... but the target alone "
+                f"{plain[:12]}... on prompt {text[:40]!r}"
+            )
+        same_tokens += len(plain)
+    return {
+        "reloaded": True,
+        "tokenizer_matches_target": True,
+        "assisted_equals_target_greedy": f"{len(prompts)} prompts, {same_tokens} tokens",
+        "max_logit_drift": drift,
+        "tied_embeddings": tied,
+        "max_position_embeddings": int(getattr(drafter.config, "max_position_embeddings", 0)),
+        "min_positions": min_positions,
+        "device": str(device),
+    }

@@ -1,0 +1,208 @@
+"""The export stage: a drafter that plain `transformers` (and serving engines) load as is."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdistill.data.pairs import ConfigError
+from specdistill.distill import export, export_check
+
+PROMPTS = ["def add(a, b):\n    return", "class Stack:\n    def push(self, x):\n"]
+
+
+def _cfg(out: Path, *overrides: str):
+    with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+        return compose(
+            config_name="export",
+            overrides=["pair=toy-tiny", f"output_dir={out}", "check.max_new_tokens=12", *overrides],
+        )
+
+
+def _greedy(target, tok, text: str, n: int = 20, **kw) -> list[int]:
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)
+    out = target.generate(
+        **ids, do_sample=False, max_new_tokens=n, pad_token_id=tok.pad_token_id, **kw
+    )
+    return out[0, ids.input_ids.shape[1] :].tolist()
+
+
+def _resave(src: Path, dst: Path, rows: int, tie: bool) -> Path:
+    """The toy drafter with its vocabulary rows padded/trimmed to `rows` (random padding rows)."""
+    model = AutoModelForCausalLM.from_pretrained(str(src))
+    if not tie:
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    torch.manual_seed(0)
+    model.resize_token_embeddings(rows, mean_resizing=False)
+    model.save_pretrained(str(dst))
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(dst))
+    return dst
+
+
+def test_export_loads_as_assistant_model_and_keeps_target_greedy_output(tmp_path, toy_tiny):
+    out = tmp_path / "drafter"
+    result = export.run(_cfg(out))
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "README.md"} <= names
+    assert {"tokenizer.json", "tokenizer_config.json", "export.json"} <= names
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".drafter")]  # no leftovers
+    # Plain transformers, no specdistill code: the export as assistant_model.
+    target = AutoModelForCausalLM.from_pretrained(str(toy_tiny.target_dir)).eval()
+    drafter = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    tok = AutoTokenizer.from_pretrained(str(out))
+    for text in PROMPTS:
+        plain = _greedy(target, tok, text)
+        assert _greedy(target, tok, text, assistant_model=drafter) == plain
+        assert len(plain) == 20
+    cfg = json.loads((out / "config.json").read_text())
+    tcfg = json.loads((toy_tiny.target_dir / "config.json").read_text())
+    for key in ("vocab_size", "eos_token_id", "pad_token_id", "bos_token_id"):
+        assert cfg[key] == tcfg[key]
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["dtype"] == "float32"
+    assert result.check["tokenizer_matches_target"] is True
+    card = (out / "README.md").read_text()
+    assert "assistant_model" in card and '"method": "draft_model"' in card
+    assert "--speculative-draft-model-path" in card
+
+
+@pytest.mark.parametrize(
+    ("target_rows", "drafter_rows", "tie"),
+    [(512, 576, True), (576, 512, False), (640, 512, True), (576, 640, True)],
+    ids=["trim-tied", "pad-untied", "pad-tied", "both-padded-differently"],
+)
+def test_export_fixes_vocab_size_and_keeps_output(
+    tmp_path, toy_tiny, target_rows, drafter_rows, tie
+):
+    tok = AutoTokenizer.from_pretrained(str(toy_tiny.target_dir))
+    target_dir = toy_tiny.target_dir
+    if target_rows != 512:
+        target_dir = _resave(toy_tiny.target_dir, tmp_path / "target", target_rows, tie=True)
+    source = _resave(toy_tiny.drafter_dir, tmp_path / "src", drafter_rows, tie=tie)
+    out = tmp_path / "out"
+    pair = [
+        "pair.toy=null",
+        f"pair.target={target_dir}",
+        f"pair.tokenizer={toy_tiny.target_dir}",
+        f"pair.drafter={toy_tiny.drafter_dir}",
+    ]
+    result = export.run(_cfg(out, *pair, f"drafter={source}"))
+    assert (result.source_vocab_size, result.vocab_size) == (drafter_rows, target_rows)
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == target_rows
+    exported = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    original = AutoModelForCausalLM.from_pretrained(str(source)).eval()
+    assert exported.lm_head.weight.shape[0] == target_rows
+    tied_now = exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
+    assert tied_now is tie
+    ids = tok(PROMPTS[0], return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        a = exported(ids).logits[0, :, : len(tok)]
+        b = original(ids).logits[0, :, : len(tok)]
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # every real token's logit unchanged
+    if target_rows > drafter_rows:  # new rows are zero: their logit is exactly 0
+        with torch.no_grad():
+            assert float(exported(ids).logits[0, :, drafter_rows:].abs().max()) == 0.0
+    n = len(tok)
+    assert _greedy(exported, tok, PROMPTS[1], suppress_tokens=list(range(n, target_rows))) == (
+        _greedy(original, tok, PROMPTS[1], suppress_tokens=list(range(n, drafter_rows)))
+    )
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir)).eval()
+    assert _greedy(target, tok, PROMPTS[0], assistant_model=exported) == _greedy(
+        target, tok, PROMPTS[0]
+    )
+
+
+def test_unmappable_vocabulary_is_a_config_error(tmp_path, toy_tiny):
+    small = _resave(toy_tiny.drafter_dir, tmp_path / "small", 300, tie=True)
+    with pytest.raises(ConfigError, match=r"^drafter="):
+        export.run(_cfg(tmp_path / "out", f"drafter={small}"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_destination_needs_overwrite_and_publish_is_atomic(
+    tmp_path, toy_tiny, monkeypatch
+):
+    out = tmp_path / "dest"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="output_dir=.*overwrite=true"):
+        export.run(_cfg(out))
+    assert (out / "notes.txt").read_text() == "mine"
+
+    def failing_check(*args, **kwargs):
+        raise export_check.ExportCheckError("export self-check failed: simulated")
+
+    monkeypatch.setattr(export_check, "self_check", failing_check)
+    with pytest.raises(export_check.ExportCheckError):
+        export.run(_cfg(out, "overwrite=true"))
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # untouched by the failure
+    assert [p.name for p in tmp_path.iterdir()] == ["dest"]  # the temp folder is gone
+    monkeypatch.undo()
+    export.run(_cfg(out, "overwrite=true"))
+    assert not (out / "notes.txt").exists() and (out / "config.json").exists()
+
+
+def test_bf16_sharded_export_with_report_figures(tmp_path, toy_tiny):
+    report = {
+        "drafter": str(toy_tiny.drafter_dir),
+        "alpha": 0.61,
+        "alpha_sampled": 0.42,
+        "tau": 2.5,
+        "tau_sampled": 1.9,
+        "gamma": 3,
+        "speedup": 1.23,
+        "theoretical_speedup": 1.5,
+        "c": 0.3,
+        "lossless": True,
+        "device": "cpu",
+        "dtype": "float32",
+        "prompts": 8,
+        "max_new_tokens": 48,
+        "batch_size": 1,
+        "repeats": 3,
+        "hf_assisted": {"speedup": 0.9},
+        "config": {"max_prompt_tokens": 100},
+    }
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    out = tmp_path / "bf16"
+    res = export.run(
+        _cfg(out, "dtype=bf16", "max_shard_size=40KB", f"report={tmp_path / 'report.json'}")
+    )
+    assert (out / "model.safetensors.index.json").exists()
+    assert len(list(out.glob("model-*.safetensors"))) >= 2
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16" and res.dtype == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(str(out), dtype="auto").dtype == torch.bfloat16
+    assert res.check["min_positions"] == 100 + 48 + 3 + 1
+    card = (out / "README.md").read_text()
+    assert "| alpha at temperature 1 (decode-time) | 0.42 |" in card
+    assert "| speedup over target-only decoding (measured) | 1.23 |" in card
+    assert '"num_speculative_tokens": 3' in card and "--speculative-num-steps 3" in card
+
+
+def test_report_of_another_drafter_is_refused(tmp_path, toy_tiny):
+    (tmp_path / "report.json").write_text(
+        json.dumps({"drafter": "/elsewhere", "alpha": 1, "tau": 1, "gamma": 1, "speedup": 1})
+    )
+    with pytest.raises(ConfigError, match="^report="):
+        export.run(_cfg(tmp_path / "out", f"report={tmp_path}"))
+
+
+def test_cli_bad_input_is_one_line_exit_2(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdistill.distill.export", "pair=toy-tiny",
+         f"output_dir={tmp_path / 'o'}", f"drafter={tmp_path / 'missing'}"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: drafter=")
+    assert len(proc.stderr.strip().splitlines()) == 1
