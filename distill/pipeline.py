@@ -1,11 +1,13 @@
-"""The whole pipeline: generate (Seq-KD) -> distill -> validate, on one pair.
+"""The whole pipeline: generate (Seq-KD) -> distill -> validate -> export, on one pair.
 
 Each stage composes its own primary config (`conf/<stage>.yaml`) with the pipeline's pair, the
 run's folders and the overrides under the stage's key, and runs in-process. Stages hand off only
 through paths (generate's output_dir is distill's `data.path`; distill's `drafter_path` is
-validate's `pair.drafter`), so any one of them can also run alone or as a Slurm job. A stage
+validate's `pair.drafter` and export's `drafter`), so any one of them can also run alone or as a Slurm job. A stage
 whose folder holds a completion marker for the same composed config is not run again, so a
 killed pipeline restarted with the same command resumes at the first unfinished stage.
+The run ends with `summary.md` + `report.png` (distill/report.py) and the exported drafter
+under `run_dir/export/drafter`.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.io import atomic_write_json, atomic_write_text, read_json
+from specdistill.data.io import atomic_write_json, read_json
 from specdistill.data.pairs import ConfigError, run_or_exit
+from specdistill.distill.report import summarize, write_report
 
 log = logging.getLogger("specdistill.pipeline")
 
-STAGES = ("generate", "distill", "validate")
+STAGES = ("generate", "distill", "validate", "export")
 DONE = ".stage_done.json"
 
 
@@ -107,6 +110,8 @@ def _stage_runner(stage: str) -> Callable[[DictConfig], Any]:
         from specdistill.distill.train import run
     elif stage == "validate":
         from specdistill.decode.validate import run
+    elif stage == "export":
+        from specdistill.distill.export import run
     else:
         raise ConfigError(f"stages contains {stage!r}; known stages are {', '.join(STAGES)}")
     return run
@@ -162,48 +167,29 @@ def run(cfg: DictConfig) -> PipelineResult:
         if drafter_path:
             vcfg.pair.drafter = drafter_path
         result.stages["validate"] = run_stage("validate", vcfg, out, "report.json")
+    if "export" in stages:
+        # The stage folder holds the marker; the shipped folder holds only the drafter.
+        out = run_dir / "export"
+        extra = [f"output_dir={out / 'drafter'}", "overwrite=true"]
+        if drafter_path:
+            extra.append(format_override("drafter", drafter_path))
+        if "validate" in stages:
+            extra.append(format_override("report", str(run_dir / "validate" / "report.json")))
+        ecfg = compose_stage("export", cfg, extra)
+        result.stages["export"] = run_stage("export", ecfg, out, "drafter/export.json")
 
     result.summary = summarize(result.stages)
     result.wall_seconds = round(time.perf_counter() - t0, 1)
     atomic_write_json(run_dir / "pipeline.json", result)
-    atomic_write_text(run_dir / "summary.md", summary_markdown(result))
+    write_report(run_dir, result.stages, result.wall_seconds)
     return result
 
 
-# Figures worth a line in the summary, by the stage report that holds them.
-_SUMMARY_KEYS = {
-    "distill": ("alpha_before", "alpha_after", "steps", "tokens_per_s", "wall_seconds"),
-    "validate": (
-        "alpha",
-        "tau",
-        "gamma",
-        "c",
-        "speedup",
-        "theoretical_speedup",
-        "decoder_efficiency",
-        "lossless",
-        "device",
-    ),
-}
-
-
-def summarize(stages: dict[str, dict]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for stage, figures in stages.items():
-        keys = _SUMMARY_KEYS.get(stage.removesuffix("_base"), ())
-        for key in keys:
-            if key in figures:
-                out[f"{stage}.{key}"] = figures[key]
-    return out
-
-
 def summary_markdown(result: PipelineResult) -> str:
-    lines = [f"# specdistill run: {result.run_dir}", "", "| figure | value |", "| --- | --- |"]
-    for key, value in result.summary.items():
-        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
-        lines.append(f"| {key} | {shown} |")
-    lines += ["", f"wall time: {result.wall_seconds} s", ""]
-    return "\n".join(lines)
+    """The console's end-of-run table (the same text as summary.md)."""
+    from specdistill.distill.report import summary_markdown as table
+
+    return table(result.run_dir, result.stages, result.wall_seconds)
 
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="pipeline", version_base="1.3")

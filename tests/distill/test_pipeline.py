@@ -26,6 +26,7 @@ FAST = [
     "++validate.repeats=1",
     "++validate.step_time_iters=3",
     "++validate.plot=false",
+    "++export.check.max_new_tokens=8",
 ]
 
 
@@ -37,7 +38,7 @@ def _cfg(run_dir, extra=()):
 def test_pipeline_end_to_end_and_resume(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     result = pipeline.run(_cfg(run_dir))
-    assert set(result.stages) == {"generate", "distill", "validate_base", "validate"}
+    assert set(result.stages) == {"generate", "distill", "validate_base", "validate", "export"}
     distilled = result.stages["distill"]["drafter_path"]
     assert distilled.startswith(str(run_dir / "distill"))
     # validate ran on the distilled drafter, validate_base on the toy's base drafter
@@ -49,7 +50,24 @@ def test_pipeline_end_to_end_and_resume(tmp_path, monkeypatch):
     assert 1.0 <= report["tau"] <= report["gamma"] + 1
     summary = read_json(run_dir / "pipeline.json")["summary"]
     assert summary["distill.alpha_before"] == result.stages["distill"]["alpha_before"]
-    assert (run_dir / "summary.md").read_text().startswith("# specdistill run")
+    # The run ends with the distilled drafter exported (self-checked) and a side-by-side report.
+    exported = run_dir / "export" / "drafter"
+    assert result.stages["export"]["drafter"] == distilled
+    assert result.stages["export"]["check"]["tokenizer_matches_target"] is True
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= {
+        p.name for p in exported.iterdir()
+    }
+    assert summary["exported_drafter"] == str(exported.absolute())
+    assert "assistant_model" in summary["export.usage"]
+    text = (run_dir / "summary.md").read_text()
+    assert text.startswith("# specdistill run")
+    assert "| figure | how measured | base drafter | distilled drafter |" in text
+    alpha_row = (
+        f"| alpha, greedy | decode-time acceptance | {base['alpha']:.3g} | {report['alpha']:.3g} |"
+    )
+    assert alpha_row in text
+    assert "held-out alpha, temperature 1" in text and str(exported.absolute()) in text
+    assert (run_dir / "report.png").stat().st_size > 1000
 
     # A rerun with the same config finds every stage done and runs none of them.
     def boom(stage):
