@@ -63,6 +63,7 @@ def export_pretrained(accelerator, model, tokenizer, path: Path) -> Path:
     path = Path(path)
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
+        state = _share_tied(accelerator.unwrap_model(model), state)
         tmp = path.with_name(f".{path.name}.tmp")
         old = path.with_name(f".{path.name}.old")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -77,3 +78,14 @@ def export_pretrained(accelerator, model, tokenizer, path: Path) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return path
+
+
+def _share_tied(module, state: dict[str, Any]) -> dict[str, Any]:
+    """Point tied parameters' entries at one tensor again (DeepSpeed's gathered state dict
+    clones them), so save_pretrained drops the duplicates exactly as in a plain run."""
+    first: dict[int, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(param), name)
+        if owner != name and owner in state and name in state:
+            state[name] = state[owner]
+    return state

@@ -24,6 +24,7 @@ from specdistill.data.pairs import (
     vocab_size,
 )
 from specdistill.data.prompts import load_prompts
+from specdistill.distill import zero
 from specdistill.distill.data import Example, has_topk, load_seqkd, reference_examples
 from specdistill.distill.losses import DIVERGENCES
 
@@ -51,11 +52,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"mixed_precision={cfg.mixed_precision!r}: use auto, no, bf16 or fp16")
     if cfg.eval.source not in ("reference", "path"):
         raise ConfigError(f"eval.source={cfg.eval.source!r}: use reference or path")
-    if cfg.deepspeed.enabled and not use_cuda(cfg):
-        raise ConfigError(
-            "deepspeed.enabled=true (deepspeed=zero2/zero3) needs a CUDA GPU and none is visible "
-            "(or device=cpu): use deepspeed=none"
-        )
+    zero.check_deepspeed(cfg, use_cuda(cfg))
     if cfg.optim.schedule not in ("cosine", "linear", "constant"):
         raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: use cosine, linear or constant")
 
@@ -67,25 +64,18 @@ def use_cuda(cfg: DictConfig) -> bool:
 def make_accelerator(cfg: DictConfig):
     """accelerate handles devices and processes; our own loop does the accumulation (so the
     loss can be normalised by the window's tokens), except under DeepSpeed, whose engine must
-    own the accumulation boundary."""
+    own the accumulation boundary (see `zero`)."""
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin
 
     mp = cfg.mixed_precision
     if mp == "auto":
         mp = "bf16" if use_cuda(cfg) else "no"
     kwargs: dict[str, Any] = {"mixed_precision": mp, "cpu": not use_cuda(cfg)}
-    if cfg.deepspeed.enabled:
-        ds = OmegaConf.to_container(cfg.deepspeed.config, resolve=True)
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
-            hf_ds_config=ds,
-            gradient_accumulation_steps=int(cfg.grad_accum),
-            gradient_clipping=cfg.optim.max_grad_norm,
-        )
-        kwargs["gradient_accumulation_steps"] = int(cfg.grad_accum)
     if cfg.logger.name == "wandb":
         kwargs["log_with"] = "wandb"
         kwargs["project_dir"] = str(cfg.output_dir)
+    if cfg.deepspeed.enabled:
+        return zero.make_deepspeed_accelerator(cfg, use_cuda(cfg), kwargs)
     return Accelerator(**kwargs)
 
 

@@ -1,7 +1,7 @@
 """The distill stage: train the drafter q towards the frozen target p (DistillSpec / GKD).
 
     python -m specdistill.distill.train pair=toy-tiny output_dir=DIR max_steps=50
-    accelerate launch --num_processes 2 --cpu -m specdistill.distill.train ... grad_accum=1
+    torchrun --nproc_per_node 2 -m specdistill.distill.train ... [deepspeed=zero2|zero3]
 
 Data sources mix (Seq-KD rows, reference completions, on-policy drafter samples with
 probability `lmbda` per micro-batch); the target runs on the fly (frozen, no grad) unless the
@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from specdistill.data.io import atomic_write_json
 from specdistill.data.pairs import ConfigError, load_role, load_tokenizer, resolve_pair, run_or_exit
 from specdistill.distill import checkpoint as ckpt
-from specdistill.distill import setup
+from specdistill.distill import setup, zero
 from specdistill.distill.data import StreamSpec, collate, is_onpolicy, micro_seed, sample_onpolicy
 from specdistill.distill.evaluate import evaluate
 from specdistill.distill.losses import distill_loss
@@ -124,7 +124,7 @@ def run(cfg: DictConfig) -> DistillResult:
     accelerator.register_for_checkpointing(sched)
     setup.init_logger(accelerator, cfg)
     ds_on = bool(cfg.deepspeed.enabled)
-    zero3 = ds_on and int(cfg.deepspeed.config.zero_optimization.stage) == 3
+    zero3 = zero.zero_stage(cfg) == 3
     A = int(cfg.grad_accum)
     stream = StreamSpec(len(train_examples), int(cfg.micro_batch_size), world, A, int(cfg.seed))
 
@@ -184,19 +184,21 @@ def run(cfg: DictConfig) -> DistillResult:
         for a in range(A):
             g = stream.global_micro_index(step, a, rank)
             exs = [train_examples[i] for i in stream.indices(g)]
-            coin = step * A + a if zero3 else g  # ZeRO-3 generation must run on all ranks at once
-            onp = is_onpolicy(int(cfg.seed), coin, lmbda)
-            if onp:
-                exs = sample_onpolicy(
+            onp = is_onpolicy(int(cfg.seed), g, lmbda)
+            # ZeRO-3: a forward gathers shards from every rank, so when any rank of this slot
+            # is on-policy all of them generate together (and the others drop their samples).
+            if onp or (zero3 and zero.any_rank_onpolicy(stream, step, a, int(cfg.seed), lmbda)):
+                sampled = sample_onpolicy(
                     accelerator.unwrap_model(model),
                     exs,
                     pad_id=pad_id,
                     eos_id=tok.eos_token_id,
                     max_new_tokens=int(cfg.onpolicy.max_new_tokens),
                     temperature=float(cfg.onpolicy.temperature),
-                    seed=micro_seed(int(cfg.seed), coin),
+                    seed=micro_seed(int(cfg.seed), g),
                     synced_gpus=zero3,
                 )
+                exs = sampled if onp else exs
             window.append((collate(exs, pad_id, int(cfg.max_seq_len)), onp))
         n_local = sum(int(b["loss_mask"].sum()) for b, _ in window)
         n_window = int(accelerator.reduce(torch.tensor(n_local, device=device), "sum"))
@@ -206,8 +208,14 @@ def run(cfg: DictConfig) -> DistillResult:
         loss_sum = torch.zeros((), device=device)
         for a, (batch, onp) in enumerate(window):
             batch = {k: v.to(device) for k, v in batch.items()}
-            sync = ds_on or a == A - 1
-            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+            if ds_on:  # the engine's accumulation boundary comes from accelerate's counter
+                boundary = accelerator.accumulate(model)
+            else:
+                sync = a == A - 1
+                boundary = contextlib.nullcontext() if sync else accelerator.no_sync(model)
+            with boundary:
+                if ds_on and accelerator.sync_gradients != (a == A - 1):
+                    raise RuntimeError(f"DeepSpeed accumulation boundary out of step at {step}/{a}")
                 with accelerator.autocast():
                     logits = model(
                         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
@@ -235,6 +243,8 @@ def run(cfg: DictConfig) -> DistillResult:
         grad_norm = None
         if cfg.optim.max_grad_norm is not None and not ds_on:
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+        elif ds_on:  # the engine clipped (and stepped) at the boundary; its pre-clip norm
+            grad_norm = accelerator.deepspeed_engine_wrapped.get_global_grad_norm()
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

@@ -88,7 +88,6 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(
         (["lmbda=1.5"], "lmbda"),
         (["loss.beta=-0.1"], "loss.beta"),
         (["data.path=/nonexistent/seqkd"], "data.path"),
-        (["deepspeed=zero2"], "deepspeed"),
         (["data.seq_kd=false"], "data.path"),
     ],
 )
