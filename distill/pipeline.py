@@ -1,4 +1,4 @@
-"""The whole pipeline: generate (Seq-KD) -> distill -> validate, on one pair.
+"""The whole pipeline: generate (Seq-KD) -> distill -> [online] -> validate, on one pair.
 
 Each stage composes its own primary config (`conf/<stage>.yaml`) with the pipeline's pair, the
 run's folders and the overrides under the stage's key, and runs in-process. Stages hand off only
@@ -27,7 +27,7 @@ from specdistill.data.pairs import ConfigError, run_or_exit
 
 log = logging.getLogger("specdistill.pipeline")
 
-STAGES = ("generate", "distill", "validate")
+STAGES = ("generate", "distill", "online", "validate")
 DONE = ".stage_done.json"
 
 
@@ -105,6 +105,8 @@ def _stage_runner(stage: str) -> Callable[[DictConfig], Any]:
         from specdistill.data.generate import run
     elif stage == "distill":
         from specdistill.distill.train import run
+    elif stage == "online":
+        from specdistill.distill.online import run
     elif stage == "validate":
         from specdistill.decode.validate import run
     else:
@@ -152,6 +154,13 @@ def run(cfg: DictConfig) -> PipelineResult:
         dcfg = compose_stage("distill", cfg, extra)
         result.stages["distill"] = run_stage("distill", dcfg, out, "result.json")
         drafter_path = result.stages["distill"]["drafter_path"]
+    if "online" in stages:  # adapt the (distilled) drafter on the stream; validate the result
+        out = run_dir / "online"
+        ocfg = compose_stage("online", cfg, [f"output_dir={out}", seed])
+        if drafter_path:
+            ocfg.pair.drafter = drafter_path
+        result.stages["online"] = run_stage("online", ocfg, out, "result.json")
+        drafter_path = result.stages["online"]["drafter_path"]
     if "validate" in stages:
         if drafter_path and cfg.get("validate_base", True):
             out = run_dir / "validate_base"
