@@ -49,6 +49,9 @@ def format_override(key: str, value: Any) -> str:
         return f"{key}={value}"
     if isinstance(value, list | tuple):
         return f"{key}=[{','.join(format_override('x', v)[2:] for v in value)}]"
+    if isinstance(value, dict):  # e.g. the items of online's `stream` list
+        items = (f"{k}:{format_override('x', v)[2:]}" for k, v in value.items())
+        return f"{key}={{{','.join(items)}}}"
     text = str(value)
     if text and all(c.isalnum() or c in "_-./" for c in text):
         return f"{key}={text}"
