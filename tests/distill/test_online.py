@@ -145,9 +145,18 @@ def test_buffer_is_bounded_in_tokens_oldest_out():
     assert restored.tokens == 10 and restored.nbytes == buf2.nbytes
 
 
-def test_greedy_serving_is_token_identical_with_and_without_updates(tmp_path, toy_tiny_pair):
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_greedy_serving_is_token_identical_with_and_without_updates(
+    tmp_path, toy_tiny_pair, batch_size
+):
     """Updates change the drafter (and alpha), never the output: it is the target's greedy."""
-    cfg = online_cfg(tmp_path, "log_tokens=true", "optim.optimizer.lr=1e-2", "guard_every=0")
+    cfg = online_cfg(
+        tmp_path,
+        "log_tokens=true",
+        "optim.optimizer.lr=1e-2",
+        "guard_every=0",
+        f"batch_size={batch_size}",
+    )
     result = online.run(cfg)
     assert result.updates == 4
     rows = [json.loads(x) for x in (tmp_path / "outputs.jsonl").read_text().splitlines()]
