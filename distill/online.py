@@ -22,10 +22,7 @@ import copy
 import dataclasses
 import logging
 import os
-import shutil
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +54,7 @@ from specdistill.distill.online_stream import (
     plan_requests,
 )
 from specdistill.distill.online_update import Updater
+from specdistill.distill.online_util import StopOnSignal, export_atomic, left_pad, set_threads
 
 log = logging.getLogger("specdistill.online")
 STATE_FILE = "online_state.pt"
@@ -88,53 +86,8 @@ class OnlineResult:
     config: dict[str, Any] = field(default_factory=dict)
 
 
-def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for j, r in enumerate(rows):
-        ids[j, width - len(r) :] = torch.tensor(r)
-        mask[j, width - len(r) :] = 1
-    return ids, mask
-
-
-def _export(drafter, tok, path: Path) -> None:
-    """save_pretrained into a temp folder renamed over `path`: never half a checkpoint."""
-    tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    drafter.save_pretrained(str(tmp), safe_serialization=True)
-    tok.save_pretrained(str(tmp))
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _entry_rows(entries: list[Entry]) -> list[tuple]:
     return [(e.request, e.ids, e.positions, e.topk_ids, e.topk_lp) for e in entries]
-
-
-class _Stop:
-    """SIGINT/SIGTERM set a flag; the loop checkpoints after the current batch and exits."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> _Stop:
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        log.warning("signal %d: checkpointing after the current batch", signum)
-        self.signum = signum
-
-    def __exit__(self, *exc) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 class OnlineRun:
@@ -165,7 +118,7 @@ class OnlineRun:
         return torch.Generator().manual_seed(int(self.cfg.seed) * 1_000_003 + first_request)
 
     def _decode(self, dec: SpeculativeDecoder, first: int, rows: list[list[int]]):
-        ids, mask = _left_pad(rows, self.tok.pad_token_id)
+        ids, mask = left_pad(rows, self.tok.pad_token_id)
         t = time.perf_counter()
         out = dec.generate(ids, mask, generator=self._seed(first))
         return out, time.perf_counter() - t
@@ -280,17 +233,8 @@ class OnlineRun:
         tmp = self.out / f".{STATE_FILE}.tmp"
         torch.save(self.state_dict(fp), tmp)
         os.replace(tmp, self.out / STATE_FILE)
-        _export(self.updater.drafter, self.tok, self.out / "drafter")
+        export_atomic(self.updater.drafter, self.tok, self.out / "drafter")
         write_jsonl(self.out / "online.jsonl", self.rows)
-
-
-def _set_threads(setting: Any, device: torch.device) -> None:
-    """`auto`: one CPU thread (small decode steps stall on a second thread of a shared CPU)."""
-    n = 1 if setting == "auto" else setting
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"threads={setting!r} must be auto or a positive integer")
-    if device.type == "cpu":
-        torch.set_num_threads(n)
 
 
 def _logger(cfg: DictConfig, device: torch.device):
@@ -312,7 +256,7 @@ def run(cfg: DictConfig) -> OnlineResult:
     segments = check_config(cfg)
     out = Path(str(cfg.output_dir)).expanduser().absolute()
     device = resolve_device(str(cfg.device))
-    _set_threads(cfg.threads, device)
+    set_threads(cfg.threads, device)
     dtype = parse_dtype(str(cfg.dtype), device)
     spec = resolve_pair(cfg.pair)
     tok = load_tokenizer(spec)
@@ -357,7 +301,7 @@ def run(cfg: DictConfig) -> OnlineResult:
     tracker = _logger(cfg, device)
     bounds, labels = boundaries(segments), [s.label for s in segments]
     update_every, window = int(cfg.update_every), int(cfg.window)
-    with _Stop() as stop:
+    with StopOnSignal() as stop:
         while job.pos < len(plan) and stop.signum is None:
             job.serve_batch()
             updated = job.pos % update_every == 0

@@ -14,6 +14,7 @@ from specdistill.distill import online
 from specdistill.distill.losses import DIVERGENCES, distill_loss
 from specdistill.distill.online_buffer import Entry, ReplayBuffer, entries_from_output
 from specdistill.distill.online_update import buffer_batch, buffer_loss
+from specdistill.distill.online_util import left_pad
 
 SMALL = [
     "pair=toy-tiny",
@@ -39,7 +40,7 @@ def _decode(pair, texts, record="all", k=None, sampling=None, seed=0):
     """Decode `texts` as one left-padded batch with recorded target probabilities."""
     target, drafter, tok = pair
     rows = [tok(t, add_special_tokens=False).input_ids[-40:] for t in texts]
-    ids, mask = online._left_pad(rows, tok.pad_token_id)
+    ids, mask = left_pad(rows, tok.pad_token_id)
     kw = {"sampling": sampling} if sampling is not None else {}
     cfg = DecoderConfig(gamma=3, max_new_tokens=20, record_probs=True, **kw)
     dec = SpeculativeDecoder(target, drafter, cfg, tokenizer_len=len(tok))
