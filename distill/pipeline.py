@@ -1,4 +1,4 @@
-"""The whole pipeline: generate (Seq-KD) -> distill -> validate -> export, on one pair.
+"""The whole pipeline: generate (Seq-KD) -> distill -> [online] -> validate -> export, on one pair.
 
 Each stage composes its own primary config (`conf/<stage>.yaml`) with the pipeline's pair, the
 run's folders and the overrides under the stage's key, and runs in-process. Stages hand off only
@@ -30,7 +30,7 @@ from specdistill.distill.report import summarize, write_report
 
 log = logging.getLogger("specdistill.pipeline")
 
-STAGES = ("generate", "distill", "validate", "export")
+STAGES = ("generate", "distill", "online", "validate", "export")
 DONE = ".stage_done.json"
 
 
@@ -52,6 +52,9 @@ def format_override(key: str, value: Any) -> str:
         return f"{key}={value}"
     if isinstance(value, list | tuple):
         return f"{key}=[{','.join(format_override('x', v)[2:] for v in value)}]"
+    if isinstance(value, dict):  # e.g. the items of online's `stream` list
+        items = (f"{k}:{format_override('x', v)[2:]}" for k, v in value.items())
+        return f"{key}={{{','.join(items)}}}"
     text = str(value)
     if text and all(c.isalnum() or c in "_-./" for c in text):
         return f"{key}={text}"
@@ -98,8 +101,8 @@ def compose_stage(stage: str, cfg: DictConfig, overrides: list[str]) -> DictConf
     return stage_cfg
 
 
-def _fingerprint(stage_cfg: DictConfig) -> str:
-    text = OmegaConf.to_yaml(stage_cfg, resolve=True, sort_keys=True)
+def _fingerprint(stage_cfg: DictConfig, after: str = "") -> str:
+    text = OmegaConf.to_yaml(stage_cfg, resolve=True, sort_keys=True) + after
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -108,6 +111,8 @@ def _stage_runner(stage: str) -> Callable[[DictConfig], Any]:
         from specdistill.data.generate import run
     elif stage == "distill":
         from specdistill.distill.train import run
+    elif stage == "online":
+        from specdistill.distill.online import run
     elif stage == "validate":
         from specdistill.decode.validate import run
     elif stage == "export":
@@ -117,19 +122,27 @@ def _stage_runner(stage: str) -> Callable[[DictConfig], Any]:
     return run
 
 
-def run_stage(stage: str, stage_cfg: DictConfig, out_dir: Path, result_file: str) -> dict:
-    """Run one stage unless its folder says it already finished with this exact config."""
+def run_stage(
+    stage: str, stage_cfg: DictConfig, out_dir: Path, result_file: str, after: str = ""
+) -> tuple[dict, str]:
+    """Run one stage unless its folder says it already finished with this exact config.
+
+    `after` is the fingerprint of the stage(s) whose output this one reads: a stage's own config
+    names its input by path only, so without it a re-run upstream (say, more distill steps into
+    the same folder) would leave validate and export skipped with stale results. Returns the
+    stage's result and its fingerprint, which downstream stages pass on as their `after`.
+    """
     marker = out_dir / DONE
-    fp = _fingerprint(stage_cfg)
+    fp = _fingerprint(stage_cfg, after)
     if marker.exists() and read_json(marker).get("fingerprint") == fp:
         log.info("[%s] already done in %s; skipping", stage, out_dir)
-        return read_json(out_dir / result_file)
+        return read_json(out_dir / result_file), fp
     log.info("[%s] running -> %s", stage, out_dir)
     t0 = time.perf_counter()
     _stage_runner(stage)(stage_cfg)
     result = read_json(out_dir / result_file)
     atomic_write_json(marker, {"fingerprint": fp, "seconds": round(time.perf_counter() - t0, 1)})
-    return result
+    return result, fp
 
 
 def run(cfg: DictConfig) -> PipelineResult:
@@ -144,10 +157,11 @@ def run(cfg: DictConfig) -> PipelineResult:
 
     data_path: str | None = None
     drafter_path: str | None = None
+    data_fp = drafter_fp = report_fp = ""  # fingerprints of what later stages read
     if "generate" in stages:
         out = run_dir / "generate"
         gcfg = compose_stage("generate", cfg, [f"output_dir={out}", seed])
-        result.stages["generate"] = run_stage("generate", gcfg, out, "result.json")
+        result.stages["generate"], data_fp = run_stage("generate", gcfg, out, "result.json")
         data_path = str(out)
     if "distill" in stages:
         out = run_dir / "distill"
@@ -155,18 +169,31 @@ def run(cfg: DictConfig) -> PipelineResult:
         if data_path:
             extra.append(format_override("data.path", data_path))
         dcfg = compose_stage("distill", cfg, extra)
-        result.stages["distill"] = run_stage("distill", dcfg, out, "result.json")
+        result.stages["distill"], drafter_fp = run_stage(
+            "distill", dcfg, out, "result.json", after=data_fp
+        )
         drafter_path = result.stages["distill"]["drafter_path"]
+    if "online" in stages:  # adapt the (distilled) drafter on the stream; validate the result
+        out = run_dir / "online"
+        ocfg = compose_stage("online", cfg, [f"output_dir={out}", seed])
+        if drafter_path:
+            ocfg.pair.drafter = drafter_path
+        result.stages["online"], drafter_fp = run_stage(
+            "online", ocfg, out, "result.json", after=drafter_fp
+        )
+        drafter_path = result.stages["online"]["drafter_path"]
     if "validate" in stages:
         if drafter_path and cfg.get("validate_base", True):
             out = run_dir / "validate_base"
             vcfg = compose_stage("validate", cfg, [f"output_dir={out}", seed])
-            result.stages["validate_base"] = run_stage("validate", vcfg, out, "report.json")
+            result.stages["validate_base"], _ = run_stage("validate", vcfg, out, "report.json")
         out = run_dir / "validate"
         vcfg = compose_stage("validate", cfg, [f"output_dir={out}", seed])
         if drafter_path:
             vcfg.pair.drafter = drafter_path
-        result.stages["validate"] = run_stage("validate", vcfg, out, "report.json")
+        result.stages["validate"], report_fp = run_stage(
+            "validate", vcfg, out, "report.json", after=drafter_fp
+        )
     if "export" in stages:
         # The stage folder holds the marker; the shipped folder holds only the drafter.
         out = run_dir / "export"
@@ -176,7 +203,9 @@ def run(cfg: DictConfig) -> PipelineResult:
         if "validate" in stages:
             extra.append(format_override("report", str(run_dir / "validate" / "report.json")))
         ecfg = compose_stage("export", cfg, extra)
-        result.stages["export"] = run_stage("export", ecfg, out, "drafter/export.json")
+        result.stages["export"], _ = run_stage(
+            "export", ecfg, out, "drafter/export.json", after=drafter_fp + report_fp
+        )
 
     result.summary = summarize(result.stages)
     result.wall_seconds = round(time.perf_counter() - t0, 1)

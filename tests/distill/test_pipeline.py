@@ -77,6 +77,13 @@ def test_pipeline_end_to_end_and_resume(tmp_path, monkeypatch):
     again = pipeline.run(_cfg(run_dir))
     assert again.stages["distill"] == result.stages["distill"]
 
+    # A changed distill re-runs what reads its output (validate, export), not what comes before
+    # it or the base drafter's validation. (The stand-in runner leaves the old result files.)
+    ran: list[str] = []
+    monkeypatch.setattr(pipeline, "_stage_runner", lambda stage: lambda cfg: ran.append(stage))
+    pipeline.run(_cfg(run_dir, ["++distill.max_steps=5"]))
+    assert ran == ["distill", "validate", "export"]
+
 
 def test_pipeline_rejects_unknown_stage(tmp_path):
     with pytest.raises(pipeline.ConfigError, match="stages"):

@@ -1,0 +1,97 @@
+"""Checks of the online stage's config: every bad setting named before any model loads."""
+
+from __future__ import annotations
+
+import hashlib
+
+from omegaconf import DictConfig, OmegaConf
+
+from specdistill.data.pairs import ConfigError
+from specdistill.decode.speculative import check_decoder_config
+from specdistill.decode.validate import decoder_config
+from specdistill.distill.losses import DIVERGENCES
+from specdistill.distill.online_buffer import RECORD_MODES
+from specdistill.distill.online_stream import Segment, parse_stream
+
+_POSITIVE = (
+    "batch_size",
+    "max_new_tokens",
+    "max_prompt_tokens",
+    "window",
+    "topk",
+    "buffer_tokens",
+    "update_every",
+    "update_steps",
+    "update_batch",
+    "save_every",
+)
+# Settings that do not change what a run computes: a resumed run may change them.
+_RUN_ONLY = ("resume", "output_dir", "logger", "device", "threads", "plot", "hydra")
+
+
+def _int(cfg: DictConfig, key: str) -> int:
+    value = OmegaConf.select(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}={value!r} must be an integer")
+    return value
+
+
+def check_config(cfg: DictConfig) -> list[Segment]:
+    """The stream's segments, once every setting is known to be usable."""
+    for key in _POSITIVE:
+        if _int(cfg, key) <= 0:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be a positive integer")
+    segments = parse_stream(cfg.stream)
+    b = int(cfg.batch_size)
+    for key in ("window", "update_every"):
+        if int(cfg[key]) % b:
+            raise ConfigError(f"{key}={cfg[key]} must be a multiple of batch_size={b}")
+    if _int(cfg, "stream_blend") < 0:
+        raise ConfigError(f"stream_blend={cfg.stream_blend} must be >= 0 (0: sharp shifts)")
+    if cfg.record not in RECORD_MODES:
+        raise ConfigError(f"record={cfg.record!r}: use one of {', '.join(RECORD_MODES)}")
+    if _int(cfg, "guard_every") < 0:
+        raise ConfigError(f"guard_every={cfg.guard_every} must be >= 0 (0: no guard)")
+    if int(cfg.guard_every) > 0:
+        probe = _int(cfg, "guard_probe")
+        if probe <= 0 or probe > int(cfg.update_every) or probe % b:
+            raise ConfigError(
+                f"guard_probe={probe} must be a positive multiple of batch_size={b} and at most "
+                f"update_every={cfg.update_every} (the probe is the latest traffic)"
+            )
+    if not float(cfg.guard_margin) >= 0:
+        raise ConfigError(f"guard_margin={cfg.guard_margin} must be >= 0")
+    if cfg.loss.name not in DIVERGENCES:
+        raise ConfigError(f"loss.name={cfg.loss.name!r} is not one of {', '.join(DIVERGENCES)}")
+    if not 0.0 <= float(cfg.loss.beta) <= 1.0:
+        raise ConfigError(f"loss.beta={cfg.loss.beta} must lie in [0, 1]")
+    if float(cfg.loss.temperature) != 1.0:
+        raise ConfigError(
+            f"loss.temperature={cfg.loss.temperature}: online updates train on the target's "
+            "temperature-1 probabilities from verification; set loss.temperature=1"
+        )
+    if cfg.optim.schedule not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: use cosine, linear or constant")
+    if cfg.decoder.get("gamma") == "auto":
+        raise ConfigError("decoder.gamma=auto is not supported online: set an integer gamma")
+    check_decoder_config(decoder_config(cfg.decoder, int(cfg.max_new_tokens), (), 1))
+    check_decoder_config(
+        decoder_config(cfg.decoder, int(cfg.max_new_tokens), (), int(cfg.decoder.gamma))
+    )
+    return segments
+
+
+def check_topk(cfg: DictConfig, vocab: int) -> None:
+    if int(cfg.topk) > vocab:
+        raise ConfigError(
+            f"topk={cfg.topk} is larger than the vocabulary ({vocab} tokens): use topk <= {vocab}"
+        )
+
+
+def fingerprint(cfg: DictConfig, plan_fp: str) -> str:
+    """What a resumed run must share with the run it continues."""
+    keep = {
+        k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in _RUN_ONLY
+    }
+    text = OmegaConf.to_yaml(OmegaConf.create(keep), sort_keys=True) + plan_fp
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,70 @@
+"""Small serving helpers of the online stage: padding, atomic export, signals, threads."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdistill.data.pairs import ConfigError
+
+log = logging.getLogger("specdistill.online")
+
+
+def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for j, r in enumerate(rows):
+        ids[j, width - len(r) :] = torch.tensor(r)
+        mask[j, width - len(r) :] = 1
+    return ids, mask
+
+
+def export_atomic(drafter, tok, path: Path) -> None:
+    """save_pretrained into a temp folder renamed over `path`: never half a checkpoint."""
+    tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    drafter.save_pretrained(str(tmp), safe_serialization=True)
+    tok.save_pretrained(str(tmp))
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class StopOnSignal:
+    """SIGINT/SIGTERM set a flag; the loop checkpoints after the current batch and exits."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        log.warning("signal %d: checkpointing after the current batch", signum)
+        self.signum = signum
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def set_threads(setting: Any, device: torch.device) -> None:
+    """`auto`: one CPU thread (small decode steps stall on a second thread of a shared CPU)."""
+    n = 1 if setting == "auto" else setting
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"threads={setting!r} must be auto or a positive integer")
+    if device.type == "cpu":
+        torch.set_num_threads(n)
