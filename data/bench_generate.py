@@ -205,6 +205,7 @@ def _bench_vllm(
     )
     return {
         "engine_start_seconds": round(start_s, 1),
+        "threads": torch.get_num_threads(),
         "seconds": round(secs, 3),
         "tokens": tokens,
         "tokens_per_s": round(tokens / secs, 1),

