@@ -131,6 +131,29 @@ def topk_logprobs(
     return results
 
 
+def completion_row(
+    tokenizer: Any,
+    p: PreparedPrompt,
+    sample_index: int,
+    completion: list[int],
+    reason: str,
+    top: tuple[list[list[int]], list[list[float]]] | None,
+) -> dict[str, Any]:
+    """One dataset row, the same whichever engine generated it (hf here, or vLLM)."""
+    row = {
+        "prompt_index": p.index,
+        "sample_index": sample_index,
+        "prompt": p.text,
+        "prompt_ids": p.ids,
+        "completion": tokenizer.decode(completion, skip_special_tokens=True),
+        "completion_ids": completion,
+        "finish_reason": reason,
+    }
+    if top is not None:
+        row["topk_ids"], row["topk_logprobs"] = top
+    return row
+
+
 def generate_rows(
     model: Any,
     tokenizer: Any,
@@ -161,18 +184,7 @@ def generate_rows(
             else [None] * len(outs)
         )
         for (p, j), (completion, reason), top in zip(pairs, outs, scored):
-            row = {
-                "prompt_index": p.index,
-                "sample_index": j,
-                "prompt": p.text,
-                "prompt_ids": p.ids,
-                "completion": tokenizer.decode(completion, skip_special_tokens=True),
-                "completion_ids": completion,
-                "finish_reason": reason,
-            }
-            if top is not None:
-                row["topk_ids"], row["topk_logprobs"] = top
-            rows.append(row)
+            rows.append(completion_row(tokenizer, p, j, completion, reason, top))
         new = sum(len(c) for c, _ in outs)
         tokens += new
         on_batch(len(outs), new)

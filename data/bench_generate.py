@@ -7,6 +7,9 @@ calls `model.generate` on each unpadded prompt alone; the stage's path (`generat
 sorted, left-padded batches) runs at each of `bench.batch_sizes`. Tokens are the completion
 tokens kept (through the first EOS), so padding a batch keeps decoding never counts as output.
 Greedy runs also check that every batch size reproduces the baseline's tokens exactly.
+With `bench.backends=[hf,vllm]` the vLLM backend runs the same prompts too (one engine, all
+prompts submitted at once: continuous batching), after a warm-up, beside the hf numbers; greedy
+runs report the share of its completions token-identical to the baseline's.
 Prints a table and writes `bench.output` (JSON).
 """
 
@@ -22,6 +25,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from specdistill.data import vllm_backend
 from specdistill.data.batched import (
     PreparedPrompt,
     Sampling,
@@ -86,6 +90,12 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"bench.batch_sizes={sizes} must be positive integers, e.g. [1,8,32]")
     if int(bench.num_prompts) <= 0:
         raise ConfigError(f"bench.num_prompts={bench.num_prompts} must be positive, e.g. 64")
+    backends = [str(b) for b in bench.get("backends", ["hf"])]
+    if not set(backends) <= set(vllm_backend.BACKENDS) or "hf" not in backends:
+        raise ConfigError(f"bench.backends={backends} must be [hf] or [hf,vllm]")
+    engine_settings = vllm_backend.check_engine_settings(cfg.vllm) if "vllm" in backends else None
+    if engine_settings is not None:
+        vllm_backend.require_vllm()
     spec = resolve_pair(cfg.pair)
     device = resolve_device(str(cfg.device))
     dtype = parse_dtype(str(cfg.dtype), device)
@@ -129,6 +139,21 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
                 r["completion_ids"] == reference[r["prompt_index"]] for r in rows
             )
         rows_out.append(entry)
+    vllm_entry = None
+    if engine_settings is not None:
+        vllm_entry = _bench_vllm(cfg, spec, s, dtype, model, tokenizer, prepared, engine_settings)
+        vllm_entry["ratio_vs_one_at_a_time"] = round(
+            vllm_entry["tokens_per_s"] / baseline["tokens_per_s"], 2
+        )
+        best_hf = max(r["tokens_per_s"] for r in rows_out)
+        vllm_entry["ratio_vs_best_hf_batched"] = round(vllm_entry["tokens_per_s"] / best_hf, 2)
+        if not s.do_sample:
+            same = [
+                r["completion_ids"] == reference[r["prompt_index"]] for r in vllm_entry.pop("rows")
+            ]
+            vllm_entry["identical_to_one_at_a_time_share"] = round(sum(same) / len(same), 3)
+        else:
+            vllm_entry.pop("rows")
     report = {
         "target": spec.target,
         "device": str(device),
@@ -142,9 +167,50 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
         "repeats": repeats,
         "one_at_a_time": baseline,
         "batched": rows_out,
+        **({"vllm": vllm_entry} if vllm_entry is not None else {}),
     }
     atomic_write_json(Path(str(bench.output)), report)
     return report
+
+
+def _bench_vllm(
+    cfg: DictConfig,
+    spec: Any,
+    s: Sampling,
+    dtype: torch.dtype,
+    model: Any,
+    tokenizer: Any,
+    prepared: list[PreparedPrompt],
+    settings: vllm_backend.EngineSettings,
+) -> dict[str, Any]:
+    """The vLLM backend on the same prompts: engine start, warm-up, then best-of-N wall time."""
+    need = max(len(p.ids) for p in prepared) + s.max_new_tokens
+    length = vllm_backend.check_target(
+        settings,
+        model.config,
+        model.device.type == "cpu",
+        need,
+        context_length(model.config, tokenizer),
+    )
+    t = time.perf_counter()
+    engine = vllm_backend.build_engine(
+        spec, str(dtype).removeprefix("torch."), settings, length, 0, s.seed
+    )
+    start_s = time.perf_counter() - t
+    eos = eos_ids(model.generation_config, tokenizer)
+    vllm_backend.generate_rows_vllm(engine, tokenizer, prepared[:2], s, 0, eos)  # warm-up
+    repeats = max(1, int(cfg.bench.get("repeats", 1)))
+    (rows, tokens), secs = _timed(
+        lambda: vllm_backend.generate_rows_vllm(engine, tokenizer, prepared, s, 0, eos), repeats
+    )
+    return {
+        "engine_start_seconds": round(start_s, 1),
+        "threads": torch.get_num_threads(),
+        "seconds": round(secs, 3),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / secs, 1),
+        "rows": rows,
+    }
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -165,6 +231,18 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"{'batched bs=' + str(r['batch_size']):<22}{r['tokens']:>8}{r['seconds']:>10.2f}"
             f"{r['tokens_per_s']:>10.1f}{r['ratio_vs_one_at_a_time']:>8.2f}{same}"
+        )
+    v = report.get("vllm")
+    if v is not None:
+        share = v.get("identical_to_one_at_a_time_share")
+        same = "" if share is None else f"  {share:.0%} same tokens"
+        lines.append(
+            f"{'vllm':<22}{v['tokens']:>8}{v['seconds']:>10.2f}{v['tokens_per_s']:>10.1f}"
+            f"{v['ratio_vs_one_at_a_time']:>8.2f}{same}"
+        )
+        lines.append(
+            f"vllm / best hf batched: {v['ratio_vs_best_hf_batched']:.2f}x "
+            f"(engine start {v['engine_start_seconds']:.0f} s, not counted)"
         )
     return "\n".join(lines)
 

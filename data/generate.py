@@ -9,6 +9,10 @@ ending with EOS when generation stopped there), finish_reason ("eos" | "length")
 temperature-1 log-softmax over the full vocabulary, so distill can train without p resident.
 The config that made it is in `generation_config.json` and the dataset's `info.description`.
 
+`backend=hf` (default) decodes with batched `transformers.generate`; `backend=vllm` with one
+offline `vllm.LLM` per process (`data/vllm_backend.py`, settings under `vllm.*`): same rows,
+chunks and shards, and `result.json` says which backend wrote them.
+
 Shards (ranks, or `shard.index/count`) write atomic chunks (`data/shards.py`); a killed run
 resumes with the missing chunks only, and the last shard to finish merges all of them.
 """
@@ -20,7 +24,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from specdistill.data import vllm_backend
 from specdistill.data.batched import PreparedPrompt, Sampling, generate_rows
 from specdistill.data.io import read_json
 from specdistill.data.pairs import (
@@ -220,6 +225,8 @@ def config_record(
         "shard_count": shard_count,
         "prompt_digest": digest[:16],
     }
+    if str(cfg.get("backend", "hf")) != "hf":  # hf runs keep the fingerprints they always had
+        record["backend"] = str(cfg.backend)
     return {
         "fingerprint": fingerprint(record),
         **record,
@@ -248,6 +255,7 @@ def run(cfg: DictConfig) -> GenerateResult:
         result = merge_shards(out, wall_seconds=None)
         return _merged_result(out, result, time.perf_counter() - t0)
     s = check_settings(cfg)
+    engine_settings = vllm_backend.backend_settings(cfg)
     index, count = resolve_shard(cfg.shard.index, cfg.shard.count)
     spec = resolve_pair(cfg.pair)
     device = _device_for_rank(str(cfg.device))
@@ -269,6 +277,15 @@ def run(cfg: DictConfig) -> GenerateResult:
         raise ConfigError(
             f"no prompts left to generate for ({stats}): with long_prompts=skip every prompt "
             "exceeded the context; use long_prompts=truncate or lower max_new_tokens"
+        )
+    engine_len = None
+    if engine_settings is not None:  # vLLM's own checks, still before any model loads
+        engine_len = vllm_backend.check_target(
+            engine_settings,
+            model_config,
+            device.type == "cpu",
+            max(len(p.ids) for p in prepared) + s.max_new_tokens,
+            context_length(model_config, tokenizer),
         )
     record = config_record(cfg, spec, s, dtype, budget, prepared, stats, count, out)
     claim_output_dir(out, record, bool(cfg.get("overwrite", False)))
@@ -292,8 +309,11 @@ def run(cfg: DictConfig) -> GenerateResult:
     new_tokens, gen_seconds = 0, 0.0
     if todo or not (sdir / "done.json").exists():
         if todo:
+            engine = _engine_for(
+                cfg, spec, s, device, dtype, tokenizer, engine_settings, engine_len
+            )
             new_tokens, gen_seconds = _generate_todo(
-                cfg, spec, s, device, dtype, tokenizer, todo, by_index, sdir, index, count
+                cfg, s, engine, todo, by_index, sdir, index, count
             )
         write_done(
             sdir,
@@ -334,21 +354,50 @@ def run(cfg: DictConfig) -> GenerateResult:
     )
 
 
-def _generate_todo(
+RowsFn = Callable[[Sequence[PreparedPrompt], Callable[[int, int], None]], list[dict[str, Any]]]
+
+
+def _engine_for(
     cfg: Any,
     spec: PairSpec,
     s: Sampling,
     device: torch.device,
     dtype: torch.dtype,
     tokenizer: Any,
+    engine_settings: vllm_backend.EngineSettings | None,
+    engine_len: int | None,
+) -> RowsFn:
+    """Load p on the configured backend; return `rows(prompts, on_batch)` for one chunk."""
+    topk = int(cfg.topk_logprobs)
+    if engine_settings is None:
+        model = load_role(spec, "target", dtype=dtype, device=device)
+        return lambda prompts, on_batch: generate_rows(
+            model, tokenizer, prompts, s, int(cfg.batch_size), topk, on_batch
+        )[0]
+    local = os.environ.get("LOCAL_RANK")
+    return vllm_backend.rows_fn(
+        spec,
+        str(dtype).removeprefix("torch."),
+        engine_settings,
+        int(engine_len or 0),
+        s,
+        tokenizer,
+        topk,
+        local_rank=int(local) if local is not None and device.type == "cuda" else None,
+    )
+
+
+def _generate_todo(
+    cfg: Any,
+    s: Sampling,
+    rows_for: RowsFn,
     todo: Sequence[tuple[int, list[int]]],
     by_index: dict[int, PreparedPrompt],
     sdir: Path,
     index: int,
     count: int,
 ) -> tuple[int, float]:
-    """Load p and generate the missing chunks, each written atomically as soon as it is done."""
-    model = load_role(spec, "target", dtype=dtype, device=device)
+    """Generate the missing chunks, each written atomically as soon as it is done."""
     total = sum(len(c) for _, c in todo) * s.num_samples
     tokens, seconds = 0, 0.0
     with tqdm(
@@ -369,15 +418,7 @@ def _generate_todo(
 
         for k, chunk in todo:
             torch.manual_seed(chunk_seed(s.seed, index, k))
-            rows, _ = generate_rows(
-                model,
-                tokenizer,
-                [by_index[i] for i in chunk],
-                s,
-                int(cfg.batch_size),
-                int(cfg.topk_logprobs),
-                on_batch,
-            )
+            rows = rows_for([by_index[i] for i in chunk], on_batch)
             write_chunk(chunk_path(sdir, k), rows, topk=int(cfg.topk_logprobs) > 0)
         seconds = time.perf_counter() - tick
     return tokens, seconds

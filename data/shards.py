@@ -271,6 +271,7 @@ def _result(
     return {
         "output_dir": config["output_dir"],
         "fingerprint": config["fingerprint"],
+        "backend": config.get("backend", "hf"),  # the one field that tells the engines apart
         "prompts_in_source": stats["total"],
         "prompts": len(set(table.column("prompt_index").to_pylist())),
         "samples_per_prompt": int(config["sampling"]["num_samples"]),
