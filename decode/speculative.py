@@ -26,7 +26,7 @@ from specdistill.decode.acceptance import (
     verify_greedy,
     verify_sampling,
 )
-from specdistill.decode.cache import ModelRunner, padded_positions
+from specdistill.decode.cache import ModelRunner, check_rollback, padded_positions
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,8 @@ class SpeculativeDecoder:
     ) -> None:
         check_decoder_config(cfg)
         self.vocab = check_pair_for_decoding(target, drafter, tokenizer_len)
+        check_rollback(target, "pair.target")
+        check_rollback(drafter, "pair.drafter")
         self.target, self.drafter, self.cfg = target, drafter, cfg
         self.device, self.dtype = model_device_dtype(target)
         cuda = self.device.type == "cuda"
