@@ -22,6 +22,7 @@ hold prompt + new tokens, like full layers. Caches that cannot be rolled back by
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 
@@ -97,11 +98,7 @@ class ModelRunner:
         self.cache = rollback_cache(model.config, static=static, capacity=capacity)
         self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._eager = model.forward
-        self._step = self._eager
-        if compile_steps:
-            # Only on CUDA: fixed-shape decode steps (1-token draft, (gamma+1)-token verify)
-            # replayed as CUDA graphs over the static cache; prefill stays eager.
-            self._step = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
+        self._step = compiled_forward(model) if compile_steps else self._eager
 
     def forward(
         self,
@@ -167,6 +164,31 @@ class ModelRunner:
             else:
                 layer.crop(-drop)
         self.length = new_length
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compiled_forward(model):
+    """`model.forward` compiled once per model for fixed-shape decode steps over a static cache
+    (prefill stays eager). CUDA: CUDA graphs ("reduce-overhead"); CPU: inductor's C++ kernels,
+    which cut the per-step framework overhead that dominates small models' 1-token steps.
+    Shapes are static (`dynamic=False`): one graph per step shape (1-token draft and baseline
+    step, 2-token drafter catch-up, (gamma+1)-token verify), reused across prompts because
+    capacities are bucketed (`bucket_capacity`)."""
+    fn = _COMPILED.get(model)
+    if fn is None:
+        cuda = next(model.parameters()).device.type == "cuda"
+        mode = "reduce-overhead" if cuda else None
+        # one graph per (step shape, capacity bucket): more than dynamo's default 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        fn = _COMPILED[model] = torch.compile(model.forward, mode=mode, dynamic=False)
+    return fn
+
+
+def bucket_capacity(slots: int, bucket: int = 256) -> int:
+    """Round a cache capacity up so compiled steps see a few shapes, not one per prompt."""
+    return -(-slots // bucket) * bucket
 
 
 def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ def measure_c(
     step of p in units of its 1-token step (the speedup formula assumes 1)."""
     ids = input_ids.to(dec.device)
     plen = ids.shape[1]
-    cap = plen + gamma + 2
+    cap = dec._capacity(plen + gamma + 2)
     runners = [dec._runner(m, cap) for m in (dec.target, dec.drafter)]
     for r in runners:
         if plen > 1:
