@@ -66,6 +66,18 @@ def check_rollback(model, field: str) -> None:
         )
 
 
+def check_rollback_config(field: str, name: str, revision: str | None, remote: bool) -> None:
+    """`check_rollback` from a checkpoint's config alone, before any weights load (recurrent
+    models are caught later, from the model class)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=remote)
+    except (OSError, ValueError):
+        return  # the loader reports unreadable checkpoints in its own words
+    check_rollback(config, field)
+
+
 def rollback_cache(config, *, static: bool, capacity: int):
     """A cache whose every attention layer keeps full history, so any suffix can be dropped."""
     from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, StaticLayer

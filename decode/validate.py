@@ -37,6 +37,8 @@ from specdistill.data.pairs import (
 )
 from specdistill.data.prompts import load_prompts
 from specdistill.decode.acceptance import Sampling, best_gamma, expected_tau, theoretical_speedup
+from specdistill.decode.cache import check_rollback_config
+from specdistill.decode.report import plot_acceptance, report_markdown
 from specdistill.decode.speculative import (
     DecodeOutput,
     DecoderConfig,
@@ -211,6 +213,11 @@ def run(cfg: DictConfig) -> ValidateResult:
     spec = resolve_pair(cfg.pair)
     # Check the decoder settings before loading anything heavy.
     check_decoder_config(decoder_config(dcfg, int(cfg.max_new_tokens), (), fixed_gamma or 1))
+    for key, name, rev in (
+        ("pair.target", spec.target, spec.revision),
+        ("pair.drafter", spec.drafter, spec.drafter_revision),
+    ):  # refuse an un-rollbackable cache before any weights load
+        check_rollback_config(key, name, rev, spec.trust_remote_code)
     target, drafter, tok = load_pair(spec, device=device, dtype=dtype)
     prompts = load_prompts(cfg.dataset, tok, default_split="test")
     if cfg.get("num_prompts"):
@@ -345,71 +352,8 @@ def run(cfg: DictConfig) -> ValidateResult:
     atomic_write_json(out_dir / "report.json", result)
     atomic_write_text(out_dir / "report.md", report_markdown(result))
     if cfg.get("plot", True):
-        _plot(by_pos, out_dir / "report.png", notes)
+        plot_acceptance(by_pos, out_dir / "report.png", notes)
     return result
-
-
-def report_markdown(r: ValidateResult) -> str:
-    """A short side-by-side table (p = target, q = drafter)."""
-    b, s = r.baseline_tokens_per_s, r.speculative_tokens_per_s
-    rows = [
-        (
-            "device / dtype",
-            f"{r.device} / {r.dtype} ({r.cache} cache{', compiled' if r.compiled else ''})",
-        ),
-        ("gamma", f"{r.gamma}{' (auto)' if r.gamma_auto else ''}"),
-        ("temperature / top_k / top_p", f"{r.temperature} / {r.top_k} / {r.top_p}"),
-        ("alpha (measured)", f"{r.alpha}"),
-        ("alpha at temperature 1", f"{r.alpha_sampled}"),
-        ("tau (tokens per target forward)", f"{r.tau} (temperature 1: {r.tau_sampled})"),
-        ("c (drafter / target step time)", f"{r.c}; verify step = {r.verify_cost} target steps"),
-        ("target-only tokens/s", f"{b['median']} (min {b['min']}, max {b['max']})"),
-        ("speculative tokens/s", f"{s['median']} (min {s['min']}, max {s['max']})"),
-        ("speedup (measured)", f"{r.speedup}x"),
-        ("theoretical speedup", f"{r.theoretical_speedup}x"),
-        ("decoder efficiency", f"{r.decoder_efficiency}"),
-        ("theoretical, measured verify cost", f"{r.theoretical_speedup_measured_verify}x"),
-        ("lossless", f"{r.lossless}{' (LOSSY lenience)' if r.lossy else ''}"),
-    ]
-    if r.hf_assisted:
-        h = r.hf_assisted
-        rows.append(
-            (
-                "HF assisted generation",
-                f"{h['speedup']}x ({h['assisted_tokens_per_s']['median']} vs "
-                f"{h['generate_tokens_per_s']['median']} tokens/s; same tokens as ours: {h['same_tokens']})",
-            )
-        )
-        rows.append(("our speedup / HF's", f"{h['ours_over_hf']}"))
-    lines = [
-        f"# Validate: {Path(r.drafter).name} drafting for {Path(r.target).name}",
-        "",
-        f"{r.prompts} prompts x {r.max_new_tokens} new tokens, batch {r.batch_size}, {r.repeats} repeats.",
-        "",
-        "| figure | value |",
-        "|---|---|",
-        *[f"| {k} | {v} |" for k, v in rows],
-        "",
-    ]
-    lines += [f"- {n}" for n in r.notes]
-    return "\n".join(lines) + "\n"
-
-
-def _plot(by_pos: list[float], path: Path, notes: list[str]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        notes.append("matplotlib not installed: no report.png")
-        return
-    fig, ax = plt.subplots(figsize=(4, 3))
-    ax.bar(range(1, len(by_pos) + 1), by_pos)
-    ax.set(xlabel="draft position", ylabel="P(accept | reached)", ylim=(0, 1))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="validate", version_base="1.3")

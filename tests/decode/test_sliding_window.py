@@ -101,3 +101,14 @@ def test_uncroppable_caches_are_refused_with_one_line():
     with pytest.raises(ConfigError, match=r"^pair\.drafter=.*\(mamba\).*recurrent") as err:
         SpeculativeDecoder(target, mamba, DecoderConfig())
     assert "\n" not in str(err.value)
+
+
+def test_uncroppable_checkpoint_is_refused_before_loading(tmp_path):
+    from transformers import LlamaConfig
+
+    from specdistill.decode.cache import check_rollback_config
+
+    LlamaConfig(num_hidden_layers=2, attention_chunk_size=8).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"^pair\.target=.*\(llama\).*chunked_attention"):
+        check_rollback_config("pair.target", str(tmp_path), None, False)
+    check_rollback_config("pair.target", str(tmp_path / "missing"), None, False)  # loader's job
