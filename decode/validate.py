@@ -198,12 +198,25 @@ def _set_threads(setting: Any, device: torch.device) -> None:
         torch.set_num_threads(n)
 
 
-def run(cfg: DictConfig) -> ValidateResult:
-    """Validate one pair; see the module docstring. Writes report.json and report.md."""
-    t_start = time.perf_counter()
-    out_dir = Path(str(cfg.output_dir)).expanduser().absolute()
+@dataclass
+class Setup:
+    """A loaded pair and its prompts as left-padded batches (shared with decode.bench_modes)."""
+
+    spec: Any
+    target: Any
+    drafter: Any
+    tok: Any
+    device: torch.device
+    dtype: torch.dtype
+    eos: tuple[int, ...]
+    texts: list[str]
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    warm: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def setup(cfg: DictConfig, gamma_room: int) -> Setup:
+    """Check the settings, then load the pair and the prompts (bad input fails before loading)."""
     dcfg = cfg.decoder
-    fixed_gamma, max_gamma = _gamma_setting(dcfg)
     for key in ("max_new_tokens", "repeats", "batch_size", "step_time_iters"):
         if not isinstance(cfg.get(key), int) or cfg.get(key) < 1:
             raise ConfigError(f"{key}={cfg.get(key)!r} must be a positive integer")
@@ -212,7 +225,7 @@ def run(cfg: DictConfig) -> ValidateResult:
     dtype = parse_dtype(str(cfg.get("dtype", "auto")), device)
     spec = resolve_pair(cfg.pair)
     # Check the decoder settings before loading anything heavy.
-    check_decoder_config(decoder_config(dcfg, int(cfg.max_new_tokens), (), fixed_gamma or 1))
+    check_decoder_config(decoder_config(dcfg, int(cfg.max_new_tokens), (), 1))
     for key, name, rev in (
         ("pair.target", spec.target, spec.revision),
         ("pair.drafter", spec.drafter, spec.drafter_revision),
@@ -224,7 +237,7 @@ def run(cfg: DictConfig) -> ValidateResult:
         prompts = prompts[: int(cfg.num_prompts)]
     eos = tuple(sorted({i for i in [tok.eos_token_id] if i is not None}))
     context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
-    room = context - int(cfg.max_new_tokens) - (fixed_gamma or max_gamma) - 2
+    room = context - int(cfg.max_new_tokens) - gamma_room - 2
     max_prompt = int(cfg.get("max_prompt_tokens") or room)
     if max_prompt < 1 or max_prompt > room:
         raise ConfigError(
@@ -234,6 +247,36 @@ def run(cfg: DictConfig) -> ValidateResult:
     texts = [p.text for p in prompts]
     batches = _batches(texts, tok, int(cfg.batch_size), max_prompt)
     warm = _batches(texts[:1], tok, 1, max_prompt)
+    return Setup(spec, target, drafter, tok, device, dtype, eos, texts, batches, warm)
+
+
+def warm_up(dec: SpeculativeDecoder, batches, warm, seed: int) -> None:
+    """Untimed: compile every step shape per capacity bucket (compiled steps, batch 1), then one
+    baseline and one speculative pass on the warm-up prompt."""
+    if dec.compile and all(ids.shape[0] == 1 for ids, _ in batches):
+        buckets = {dec.spec_capacity(1, int(m.sum())): ids[:, m[0].bool()] for ids, m in batches}
+        for ids in buckets.values():
+            dec.warm_up(ids)
+    _run_all(dec.baseline, warm, seed)
+    _run_all(dec.generate, warm, seed)
+
+
+def run(cfg: DictConfig) -> ValidateResult:
+    """Validate one pair; see the module docstring. Writes report.json and report.md."""
+    t_start = time.perf_counter()
+    out_dir = Path(str(cfg.output_dir)).expanduser().absolute()
+    dcfg = cfg.decoder
+    fixed_gamma, max_gamma = _gamma_setting(dcfg)
+    st = setup(cfg, fixed_gamma or max_gamma)
+    spec, target, drafter, tok, device, dtype = (
+        st.spec,
+        st.target,
+        st.drafter,
+        st.tok,
+        st.device,
+        st.dtype,
+    )
+    eos, texts, batches, warm = st.eos, st.texts, st.batches, st.warm
     seed = int(cfg.get("seed", 0))
     notes: list[str] = []
 
@@ -260,12 +303,7 @@ def run(cfg: DictConfig) -> ValidateResult:
     if fixed_gamma is None:  # the verify cost depends on gamma: measure it for the one picked
         c, verify_cost = measure_c(dec, warm[0][0], int(cfg.step_time_iters), gamma)
     # Warm-up (untimed), then interleaved timed repeats.
-    if dec.compile and int(cfg.batch_size) == 1:  # compile every step shape per capacity bucket
-        buckets = {dec.spec_capacity(1, int(m.sum())): ids[:, m[0].bool()] for ids, m in batches}
-        for ids in buckets.values():
-            dec.warm_up(ids)
-    _run_all(dec.baseline, warm, seed)
-    _run_all(dec.generate, warm, seed)
+    warm_up(dec, batches, warm, seed)
     warmup_seconds = time.perf_counter() - t_warm
     base_rates, spec_rates = [], []
     base_out = spec_out = None

@@ -1,4 +1,4 @@
-"""`decode.bench compare_modes`: one run validates each decoder step mode and tabulates them."""
+"""`decode.bench compare_modes`: one run measures each decoder step mode, interleaved."""
 
 from __future__ import annotations
 
@@ -33,8 +33,7 @@ def test_modes_side_by_side(tmp_path, toy_tiny):
     assert saved["modes"] == rows
     table = (tmp_path / "modes.md").read_text()
     assert "| figure | eager | static |" in table and "decoder_efficiency" in table
-    for mode in ("eager", "static"):
-        assert json.loads((tmp_path / mode / "report.json").read_text())["lossless"] is True
+    assert all(r["warmup_seconds"] >= 0 and r["c"] > 0 for r in rows)
 
 
 def test_unknown_mode_names_the_field(tmp_path):
