@@ -130,6 +130,8 @@ class ModelRunner:
             attention_mask = self._window_masks(attention_mask.bool(), n)
         kwargs = {"logits_to_keep": keep} if self._keep_arg and keep else {}
         fn = self._eager if prefill else self._step
+        if fn is not self._eager:  # compiled graphs guard on strides: views of a prompt recompile
+            ids, position_ids = _fresh(ids), _fresh(position_ids)
         out = fn(
             input_ids=ids,
             attention_mask=attention_mask,
@@ -201,6 +203,11 @@ def compiled_forward(model):
 def bucket_capacity(slots: int, bucket: int = 256) -> int:
     """Round a cache capacity up so compiled steps see a few shapes, not one per prompt."""
     return -(-slots // bucket) * bucket
+
+
+def _fresh(x: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy with standard strides (size-1 dims included, which `.contiguous()` leaves as is)."""
+    return None if x is None else torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
 
 
 def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:

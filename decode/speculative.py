@@ -201,17 +201,17 @@ class SpeculativeDecoder:
         compile here, untimed): target 1-token and (gamma+1)-token, drafter 1- and 2-token."""
         ids, _ = self._prepare(input_ids, None)
         plen, g = ids.shape[1], self.cfg.gamma
-        for model, cap, widths in (
-            (self.target, self._capacity(plen + self.cfg.max_new_tokens + 1), (1,)),
-            (self.target, self.spec_capacity(1, plen), (g + 1,)),
-            (self.drafter, self.spec_capacity(1, plen), (1, 2)),
+        for model, cap, steps in (  # (tokens fed, logits kept) exactly as the loops call them
+            (self.target, self._capacity(plen + self.cfg.max_new_tokens + 1), ((1, 1),)),
+            (self.target, self.spec_capacity(1, plen), ((g + 1, g + 1),)),
+            (self.drafter, self.spec_capacity(1, plen), ((1, 1), (2, 1))),
         ):
             runner = self._runner(model, cap)
             self._prefill([runner], ids, torch.ones_like(ids, dtype=torch.bool), True)
-            for w in widths:
+            for width, keep in steps:
                 for _ in range(2):
-                    runner.forward(ids[:, -1:].repeat(1, w), keep=w)
-                    runner.rollback(runner.length - w)
+                    runner.forward(ids[:, -1:].repeat(1, width), keep=keep)
+                    runner.rollback(runner.length - width)
 
     def _attn(self, mask: torch.Tensor, width: int) -> torch.Tensor:
         """The 2-D mask for a step: full width over a static cache (one shape for compiled
