@@ -4,19 +4,90 @@ The speculative decoder keeps the target's (p) and the drafter's (q) caches in o
 layout: slot i of both caches holds the same token, a shared 2-D mask marks the slots a row may
 attend to (left padding, and "holes" where one row rejected drafts another row kept), and
 explicit position ids count only a row's real tokens. Rolling back is then a pure position
-change: `DynamicCache.crop(-k)` or, for a preallocated `StaticCache`, moving its write pointer;
+change: `DynamicLayer.crop(-k)` or, for a preallocated `StaticLayer`, moving its write pointer;
 the prefix is never recomputed. With batch 1 and no padding the layout is dense, so the mask and
-position ids are left to the model (less per-step overhead, and the shapes CUDA graphs want).
+position ids are left to the model (less per-step overhead, and the shapes compiled steps want).
+
+Sliding-window layers: `transformers`' own sliding caches keep only the last `window` states
+(a ring buffer once full), so the states a rollback must restore are gone (`crop` refuses; the
+static ring buffer cannot move back at all). Here every attention layer keeps the whole history
+(a full `DynamicLayer` / `StaticLayer`), and the window is enforced by the attention mask, as
+the model does when it runs without a cache: batch 1 uses the model's own sliding mask (slot ==
+position); batched layouts with holes get 4-D masks built from real positions, because the
+model's mask counts slots and a hole would shrink the window. The cost is memory: sliding layers
+hold prompt + new tokens, like full layers. Caches that cannot be rolled back by position
+(recurrent / linear-attention / conv states, chunked attention) are refused up front.
 """
 
 from __future__ import annotations
 
 import inspect
-import logging
+import weakref
 
 import torch
 
-log = logging.getLogger(__name__)
+from specdistill.data.pairs import ConfigError
+
+ROLLBACK_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
+
+
+def cache_layer_types(config) -> tuple[list[str], int | None]:
+    """Per-layer cache types as `transformers` would build them, and the sliding window (or None)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    windows = {kw["sliding_window"] for t, kw in zip(types, kwargs) if t == "sliding_attention"}
+    if len(windows) > 1:
+        return [*types, f"sliding windows of several sizes {sorted(windows)}"], None
+    return list(types), next(iter(windows), None)
+
+
+def rollback_problem(model) -> str | None:
+    """Why this model's KV cache cannot be rolled back by position, or None when it can."""
+    if getattr(model, "_is_stateful", False):
+        return "its recurrent state cannot be rolled back to an earlier position"
+    config = getattr(model, "config", model)
+    types, _ = cache_layer_types(config)
+    bad = sorted({t for t in types if t not in ROLLBACK_LAYER_TYPES})
+    if bad:
+        return f"its cache has {', '.join(bad)} layers, which cannot be rolled back by position"
+    return None
+
+
+def check_rollback(model, field: str) -> None:
+    """One line naming the model and why, before any decoding (ConfigError)."""
+    problem = rollback_problem(model)
+    if problem:
+        config = getattr(model, "config", model)
+        name = getattr(config, "_name_or_path", "") or type(model).__name__
+        arch = getattr(config, "model_type", type(model).__name__)
+        raise ConfigError(
+            f"{field}={name} ({arch}) cannot be used for speculative decoding: {problem}"
+        )
+
+
+def check_rollback_config(field: str, name: str, revision: str | None, remote: bool) -> None:
+    """`check_rollback` from a checkpoint's config alone, before any weights load (recurrent
+    models are caught later, from the model class)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=remote)
+    except (OSError, ValueError):
+        return  # the loader reports unreadable checkpoints in its own words
+    check_rollback(config, field)
+
+
+def rollback_cache(config, *, static: bool, capacity: int):
+    """A cache whose every attention layer keeps full history, so any suffix can be dropped."""
+    from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, StaticLayer
+
+    types, _ = cache_layer_types(config)
+    layers = [
+        DummyLayer() if t == "dummy" else StaticLayer(capacity) if static else DynamicLayer()
+        for t in types
+    ]
+    return Cache(layers=layers)
 
 
 class ModelRunner:
@@ -30,24 +101,16 @@ class ModelRunner:
         capacity: int,
         compile_steps: bool = False,
     ) -> None:
-        from transformers import DynamicCache, StaticCache
-
         self.model = model
         self.static = static
         self.capacity = capacity
         self.length = 0
-        if static:
-            self.cache = StaticCache(config=model.config, max_cache_len=capacity)
-        else:
-            self.cache = DynamicCache(config=model.config)
-        params = inspect.signature(model.forward).parameters
-        self._keep_arg = "logits_to_keep" in params
+        types, self.window = cache_layer_types(model.config)
+        self.hybrid = self.window is not None and "full_attention" in types
+        self.cache = rollback_cache(model.config, static=static, capacity=capacity)
+        self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._eager = model.forward
-        self._step = self._eager
-        if compile_steps:
-            # Only on CUDA: fixed-shape decode steps (1-token draft, (gamma+1)-token verify)
-            # replayed as CUDA graphs over the static cache; prefill stays eager.
-            self._step = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
+        self._step = compiled_forward(model) if compile_steps else self._eager
 
     def forward(
         self,
@@ -63,8 +126,12 @@ class ModelRunner:
             raise RuntimeError(
                 f"KV cache overflow: {self.length}+{n} slots > capacity {self.capacity}"
             )
+        if attention_mask is not None and self.window is not None:
+            attention_mask = self._window_masks(attention_mask.bool(), n)
         kwargs = {"logits_to_keep": keep} if self._keep_arg and keep else {}
         fn = self._eager if prefill else self._step
+        if fn is not self._eager:  # compiled graphs guard on strides: views of a prompt recompile
+            ids, position_ids = _fresh(ids), _fresh(position_ids)
         out = fn(
             input_ids=ids,
             attention_mask=attention_mask,
@@ -75,7 +142,26 @@ class ModelRunner:
         )
         self.length += n
         logits = out.logits
-        return logits if not keep or self._keep_arg else logits[:, -keep:]
+        return logits if not keep else logits[:, -keep:]
+
+    def _window_masks(self, mask2d: torch.Tensor, n: int):
+        """4-D additive masks from real positions (slots minus padding and holes), so a sliding
+        window spans `window` real tokens in every row; full layers get the plain causal mask."""
+        width = self.capacity if self.static else self.length + n
+        valid = torch.nn.functional.pad(mask2d, (0, width - mask2d.shape[1]))
+        pos = valid.long().cumsum(-1) - 1
+        qpos = pos[:, self.length : self.length + n, None]  # (B, n, 1)
+        causal = valid[:, None, :] & (pos[:, None, :] <= qpos)
+        sliding = causal & (qpos - pos[:, None, :] < self.window)
+        dtype = self.model.dtype
+
+        def additive(m: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(m.shape, dtype=dtype, device=m.device)
+            return out.masked_fill_(~m, torch.finfo(dtype).min)[:, None]
+
+        if self.hybrid:
+            return {"full_attention": additive(causal), "sliding_attention": additive(sliding)}
+        return additive(sliding)
 
     def rollback(self, new_length: int) -> None:
         """Forget every slot from `new_length` on (no recompute: a crop or a pointer move)."""
@@ -84,12 +170,44 @@ class ModelRunner:
             raise RuntimeError(f"cannot roll forward from {self.length} to {new_length}")
         if drop == 0:
             return
-        if self.static:
-            for layer in self.cache.layers:
+        for layer in self.cache.layers:
+            if not getattr(layer, "is_initialized", False):
+                continue
+            if self.static:
                 layer.cumulative_length.fill_(new_length)
-        else:
-            self.cache.crop(-drop)
+            else:
+                layer.crop(-drop)
         self.length = new_length
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compiled_forward(model):
+    """`model.forward` compiled once per model for fixed-shape decode steps over a static cache
+    (prefill stays eager). CUDA: CUDA graphs ("reduce-overhead"); CPU: inductor's C++ kernels,
+    which cut the per-step framework overhead that dominates small models' 1-token steps.
+    Shapes are static (`dynamic=False`): one graph per step shape (1-token draft and baseline
+    step, 2-token drafter catch-up, (gamma+1)-token verify), reused across prompts because
+    capacities are bucketed (`bucket_capacity`)."""
+    fn = _COMPILED.get(model)
+    if fn is None:
+        cuda = next(model.parameters()).device.type == "cuda"
+        mode = "reduce-overhead" if cuda else None
+        # one graph per (step shape, capacity bucket): more than dynamo's default 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        fn = _COMPILED[model] = torch.compile(model.forward, mode=mode, dynamic=False)
+    return fn
+
+
+def bucket_capacity(slots: int, bucket: int = 256) -> int:
+    """Round a cache capacity up so compiled steps see a few shapes, not one per prompt."""
+    return -(-slots // bucket) * bucket
+
+
+def _fresh(x: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy with standard strides (size-1 dims included, which `.contiguous()` leaves as is)."""
+    return None if x is None else torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
 
 
 def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,12 @@ from specdistill.decode.acceptance import (
     verify_greedy,
     verify_sampling,
 )
-from specdistill.decode.cache import ModelRunner, padded_positions
+from specdistill.decode.cache import (
+    ModelRunner,
+    bucket_capacity,
+    check_rollback,
+    padded_positions,
+)
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ class DecoderConfig:
     lenience: float = 1.0
     eos_token_id: tuple[int, ...] = ()
     cache: str = "auto"  # auto (static on CUDA, dynamic on CPU) | static | dynamic
-    compile: str | bool = "auto"  # auto: CUDA graphs on CUDA only
+    compile: str | bool = "auto"  # auto: CUDA graphs on CUDA only; True: also inductor on CPU
     record_probs: bool = False  # keep the target's probabilities per verified position
 
     @property
@@ -113,6 +118,13 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         raise ConfigError(f"decoder.lenience={cfg.lenience} must lie in (0, 1] (1 = lossless)")
     if cfg.cache not in ("auto", "static", "dynamic"):
         raise ConfigError(f"decoder.cache={cfg.cache!r}: use auto, static or dynamic")
+    if cfg.compile not in ("auto", True, False):
+        raise ConfigError(f"decoder.compile={cfg.compile!r}: use auto, true or false")
+    if cfg.compile is True and cfg.cache == "dynamic":
+        raise ConfigError(
+            "decoder.compile=true compiles fixed-shape steps over a static cache: "
+            "set decoder.cache=static or auto"
+        )
 
 
 def check_pair_for_decoding(target, drafter, tokenizer_len: int | None = None) -> int:
@@ -147,11 +159,14 @@ class SpeculativeDecoder:
     ) -> None:
         check_decoder_config(cfg)
         self.vocab = check_pair_for_decoding(target, drafter, tokenizer_len)
+        check_rollback(target, "pair.target")
+        check_rollback(drafter, "pair.drafter")
         self.target, self.drafter, self.cfg = target, drafter, cfg
         self.device, self.dtype = model_device_dtype(target)
         cuda = self.device.type == "cuda"
-        self.static = cfg.cache == "static" or (cfg.cache == "auto" and cuda)
-        self.compile = cuda and self.static and cfg.compile in ("auto", True)
+        compile_on = cfg.compile is True or (cfg.compile == "auto" and cuda)
+        self.static = cfg.cache == "static" or (cfg.cache == "auto" and (cuda or compile_on))
+        self.compile = compile_on and self.static
 
     # ---------------------------------------------------------------- shared setup
     def _prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
@@ -168,8 +183,40 @@ class SpeculativeDecoder:
             raise ConfigError("prompts must be left-padded (tokenizer.padding_side = 'left')")
         return ids, mask
 
+    def _capacity(self, slots: int) -> int:
+        return bucket_capacity(slots) if self.compile else slots
+
     def _runner(self, model, capacity: int) -> ModelRunner:
         return ModelRunner(model, static=self.static, capacity=capacity, compile_steps=self.compile)
+
+    def spec_capacity(self, batch: int, plen: int) -> int:
+        """Slots a speculative decode may use: rows that reject early leave holes, so a batched
+        layout can outgrow the tokens emitted."""
+        g, new = self.cfg.gamma, self.cfg.max_new_tokens
+        return self._capacity(plen + (g + 1) * (1 if batch == 1 else new) + new + 2)
+
+    @torch.inference_mode()
+    def warm_up(self, input_ids: torch.Tensor) -> None:
+        """Run every decode-step shape once for this batch-1 prompt's capacity (compiled steps
+        compile here, untimed): target 1-token and (gamma+1)-token, drafter 1- and 2-token."""
+        ids, _ = self._prepare(input_ids, None)
+        plen, g = ids.shape[1], self.cfg.gamma
+        for model, cap, steps in (  # (tokens fed, logits kept) exactly as the loops call them
+            (self.target, self._capacity(plen + self.cfg.max_new_tokens + 1), ((1, 1),)),
+            (self.target, self.spec_capacity(1, plen), ((g + 1, g + 1),)),
+            (self.drafter, self.spec_capacity(1, plen), ((1, 1), (2, 1))),
+        ):
+            runner = self._runner(model, cap)
+            self._prefill([runner], ids, torch.ones_like(ids, dtype=torch.bool), True)
+            for width, keep in steps:
+                for _ in range(2):
+                    runner.forward(ids[:, -1:].repeat(1, width), keep=keep)
+                    runner.rollback(runner.length - width)
+
+    def _attn(self, mask: torch.Tensor, width: int) -> torch.Tensor:
+        """The 2-D mask for a step: full width over a static cache (one shape for compiled
+        steps; slots past the step are causally masked anyway), else the slots in use."""
+        return mask if self.static else mask[:, :width]
 
     def _prefill(self, runners, ids, mask, dense):
         """Feed all prompt tokens but the last (it opens the first round): both caches alike."""
@@ -193,7 +240,7 @@ class SpeculativeDecoder:
         ids, mask0 = self._prepare(input_ids, attention_mask)
         b, plen = ids.shape
         dense = b == 1
-        cap = plen + cfg.max_new_tokens + 1
+        cap = self._capacity(plen + cfg.max_new_tokens + 1)
         runner = self._runner(self.target, cap)
         mask = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
         mask[:, :plen] = mask0
@@ -203,7 +250,7 @@ class SpeculativeDecoder:
         while not all(done):
             length = runner.length
             mask[:, length] = True
-            attn = None if dense else mask[:, : length + 1]
+            attn = None if dense else self._attn(mask, length + 1)
             logits = runner.forward(t[:, None], attn, None if dense else pos[:, None], keep=1)[
                 :, -1
             ]
@@ -232,9 +279,7 @@ class SpeculativeDecoder:
         ids, mask0 = self._prepare(input_ids, attention_mask)
         b, plen = ids.shape
         dense = b == 1
-        # Rows that reject early leave holes, so the layout can outgrow the tokens emitted.
-        rounds_max = cfg.max_new_tokens
-        cap = plen + (g + 1) * (1 if dense else rounds_max) + cfg.max_new_tokens + 2
+        cap = self.spec_capacity(b, plen)
         tgt, dft = self._runner(self.target, cap), self._runner(self.drafter, cap)
         mask = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
         mask[:, :plen] = mask0
@@ -251,7 +296,7 @@ class SpeculativeDecoder:
             x = t[:, None] if catch is None else torch.stack([catch, t], 1)
             xpos = None if dense else (pos[:, None] - x.shape[1] + 1 + steps[: x.shape[1]])
             for i in range(g):
-                attn = None if dense else mask[:, : dft.length + x.shape[1]]
+                attn = None if dense else self._attn(mask, dft.length + x.shape[1])
                 logits = match_vocab(dft.forward(x, attn, xpos, keep=1)[:, -1], self.vocab)
                 if s.greedy:
                     d = logits.argmax(-1)
@@ -267,7 +312,7 @@ class SpeculativeDecoder:
             draft_t = torch.stack(draft, 1)  # (B, G)
             # Verify [t, d_1..d_G] with p in one forward.
             vin = torch.cat([t[:, None], draft_t], 1)
-            attn = None if dense else mask[:, : length + g + 1]
+            attn = None if dense else self._attn(mask, length + g + 1)
             vpos = None if dense else pos[:, None] + steps
             t_logits = tgt.forward(vin, attn, vpos, keep=g + 1)[..., : self.vocab]
             out.target_forwards += 1

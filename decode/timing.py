@@ -25,10 +25,17 @@ def measure_c(
     dec: SpeculativeDecoder, input_ids: torch.Tensor, iters: int, gamma: int
 ) -> tuple[float, float]:
     """(c, verify_cost): median 1-token step times of q over p, and the (gamma+1)-token verify
-    step of p in units of its 1-token step (the speedup formula assumes 1)."""
+    step of p in units of its 1-token step (the speedup formula assumes 1).
+
+    Each sample times a block of gamma+1 steps, as a decode round runs them: 1-token steps
+    back to back (the cache grows, then is rolled back), verify steps each rolled back. On a
+    shared CPU a lone 1-2 ms drafter step often fits in one scheduler slice while a longer target
+    step is preempted, which made single-step medians understate c (toy pair under load: 0.15
+    measured vs about 0.45 implied by the decode loop's own timings); blocks of similar length
+    are preempted alike."""
     ids = input_ids.to(dec.device)
-    plen = ids.shape[1]
-    cap = plen + gamma + 2
+    plen, k = ids.shape[1], gamma + 1
+    cap = dec._capacity(plen + k + 2)
     runners = [dec._runner(m, cap) for m in (dec.target, dec.drafter)]
     for r in runners:
         if plen > 1:
@@ -41,11 +48,14 @@ def measure_c(
         base = runner.length
         _sync(dec.device)
         t0 = time.perf_counter()
-        runner.forward(x, keep=x.shape[1])
+        for _ in range(k):
+            runner.forward(x, keep=x.shape[1])
+            if x.shape[1] > 1:
+                runner.rollback(base)
         _sync(dec.device)
         dt = time.perf_counter() - t0
         runner.rollback(base)
-        return dt
+        return dt / k
 
     for i in range(iters + 2):  # the first two are warm-up
         tt = timed(runners[0], one)

@@ -37,6 +37,8 @@ from specdistill.data.pairs import (
 )
 from specdistill.data.prompts import load_prompts
 from specdistill.decode.acceptance import Sampling, best_gamma, expected_tau, theoretical_speedup
+from specdistill.decode.cache import check_rollback_config
+from specdistill.decode.report import plot_acceptance, report_markdown
 from specdistill.decode.speculative import (
     DecodeOutput,
     DecoderConfig,
@@ -89,6 +91,9 @@ class ValidateResult:
     hf_assisted: dict[str, Any] | None = None
     cache: str = "dynamic"
     compiled: bool = False
+    # Untimed time before the timed repeats: c measurement, warm-up, and compiling the decode
+    # steps when `compiled` (steady-state tokens/s above exclude it).
+    warmup_seconds: float = 0.0
     wall_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
@@ -193,12 +198,25 @@ def _set_threads(setting: Any, device: torch.device) -> None:
         torch.set_num_threads(n)
 
 
-def run(cfg: DictConfig) -> ValidateResult:
-    """Validate one pair; see the module docstring. Writes report.json and report.md."""
-    t_start = time.perf_counter()
-    out_dir = Path(str(cfg.output_dir)).expanduser().absolute()
+@dataclass
+class Setup:
+    """A loaded pair and its prompts as left-padded batches (shared with decode.bench_modes)."""
+
+    spec: Any
+    target: Any
+    drafter: Any
+    tok: Any
+    device: torch.device
+    dtype: torch.dtype
+    eos: tuple[int, ...]
+    texts: list[str]
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    warm: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def setup(cfg: DictConfig, gamma_room: int) -> Setup:
+    """Check the settings, then load the pair and the prompts (bad input fails before loading)."""
     dcfg = cfg.decoder
-    fixed_gamma, max_gamma = _gamma_setting(dcfg)
     for key in ("max_new_tokens", "repeats", "batch_size", "step_time_iters"):
         if not isinstance(cfg.get(key), int) or cfg.get(key) < 1:
             raise ConfigError(f"{key}={cfg.get(key)!r} must be a positive integer")
@@ -207,14 +225,19 @@ def run(cfg: DictConfig) -> ValidateResult:
     dtype = parse_dtype(str(cfg.get("dtype", "auto")), device)
     spec = resolve_pair(cfg.pair)
     # Check the decoder settings before loading anything heavy.
-    check_decoder_config(decoder_config(dcfg, int(cfg.max_new_tokens), (), fixed_gamma or 1))
+    check_decoder_config(decoder_config(dcfg, int(cfg.max_new_tokens), (), 1))
+    for key, name, rev in (
+        ("pair.target", spec.target, spec.revision),
+        ("pair.drafter", spec.drafter, spec.drafter_revision),
+    ):  # refuse an un-rollbackable cache before any weights load
+        check_rollback_config(key, name, rev, spec.trust_remote_code)
     target, drafter, tok = load_pair(spec, device=device, dtype=dtype)
     prompts = load_prompts(cfg.dataset, tok, default_split="test")
     if cfg.get("num_prompts"):
         prompts = prompts[: int(cfg.num_prompts)]
     eos = tuple(sorted({i for i in [tok.eos_token_id] if i is not None}))
     context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
-    room = context - int(cfg.max_new_tokens) - (fixed_gamma or max_gamma) - 2
+    room = context - int(cfg.max_new_tokens) - gamma_room - 2
     max_prompt = int(cfg.get("max_prompt_tokens") or room)
     if max_prompt < 1 or max_prompt > room:
         raise ConfigError(
@@ -224,6 +247,36 @@ def run(cfg: DictConfig) -> ValidateResult:
     texts = [p.text for p in prompts]
     batches = _batches(texts, tok, int(cfg.batch_size), max_prompt)
     warm = _batches(texts[:1], tok, 1, max_prompt)
+    return Setup(spec, target, drafter, tok, device, dtype, eos, texts, batches, warm)
+
+
+def warm_up(dec: SpeculativeDecoder, batches, warm, seed: int) -> None:
+    """Untimed: compile every step shape per capacity bucket (compiled steps, batch 1), then one
+    baseline and one speculative pass on the warm-up prompt."""
+    if dec.compile and all(ids.shape[0] == 1 for ids, _ in batches):
+        buckets = {dec.spec_capacity(1, int(m.sum())): ids[:, m[0].bool()] for ids, m in batches}
+        for ids in buckets.values():
+            dec.warm_up(ids)
+    _run_all(dec.baseline, warm, seed)
+    _run_all(dec.generate, warm, seed)
+
+
+def run(cfg: DictConfig) -> ValidateResult:
+    """Validate one pair; see the module docstring. Writes report.json and report.md."""
+    t_start = time.perf_counter()
+    out_dir = Path(str(cfg.output_dir)).expanduser().absolute()
+    dcfg = cfg.decoder
+    fixed_gamma, max_gamma = _gamma_setting(dcfg)
+    st = setup(cfg, fixed_gamma or max_gamma)
+    spec, target, drafter, tok, device, dtype = (
+        st.spec,
+        st.target,
+        st.drafter,
+        st.tok,
+        st.device,
+        st.dtype,
+    )
+    eos, texts, batches, warm = st.eos, st.texts, st.batches, st.warm
     seed = int(cfg.get("seed", 0))
     notes: list[str] = []
 
@@ -236,6 +289,7 @@ def run(cfg: DictConfig) -> ValidateResult:
         )
 
     # c: drafter vs target single-token step time, measured with the decoder's own caches.
+    t_warm = time.perf_counter()
     probe_dec = make(fixed_gamma or 4)
     c, verify_cost = measure_c(probe_dec, warm[0][0], int(cfg.step_time_iters), fixed_gamma or 4)
     gamma = fixed_gamma
@@ -249,8 +303,8 @@ def run(cfg: DictConfig) -> ValidateResult:
     if fixed_gamma is None:  # the verify cost depends on gamma: measure it for the one picked
         c, verify_cost = measure_c(dec, warm[0][0], int(cfg.step_time_iters), gamma)
     # Warm-up (untimed), then interleaved timed repeats.
-    _run_all(dec.baseline, warm, seed)
-    _run_all(dec.generate, warm, seed)
+    warm_up(dec, batches, warm, seed)
+    warmup_seconds = time.perf_counter() - t_warm
     base_rates, spec_rates = [], []
     base_out = spec_out = None
     for rep in range(int(cfg.repeats)):
@@ -328,6 +382,7 @@ def run(cfg: DictConfig) -> ValidateResult:
         hf_assisted=hf,
         cache="static" if dec.static else "dynamic",
         compiled=dec.compile,
+        warmup_seconds=round(warmup_seconds, 1),
         notes=notes,
         config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
     )
@@ -335,71 +390,8 @@ def run(cfg: DictConfig) -> ValidateResult:
     atomic_write_json(out_dir / "report.json", result)
     atomic_write_text(out_dir / "report.md", report_markdown(result))
     if cfg.get("plot", True):
-        _plot(by_pos, out_dir / "report.png", notes)
+        plot_acceptance(by_pos, out_dir / "report.png", notes)
     return result
-
-
-def report_markdown(r: ValidateResult) -> str:
-    """A short side-by-side table (p = target, q = drafter)."""
-    b, s = r.baseline_tokens_per_s, r.speculative_tokens_per_s
-    rows = [
-        (
-            "device / dtype",
-            f"{r.device} / {r.dtype} ({r.cache} cache{', compiled' if r.compiled else ''})",
-        ),
-        ("gamma", f"{r.gamma}{' (auto)' if r.gamma_auto else ''}"),
-        ("temperature / top_k / top_p", f"{r.temperature} / {r.top_k} / {r.top_p}"),
-        ("alpha (measured)", f"{r.alpha}"),
-        ("alpha at temperature 1", f"{r.alpha_sampled}"),
-        ("tau (tokens per target forward)", f"{r.tau} (temperature 1: {r.tau_sampled})"),
-        ("c (drafter / target step time)", f"{r.c}; verify step = {r.verify_cost} target steps"),
-        ("target-only tokens/s", f"{b['median']} (min {b['min']}, max {b['max']})"),
-        ("speculative tokens/s", f"{s['median']} (min {s['min']}, max {s['max']})"),
-        ("speedup (measured)", f"{r.speedup}x"),
-        ("theoretical speedup", f"{r.theoretical_speedup}x"),
-        ("decoder efficiency", f"{r.decoder_efficiency}"),
-        ("theoretical, measured verify cost", f"{r.theoretical_speedup_measured_verify}x"),
-        ("lossless", f"{r.lossless}{' (LOSSY lenience)' if r.lossy else ''}"),
-    ]
-    if r.hf_assisted:
-        h = r.hf_assisted
-        rows.append(
-            (
-                "HF assisted generation",
-                f"{h['speedup']}x ({h['assisted_tokens_per_s']['median']} vs "
-                f"{h['generate_tokens_per_s']['median']} tokens/s; same tokens as ours: {h['same_tokens']})",
-            )
-        )
-        rows.append(("our speedup / HF's", f"{h['ours_over_hf']}"))
-    lines = [
-        f"# Validate: {Path(r.drafter).name} drafting for {Path(r.target).name}",
-        "",
-        f"{r.prompts} prompts x {r.max_new_tokens} new tokens, batch {r.batch_size}, {r.repeats} repeats.",
-        "",
-        "| figure | value |",
-        "|---|---|",
-        *[f"| {k} | {v} |" for k, v in rows],
-        "",
-    ]
-    lines += [f"- {n}" for n in r.notes]
-    return "\n".join(lines) + "\n"
-
-
-def _plot(by_pos: list[float], path: Path, notes: list[str]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        notes.append("matplotlib not installed: no report.png")
-        return
-    fig, ax = plt.subplots(figsize=(4, 3))
-    ax.bar(range(1, len(by_pos) + 1), by_pos)
-    ax.set(xlabel="draft position", ylabel="P(accept | reached)", ylim=(0, 1))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="validate", version_base="1.3")
