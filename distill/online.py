@@ -5,8 +5,8 @@
 
 Online Speculative Decoding (Liu et al., 2024), at batch size >= 1 and without an extra target
 forward: requests of a shifting stream (`specdistill.distill.online_stream`) are decoded
-speculatively with `record_probs`, the positions the target rejected (or all verified ones)
-go into a replay buffer with the target's top-k taken from verification
+speculatively with `record_probs`, every verified position on the emitted sequence (or only
+the rejected ones) goes into a replay buffer with the target's top-k taken from verification
 (`specdistill.distill.online_buffer`), and every `update_every` requests the drafter takes
 `update_steps` optimizer steps on the buffer (`specdistill.distill.online_update`); the next
 request decodes with the updated drafter. A frozen twin decodes the same requests with the same
