@@ -5,8 +5,8 @@
 
 Online Speculative Decoding (Liu et al., 2024), at batch size >= 1 and without an extra target
 forward: requests of a shifting stream (`specdistill.distill.online_stream`) are decoded
-speculatively with `record_probs`, the positions the target rejected (or all verified ones)
-go into a replay buffer with the target's top-k taken from verification
+speculatively with `record_probs`, every verified position on the emitted sequence (or only
+the rejected ones) goes into a replay buffer with the target's top-k taken from verification
 (`specdistill.distill.online_buffer`), and every `update_every` requests the drafter takes
 `update_steps` optimizer steps on the buffer (`specdistill.distill.online_update`); the next
 request decodes with the updated drafter. A frozen twin decodes the same requests with the same
@@ -71,6 +71,7 @@ class OnlineResult:
     loss: str
     record: str
     topk: int
+    topk_mass: float  # mean target probability mass the kept top-k covered
     updates: int
     rollbacks: int
     decode_seconds: float
@@ -93,8 +94,9 @@ def _entry_rows(entries: list[Entry]) -> list[tuple]:
 class OnlineRun:
     """The serving loop's state and steps; `run` below wires it to the config."""
 
-    def __init__(self, cfg, out, plan, prompts, target, drafter, frozen, tok, dcfg) -> None:
+    def __init__(self, cfg, out, plan, prompts, target, drafter, frozen, tok, dcfg, topk) -> None:
         self.cfg, self.out, self.plan, self.prompts, self.tok = cfg, out, plan, prompts, tok
+        self.topk = topk
         n = len(tok)
         self.dec = SpeculativeDecoder(target, drafter, dcfg, tokenizer_len=n)
         plain = dataclasses.replace(dcfg, record_probs=False)
@@ -110,7 +112,7 @@ class OnlineRun:
         self.recent: list[dict] = []  # served alpha of batches since the last update
         self.window = Window(first_request=0)
         self.rows: list[dict] = []
-        self.totals = dict.fromkeys(("decode", "frozen", "update", "guard"), 0.0)
+        self.totals = dict.fromkeys(("decode", "frozen", "update", "guard", "mass", "kept"), 0.0)
         self.outputs: list[dict] = []
 
     # ------------------------------------------------------------ serving
@@ -128,7 +130,10 @@ class OnlineRun:
         rows = [self.prompts[r.source][r.prompt] for r in reqs]
         out, secs = self._decode(self.dec, reqs[0].id, rows)
         ids = [r.id for r in reqs]
-        self.pending += entries_from_output(out, rows, ids, int(self.cfg.topk), self.cfg.record)
+        kept = entries_from_output(out, rows, ids, self.topk, self.cfg.record)
+        self.totals["mass"] += sum(float(e.topk_lp.exp().sum()) for e in kept)
+        self.totals["kept"] += sum(e.tokens for e in kept)
+        self.pending += kept
         self.recent.append({"first": reqs[0].id, "rows": rows, "alpha_sum": out.alpha_sum})
         self.recent[-1]["trials"] = out.trials
         self.window.adapted.add(out, secs)
@@ -260,7 +265,7 @@ def run(cfg: DictConfig) -> OnlineResult:
     dtype = parse_dtype(str(cfg.dtype), device)
     spec = resolve_pair(cfg.pair)
     tok = load_tokenizer(spec)
-    check_topk(cfg, len(tok))
+    topk = check_topk(cfg, len(tok))
     sources = load_sources(segments, spec.toy, tok)
     plan = plan_requests(
         segments, {k: len(v) for k, v in sources.items()}, int(cfg.stream_blend), int(cfg.seed)
@@ -294,7 +299,7 @@ def run(cfg: DictConfig) -> OnlineResult:
         record_probs=True,
     )
     out.mkdir(parents=True, exist_ok=True)
-    job = OnlineRun(cfg, out, plan, prompts, target, drafter, frozen, tok, dcfg)
+    job = OnlineRun(cfg, out, plan, prompts, target, drafter, frozen, tok, dcfg, topk)
     if state is not None:
         job.load_state_dict(state)
         log.info("resumed at request %d (%d updates)", job.pos, job.updates)
@@ -346,7 +351,8 @@ def run(cfg: DictConfig) -> OnlineResult:
         gamma=dcfg.gamma,
         loss=str(cfg.loss.name),
         record=str(cfg.record),
-        topk=int(cfg.topk),
+        topk=topk,
+        topk_mass=round(t["mass"] / max(t["kept"], 1), 4),
         updates=job.updates,
         rollbacks=job.rollbacks,
         decode_seconds=round(t["decode"], 2),

@@ -18,13 +18,20 @@ _POSITIVE = (
     "max_new_tokens",
     "max_prompt_tokens",
     "window",
-    "topk",
     "buffer_tokens",
     "update_every",
     "update_steps",
     "update_batch",
     "save_every",
 )
+# `topk: auto` per serving mode. Greedy acceptance only asks whether q's argmax is p's, which
+# a few top tokens decide. Sampled acceptance is sum_x min(p, q) = 1 - TV(p, q): all of p
+# counts, and a small top-k leaves most of a high-entropy p in one rest bucket whose shape the
+# (K+1)-way loss cannot see (toy pair at T=1: top-32 holds 44% of p's mass, top-4096 all of it;
+# with K=32 online updates lowered sampled alpha, with K=V they raised it). 4096 kept positions
+# at K=4096 take 128 MB (int32 id + fp32 log-prob per entry).
+TOPK_GREEDY = 32
+TOPK_SAMPLING = 4096
 # Settings that do not change what a run computes: a resumed run may change them.
 _RUN_ONLY = ("resume", "output_dir", "logger", "device", "threads", "plot", "hydra")
 
@@ -41,6 +48,9 @@ def check_config(cfg: DictConfig) -> list[Segment]:
     for key in _POSITIVE:
         if _int(cfg, key) <= 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be a positive integer")
+    topk = cfg.topk
+    if topk != "auto" and (isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0):
+        raise ConfigError(f"topk={topk!r} must be a positive integer or auto (by decoder mode)")
     segments = parse_stream(cfg.stream)
     b = int(cfg.batch_size)
     for key in ("window", "update_every"):
@@ -81,11 +91,22 @@ def check_config(cfg: DictConfig) -> list[Segment]:
     return segments
 
 
-def check_topk(cfg: DictConfig, vocab: int) -> None:
-    if int(cfg.topk) > vocab:
+def resolve_topk(topk: int | str, temperature: float, vocab: int) -> int:
+    """The target top-k kept per position: `auto` is TOPK_GREEDY for greedy decoding
+    (temperature 0) and TOPK_SAMPLING for sampling, capped at the vocabulary."""
+    if topk == "auto":
+        return min(vocab, TOPK_GREEDY if float(temperature) == 0 else TOPK_SAMPLING)
+    return int(topk)
+
+
+def check_topk(cfg: DictConfig, vocab: int) -> int:
+    """The resolved top-k, once it fits the vocabulary."""
+    k = resolve_topk(cfg.topk, float(cfg.decoder.temperature), vocab)
+    if k > vocab:
         raise ConfigError(
             f"topk={cfg.topk} is larger than the vocabulary ({vocab} tokens): use topk <= {vocab}"
         )
+    return k
 
 
 def fingerprint(cfg: DictConfig, plan_fp: str) -> str:

@@ -135,7 +135,8 @@ def markdown(result: dict, segments: list[dict]) -> str:
         f"# Online adaptation: {Path(result['drafter_start']).name} -> {result['drafter_path']}",
         "",
         f"{result['requests']} requests, decoder {result['decoder']}, gamma {result['gamma']}, "
-        f"loss {result['loss']}, record {result['record']}, top-k {result['topk']}.",
+        f"loss {result['loss']}, record {result['record']}, top-k {result['topk']} "
+        f"(covering {result['topk_mass']} of p's mass).",
         "",
         "| segment | source | windows | frozen first -> last | adapted first -> last | "
         "mean frozen / adapted | frozen drop at shift |",

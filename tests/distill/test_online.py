@@ -126,6 +126,35 @@ class _Obj(dict):
     __getattr__ = dict.__getitem__
 
 
+def test_topk_auto_keeps_all_of_p_for_sampling_and_a_few_tokens_for_greedy():
+    """Sampled alpha is 1 - TV(p, q), so `auto` keeps (up to TOPK_SAMPLING) all of p there;
+    greedy acceptance needs only the top tokens."""
+    from specdistill.distill.online_config import TOPK_GREEDY, TOPK_SAMPLING, resolve_topk
+
+    assert resolve_topk("auto", 0.0, 4096) == TOPK_GREEDY == 32
+    assert resolve_topk("auto", 1.0, 4096) == 4096
+    assert resolve_topk("auto", 0.7, 128_256) == TOPK_SAMPLING
+    assert resolve_topk("auto", 1.0, 16) == 16
+    assert resolve_topk(8, 1.0, 4096) == 8
+
+
+@pytest.mark.parametrize("decoder", ["greedy", "sampling"])
+def test_online_run_reports_the_resolved_topk_and_its_mass(tmp_path, decoder):
+    cfg = online_cfg(tmp_path, f"decoder={decoder}", "guard_every=0", "record=all")
+    cfg.stream = [{"dataset": "toy-test", "requests": 2}]
+    result = online.run(cfg)
+    from specdistill.data.pairs import load_tokenizer, resolve_pair
+
+    vocab = len(load_tokenizer(resolve_pair(cfg.pair)))
+    if decoder == "sampling":
+        assert result.topk == min(vocab, 4096) and result.topk_mass == pytest.approx(1, abs=1e-3)
+    else:
+        assert result.topk == 32 and 0 < result.topk_mass < 1
+    assert (
+        f"top-k {result.topk} (covering {result.topk_mass}" in (tmp_path / "online.md").read_text()
+    )
+
+
 def test_buffer_is_bounded_in_tokens_oldest_out():
     def entry(req, n):
         return Entry(req, torch.arange(n + 1, dtype=torch.int32), torch.arange(n),
@@ -222,6 +251,8 @@ BAD = [
     ("update_every=0", "update_every=0"),
     ("update_every=-2", "update_every=-2"),
     ("topk=100000", "topk=100000"),
+    ("topk=0", "topk=0"),
+    ("topk=many", "topk='many'"),
     ("record=some", "record='some'"),
     ("loss.temperature=2.0", "loss.temperature=2.0"),
 ]
