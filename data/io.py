@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -48,3 +49,23 @@ def atomic_write_json(path: str | Path, obj: Any) -> Path:
 
 def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def replace_dir(tmp: Path, path: Path) -> Path:
+    """Rename a finished temp folder over `path`: the old folder is moved aside, then removed.
+
+    A reader (or a killed job) sees the old folder or the new one, never half of either; if the
+    rename fails the old folder is put back.
+    """
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    try:
+        tmp.rename(path)
+    except BaseException:
+        if old.exists() and not path.exists():
+            old.rename(path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return path

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from specdistill.data.io import atomic_write_json, atomic_write_text
+from specdistill.data.io import atomic_write_json, atomic_write_text, replace_dir
 
 STATE_FILE = "trainer_state.json"
 
@@ -65,17 +65,12 @@ def export_pretrained(accelerator, model, tokenizer, path: Path) -> Path:
     if accelerator.is_main_process:
         state = _share_tied(accelerator.unwrap_model(model), state)
         tmp = path.with_name(f".{path.name}.tmp")
-        old = path.with_name(f".{path.name}.old")
         shutil.rmtree(tmp, ignore_errors=True)
         accelerator.unwrap_model(model).save_pretrained(
             str(tmp), state_dict=state, safe_serialization=True
         )
         tokenizer.save_pretrained(str(tmp))
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, path)
     accelerator.wait_for_everyone()
     return path
 

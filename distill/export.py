@@ -30,7 +30,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.io import read_json, to_jsonable
+from specdistill.data.io import read_json, replace_dir, to_jsonable
 from specdistill.data.pairs import (
     ConfigError,
     PairSpec,
@@ -276,7 +276,7 @@ def run(cfg: DictConfig) -> ExportResult:
         result.files = [*sorted(p.name for p in tmp.iterdir()), EXPORT_FILE]
         result.wall_seconds = round(time.perf_counter() - t0, 1)
         (tmp / EXPORT_FILE).write_text(json.dumps(to_jsonable(result), indent=2) + "\n")
-        publish(tmp, out)
+        replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("exported %s -> %s (%s)", source, out, check)
@@ -290,20 +290,6 @@ def _distill_result(drafter: str) -> dict[str, Any] | None:
         return read_json(p) if p.is_file() else None
     except ValueError:
         return None
-
-
-def publish(tmp: Path, out: Path) -> None:
-    """Rename the checked temp folder into place; an old export is moved aside, then removed."""
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        out.rename(old)
-    try:
-        tmp.rename(out)
-    except BaseException:
-        if old.exists() and not out.exists():
-            old.rename(out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="export", version_base="1.3")

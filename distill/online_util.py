@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from specdistill.data.io import replace_dir
 from specdistill.data.pairs import ConfigError
 
 log = logging.getLogger("specdistill.online")
@@ -28,15 +29,11 @@ def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
 
 def export_atomic(drafter, tok, path: Path) -> None:
     """save_pretrained into a temp folder renamed over `path`: never half a checkpoint."""
-    tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+    tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     drafter.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, path)
 
 
 class StopOnSignal:
