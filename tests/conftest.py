@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -57,3 +58,18 @@ def tiny_llama(vocab: int = 64, layers: int = 2, hidden: int = 32, seed: int = 0
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+
+
+def main_in_process(main, argv: list[str], monkeypatch, capsys) -> tuple[int, list[str]]:
+    """Run a stage's Hydra `main` in this process; its exit status and stderr lines.
+
+    Keeps the root logger's handlers (Hydra reconfigures logging) so later tests log as before.
+    """
+    import logging
+
+    monkeypatch.setattr(sys, "argv", argv)
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    return exit_info.value.code, capsys.readouterr().err.strip().splitlines()

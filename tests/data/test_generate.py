@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from specdistill.data import batched
 from specdistill.data import generate as gen
 from specdistill.data.pairs import ConfigError
 from specdistill.data.prompts import load_prompts
+from tests.conftest import main_in_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -201,13 +201,8 @@ def test_cli_interface(toy_tiny, tmp_path):
 def test_cli_bad_input_is_one_line_and_exit_2(toy_tiny, tmp_path, monkeypatch, capsys):
     """main() turns a ConfigError into one line on stderr and status 2 (in-process: no import)."""
     argv = ["generate", "pair=toy-tiny", f"output_dir={tmp_path}", "max_new_tokens=0"]
-    monkeypatch.setattr(sys, "argv", argv)
-    root = logging.getLogger()
-    monkeypatch.setattr(root, "handlers", list(root.handlers))  # hydra reconfigures logging
-    with pytest.raises(SystemExit) as exit_info:
-        gen.main()
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    code, err = main_in_process(gen.main, argv, monkeypatch, capsys)
+    assert code == 2
     assert len(err) == 1 and err[0].startswith("error: max_new_tokens=0")
 
 

