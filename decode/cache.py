@@ -105,6 +105,7 @@ class ModelRunner:
         self.static = static
         self.capacity = capacity
         self.length = 0
+        self._allocated = False
         types, self.window = cache_layer_types(model.config)
         self.hybrid = self.window is not None and "full_attention" in types
         self.cache = rollback_cache(model.config, static=static, capacity=capacity)
@@ -129,7 +130,10 @@ class ModelRunner:
         if attention_mask is not None and self.window is not None:
             attention_mask = self._window_masks(attention_mask.bool(), n)
         kwargs = {"logits_to_keep": keep} if self._keep_arg and keep else {}
-        fn = self._eager if prefill else self._step
+        # The first call lazily allocates the cache; it must run eagerly so the buffers get static
+        # addresses (allocated inside a CUDA-graph step they would live in the graph's pool and
+        # be overwritten by the next replay). Prompts of one token have no prefill to do this.
+        fn = self._eager if prefill or not self._allocated else self._step
         if fn is not self._eager:  # compiled graphs guard on strides: views of a prompt recompile
             ids, position_ids = _fresh(ids), _fresh(position_ids)
         out = fn(
@@ -141,6 +145,7 @@ class ModelRunner:
             **kwargs,
         )
         self.length += n
+        self._allocated = True
         logits = out.logits
         return logits if not keep else logits[:, -keep:]
 

@@ -46,6 +46,7 @@ class DecoderConfig:
     cache: str = "auto"  # auto (static on CUDA, dynamic on CPU) | static | dynamic
     compile: str | bool = "auto"  # auto: CUDA graphs on CUDA only; True: also inductor on CPU
     record_probs: bool = False  # keep the target's probabilities per verified position
+    host_sync_every: int = 0  # target-only decoding: tokens reach the host every N steps; 0: auto
 
     @property
     def lossy(self) -> bool:
@@ -118,6 +119,10 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         raise ConfigError(f"decoder.lenience={cfg.lenience} must lie in (0, 1] (1 = lossless)")
     if cfg.cache not in ("auto", "static", "dynamic"):
         raise ConfigError(f"decoder.cache={cfg.cache!r}: use auto, static or dynamic")
+    if not isinstance(cfg.host_sync_every, int) or cfg.host_sync_every < 0:
+        raise ConfigError(
+            f"decoder.host_sync_every={cfg.host_sync_every!r} must be an integer >= 0 (0 = auto)"
+        )
     if cfg.compile not in ("auto", True, False):
         raise ConfigError(f"decoder.compile={cfg.compile!r}: use auto, true or false")
     if cfg.compile is True and cfg.cache == "dynamic":
@@ -167,6 +172,9 @@ class SpeculativeDecoder:
         compile_on = cfg.compile is True or (cfg.compile == "auto" and cuda)
         self.static = cfg.cache == "static" or (cfg.cache == "auto" and (cuda or compile_on))
         self.compile = compile_on and self.static
+        # auto: 8 on CUDA, where the host can queue steps ahead; 1 on CPU, where it cannot and
+        # steps past an EOS would only cost time
+        self.sync_every = cfg.host_sync_every or (8 if cuda else 1)
 
     # ---------------------------------------------------------------- shared setup
     def _prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
@@ -247,6 +255,7 @@ class SpeculativeDecoder:
         t, pos = self._prefill([runner], ids, mask0, dense)
         out = DecodeOutput(tokens=[[] for _ in range(b)])
         done = [False] * b
+        pending: list[torch.Tensor] = []  # tokens still on the device
         while not all(done):
             length = runner.length
             mask[:, length] = True
@@ -261,9 +270,15 @@ class SpeculativeDecoder:
                 t = sample_from(probs, uniforms((b,), generator, self.device))
             pos = pos + 1
             out.target_forwards += 1
-            for r, tok in enumerate(t.tolist()):
-                if not done[r]:
-                    done[r] = self._emit(out.tokens[r], [tok])
+            pending.append(t)
+            # Moving tokens to the host stalls the host until the device is done; batching the
+            # moves lets it queue the next steps meanwhile. A row past its EOS wastes at most
+            # sync_every - 1 steps; its output is cut at the EOS all the same.
+            if len(pending) >= self.sync_every or out.target_forwards >= cfg.max_new_tokens:
+                for r, toks in enumerate(torch.stack(pending, 1).tolist()):
+                    if not done[r]:
+                        done[r] = self._emit(out.tokens[r], toks)
+                pending = []
         return out
 
     # ---------------------------------------------------------------- speculative

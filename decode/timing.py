@@ -22,7 +22,11 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def measure_c(
-    dec: SpeculativeDecoder, input_ids: torch.Tensor, iters: int, gamma: int
+    dec: SpeculativeDecoder,
+    input_ids: torch.Tensor,
+    iters: int,
+    gamma: int,
+    capacity: int | None = None,
 ) -> tuple[float, float]:
     """(c, verify_cost): median 1-token step times of q over p, and the (gamma+1)-token verify
     step of p in units of its 1-token step (the speedup formula assumes 1).
@@ -32,10 +36,11 @@ def measure_c(
     shared CPU a lone 1-2 ms drafter step often fits in one scheduler slice while a longer target
     step is preempted, which made single-step medians understate c (toy pair under load: 0.15
     measured vs about 0.45 implied by the decode loop's own timings); blocks of similar length
-    are preempted alike."""
+    are preempted alike. `capacity`: the decode's own cache size (compiled steps then reuse the
+    decode's graphs instead of compiling a smaller bucket's)."""
     ids = input_ids.to(dec.device)
     plen, k = ids.shape[1], gamma + 1
-    cap = dec._capacity(plen + k + 2)
+    cap = capacity or dec._capacity(plen + k + 2)
     runners = [dec._runner(m, cap) for m in (dec.target, dec.drafter)]
     for r in runners:
         if plen > 1:

@@ -125,6 +125,7 @@ def decoder_config(
         cache=str(dcfg.get("cache", "auto")),
         compile=dcfg.get("compile", "auto"),
         record_probs=bool(dcfg.get("record_probs", False)),
+        host_sync_every=int(dcfg.get("host_sync_every", 0)),
     )
 
 

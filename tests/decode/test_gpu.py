@@ -37,3 +37,22 @@ def test_cuda_bf16_runs_and_mostly_agrees():
     spec, base = dec.generate(ids).tokens[0], dec.baseline(ids).tokens[0]
     assert len(spec) == len(base) == 24
     assert spec[:4] == base[:4]  # bf16 near-ties may differ later; the report flags them
+
+
+@pytest.mark.gpu
+def test_cuda_long_decode_compiles_nothing_after_warm_up():
+    """Compiled steps are reused for every token: after warm-up, a long decode (baseline and
+    speculative, two prompts of different lengths in one capacity bucket) compiles no graph."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0).cuda()
+    drafter = truncated_copy(target)
+    dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=160))
+    first, second = (torch.tensor([p]) for p in prompts(2, 64, seed=3))
+    dec.warm_up(first)
+    dec.baseline(first), dec.generate(first)
+    before = counters["stats"]["unique_graphs"]
+    for ids in (first, second[:, :-3]):
+        assert len(dec.generate(ids).tokens[0]) == 160
+        assert len(dec.baseline(ids).tokens[0]) == 160
+    assert counters["stats"]["unique_graphs"] == before

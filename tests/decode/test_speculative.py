@@ -35,7 +35,7 @@ def greedy_reference(model, prompt: list[int], n: int, eos: tuple[int, ...] = ()
     """Cache-free greedy decoding: full forward over the whole sequence at every step."""
     seq, out = list(prompt), []
     for _ in range(n):
-        tok = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+        tok = int(model(torch.tensor([seq], device=model.device)).logits[0, -1].argmax())
         seq.append(tok)
         out.append(tok)
         if tok in eos:
@@ -111,6 +111,24 @@ def test_eos_inside_an_accepted_block_stops_there(pair, gamma):
         ids, mask = left_pad(rows)
         got = dec.generate(ids, mask).tokens
         assert got == [greedy_reference(target, r, 30, (eos,)) for r in rows]
+
+
+@pytest.mark.parametrize("sync_every", [1, 4, 7])
+def test_target_only_batched_host_moves_stop_at_eos(pair, sync_every):
+    """Target-only decoding moves tokens to the host every `host_sync_every` steps: rows that
+    hit EOS between moves are still cut right after it, batch 1 and left-padded batches."""
+    target, drafter = pair
+    prompt = prompts(1, 64, seed=3)[0]
+    ref = greedy_reference(target, prompt, 30)
+    eos = ref[5]
+    cfg = DecoderConfig(max_new_tokens=30, eos_token_id=(eos,), host_sync_every=sync_every)
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    assert dec.sync_every == sync_every
+    assert dec.baseline(torch.tensor([prompt])).tokens[0] == ref[: ref.index(eos) + 1]
+    rows = [prompt, *prompts(3, 64, seed=20)]
+    ids, mask = left_pad(rows)
+    got = dec.baseline(ids, mask).tokens
+    assert got == [greedy_reference(target, r, 30, (eos,)) for r in rows]
 
 
 def test_differently_seeded_drafter_and_padded_vocab():
