@@ -22,8 +22,9 @@ from specdistill.decode.acceptance import (
     expected_alpha,
     probs_from_logits,
     sample_from,
+    accept_prefix,
+    greedy_agreement,
     uniforms,
-    verify_greedy,
     verify_sampling,
 )
 from specdistill.decode.cache import (
@@ -290,12 +291,13 @@ class SpeculativeDecoder:
         steps = torch.arange(g + 1, device=self.device)
         while not all(done):
             length = tgt.length
-            mask[:, length : length + g + 1] = True
-            # Draft gamma tokens with q (the first step also catches the drafter up).
+            k = self._draft_width(out.tokens, done)
+            mask[:, length : length + k + 1] = True
+            # Draft k tokens with q (the first step also catches the drafter up).
             draft, q_probs = [], []
             x = t[:, None] if catch is None else torch.stack([catch, t], 1)
             xpos = None if dense else (pos[:, None] - x.shape[1] + 1 + steps[: x.shape[1]])
-            for i in range(g):
+            for i in range(k):
                 attn = None if dense else self._attn(mask, dft.length + x.shape[1])
                 logits = match_vocab(dft.forward(x, attn, xpos, keep=1)[:, -1], self.vocab)
                 if s.greedy:
@@ -305,20 +307,21 @@ class SpeculativeDecoder:
                     d = sample_from(qp, uniforms((b,), generator, self.device))
                     q_probs.append(qp)
                 draft.append(d)
-                if i + 1 < g:
+                if i + 1 < k:
                     x = d[:, None]
                     xpos = None if dense else pos[:, None] + i + 1
-            out.drafter_forwards += g
-            draft_t = torch.stack(draft, 1)  # (B, G)
-            # Verify [t, d_1..d_G] with p in one forward.
+            out.drafter_forwards += k
+            draft_t = torch.stack(draft, 1)  # (B, K)
+            # Verify [t, d_1..d_K] with p in one forward.
             vin = torch.cat([t[:, None], draft_t], 1)
-            attn = None if dense else self._attn(mask, length + g + 1)
-            vpos = None if dense else pos[:, None] + steps
-            t_logits = tgt.forward(vin, attn, vpos, keep=g + 1)[..., : self.vocab]
+            attn = None if dense else self._attn(mask, length + k + 1)
+            vpos = None if dense else pos[:, None] + steps[: k + 1]
+            t_logits = tgt.forward(vin, attn, vpos, keep=k + 1)[..., : self.vocab]
             out.target_forwards += 1
-            if s.greedy:
-                n, nxt = verify_greedy(draft_t, t_logits)
-                alpha_pos = (draft_t == t_logits[:, :g].argmax(-1)).float()
+            if s.greedy:  # one argmax serves the verdict and the per-position agreement
+                ok, target_tok = greedy_agreement(draft_t, t_logits)
+                n, nxt = accept_prefix(ok, target_tok)
+                alpha_pos = ok.float()
             else:
                 p = probs_from_logits(t_logits, s)
                 q = torch.stack(q_probs, 1)
@@ -326,18 +329,18 @@ class SpeculativeDecoder:
                     draft_t,
                     p,
                     q,
-                    uniforms((b, g), generator, self.device),
+                    uniforms((b, k), generator, self.device),
                     uniforms((b,), generator, self.device),
                     cfg.lenience,
                 )
-                alpha_pos = expected_alpha(p[:, :g], q)
+                alpha_pos = expected_alpha(p[:, :k], q)
             # The round's one host sync: drafts, accepted counts, next tokens, per-position alpha
             # (token ids < 2^24 are exact in fp32).
             host = torch.cat([draft_t, n[:, None], nxt[:, None], alpha_pos], 1).float().tolist()
-            host = [[int(v) for v in row[: g + 2]] + row[g + 2 :] for row in host]
-            n_list = [row[g] for row in host]
+            host = [[int(v) for v in row[: k + 2]] + row[k + 2 :] for row in host]
+            n_list = [row[k] for row in host]
             active = [not d for d in done]
-            self._record(out, host, active, g)
+            self._record(out, host, active, k)
             if cfg.record_probs:
                 out.rounds.append(
                     RoundRecord(
@@ -351,14 +354,14 @@ class SpeculativeDecoder:
                 )
             for r, row in enumerate(host):
                 if not done[r]:
-                    done[r] = self._emit(out.tokens[r], [*row[: row[g]], row[g + 1]])
+                    done[r] = self._emit(out.tokens[r], [*row[: row[k]], row[k + 1]])
             # Roll back to the longest accepted prefix; shorter rows keep masked holes.
             maxn = max(n_list)
             new_len = length + 1 + maxn
             if not dense:
-                mask[:, length + 1 : length + 1 + g] &= steps[None, :g] < n[:, None]
+                mask[:, length + 1 : length + 1 + k] &= steps[None, :k] < n[:, None]
             tgt.rollback(new_len)
-            if maxn == g:  # the drafter never saw d_G: feed it first next round
+            if maxn == k:  # the drafter never saw d_K: feed it first next round
                 catch = draft_t[:, -1]
             else:
                 dft.rollback(new_len)
@@ -366,6 +369,16 @@ class SpeculativeDecoder:
             pos = pos + 1 + n
             t = nxt
         return out
+
+    def _draft_width(self, tokens: list[list[int]], done: list[bool]) -> int:
+        """Drafts this round: gamma, or fewer when no unfinished row has the budget left to use
+        them (a round emits at most drafts + 1 tokens), so a decode's last round drafts and
+        verifies no token past `max_new_tokens`. Compiled steps keep gamma: one verify shape."""
+        g = self.cfg.gamma
+        if self.compile:
+            return g
+        left = max(self.cfg.max_new_tokens - len(row) for row, d in zip(tokens, done) if not d)
+        return max(1, min(g, left - 1))
 
     def _emit(self, row: list[int], tokens: list[int]) -> bool:
         """Append up to the budget, stopping after an EOS; True when the row is finished."""
