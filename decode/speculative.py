@@ -19,11 +19,11 @@ import torch
 from specdistill.data.pairs import ConfigError, check_vocab, match_vocab, vocab_size
 from specdistill.decode.acceptance import (
     Sampling,
+    accept_prefix,
     expected_alpha,
+    greedy_agreement,
     probs_from_logits,
     sample_from,
-    accept_prefix,
-    greedy_agreement,
     uniforms,
     verify_sampling,
 )
