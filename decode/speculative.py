@@ -45,7 +45,9 @@ class DecoderConfig:
     lenience: float = 1.0
     eos_token_id: tuple[int, ...] = ()
     cache: str = "auto"  # auto (static on CUDA, dynamic on CPU) | static | dynamic
-    compile: str | bool = "auto"  # auto: CUDA graphs on CUDA only; True: also inductor on CPU
+    # auto: CUDA graphs on CUDA only; True: also inductor on CPU; "drafter": compile the drafter's
+    # steps only (the target, and so the target-only baseline, stays eager)
+    compile: str | bool = "auto"
     record_probs: bool = False  # keep the target's probabilities per verified position
 
     @property
@@ -119,12 +121,12 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         raise ConfigError(f"decoder.lenience={cfg.lenience} must lie in (0, 1] (1 = lossless)")
     if cfg.cache not in ("auto", "static", "dynamic"):
         raise ConfigError(f"decoder.cache={cfg.cache!r}: use auto, static or dynamic")
-    if cfg.compile not in ("auto", True, False):
-        raise ConfigError(f"decoder.compile={cfg.compile!r}: use auto, true or false")
-    if cfg.compile is True and cfg.cache == "dynamic":
+    if cfg.compile not in ("auto", True, False, "drafter"):
+        raise ConfigError(f"decoder.compile={cfg.compile!r}: use auto, true, false or drafter")
+    if cfg.compile in (True, "drafter") and cfg.cache == "dynamic":
         raise ConfigError(
-            "decoder.compile=true compiles fixed-shape steps over a static cache: "
-            "set decoder.cache=static or auto"
+            f"decoder.compile={str(cfg.compile).lower()} compiles fixed-shape steps over a static "
+            "cache: set decoder.cache=static or auto"
         )
 
 
@@ -166,8 +168,10 @@ class SpeculativeDecoder:
         self.device, self.dtype = model_device_dtype(target)
         cuda = self.device.type == "cuda"
         compile_on = cfg.compile is True or (cfg.compile == "auto" and cuda)
-        self.static = cfg.cache == "static" or (cfg.cache == "auto" and (cuda or compile_on))
-        self.compile = compile_on and self.static
+        some = compile_on or cfg.compile == "drafter"
+        self.static = cfg.cache == "static" or (cfg.cache == "auto" and (cuda or some))
+        self.compile = some and self.static  # some steps compiled (capacities bucketed)
+        self.compile_target = compile_on and self.static
 
     # ---------------------------------------------------------------- shared setup
     def _prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
@@ -188,7 +192,8 @@ class SpeculativeDecoder:
         return bucket_capacity(slots) if self.compile else slots
 
     def _runner(self, model, capacity: int) -> ModelRunner:
-        return ModelRunner(model, static=self.static, capacity=capacity, compile_steps=self.compile)
+        compiled = self.compile and (self.compile_target or model is self.drafter)
+        return ModelRunner(model, static=self.static, capacity=capacity, compile_steps=compiled)
 
     def spec_capacity(self, batch: int, plen: int) -> int:
         """Slots a speculative decode may use: rows that reject early leave holes, so a batched
@@ -373,9 +378,10 @@ class SpeculativeDecoder:
     def _draft_width(self, tokens: list[list[int]], done: list[bool]) -> int:
         """Drafts this round: gamma, or fewer when no unfinished row has the budget left to use
         them (a round emits at most drafts + 1 tokens), so a decode's last round drafts and
-        verifies no token past `max_new_tokens`. Compiled steps keep gamma: one verify shape."""
+        verifies no token past `max_new_tokens`. A compiled target keeps gamma: one verify shape
+        (drafter steps are 1 or 2 tokens either way)."""
         g = self.cfg.gamma
-        if self.compile:
+        if self.compile_target:
             return g
         left = max(self.cfg.max_new_tokens - len(row) for row, d in zip(tokens, done) if not d)
         return max(1, min(g, left - 1))
