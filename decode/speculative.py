@@ -6,8 +6,10 @@ is padded/trimmed to the target's size). Both KV caches share one slot layout (s
 (gamma+1)-token verify step, then rolls both caches back to the longest accepted prefix in the
 batch; rows that accepted less keep masked "holes", so rows may accept different lengths and
 nothing is recomputed. When a row accepts all gamma drafts, the drafter's cache lacks the last
-draft and catches it up in its next step. `baseline` decodes with the target alone through the
-same machinery, so a speedup compares like with like.
+draft and catches it up in its next step. A round drafts fewer than gamma tokens only when no
+unfinished row could emit more before `max_new_tokens` (eager target steps; a compiled target
+keeps one verify shape). `baseline` decodes with the target alone through the same machinery, so
+a speedup compares like with like.
 """
 
 from __future__ import annotations
@@ -123,10 +125,10 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         raise ConfigError(f"decoder.cache={cfg.cache!r}: use auto, static or dynamic")
     if cfg.compile not in ("auto", True, False, "drafter"):
         raise ConfigError(f"decoder.compile={cfg.compile!r}: use auto, true, false or drafter")
-    if cfg.compile in (True, "drafter") and cfg.cache == "dynamic":
+    if cfg.compile is True and cfg.cache == "dynamic":
         raise ConfigError(
-            f"decoder.compile={str(cfg.compile).lower()} compiles fixed-shape steps over a static "
-            "cache: set decoder.cache=static or auto"
+            "decoder.compile=true compiles fixed-shape steps over a static cache: "
+            "set decoder.cache=static or auto"
         )
 
 
@@ -168,10 +170,11 @@ class SpeculativeDecoder:
         self.device, self.dtype = model_device_dtype(target)
         cuda = self.device.type == "cuda"
         compile_on = cfg.compile is True or (cfg.compile == "auto" and cuda)
-        some = compile_on or cfg.compile == "drafter"
-        self.static = cfg.cache == "static" or (cfg.cache == "auto" and (cuda or some))
-        self.compile = some and self.static  # some steps compiled (capacities bucketed)
+        # `static` is the target's cache (and an eager drafter's); compiled drafter steps always
+        # run over a static cache of their own, whatever the target's.
+        self.static = cfg.cache == "static" or (cfg.cache == "auto" and (cuda or compile_on))
         self.compile_target = compile_on and self.static
+        self.compile = self.compile_target or cfg.compile == "drafter"  # some steps compiled
 
     # ---------------------------------------------------------------- shared setup
     def _prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
@@ -191,15 +194,24 @@ class SpeculativeDecoder:
     def _capacity(self, slots: int) -> int:
         return bucket_capacity(slots) if self.compile else slots
 
-    def _runner(self, model, capacity: int) -> ModelRunner:
-        compiled = self.compile and (self.compile_target or model is self.drafter)
-        return ModelRunner(model, static=self.static, capacity=capacity, compile_steps=compiled)
+    def _runner(self, model, slots: int) -> ModelRunner:
+        """Compiled steps get a static cache of bucketed capacity (few shapes); eager steps keep
+        `slots`, so an eager target's steps never attend over a bucket's empty tail."""
+        compiled = self.compile_target or (self.compile and model is self.drafter)
+        cap = bucket_capacity(slots) if compiled else slots
+        return ModelRunner(
+            model, static=self.static or compiled, capacity=cap, compile_steps=compiled
+        )
 
-    def spec_capacity(self, batch: int, plen: int) -> int:
+    def spec_slots(self, batch: int, plen: int) -> int:
         """Slots a speculative decode may use: rows that reject early leave holes, so a batched
         layout can outgrow the tokens emitted."""
         g, new = self.cfg.gamma, self.cfg.max_new_tokens
-        return self._capacity(plen + (g + 1) * (1 if batch == 1 else new) + new + 2)
+        return plen + (g + 1) * (1 if batch == 1 else new) + new + 2
+
+    def spec_capacity(self, batch: int, plen: int) -> int:
+        """`spec_slots` as the shared mask's width (bucketed when any step is compiled)."""
+        return self._capacity(self.spec_slots(batch, plen))
 
     @torch.inference_mode()
     def warm_up(self, input_ids: torch.Tensor) -> None:
@@ -208,9 +220,9 @@ class SpeculativeDecoder:
         ids, _ = self._prepare(input_ids, None)
         plen, g = ids.shape[1], self.cfg.gamma
         for model, cap, steps in (  # (tokens fed, logits kept) exactly as the loops call them
-            (self.target, self._capacity(plen + self.cfg.max_new_tokens + 1), ((1, 1),)),
-            (self.target, self.spec_capacity(1, plen), ((g + 1, g + 1),)),
-            (self.drafter, self.spec_capacity(1, plen), ((1, 1), (2, 1))),
+            (self.target, plen + self.cfg.max_new_tokens + 1, ((1, 1),)),
+            (self.target, self.spec_slots(1, plen), ((g + 1, g + 1),)),
+            (self.drafter, self.spec_slots(1, plen), ((1, 1), (2, 1))),
         ):
             runner = self._runner(model, cap)
             self._prefill([runner], ids, torch.ones_like(ids, dtype=torch.bool), True)
@@ -219,10 +231,11 @@ class SpeculativeDecoder:
                     runner.forward(ids[:, -1:].repeat(1, width), keep=keep)
                     runner.rollback(runner.length - width)
 
-    def _attn(self, mask: torch.Tensor, width: int) -> torch.Tensor:
+    @staticmethod
+    def _attn(runner: ModelRunner, mask: torch.Tensor, width: int) -> torch.Tensor:
         """The 2-D mask for a step: full width over a static cache (one shape for compiled
         steps; slots past the step are causally masked anyway), else the slots in use."""
-        return mask if self.static else mask[:, :width]
+        return mask[:, : runner.capacity] if runner.static else mask[:, :width]
 
     def _prefill(self, runners, ids, mask, dense):
         """Feed all prompt tokens but the last (it opens the first round): both caches alike."""
@@ -246,8 +259,9 @@ class SpeculativeDecoder:
         ids, mask0 = self._prepare(input_ids, attention_mask)
         b, plen = ids.shape
         dense = b == 1
-        cap = self._capacity(plen + cfg.max_new_tokens + 1)
-        runner = self._runner(self.target, cap)
+        slots = plen + cfg.max_new_tokens + 1
+        cap = self._capacity(slots)
+        runner = self._runner(self.target, slots)
         mask = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
         mask[:, :plen] = mask0
         t, pos = self._prefill([runner], ids, mask0, dense)
@@ -256,7 +270,7 @@ class SpeculativeDecoder:
         while not all(done):
             length = runner.length
             mask[:, length] = True
-            attn = None if dense else self._attn(mask, length + 1)
+            attn = None if dense else self._attn(runner, mask, length + 1)
             logits = runner.forward(t[:, None], attn, None if dense else pos[:, None], keep=1)[
                 :, -1
             ]
@@ -285,8 +299,9 @@ class SpeculativeDecoder:
         ids, mask0 = self._prepare(input_ids, attention_mask)
         b, plen = ids.shape
         dense = b == 1
-        cap = self.spec_capacity(b, plen)
-        tgt, dft = self._runner(self.target, cap), self._runner(self.drafter, cap)
+        slots = self.spec_slots(b, plen)
+        cap = self._capacity(slots)
+        tgt, dft = self._runner(self.target, slots), self._runner(self.drafter, slots)
         mask = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
         mask[:, :plen] = mask0
         t, pos = self._prefill([tgt, dft], ids, mask0, dense)
@@ -303,7 +318,7 @@ class SpeculativeDecoder:
             x = t[:, None] if catch is None else torch.stack([catch, t], 1)
             xpos = None if dense else (pos[:, None] - x.shape[1] + 1 + steps[: x.shape[1]])
             for i in range(k):
-                attn = None if dense else self._attn(mask, dft.length + x.shape[1])
+                attn = None if dense else self._attn(dft, mask, dft.length + x.shape[1])
                 logits = match_vocab(dft.forward(x, attn, xpos, keep=1)[:, -1], self.vocab)
                 if s.greedy:
                     d = logits.argmax(-1)
@@ -319,7 +334,7 @@ class SpeculativeDecoder:
             draft_t = torch.stack(draft, 1)  # (B, K)
             # Verify [t, d_1..d_K] with p in one forward.
             vin = torch.cat([t[:, None], draft_t], 1)
-            attn = None if dense else self._attn(mask, length + k + 1)
+            attn = None if dense else self._attn(tgt, mask, length + k + 1)
             vpos = None if dense else pos[:, None] + steps[: k + 1]
             t_logits = tgt.forward(vin, attn, vpos, keep=k + 1)[..., : self.vocab]
             out.target_forwards += 1
