@@ -94,13 +94,19 @@ def verify_greedy(
     that predict draft[0..G-1] and the bonus slot. Returns (n_accepted (B,), next_token (B,)),
     next_token being the target's argmax at the first mismatch (or the bonus position).
     """
-    target_tok = target_logits.float().argmax(-1)  # (B, G+1)
-    return _accept_prefix(draft == target_tok[:, :-1], target_tok)
+    return accept_prefix(*greedy_agreement(draft, target_logits))
 
 
-def _accept_prefix(
-    ok: torch.Tensor, next_by_pos: torch.Tensor
+def greedy_agreement(
+    draft: torch.Tensor, target_logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ok (B, G) bool: draft[j] is the target's argmax at j, target tokens (B, G+1)): the one
+    argmax greedy verification and its per-position acceptance both read."""
+    target_tok = target_logits.argmax(-1)  # fp32/bf16 argmax alike: no upcast copy needed
+    return draft == target_tok[:, :-1], target_tok
+
+
+def accept_prefix(ok: torch.Tensor, next_by_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """n = length of the all-true prefix of `ok` (B, G); next token = next_by_pos[:, n]."""
     n = torch.cumprod(ok.int(), dim=-1).sum(-1)
     return n, next_by_pos.gather(1, n.unsqueeze(1)).squeeze(1)

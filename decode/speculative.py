@@ -6,8 +6,10 @@ is padded/trimmed to the target's size). Both KV caches share one slot layout (s
 (gamma+1)-token verify step, then rolls both caches back to the longest accepted prefix in the
 batch; rows that accepted less keep masked "holes", so rows may accept different lengths and
 nothing is recomputed. When a row accepts all gamma drafts, the drafter's cache lacks the last
-draft and catches it up in its next step. `baseline` decodes with the target alone through the
-same machinery, so a speedup compares like with like.
+draft and catches it up in its next step. A round drafts fewer than gamma tokens only when no
+unfinished row could emit more before `max_new_tokens` (eager target steps; a compiled target
+keeps one verify shape). `baseline` decodes with the target alone through the same machinery, so
+a speedup compares like with like.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import torch
 from specdistill.data.pairs import ConfigError, check_vocab, match_vocab, vocab_size
 from specdistill.decode.acceptance import (
     Sampling,
+    accept_prefix,
     expected_alpha,
+    greedy_agreement,
     probs_from_logits,
     sample_from,
     uniforms,
-    verify_greedy,
     verify_sampling,
 )
 from specdistill.decode.cache import (
@@ -44,7 +47,9 @@ class DecoderConfig:
     lenience: float = 1.0
     eos_token_id: tuple[int, ...] = ()
     cache: str = "auto"  # auto (static on CUDA, dynamic on CPU) | static | dynamic
-    compile: str | bool = "auto"  # auto: CUDA graphs on CUDA only; True: also inductor on CPU
+    # auto: CUDA graphs on CUDA only; True: also inductor on CPU; "drafter": compile the drafter's
+    # steps only (the target, and so the target-only baseline, stays eager)
+    compile: str | bool = "auto"
     record_probs: bool = False  # keep the target's probabilities per verified position
     host_sync_every: int = 0  # target-only decoding: tokens reach the host every N steps; 0: auto
 
@@ -123,8 +128,8 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         raise ConfigError(
             f"decoder.host_sync_every={cfg.host_sync_every!r} must be an integer >= 0 (0 = auto)"
         )
-    if cfg.compile not in ("auto", True, False):
-        raise ConfigError(f"decoder.compile={cfg.compile!r}: use auto, true or false")
+    if cfg.compile not in ("auto", True, False, "drafter"):
+        raise ConfigError(f"decoder.compile={cfg.compile!r}: use auto, true, false or drafter")
     if cfg.compile is True and cfg.cache == "dynamic":
         raise ConfigError(
             "decoder.compile=true compiles fixed-shape steps over a static cache: "
@@ -170,8 +175,11 @@ class SpeculativeDecoder:
         self.device, self.dtype = model_device_dtype(target)
         cuda = self.device.type == "cuda"
         compile_on = cfg.compile is True or (cfg.compile == "auto" and cuda)
+        # `static` is the target's cache (and an eager drafter's); compiled drafter steps always
+        # run over a static cache of their own, whatever the target's.
         self.static = cfg.cache == "static" or (cfg.cache == "auto" and (cuda or compile_on))
-        self.compile = compile_on and self.static
+        self.compile_target = compile_on and self.static
+        self.compile = self.compile_target or cfg.compile == "drafter"  # some steps compiled
         # auto: 8 on CUDA, where the host can queue steps ahead; 1 on CPU, where it cannot and
         # steps past an EOS would only cost time
         self.sync_every = cfg.host_sync_every or (8 if cuda else 1)
@@ -194,14 +202,24 @@ class SpeculativeDecoder:
     def _capacity(self, slots: int) -> int:
         return bucket_capacity(slots) if self.compile else slots
 
-    def _runner(self, model, capacity: int) -> ModelRunner:
-        return ModelRunner(model, static=self.static, capacity=capacity, compile_steps=self.compile)
+    def _runner(self, model, slots: int) -> ModelRunner:
+        """Compiled steps get a static cache of bucketed capacity (few shapes); eager steps keep
+        `slots`, so an eager target's steps never attend over a bucket's empty tail."""
+        compiled = self.compile_target or (self.compile and model is self.drafter)
+        cap = bucket_capacity(slots) if compiled else slots
+        return ModelRunner(
+            model, static=self.static or compiled, capacity=cap, compile_steps=compiled
+        )
 
-    def spec_capacity(self, batch: int, plen: int) -> int:
+    def spec_slots(self, batch: int, plen: int) -> int:
         """Slots a speculative decode may use: rows that reject early leave holes, so a batched
         layout can outgrow the tokens emitted."""
         g, new = self.cfg.gamma, self.cfg.max_new_tokens
-        return self._capacity(plen + (g + 1) * (1 if batch == 1 else new) + new + 2)
+        return plen + (g + 1) * (1 if batch == 1 else new) + new + 2
+
+    def spec_capacity(self, batch: int, plen: int) -> int:
+        """`spec_slots` as the shared mask's width (bucketed when any step is compiled)."""
+        return self._capacity(self.spec_slots(batch, plen))
 
     @torch.inference_mode()
     def warm_up(self, input_ids: torch.Tensor) -> None:
@@ -210,9 +228,9 @@ class SpeculativeDecoder:
         ids, _ = self._prepare(input_ids, None)
         plen, g = ids.shape[1], self.cfg.gamma
         for model, cap, steps in (  # (tokens fed, logits kept) exactly as the loops call them
-            (self.target, self._capacity(plen + self.cfg.max_new_tokens + 1), ((1, 1),)),
-            (self.target, self.spec_capacity(1, plen), ((g + 1, g + 1),)),
-            (self.drafter, self.spec_capacity(1, plen), ((1, 1), (2, 1))),
+            (self.target, plen + self.cfg.max_new_tokens + 1, ((1, 1),)),
+            (self.target, self.spec_slots(1, plen), ((g + 1, g + 1),)),
+            (self.drafter, self.spec_slots(1, plen), ((1, 1), (2, 1))),
         ):
             runner = self._runner(model, cap)
             self._prefill([runner], ids, torch.ones_like(ids, dtype=torch.bool), True)
@@ -221,10 +239,11 @@ class SpeculativeDecoder:
                     runner.forward(ids[:, -1:].repeat(1, width), keep=keep)
                     runner.rollback(runner.length - width)
 
-    def _attn(self, mask: torch.Tensor, width: int) -> torch.Tensor:
+    @staticmethod
+    def _attn(runner: ModelRunner, mask: torch.Tensor, width: int) -> torch.Tensor:
         """The 2-D mask for a step: full width over a static cache (one shape for compiled
         steps; slots past the step are causally masked anyway), else the slots in use."""
-        return mask if self.static else mask[:, :width]
+        return mask[:, : runner.capacity] if runner.static else mask[:, :width]
 
     def _prefill(self, runners, ids, mask, dense):
         """Feed all prompt tokens but the last (it opens the first round): both caches alike."""
@@ -248,8 +267,9 @@ class SpeculativeDecoder:
         ids, mask0 = self._prepare(input_ids, attention_mask)
         b, plen = ids.shape
         dense = b == 1
-        cap = self._capacity(plen + cfg.max_new_tokens + 1)
-        runner = self._runner(self.target, cap)
+        slots = plen + cfg.max_new_tokens + 1
+        cap = self._capacity(slots)
+        runner = self._runner(self.target, slots)
         mask = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
         mask[:, :plen] = mask0
         t, pos = self._prefill([runner], ids, mask0, dense)
@@ -259,7 +279,7 @@ class SpeculativeDecoder:
         while not all(done):
             length = runner.length
             mask[:, length] = True
-            attn = None if dense else self._attn(mask, length + 1)
+            attn = None if dense else self._attn(runner, mask, length + 1)
             logits = runner.forward(t[:, None], attn, None if dense else pos[:, None], keep=1)[
                 :, -1
             ]
@@ -294,8 +314,9 @@ class SpeculativeDecoder:
         ids, mask0 = self._prepare(input_ids, attention_mask)
         b, plen = ids.shape
         dense = b == 1
-        cap = self.spec_capacity(b, plen)
-        tgt, dft = self._runner(self.target, cap), self._runner(self.drafter, cap)
+        slots = self.spec_slots(b, plen)
+        cap = self._capacity(slots)
+        tgt, dft = self._runner(self.target, slots), self._runner(self.drafter, slots)
         mask = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
         mask[:, :plen] = mask0
         t, pos = self._prefill([tgt, dft], ids, mask0, dense)
@@ -305,13 +326,14 @@ class SpeculativeDecoder:
         steps = torch.arange(g + 1, device=self.device)
         while not all(done):
             length = tgt.length
-            mask[:, length : length + g + 1] = True
-            # Draft gamma tokens with q (the first step also catches the drafter up).
+            k = self._draft_width(out.tokens, done)
+            mask[:, length : length + k + 1] = True
+            # Draft k tokens with q (the first step also catches the drafter up).
             draft, q_probs = [], []
             x = t[:, None] if catch is None else torch.stack([catch, t], 1)
             xpos = None if dense else (pos[:, None] - x.shape[1] + 1 + steps[: x.shape[1]])
-            for i in range(g):
-                attn = None if dense else self._attn(mask, dft.length + x.shape[1])
+            for i in range(k):
+                attn = None if dense else self._attn(dft, mask, dft.length + x.shape[1])
                 logits = match_vocab(dft.forward(x, attn, xpos, keep=1)[:, -1], self.vocab)
                 if s.greedy:
                     d = logits.argmax(-1)
@@ -320,20 +342,21 @@ class SpeculativeDecoder:
                     d = sample_from(qp, uniforms((b,), generator, self.device))
                     q_probs.append(qp)
                 draft.append(d)
-                if i + 1 < g:
+                if i + 1 < k:
                     x = d[:, None]
                     xpos = None if dense else pos[:, None] + i + 1
-            out.drafter_forwards += g
-            draft_t = torch.stack(draft, 1)  # (B, G)
-            # Verify [t, d_1..d_G] with p in one forward.
+            out.drafter_forwards += k
+            draft_t = torch.stack(draft, 1)  # (B, K)
+            # Verify [t, d_1..d_K] with p in one forward.
             vin = torch.cat([t[:, None], draft_t], 1)
-            attn = None if dense else self._attn(mask, length + g + 1)
-            vpos = None if dense else pos[:, None] + steps
-            t_logits = tgt.forward(vin, attn, vpos, keep=g + 1)[..., : self.vocab]
+            attn = None if dense else self._attn(tgt, mask, length + k + 1)
+            vpos = None if dense else pos[:, None] + steps[: k + 1]
+            t_logits = tgt.forward(vin, attn, vpos, keep=k + 1)[..., : self.vocab]
             out.target_forwards += 1
-            if s.greedy:
-                n, nxt = verify_greedy(draft_t, t_logits)
-                alpha_pos = (draft_t == t_logits[:, :g].argmax(-1)).float()
+            if s.greedy:  # one argmax serves the verdict and the per-position agreement
+                ok, target_tok = greedy_agreement(draft_t, t_logits)
+                n, nxt = accept_prefix(ok, target_tok)
+                alpha_pos = ok.float()
             else:
                 p = probs_from_logits(t_logits, s)
                 q = torch.stack(q_probs, 1)
@@ -341,18 +364,18 @@ class SpeculativeDecoder:
                     draft_t,
                     p,
                     q,
-                    uniforms((b, g), generator, self.device),
+                    uniforms((b, k), generator, self.device),
                     uniforms((b,), generator, self.device),
                     cfg.lenience,
                 )
-                alpha_pos = expected_alpha(p[:, :g], q)
+                alpha_pos = expected_alpha(p[:, :k], q)
             # The round's one host sync: drafts, accepted counts, next tokens, per-position alpha
             # (token ids < 2^24 are exact in fp32).
             host = torch.cat([draft_t, n[:, None], nxt[:, None], alpha_pos], 1).float().tolist()
-            host = [[int(v) for v in row[: g + 2]] + row[g + 2 :] for row in host]
-            n_list = [row[g] for row in host]
+            host = [[int(v) for v in row[: k + 2]] + row[k + 2 :] for row in host]
+            n_list = [row[k] for row in host]
             active = [not d for d in done]
-            self._record(out, host, active, g)
+            self._record(out, host, active, k)
             if cfg.record_probs:
                 out.rounds.append(
                     RoundRecord(
@@ -366,14 +389,14 @@ class SpeculativeDecoder:
                 )
             for r, row in enumerate(host):
                 if not done[r]:
-                    done[r] = self._emit(out.tokens[r], [*row[: row[g]], row[g + 1]])
+                    done[r] = self._emit(out.tokens[r], [*row[: row[k]], row[k + 1]])
             # Roll back to the longest accepted prefix; shorter rows keep masked holes.
             maxn = max(n_list)
             new_len = length + 1 + maxn
             if not dense:
-                mask[:, length + 1 : length + 1 + g] &= steps[None, :g] < n[:, None]
+                mask[:, length + 1 : length + 1 + k] &= steps[None, :k] < n[:, None]
             tgt.rollback(new_len)
-            if maxn == g:  # the drafter never saw d_G: feed it first next round
+            if maxn == k:  # the drafter never saw d_K: feed it first next round
                 catch = draft_t[:, -1]
             else:
                 dft.rollback(new_len)
@@ -381,6 +404,17 @@ class SpeculativeDecoder:
             pos = pos + 1 + n
             t = nxt
         return out
+
+    def _draft_width(self, tokens: list[list[int]], done: list[bool]) -> int:
+        """Drafts this round: gamma, or fewer when no unfinished row has the budget left to use
+        them (a round emits at most drafts + 1 tokens), so a decode's last round drafts and
+        verifies no token past `max_new_tokens`. A compiled target keeps gamma: one verify shape
+        (drafter steps are 1 or 2 tokens either way)."""
+        g = self.cfg.gamma
+        if self.compile_target:
+            return g
+        left = max(self.cfg.max_new_tokens - len(row) for row, d in zip(tokens, done) if not d)
+        return max(1, min(g, left - 1))
 
     def _emit(self, row: list[int], tokens: list[int]) -> bool:
         """Append up to the budget, stopping after an EOS; True when the row is finished."""

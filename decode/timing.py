@@ -40,8 +40,7 @@ def measure_c(
     decode's graphs instead of compiling a smaller bucket's)."""
     ids = input_ids.to(dec.device)
     plen, k = ids.shape[1], gamma + 1
-    cap = capacity or dec._capacity(plen + k + 2)
-    runners = [dec._runner(m, cap) for m in (dec.target, dec.drafter)]
+    runners = [dec._runner(m, capacity or plen + k + 2) for m in (dec.target, dec.drafter)]
     for r in runners:
         if plen > 1:
             r.forward(ids[:, :-1], keep=1, prefill=True)

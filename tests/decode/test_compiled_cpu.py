@@ -28,18 +28,33 @@ def test_compile_true_needs_a_static_cache():
     assert not SpeculativeDecoder(target, target, DecoderConfig()).compile  # CPU default: eager
 
 
+def test_compile_drafter_compiles_only_the_drafter_steps():
+    target = tiny_llama(vocab=64, layers=2, seed=0)
+    drafter = tiny_llama(vocab=64, layers=1, seed=1)
+    dec = SpeculativeDecoder(target, drafter, DecoderConfig(compile="drafter"))
+    assert dec.compile and not dec.compile_target and not dec.static  # CPU auto: target dynamic
+    t, d = dec._runner(target, 70), dec._runner(drafter, 70)
+    assert t._step == t._eager and d._step != d._eager  # the baseline's target stays eager
+    assert (t.static, t.capacity, d.static, d.capacity) == (False, 70, True, 256)
+    assert dec._draft_width([[1] * 62], [False]) == 1  # the verify width may follow the budget
+    full = SpeculativeDecoder(target, drafter, DecoderConfig(compile=True, max_new_tokens=64))
+    assert full.compile_target and full._draft_width([[1] * 62], [False]) == 4
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("make", ["llama", "gemma2"])
-def test_cpu_compiled_greedy_is_lossless(make):
+@pytest.mark.parametrize(
+    ("make", "compile"), [("llama", True), ("gemma2", True), ("llama", "drafter")]
+)
+def test_cpu_compiled_greedy_is_lossless(make, compile):
     if make == "llama":
         target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0)
     else:
         target = gemma2().eval()
     drafter = first_layers(target, 2)
     dec = SpeculativeDecoder(
-        target, drafter, DecoderConfig(gamma=3, max_new_tokens=20, compile=True)
+        target, drafter, DecoderConfig(gamma=3, max_new_tokens=20, compile=compile)
     )
-    assert dec.compile and dec.static
+    assert dec.compile and dec.compile_target == dec.static == (compile is True)
     for prompt in prompts(3, 64, seed=2):
         ids = torch.tensor([prompt])
         want = greedy_reference(target, prompt, 20)

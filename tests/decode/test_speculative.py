@@ -152,8 +152,12 @@ def test_round_records_match_the_output(pair):
     out = dec.generate(ids, mask, generator=torch.Generator().manual_seed(0))
     assert len(out.rounds) == out.target_forwards
     for rec in out.rounds:
-        assert rec.target_probs is not None and rec.target_probs.shape == (3, 4, 64)
-        assert torch.allclose(rec.target_probs.sum(-1), torch.ones(3, 4))
+        k = rec.draft.shape[1]  # gamma, fewer only where the budget leaves no room for more
+        assert 1 <= k <= 3 and rec.target_probs is not None
+        assert rec.target_probs.shape == (3, k + 1, 64)
+        assert torch.allclose(rec.target_probs.sum(-1), torch.ones(3, k + 1))
+        left = max(18 - s for s, a in zip(rec.start, rec.active) if a)
+        assert k == min(3, max(1, left - 1))
         for r in range(3):
             if not rec.active[r]:
                 continue
@@ -181,3 +185,18 @@ def test_toy_tiny_pair_greedy_lossless(toy_tiny_pair):
         out = dec.generate(ids, mask)
         assert out.tokens == want
         assert out.tau > 1.0
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_last_round_drafts_only_what_the_budget_can_emit(pair, cache):
+    """A drafter equal to the target accepts everything: 7 tokens at gamma 4 are one full round
+    (4 drafts + bonus) and a round of 1 draft + bonus, not a second round of 4 drafts."""
+    target, _ = pair
+    dec = SpeculativeDecoder(
+        target, copy.deepcopy(target), DecoderConfig(gamma=4, max_new_tokens=7, cache=cache)
+    )
+    prompt = prompts(1, 64, seed=3)[0]
+    out = dec.generate(torch.tensor([prompt]))
+    assert out.tokens[0] == greedy_reference(target, prompt, 7)
+    assert (out.target_forwards, out.drafter_forwards, out.accepted) == (2, 5, 5)
+    assert out.trials_at == [2, 1, 1, 1]
