@@ -69,6 +69,19 @@ def check_config(cfg: DictConfig) -> list[Segment]:
                 f"guard_probe={probe} must be a positive multiple of batch_size={b} and at most "
                 f"update_every={cfg.update_every} (the probe is the latest traffic)"
             )
+    gate = cfg.get("gate_agreement")
+    if gate is not None:
+        if isinstance(gate, bool) or not isinstance(gate, int | float) or not -1 <= gate <= 1:
+            raise ConfigError(
+                f"gate_agreement={gate!r} must be a cosine in [-1, 1], or null (no gate)"
+            )
+        if int(cfg.update_batch) < 2:
+            raise ConfigError(
+                f"update_batch={cfg.update_batch} must be >= 2 with gate_agreement (it is split "
+                "into two half-batches whose gradients must agree)"
+            )
+    if not float(cfg.get("anchor_kl", 0.0)) >= 0:
+        raise ConfigError(f"anchor_kl={cfg.anchor_kl} must be >= 0 (0: no trust region)")
     if not float(cfg.guard_margin) >= 0:
         raise ConfigError(f"guard_margin={cfg.guard_margin} must be >= 0")
     if cfg.loss.name not in DIVERGENCES:

@@ -255,6 +255,8 @@ BAD = [
     ("topk=many", "topk='many'"),
     ("record=some", "record='some'"),
     ("loss.temperature=2.0", "loss.temperature=2.0"),
+    ("gate_agreement=1.5", "gate_agreement=1.5"),
+    ("anchor_kl=-1", "anchor_kl=-1"),
 ]
 
 
