@@ -54,7 +54,13 @@ from specdistill.distill.online_stream import (
     plan_requests,
 )
 from specdistill.distill.online_update import Updater
-from specdistill.distill.online_util import StopOnSignal, export_atomic, left_pad, set_threads
+from specdistill.distill.online_util import (
+    StopOnSignal,
+    export_atomic,
+    left_pad,
+    set_threads,
+    wandb_tracker,
+)
 
 log = logging.getLogger("specdistill.online")
 STATE_FILE = "online_state.pt"
@@ -179,30 +185,25 @@ class OnlineRun:
         secs = time.perf_counter() - t
         self.window.gated += self.updater.gated - gated
         self.totals["gated"] += self.updater.gated - gated
-        self.updates += 1
+        self.updates, self.window.updates = self.updates + 1, self.window.updates + 1
         self.window.update_seconds += secs
         self.totals["update"] += secs
-        self.window.updates += 1
         self.window.losses += losses
         if guarded:
             t = time.perf_counter()
             before = sum(b["alpha_sum"] for b in probe) / max(1, sum(b["trials"] for b in probe))
             outs = [self._decode(self.guard_dec, b["first"], b["rows"])[0] for b in probe]
             after = sum(o.alpha_sum for o in outs) / max(1, sum(o.trials for o in outs))
-            ref = max(before, self._start_alpha(probe)) if cfg.guard_start else before
-            if after < ref - float(cfg.guard_margin):
+            start = self._start_alpha(probe) if cfg.guard_start else None
+            if after < max(before, start or 0.0) - float(cfg.guard_margin):
                 self.updater.load_state_dict(snapshot)  # type: ignore[arg-type]
                 self.rollbacks += 1
                 self.window.rollbacks += 1
                 log.warning(
                     "guard: update %d rolled back (probe alpha %.3f before, %.3f after, start "
-                    "drafter %s, margin %.3f)",
-                    self.updates,
-                    before,
-                    after,
-                    f"{ref:.3f}" if cfg.guard_start else "-",
-                    float(cfg.guard_margin),
-                )
+                    "drafter %s, margin %.3f)", self.updates, before, after,
+                    "-" if start is None else f"{start:.3f}", float(cfg.guard_margin),
+                )  # fmt: skip
             secs = time.perf_counter() - t
             self.window.guard_seconds += secs
             self.totals["guard"] += secs
@@ -267,20 +268,6 @@ class OnlineRun:
         write_jsonl(self.out / "online.jsonl", self.rows)
 
 
-def _logger(cfg: DictConfig, device: torch.device):
-    """wandb through accelerate's tracker and the distill stage's own set-up (offline without a
-    key); None with logger=none."""
-    if cfg.logger.name != "wandb":
-        return None
-    from accelerate import Accelerator
-
-    from specdistill.distill.setup import init_logger
-
-    acc = Accelerator(cpu=device.type == "cpu", log_with="wandb", project_dir=str(cfg.output_dir))
-    init_logger(acc, cfg)
-    return acc
-
-
 def run(cfg: DictConfig) -> OnlineResult:
     t_start = time.perf_counter()
     segments = check_config(cfg)
@@ -328,7 +315,7 @@ def run(cfg: DictConfig) -> OnlineResult:
     if state is not None:
         job.load_state_dict(state)
         log.info("resumed at request %d (%d updates)", job.pos, job.updates)
-    tracker = _logger(cfg, device)
+    tracker = wandb_tracker(cfg, device)
     bounds, labels = boundaries(segments), [s.label for s in segments]
     update_every, window = int(cfg.update_every), int(cfg.window)
     with StopOnSignal() as stop:

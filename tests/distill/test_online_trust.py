@@ -112,6 +112,7 @@ def test_guard_start_rolls_back_below_the_start_drafter_even_after_drift(
         "guard_every=2",
         "guard_margin=0.0",
         "guard_start=true",
+        "gate_agreement=null",  # the wrecking updates must be taken
         f"compare_frozen={str(compare_frozen).lower()}",
     )
     cfg.stream = [{"dataset": "toy-test", "requests": 4}]
