@@ -189,6 +189,8 @@ class OnlineRun:
         self.window.update_seconds += secs
         self.totals["update"] += secs
         self.window.losses += losses
+        self.window.agreements += self.updater.agreements
+        self.updater.agreements = []
         if guarded:
             t = time.perf_counter()
             before = sum(b["alpha_sum"] for b in probe) / max(1, sum(b["trials"] for b in probe))

@@ -58,6 +58,7 @@ class Window:
     rollbacks: int = 0
     gated: int = 0  # optimizer steps skipped by the agreement gate
     losses: list[float] = field(default_factory=list)
+    agreements: list[float] = field(default_factory=list)  # the gate's gradient cosines
     segments: list[int] = field(default_factory=list)
 
     def row(self, requests: int, buffer_tokens: int, capacity: int, nbytes: int) -> dict:
@@ -77,6 +78,9 @@ class Window:
             "updates": self.updates,
             "rollbacks": self.rollbacks,
             "gated_steps": self.gated,
+            "agreement": round(sum(self.agreements) / len(self.agreements), 4)
+            if self.agreements
+            else None,
             "loss": round(sum(self.losses) / len(self.losses), 5) if self.losses else None,
             "buffer_tokens": buffer_tokens,
             "buffer_fill": round(buffer_tokens / capacity, 4),

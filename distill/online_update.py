@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from specdistill.data.pairs import match_vocab
 from specdistill.distill.losses import distill_loss
 from specdistill.distill.online_buffer import Entry, ReplayBuffer
+from specdistill.distill.online_config import resolve_gate
 from specdistill.distill.train import _schedule
 
 
@@ -121,6 +122,7 @@ class Updater:
         view = OmegaConf.create({"optim": cfg.optim, "max_steps": max(1, total_steps)})
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _schedule(view))
         self.gated = 0  # optimizer steps skipped by the agreement gate
+        self.agreements: list[float] = []  # the gate's cosines, drained by the serving loop
 
     def _loss(self, batch: list[Entry]) -> torch.Tensor:
         return buffer_loss(
@@ -150,7 +152,7 @@ class Updater:
         counts the skipped steps (see `gradient_agreement`).
         """
         gen = torch.Generator().manual_seed(int(self.cfg.seed) * 1_000_003 + update_index)
-        gate = self.cfg.get("gate_agreement")
+        gate = resolve_gate(self.cfg.get("gate_agreement"), float(self.cfg.decoder.temperature))
         losses = []
         self.drafter.train()
         for _ in range(int(self.cfg.update_steps)):
@@ -174,7 +176,9 @@ class Updater:
                     pair.append(float(loss.detach()))
                     self.opt.zero_grad(set_to_none=True)
                 losses.append(sum(pair) / 2)
-                if gradient_agreement(*grads) < float(gate):
+                cos = gradient_agreement(*grads)
+                self.agreements.append(cos)
+                if cos < float(gate):
                     self.gated += 1
                     continue
                 for p, a, b in zip(self._params(), *grads):

@@ -188,3 +188,10 @@ def test_agreement_gate_skips_steps_whose_half_gradients_disagree(toy_tiny_pair,
     twins, drafter = _updater(toy_tiny_pair, tmp_path, 0.999)
     twins.update(same, 0)
     assert twins.gated == 0 and _changed(drafter, start)
+
+
+def test_gate_auto_is_strict_for_greedy_and_looser_for_sampling():
+    from specdistill.distill.online_config import GATE_GREEDY, GATE_SAMPLING, resolve_gate
+
+    assert resolve_gate("auto", 0.0) == GATE_GREEDY > GATE_SAMPLING == resolve_gate("auto", 1.0)
+    assert resolve_gate(None, 0.0) is None and resolve_gate(0.25, 0.0) == 0.25
