@@ -54,7 +54,13 @@ from specdistill.distill.online_stream import (
     plan_requests,
 )
 from specdistill.distill.online_update import Updater
-from specdistill.distill.online_util import StopOnSignal, export_atomic, left_pad, set_threads
+from specdistill.distill.online_util import (
+    StopOnSignal,
+    export_atomic,
+    left_pad,
+    set_threads,
+    wandb_tracker,
+)
 
 log = logging.getLogger("specdistill.online")
 STATE_FILE = "online_state.pt"
@@ -74,6 +80,7 @@ class OnlineResult:
     topk_mass: float  # mean target probability mass the kept top-k covered
     updates: int
     rollbacks: int
+    gated_steps: int  # optimizer steps the agreement gate skipped (gate_agreement)
     decode_seconds: float
     frozen_decode_seconds: float
     update_seconds: float
@@ -105,14 +112,22 @@ class OnlineRun:
             SpeculativeDecoder(target, frozen, plain, tokenizer_len=n) if frozen else None
         )
         total = (len(plan) // int(cfg.update_every)) * int(cfg.update_steps)
-        self.updater = Updater(drafter, cfg, total, self.dec.vocab, tok.pad_token_id)
+        self.updater = Updater(drafter, cfg, total, self.dec.vocab, tok.pad_token_id, anchor=frozen)
+        # the start drafter for guard_start without a frozen twin (the anchor's copy if any)
+        start = frozen or self.updater.anchor
+        if start is None and cfg.guard_start and int(cfg.guard_every) > 0:
+            start = copy.deepcopy(drafter).requires_grad_(False)
+        self.start_dec = (
+            SpeculativeDecoder(target, start, plain, tokenizer_len=n) if start else None
+        )
         self.buffer = ReplayBuffer(int(cfg.buffer_tokens))
         self.pos, self.updates, self.rollbacks = 0, 0, 0
         self.pending: list[Entry] = []  # kept positions of requests since the last update
         self.recent: list[dict] = []  # served alpha of batches since the last update
         self.window = Window(first_request=0)
         self.rows: list[dict] = []
-        self.totals = dict.fromkeys(("decode", "frozen", "update", "guard", "mass", "kept"), 0.0)
+        keys = ("decode", "frozen", "update", "guard", "mass", "kept", "gated")
+        self.totals = dict.fromkeys(keys, 0.0)
         self.outputs: list[dict] = []
 
     # ------------------------------------------------------------ serving
@@ -143,6 +158,7 @@ class OnlineRun:
             frozen, fsecs = self._decode(self.frozen_dec, reqs[0].id, rows)
             self.window.frozen.add(frozen, fsecs)
             self.totals["frozen"] += fsecs
+            self.recent[-1]["start"] = (frozen.alpha_sum, frozen.trials)  # for guard_start
         self.window.segments += [r.segment for r in reqs]
         if self.cfg.log_tokens:
             for j, r in enumerate(reqs):
@@ -164,29 +180,32 @@ class OnlineRun:
                 self.buffer.add(e)
         snapshot = self.updater.state_dict() if guarded else None
         t = time.perf_counter()
+        gated = self.updater.gated
         losses = self.updater.update(self.buffer, self.updates)
         secs = time.perf_counter() - t
-        self.updates += 1
+        self.window.gated += self.updater.gated - gated
+        self.totals["gated"] += self.updater.gated - gated
+        self.updates, self.window.updates = self.updates + 1, self.window.updates + 1
         self.window.update_seconds += secs
         self.totals["update"] += secs
-        self.window.updates += 1
         self.window.losses += losses
+        self.window.agreements += self.updater.agreements
+        self.updater.agreements = []
         if guarded:
             t = time.perf_counter()
             before = sum(b["alpha_sum"] for b in probe) / max(1, sum(b["trials"] for b in probe))
             outs = [self._decode(self.guard_dec, b["first"], b["rows"])[0] for b in probe]
             after = sum(o.alpha_sum for o in outs) / max(1, sum(o.trials for o in outs))
-            if after < before - float(cfg.guard_margin):
+            start = self._start_alpha(probe) if cfg.guard_start else None
+            if after < max(before, start or 0.0) - float(cfg.guard_margin):
                 self.updater.load_state_dict(snapshot)  # type: ignore[arg-type]
                 self.rollbacks += 1
                 self.window.rollbacks += 1
                 log.warning(
-                    "guard: update %d rolled back (probe alpha %.3f -> %.3f, margin %.3f)",
-                    self.updates,
-                    before,
-                    after,
-                    float(cfg.guard_margin),
-                )
+                    "guard: update %d rolled back (probe alpha %.3f before, %.3f after, start "
+                    "drafter %s, margin %.3f)", self.updates, before, after,
+                    "-" if start is None else f"{start:.3f}", float(cfg.guard_margin),
+                )  # fmt: skip
             secs = time.perf_counter() - t
             self.window.guard_seconds += secs
             self.totals["guard"] += secs
@@ -194,6 +213,15 @@ class OnlineRun:
             if e.request in held:
                 self.buffer.add(e)
         self.pending, self.recent = [], []
+
+    def _start_alpha(self, probe: list[dict]) -> float:
+        """The starting drafter's alpha on the probe: its frozen twin's decode of those very
+        requests (same seeds) when compare_frozen, else one decode with the start drafter."""
+        if any("start" not in b for b in probe):
+            for b in probe:
+                out = self._decode(self.start_dec, b["first"], b["rows"])[0]
+                b["start"] = (out.alpha_sum, out.trials)
+        return sum(b["start"][0] for b in probe) / max(1, sum(b["start"][1] for b in probe))
 
     def close_window(self) -> dict:
         row = self.window.row(
@@ -230,7 +258,7 @@ class OnlineRun:
         self.pending = [Entry(*row) for row in state["pending"]]
         self.recent, self.rows = state["recent"], state["rows"]
         self.window = Window.from_state(state["window"])
-        self.totals, self.outputs = state["totals"], state["outputs"]
+        self.totals, self.outputs = {"gated": 0.0} | state["totals"], state["outputs"]
         torch.set_rng_state(state["torch_rng"])
 
     def save(self, fp: str) -> None:
@@ -240,20 +268,6 @@ class OnlineRun:
         os.replace(tmp, self.out / STATE_FILE)
         export_atomic(self.updater.drafter, self.tok, self.out / "drafter")
         write_jsonl(self.out / "online.jsonl", self.rows)
-
-
-def _logger(cfg: DictConfig, device: torch.device):
-    """wandb through accelerate's tracker and the distill stage's own set-up (offline without a
-    key); None with logger=none."""
-    if cfg.logger.name != "wandb":
-        return None
-    from accelerate import Accelerator
-
-    from specdistill.distill.setup import init_logger
-
-    acc = Accelerator(cpu=device.type == "cpu", log_with="wandb", project_dir=str(cfg.output_dir))
-    init_logger(acc, cfg)
-    return acc
 
 
 def run(cfg: DictConfig) -> OnlineResult:
@@ -303,7 +317,7 @@ def run(cfg: DictConfig) -> OnlineResult:
     if state is not None:
         job.load_state_dict(state)
         log.info("resumed at request %d (%d updates)", job.pos, job.updates)
-    tracker = _logger(cfg, device)
+    tracker = wandb_tracker(cfg, device)
     bounds, labels = boundaries(segments), [s.label for s in segments]
     update_every, window = int(cfg.update_every), int(cfg.window)
     with StopOnSignal() as stop:
@@ -355,6 +369,7 @@ def run(cfg: DictConfig) -> OnlineResult:
         topk_mass=round(t["mass"] / max(t["kept"], 1), 4),
         updates=job.updates,
         rollbacks=job.rollbacks,
+        gated_steps=int(t["gated"]),
         decode_seconds=round(t["decode"], 2),
         frozen_decode_seconds=round(t["frozen"], 2),
         update_seconds=round(t["update"], 2),
@@ -381,7 +396,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     r = run_or_exit(run, cfg)
     fw = r.final_window or {}
     print(
-        f"online: {r.requests} requests, {r.updates} updates ({r.rollbacks} rolled back); final "
+        f"online: {r.requests} requests, {r.updates} updates ({r.rollbacks} rolled back, "
+        f"{r.gated_steps} steps gated); final "
         f"window alpha adapted {fw.get('alpha_adapted')} vs frozen {fw.get('alpha_frozen')}; "
         f"update share {r.update_share}; drafter: {r.drafter_path}"
     )

@@ -139,6 +139,17 @@ class ReplayBuffer:
         idx = torch.randint(len(self.entries), (n,), generator=generator).tolist()
         return [self.entries[i] for i in idx]
 
+    def sample_halves(
+        self, n: int, generator: torch.Generator
+    ) -> tuple[list[Entry], list[Entry]] | None:
+        """Two disjoint sets of up to `n // 2` entries each, drawn without replacement (None
+        with fewer than 2 entries): independent evidence for the agreement gate."""
+        if len(self.entries) < 2:
+            return None
+        half = max(1, min(n // 2, len(self.entries) // 2))
+        idx = torch.randperm(len(self.entries), generator=generator)[: 2 * half].tolist()
+        return [self.entries[i] for i in idx[:half]], [self.entries[i] for i in idx[half:]]
+
     def state_dict(self) -> dict:
         return {
             "capacity": self.capacity,

@@ -56,7 +56,9 @@ class Window:
     guard_seconds: float = 0.0
     updates: int = 0
     rollbacks: int = 0
+    gated: int = 0  # optimizer steps skipped by the agreement gate
     losses: list[float] = field(default_factory=list)
+    agreements: list[float] = field(default_factory=list)  # the gate's gradient cosines
     segments: list[int] = field(default_factory=list)
 
     def row(self, requests: int, buffer_tokens: int, capacity: int, nbytes: int) -> dict:
@@ -75,6 +77,10 @@ class Window:
             "update_share": round((self.update_seconds + self.guard_seconds) / max(serve, 1e-9), 4),
             "updates": self.updates,
             "rollbacks": self.rollbacks,
+            "gated_steps": self.gated,
+            "agreement": round(sum(self.agreements) / len(self.agreements), 4)
+            if self.agreements
+            else None,
             "loss": round(sum(self.losses) / len(self.losses), 5) if self.losses else None,
             "buffer_tokens": buffer_tokens,
             "buffer_fill": round(buffer_tokens / capacity, 4),
@@ -155,7 +161,8 @@ def markdown(result: dict, segments: list[dict]) -> str:
         f"- final window: alpha adapted {fmt(fw.get('alpha_adapted'))} vs frozen "
         f"{fmt(fw.get('alpha_frozen'))}; tau {fmt(fw.get('tau_adapted'))} vs "
         f"{fmt(fw.get('tau_frozen'))}",
-        f"- updates {result['updates']}, rolled back by the guard {result['rollbacks']}",
+        f"- updates {result['updates']}, rolled back by the guard {result['rollbacks']}, "
+        f"optimizer steps skipped by the agreement gate {result.get('gated_steps', 0)}",
         f"- update + guard share of serving time {result['update_share']:.3f} "
         f"(update {result['update_seconds']:.1f} s, guard {result['guard_seconds']:.1f} s, "
         f"adapted decode {result['decode_seconds']:.1f} s)",

@@ -1,8 +1,8 @@
 """The request stream of online adaptation: segments of prompt sources, planned up front.
 
 `stream: [{dataset: SOURCE, requests: N}, ...]` where SOURCE is a named source (`toy-train`,
-`toy-test`: the toy world's prompt sets; `stdlib-tests`, `stdlib-gui`: stdlib packages outside
-the toy world, see `specdistill.data.toy_stream`) or a `dataset` mapping (any prompt set
+`toy-test`: the toy world's prompt sets; `stdlib-mail`, `stdlib-numeric`, ...: stdlib files
+outside the toy world, see `specdistill.data.toy_stream`) or a `dataset` mapping (any prompt set
 `load_prompts` reads: hub, jsonl, parquet). `stream_blend: B` mixes the next segment into the
 last B requests of each segment with a linearly rising share (0: sharp boundaries).
 
@@ -22,10 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.pairs import ConfigError
 from specdistill.data.prompts import Prompt, load_prompts
-from specdistill.data.toy_stream import STREAM_GROUPS, group_prompts
+from specdistill.data.toy_stream import SOURCE_GROUPS, group_prompts
 
 TOY_SOURCES = {"toy-train": "train", "toy-test": "test"}
-NAMED_SOURCES = (*TOY_SOURCES, *STREAM_GROUPS)
+NAMED_SOURCES = (*TOY_SOURCES, *SOURCE_GROUPS)
 
 
 @dataclass(frozen=True)

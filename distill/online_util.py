@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 
 from specdistill.data.io import replace_dir
 from specdistill.data.pairs import ConfigError
@@ -65,3 +66,17 @@ def set_threads(setting: Any, device: torch.device) -> None:
         raise ConfigError(f"threads={setting!r} must be auto or a positive integer")
     if device.type == "cpu":
         torch.set_num_threads(n)
+
+
+def wandb_tracker(cfg: DictConfig, device: torch.device):
+    """wandb through accelerate's tracker and the distill stage's own set-up (offline without a
+    key); None with logger=none."""
+    if cfg.logger.name != "wandb":
+        return None
+    from accelerate import Accelerator
+
+    from specdistill.distill.setup import init_logger
+
+    acc = Accelerator(cpu=device.type == "cpu", log_with="wandb", project_dir=str(cfg.output_dir))
+    init_logger(acc, cfg)
+    return acc

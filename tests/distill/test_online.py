@@ -226,7 +226,8 @@ def test_guard_rolls_back_a_harmful_update(tmp_path, caplog, toy_tiny):
         "optim.optimizer.lr=5.0",
         "guard_every=1",
         "guard_margin=0.0",
-        "record=all",  # a perfect drafter has no rejections to learn from
+        "record=all",
+        "gate_agreement=null",  # the wrecking updates must be taken  # a perfect drafter has no rejections to learn from
     )
     cfg.stream = [{"dataset": "toy-test", "requests": 4}]
     with caplog.at_level("WARNING", logger="specdistill.online"):
@@ -255,6 +256,8 @@ BAD = [
     ("topk=many", "topk='many'"),
     ("record=some", "record='some'"),
     ("loss.temperature=2.0", "loss.temperature=2.0"),
+    ("gate_agreement=1.5", "gate_agreement=1.5"),
+    ("anchor_kl=-1", "anchor_kl=-1"),
 ]
 
 

@@ -8,26 +8,53 @@ from hydra import compose, initialize_config_module
 from specdistill.data.io import read_json
 from specdistill.data.pairs import ConfigError
 from specdistill.data.toy import read_jsonl
-from specdistill.data.toy_stream import STREAM_GROUPS, group_prompts
+from specdistill.data.toy_stream import (
+    SOURCE_GROUPS,
+    STREAM_GROUPS,
+    TEXT_GROUPS,
+    group_files,
+    group_prompts,
+    text_prompts,
+)
 from specdistill.distill.online_stream import boundaries, parse_stream, plan_requests
 
 
-def test_stream_groups_are_disjoint_packages_outside_the_training_prompts(toy_tiny):
-    train_modules = {r["module"] for r in read_jsonl(toy_tiny.train_prompts)}
-    train_top = {m.split("/")[0] for m in train_modules}
-    seen: set[str] = set()
-    for group, packages in STREAM_GROUPS.items():
-        rows = group_prompts(group)
-        assert len(rows) >= 200, group
-        tops = {r["module"].split("/")[0] for r in rows}
-        assert tops <= set(packages), (group, tops)
-        assert not tops & train_top, group
-        assert not tops & seen
-        seen |= tops
-    # and the full toy world's corpus never contains them either (its skip list)
-    from specdistill.data.toy import _SKIP_DIRS
+def test_stream_groups_are_disjoint_and_outside_the_toy_corpus(toy_tiny):
+    """No group shares a file with another, with the toy world's corpus (train or held-out,
+    so with no training prompt either) or a prompt text with the training prompts."""
+    from specdistill.data.toy import _SKIP_DIRS, _stdlib_dir, corpus_files
 
-    assert seen <= _SKIP_DIRS
+    train_rows = read_jsonl(toy_tiny.train_prompts)
+    train_modules = {r["module"] for r in train_rows}
+    train_texts = {r["prompt"] for r in train_rows}
+    base = _stdlib_dir()
+    train_files, held_files = corpus_files()
+    corpus = {p.relative_to(base).as_posix() for p in [*train_files, *held_files]}
+    seen: set[str] = set()
+    for group in SOURCE_GROUPS:
+        files = {p.relative_to(base).as_posix() for p in group_files(group)}
+        rows = group_prompts(group)
+        assert len(rows) >= 150, group
+        modules = {r["module"] for r in rows}
+        assert modules <= files, group
+        assert not files & corpus and not modules & train_modules, group
+        assert not {r["prompt"] for r in rows} & train_texts, group
+        assert not files & seen, group
+        seen |= files
+        if group in TEXT_GROUPS:
+            assert all(not f.endswith(".py") for f in files), group  # the corpus is *.py only
+        else:
+            assert {m.split("/")[0] for m in modules} <= set(STREAM_GROUPS[group]) <= _SKIP_DIRS
+
+
+def test_text_prompts_are_whole_lines_without_a_trailing_newline():
+    text = "".join(f"line {i} " + "x" * 50 + "\n" for i in range(40))
+    rows = text_prompts(text, "m.txt")
+    assert [r["name"] for r in rows[:3]] == ["L1", "L7", "L13"]
+    for r in rows:
+        assert not r["prompt"].endswith("\n") and r["completion"].startswith("\n")
+        assert 400 - 60 <= len(r["prompt"]) <= 800
+        assert text.index(r["prompt"] + r["completion"]) >= 0  # contiguous in the file
 
 
 def test_plan_is_deterministic_sharp_or_blended():
