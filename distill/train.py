@@ -103,8 +103,9 @@ def run(cfg: DictConfig) -> DistillResult:
     tok = load_tokenizer(spec)
     drafter = load_role(spec, "drafter", device=device)
     train_examples, topk = setup.build_train_examples(cfg, tok, accelerator)
-    eval_examples = setup.build_eval_examples(cfg, tok)
+    eval_examples = setup.build_eval_examples(cfg, tok, accelerator)
     eval_has_topk = all(e.topk_ids is not None for e in eval_examples)
+    eval_sampling = setup.eval_sampling(cfg)
     target = None
     if not topk or not eval_has_topk:
         target = setup.load_target(spec, cfg, device, drafter, tok)
@@ -134,7 +135,7 @@ def run(cfg: DictConfig) -> DistillResult:
             target,
             eval_batches,
             vocab=vocab,
-            temperature=float(cfg.eval.temperature),
+            sampling=eval_sampling,
             device=device,
         )
 
@@ -304,6 +305,7 @@ def run(cfg: DictConfig) -> DistillResult:
             "train_examples": len(train_examples),
             "eval_tokens": before["tokens"],
             "eval_source": cfg.eval.source,
+            "eval_sampling": eval_sampling.__dict__,
         },
         world_size=world,
         history=state["history"],
