@@ -221,12 +221,14 @@ def run(cfg: DictConfig) -> PipelineResult:
         )
 
     result.summary = summarize(result.stages)
+    serving = recipe = None
     if cfg.get("serving") is not None:
-        result.summary["serving"] = OmegaConf.to_container(cfg.serving, resolve=True)
-        result.summary["recipe"] = OmegaConf.to_container(cfg.recipe, resolve=True)
+        serving = OmegaConf.to_container(cfg.serving, resolve=True)
+        recipe = OmegaConf.to_container(cfg.recipe, resolve=True)
+        result.summary["serving"], result.summary["recipe"] = serving, recipe
     result.wall_seconds = round(time.perf_counter() - t0, 1)
     atomic_write_json(run_dir / "pipeline.json", result)
-    write_report(run_dir, result.stages, result.wall_seconds)
+    write_report(run_dir, result.stages, result.wall_seconds, serving, recipe)  # type: ignore[arg-type]
     return result
 
 
@@ -234,7 +236,10 @@ def summary_markdown(result: PipelineResult) -> str:
     """The console's end-of-run table (the same text as summary.md)."""
     from specdistill.distill.report import summary_markdown as table
 
-    return table(result.run_dir, result.stages, result.wall_seconds)
+    s = result.summary
+    return table(
+        result.run_dir, result.stages, result.wall_seconds, s.get("serving"), s.get("recipe")
+    )
 
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="pipeline", version_base="1.3")
