@@ -169,8 +169,8 @@ def run(cfg: DictConfig) -> PipelineResult:
     data_path: str | None = None
     drafter_path: str | None = None
     data_fp = drafter_fp = report_fp = ""  # fingerprints of what later stages read
-    if "generate" in stages:
-        out = run_dir / "generate"
+    if "generate" in stages:  # generate_dir: one Seq-KD run shared by several runs (sweeps)
+        out = Path(cfg.get("generate_dir") or run_dir / "generate")
         gcfg = compose_stage("generate", cfg, [*sv.get("generate", []), f"output_dir={out}", seed])
         result.stages["generate"], data_fp = run_stage("generate", gcfg, out, "result.json")
         data_path = str(out)
@@ -207,6 +207,15 @@ def run(cfg: DictConfig) -> PipelineResult:
         result.stages["validate"], report_fp = run_stage(
             "validate", vcfg, out, "report.json", after=drafter_fp
         )
+        for name in cfg.get("validate_sets") or []:  # more prompt distributions, same drafter
+            out = run_dir / f"validate_{name}"
+            extra = [*sv.get("validate", []), f"dataset={name}", f"output_dir={out}", seed]
+            vcfg = compose_stage("validate", cfg, extra)
+            if drafter_path:
+                vcfg.pair.drafter = drafter_path
+            result.stages[f"validate_{name}"], _ = run_stage(
+                "validate", vcfg, out, "report.json", after=drafter_fp
+            )
     if "export" in stages:
         # The stage folder holds the marker; the shipped folder holds only the drafter.
         out = run_dir / "export"
