@@ -92,6 +92,11 @@ def check_recipe(node: Any) -> dict[str, Any]:
     beta = r.get("beta")
     if beta is not None and not 0.0 <= float(beta) <= 1.0:
         raise ConfigError(f"recipe.beta={beta} must lie in [0, 1] or be null")
+    switch = r.get("switch") or {}
+    if switch.get("at") is not None and not 0.0 < float(switch["at"]) < 1.0:
+        raise ConfigError(f"recipe.switch.at={switch['at']} must lie in (0, 1)")
+    if switch.get("loss") is not None and switch["loss"] not in DIVERGENCES:
+        raise ConfigError(f"recipe.switch.loss={switch['loss']!r}: use {', '.join(DIVERGENCES)}")
     for key in ("onpolicy_temperature", "seqkd_temperature"):
         v = r.get(key, 1.0)
         if v != "serving" and (v is None or float(v) <= 0):
@@ -128,6 +133,12 @@ def stage_overrides(serving: Serving, recipe: dict[str, Any]) -> dict[str, list[
     ]
     if recipe.get("beta") is not None:
         distill.append(f"loss.beta={float(recipe['beta'])}")
+    switch = recipe.get("switch") or {}
+    if switch.get("at") is not None:  # a schedule: a second phase from at*max_steps on
+        distill.append(f"switch.at={float(switch['at'])}")
+        for key in ("loss", "beta", "lmbda"):
+            if switch.get(key) is not None:
+                distill.append(f"switch.{key}={switch[key]}")
     decoder = [
         f"decoder={serving.mode}",
         f"decoder.temperature={s.temperature}",

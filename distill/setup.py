@@ -54,9 +54,42 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.eval.source not in ("reference", "path", "target"):
         raise ConfigError(f"eval.source={cfg.eval.source!r}: use reference, path or target")
     eval_sampling(cfg)
+    check_switch(cfg)
     zero.check_deepspeed(cfg, use_cuda(cfg))
     if cfg.optim.schedule not in ("cosine", "linear", "constant"):
         raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: use cosine, linear or constant")
+
+
+def check_switch(cfg: DictConfig) -> None:
+    """`switch`: an optional second phase (e.g. greedy Seq-KD + FKL, then on-policy TVD)."""
+    sw = OmegaConf.select(cfg, "switch")
+    if sw is None or sw.get("at") is None:
+        return
+    at = float(sw.at)
+    if not 0.0 < at < 1.0:
+        raise ConfigError(f"switch.at={at} must lie in (0, 1): the share of max_steps before it")
+    if sw.get("loss") is not None and sw.loss not in DIVERGENCES:
+        raise ConfigError(f"switch.loss={sw.loss!r} is not one of {', '.join(DIVERGENCES)}")
+    for field in ("lmbda", "beta"):
+        v = sw.get(field)
+        if v is not None and not 0.0 <= float(v) <= 1.0:
+            raise ConfigError(f"switch.{field}={v} must lie in [0, 1] or be null")
+
+
+def phase_at(cfg: DictConfig, step: int) -> tuple[str, float, float]:
+    """(loss name, beta, lmbda) for optimizer step `step` (0-based): the switch's settings
+    from step int(switch.at * max_steps) on, the stage's own before (or without a switch)."""
+    sw = OmegaConf.select(cfg, "switch")
+    name, beta, lmbda = str(cfg.loss.name), float(cfg.loss.beta), float(cfg.lmbda)
+    if sw is None or sw.get("at") is None or step < int(float(sw.at) * int(cfg.max_steps)):
+        return name, beta, lmbda
+    if sw.get("loss") is not None and sw.loss != name:
+        name, beta = str(sw.loss), {"fkl": 0.0, "rkl": 1.0}.get(str(sw.loss), 0.5)
+    if sw.get("beta") is not None:
+        beta = float(sw.beta)
+    if sw.get("lmbda") is not None:
+        lmbda = float(sw.lmbda)
+    return name, beta, lmbda
 
 
 def eval_sampling(cfg: DictConfig) -> Sampling:
@@ -208,7 +241,8 @@ def build_train_examples(cfg: DictConfig, tokenizer, accelerator) -> tuple[list[
     topk = has_topk(examples)
     if use_topk is True and not topk:
         raise ConfigError("data.use_topk=true but the training rows carry no stored top-k")
-    if topk and float(cfg.lmbda) > 0:
+    most_onpolicy = max(float(cfg.lmbda), float(OmegaConf.select(cfg, "switch.lmbda") or 0))
+    if topk and most_onpolicy > 0:
         if use_topk is True:
             raise ConfigError(
                 f"data.use_topk=true with lmbda={cfg.lmbda}: on-policy batches need the target "

@@ -197,3 +197,42 @@ def test_toy_tiny_pipeline_serving_sampling_reaches_every_stage(tmp_path):
     text = (run_dir / "summary.md").read_text()
     assert "alpha, temperature 0.7, top_p 0.9" in text and "alpha, greedy" in text
     assert "Served sampling at temperature 0.7, top_p 0.9; recipe `sampling`" in text
+
+
+def test_switch_schedule_changes_loss_and_onpolicy_share_mid_run(
+    distill_cfg, tmp_path, seqkd_dir, monkeypatch
+):
+    """A greedy-Seq-KD-then-on-policy schedule: steps before switch.at*max_steps train FKL on
+    Seq-KD rows only, the rest TVD on drafter samples only."""
+    from specdistill.distill import train
+
+    seen: list[tuple[str, bool]] = []
+    real_loss, real_sample = train.distill_loss, train.sample_onpolicy
+    sampled = {"now": False}
+
+    def spy_sample(*a, **k):
+        sampled["now"] = True
+        return real_sample(*a, **k)
+
+    def spy_loss(*a, divergence, **k):
+        seen.append((divergence, sampled["now"]))
+        sampled["now"] = False
+        return real_loss(*a, divergence=divergence, **k)
+
+    monkeypatch.setattr(train, "distill_loss", spy_loss)
+    monkeypatch.setattr(train, "sample_onpolicy", spy_sample)
+    cfg = distill_cfg(tmp_path / "run", f"data.path={seqkd_dir}", "max_steps=4", "eval_every=4",
+                      "loss=fkl", "switch.at=0.5", "switch.loss=tvd", "switch.lmbda=1.0",
+                      "onpolicy.max_new_tokens=4")  # fmt: skip
+    res = train.run(cfg)
+    assert seen == [("fkl", False)] * 2 + [("tvd", True)] * 2
+    assert res.lmbda == 0.0 and res.switch == {"at": 0.5, "loss": "tvd", "beta": None, "lmbda": 1.0}
+    with pytest.raises(ConfigError, match="switch.at"):
+        train.run(distill_cfg(tmp_path / "bad", f"data.path={seqkd_dir}", "switch.at=1.5"))
+
+
+def test_a_schedule_recipe_reaches_the_distill_stage():
+    cfg = _pipeline_cfg("+recipe.switch={at:0.5,loss:tvd,lmbda:1.0}")
+    dis = _stage("distill", cfg)
+    assert (dis.loss.name, dis.lmbda) == ("fkl", 0.0)
+    assert (dis.switch.at, dis.switch.loss, dis.switch.lmbda) == (0.5, "tvd", 1.0)
