@@ -46,7 +46,7 @@ def test_sampling_serving_reaches_generate_distill_validate_and_online():
     assert cfg.recipe.name == "sampling"  # the recipe follows the serving mode
     gen, dis, val, onl = (_stage(s, cfg) for s in ("generate", "distill", "validate", "online"))
     assert gen.do_sample is False  # the shipped sampling recipe trains on greedy Seq-KD rows
-    assert (dis.loss.name, dis.lmbda) == ("tvd", 1.0)
+    assert (dis.loss.name, dis.lmbda) == ("fkl", 1.0)
     assert dis.loss.temperature == 0.7 and dis.onpolicy.temperature == 0.7
     assert (dis.eval.source, dis.eval.temperature, dis.eval.top_p) == ("target", 0.7, 0.9)
     for d in (val.decoder, onl.decoder):
@@ -59,7 +59,7 @@ def test_sampled_seqkd_recipe_and_user_overrides_win():
                         "++distill.lmbda=0.5", "++validate.decoder.gamma=3")  # fmt: skip
     gen, dis, val = (_stage(s, cfg) for s in ("generate", "distill", "validate"))
     assert (gen.do_sample, gen.temperature, gen.top_p) == (True, 0.7, 0.9)
-    assert dis.lmbda == 0.5 and dis.loss.name == "tvd"  # the user's stage key beats the recipe
+    assert dis.lmbda == 0.5 and dis.loss.name == "fkl"  # the user's stage key beats the recipe
     assert val.decoder.gamma == 3 and val.decoder.temperature == 0.7
 
 
@@ -183,7 +183,7 @@ def test_toy_tiny_pipeline_serving_sampling_reaches_every_stage(tmp_path):
     gen = read_json(run_dir / "generate" / "generation_config.json")
     assert gen["sampling"]["do_sample"] is False  # the sampling recipe: greedy Seq-KD rows
     dis = result.stages["distill"]
-    assert dis["loss"]["name"] == "tvd" and dis["lmbda"] == 1.0
+    assert dis["loss"]["name"] == "fkl" and dis["lmbda"] == 1.0
     assert dis["data"]["eval_source"] == "target"
     assert dis["data"]["eval_sampling"] == {"temperature": 0.7, "top_k": 0, "top_p": 0.9}
     cont = read_json(run_dir / "distill" / "eval_continuations" / "generation_config.json")
