@@ -39,12 +39,17 @@ def load_prompts(cfg: Any, tokenizer=None, *, default_split: str = "train") -> l
     if source == "toy":
         rows = _toy_rows(_get(cfg, "toy") or "toy-tiny", split)
         ref_field = ref_field or "completion"
+    elif source == "toy_stream":
+        rows = _toy_stream_rows(_get(cfg, "group"), _get(cfg, "stride") or 1)
+        ref_field = ref_field or "completion"
     elif source == "hub":
         rows = _hub_rows(cfg, split)
     elif source in ("jsonl", "json", "parquet", "csv"):
         rows = _file_rows(cfg, source, split)
     else:
-        raise ConfigError(f"dataset.source={source!r} is not known; use toy, hub, jsonl or parquet")
+        raise ConfigError(
+            f"dataset.source={source!r} is not known; use toy, toy_stream, hub, jsonl or parquet"
+        )
     if not rows:
         raise ConfigError(
             f"dataset (source={source!r}, split={split!r}) has no rows: check dataset.path/name/split"
@@ -100,6 +105,18 @@ def _toy_rows(name: str, split: str) -> list[dict]:
     if split not in ("train", "test"):
         raise ConfigError(f"dataset.split={split!r}: the toy prompt set has splits train and test")
     return read_jsonl(world.train_prompts if split == "train" else world.test_prompts)
+
+
+def _toy_stream_rows(group: Any, stride: Any) -> list[dict]:
+    """Stdlib packages the toy world never saw (`data/toy_stream.py`): a second prompt
+    distribution, so recipes are not tuned to the toy test split alone."""
+    from specdistill.data.toy_stream import STREAM_GROUPS, group_prompts
+
+    if group not in STREAM_GROUPS:
+        raise ConfigError(f"dataset.group={group!r}: use one of {', '.join(STREAM_GROUPS)}")
+    if not isinstance(stride, int) or stride < 1:
+        raise ConfigError(f"dataset.stride={stride!r} must be a positive integer")
+    return group_prompts(group)[::stride]
 
 
 def _hub_rows(cfg: Any, split: str) -> list[dict]:

@@ -8,8 +8,9 @@ On the same prompts and max_new_tokens it decodes with the target p alone and sp
 load drifts hit both alike, and reports side by side: tokens/s (median, min, max), the measured
 speedup, alpha, tau, c (drafter/target step time), the theoretical speedup those imply, their
 ratio (decoder efficiency), `lossless` (greedy: every sequence token-identical to target-only),
-alpha on temperature-1 samples (greedy agreement saturates and flatters a drafter), and the same
-pair through `transformers` assisted generation.
+the same figures in the other serving mode (`modes`: greedy and sampling, both timed; a drafter
+tuned for one mode is often poor in the other), and the same pair through `transformers`
+assisted generation.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,9 +38,12 @@ from specdistill.data.pairs import (
 from specdistill.data.prompts import load_prompts
 from specdistill.decode.acceptance import Sampling, best_gamma, expected_tau, theoretical_speedup
 from specdistill.decode.cache import check_rollback_config
+from specdistill.decode.modes import measure_other_mode, mode_figures, mode_name, timed_repeats
+from specdistill.decode.modes import merge as _merge
+from specdistill.decode.modes import run_all as _run_all
+from specdistill.decode.modes import spread as _spread
 from specdistill.decode.report import plot_acceptance, report_markdown
 from specdistill.decode.speculative import (
-    DecodeOutput,
     DecoderConfig,
     SpeculativeDecoder,
     check_decoder_config,
@@ -86,8 +89,11 @@ class ValidateResult:
     lossless: bool | None
     mismatched_sequences: int
     acceptance_by_position: list[float]
-    alpha_sampled: float | None = None
+    alpha_sampled: float | None = None  # the sampling side of `modes` (its temperature there)
     tau_sampled: float | None = None
+    # Both serving modes side by side: {"greedy": {...}, "sampling": {...}}, each with
+    # temperature/top_k/top_p, alpha, tau, speedup and tokens/s.
+    modes: dict[str, dict[str, Any]] = field(default_factory=dict)
     hf_assisted: dict[str, Any] | None = None
     cache: str = "dynamic"
     compiled: bool = False
@@ -97,14 +103,6 @@ class ValidateResult:
     wall_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {
-        "median": round(statistics.median(values), 2),
-        "min": round(min(values), 2),
-        "max": round(max(values), 2),
-    }
 
 
 def decoder_config(
@@ -157,33 +155,6 @@ def _batches(prompts: list[str], tok, batch_size: int, max_prompt_tokens: int):
                 mask[j, width - len(r) :] = 1
         out.append((ids, mask))
     return out
-
-
-def _run_all(fn: Callable, batches, seed: int) -> tuple[float, list[DecodeOutput]]:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    t0 = time.perf_counter()
-    outs = [fn(ids, mask, generator=gen) for ids, mask in batches]
-    return time.perf_counter() - t0, outs
-
-
-def _merge(outs: list[DecodeOutput]) -> DecodeOutput:
-    total = DecodeOutput(tokens=[tk for o in outs for tk in o.tokens])
-    for o in outs:
-        total.block_tokens += o.block_tokens
-        total.row_rounds += o.row_rounds
-        total.alpha_sum += o.alpha_sum
-        total.trials += o.trials
-        total.accepted += o.accepted
-        total.target_forwards += o.target_forwards
-        total.drafter_forwards += o.drafter_forwards
-        if o.trials_at:
-            total.trials_at = [
-                a + b for a, b in zip(total.trials_at or [0] * len(o.trials_at), o.trials_at)
-            ]
-            total.accepted_at = [
-                a + b for a, b in zip(total.accepted_at or [0] * len(o.accepted_at), o.accepted_at)
-            ]
-    return total
 
 
 def _set_threads(setting: Any, device: torch.device) -> None:
@@ -306,16 +277,7 @@ def run(cfg: DictConfig) -> ValidateResult:
     # Warm-up (untimed), then interleaved timed repeats.
     warm_up(dec, batches, warm, seed)
     warmup_seconds = time.perf_counter() - t_warm
-    base_rates, spec_rates = [], []
-    base_out = spec_out = None
-    for rep in range(int(cfg.repeats)):
-        tb, bo = _run_all(dec.baseline, batches, seed + rep)
-        ts, so = _run_all(dec.generate, batches, seed + rep)
-        base_rates.append(sum(len(t) for o in bo for t in o.tokens) / tb)
-        spec_rates.append(sum(len(t) for o in so for t in o.tokens) / ts)
-        if rep == 0:
-            base_out, spec_out = _merge(bo), _merge(so)
-    assert base_out is not None and spec_out is not None
+    base_rates, spec_rates, base_out, spec_out = timed_repeats(dec, batches, seed, int(cfg.repeats))
     greedy = dec.cfg.sampling.greedy
     mismatched = sum(a != b for a, b in zip(base_out.tokens, spec_out.tokens))
     lossless = (mismatched == 0 and not dec.cfg.lossy) if greedy else None
@@ -330,13 +292,23 @@ def run(cfg: DictConfig) -> ValidateResult:
     theory = theoretical_speedup(min(max(alpha, 0.0), 1.0), gamma, c)
     by_pos = [a / t if t else 0.0 for a, t in zip(spec_out.accepted_at, spec_out.trials_at)]
 
-    alpha_s = tau_s = None
-    if cfg.get("sampled_alpha", True) and greedy:
-        sampled = OmegaConf.merge(dcfg, {"temperature": 1.0, "top_k": 0, "top_p": 1.0})
-        _, so = _run_all(make(gamma, sampled).generate, batches, seed)
-        alpha_s, tau_s = round(_merge(so).alpha, 4), round(_merge(so).tau, 3)
-    elif not greedy:
-        alpha_s, tau_s = round(alpha, 4), round(spec_out.tau, 3)
+    # Both serving modes, always (unless turned off): the other one decoded and timed too.
+    modes = {
+        mode_name(dec.cfg.sampling.temperature): mode_figures(dec, base_rates, spec_rates, spec_out)
+    }
+    if cfg.get("both_modes", True) and cfg.get("sampled_alpha", True):
+        name, figures = measure_other_mode(
+            lambda dc: make(gamma, dc),
+            dcfg,
+            cfg.get("other_sampling"),
+            batches,
+            warm,
+            seed,
+            int(cfg.repeats),
+        )
+        modes[name] = figures
+    alpha_s = (modes.get("sampling") or {}).get("alpha")
+    tau_s = (modes.get("sampling") or {}).get("tau")
 
     hf = None
     if cfg.get("hf_assisted", True):
@@ -380,6 +352,7 @@ def run(cfg: DictConfig) -> ValidateResult:
         acceptance_by_position=[round(x, 4) for x in by_pos],
         alpha_sampled=alpha_s,
         tau_sampled=tau_s,
+        modes=modes,
         hf_assisted=hf,
         cache="static" if dec.static else "dynamic",
         compiled=dec.compile,

@@ -1,16 +1,40 @@
-"""Held-out evaluation of the drafter: expected acceptance alpha and greedy agreement.
+"""Held-out evaluation of the drafter: expected decode-time acceptance in the serving mode.
 
-alpha = mean over completion positions of sum_x min(p, q) (target p, drafter q), the chance a
-sampled draft token is accepted; greedy agreement = share of positions where argmax q ==
-argmax p, what greedy speculative decoding accepts. DESIGN.md: greedy figures saturate on a
-weak target, so alpha on sampled continuations should be reported beside them.
+Target p, drafter q. At every completion position the probability that speculative decoding
+accepts the drafted token is exactly
+  greedy serving:   [argmax q == argmax p]
+  sampling serving: sum_x min(P, Q), P and Q being p and q after the serving temperature /
+                    top-k / top-p (applied identically to both, as the decoder does).
+`alpha` is the mean of that over the batches' masked positions. Measured on the target's own
+continuations of held-out prompts (greedy continuations for greedy serving, sampled at the
+serving temperature for sampling), it is what the validate stage's alpha estimates, so the
+distill stage picks `best/` by it (DistillSpec: the right figure depends on the decoding mode).
 """
 
 from __future__ import annotations
 
 import torch
 
-from specdistill.distill.losses import per_token_acceptance
+from specdistill.data.pairs import ConfigError
+from specdistill.decode.acceptance import Sampling, expected_alpha, probs_from_logits
+
+
+def serving_acceptance(
+    p_logits: torch.Tensor, q_logits: torch.Tensor, sampling: Sampling
+) -> torch.Tensor:
+    """Per-position acceptance probability of a drafted token (target p, drafter q), (...,)."""
+    if sampling.greedy:  # no one-hot (B, T, V) tensors: compare the argmaxes
+        return (p_logits.argmax(-1) == q_logits.argmax(-1)).float()
+    return expected_alpha(
+        probs_from_logits(p_logits, sampling), probs_from_logits(q_logits, sampling)
+    )
+
+
+def _stored_topk_ok(sampling: Sampling) -> bool:
+    """Stored top-k log-probs are the target's at temperature 1 with nothing cut."""
+    return sampling.greedy or (
+        sampling.temperature == 1.0 and sampling.top_k == 0 and sampling.top_p == 1.0
+    )
 
 
 @torch.no_grad()
@@ -20,15 +44,21 @@ def evaluate(
     batches: list[dict[str, torch.Tensor]],
     *,
     vocab: int,
-    temperature: float = 1.0,
+    sampling: Sampling,
     device: torch.device | str = "cpu",
 ) -> dict[str, float]:
-    """alpha and greedy agreement over the batches' masked positions.
+    """alpha (acceptance in the `sampling` mode) and greedy agreement over masked positions.
 
-    With `target=None` the batches must carry the target's stored top-k log-probs: alpha is
-    then sum over the top-k of min(p, q), a lower bound (the rest bucket's mass is left out),
-    and greedy agreement uses the stored top-1.
+    With `target=None` the batches must carry the target's stored top-k log-probs (at T=1):
+    alpha is then sum over the top-k of min(p, q), a lower bound (the rest bucket's mass is
+    left out), and greedy agreement uses the stored top-1.
     """
+    if target is None and not _stored_topk_ok(sampling):
+        raise ConfigError(
+            f"eval.temperature={sampling.temperature} / top_k={sampling.top_k} / "
+            f"top_p={sampling.top_p}: stored top-k log-probs are at temperature 1; load the "
+            "target (eval.source=target or reference) or evaluate at temperature 0 or 1"
+        )
     was_training = drafter.training
     drafter.eval()
     acc_sum, agree, count = 0.0, 0, 0
@@ -39,13 +69,16 @@ def evaluate(
         q_logits = drafter(input_ids=ids, attention_mask=att).logits[..., :vocab].float()
         if target is not None:
             p_logits = target(input_ids=ids, attention_mask=att).logits[..., :vocab].float()
-            acc = per_token_acceptance(p_logits, q_logits, temperature)
+            acc = serving_acceptance(p_logits, q_logits, sampling)
             p_top = p_logits.argmax(-1)
         else:
             tk_ids = batch["topk_ids"].to(device)
-            lq = torch.log_softmax(q_logits, -1).gather(-1, tk_ids)
-            acc = torch.minimum(batch["topk_lp"].to(device), lq).exp().sum(-1)
             p_top = tk_ids[..., 0]
+            if sampling.greedy:
+                acc = (q_logits.argmax(-1) == p_top).float()
+            else:
+                lq = torch.log_softmax(q_logits, -1).gather(-1, tk_ids)
+                acc = torch.minimum(batch["topk_lp"].to(device), lq).exp().sum(-1)
         acc_sum += float(acc[mask].double().sum())
         agree += int((q_logits.argmax(-1) == p_top)[mask].sum())
         count += int(mask.sum())

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from specdistill.data.io import atomic_write_json, read_json
 from specdistill.data.pairs import ConfigError, run_or_exit
 from specdistill.distill.report import summarize, write_report
+from specdistill.distill.serving import check_recipe, check_serving, stage_overrides
 
 log = logging.getLogger("specdistill.pipeline")
 
@@ -101,6 +102,15 @@ def compose_stage(stage: str, cfg: DictConfig, overrides: list[str]) -> DictConf
     return stage_cfg
 
 
+def serving_overrides(cfg: DictConfig) -> dict[str, list[str]]:
+    """Each stage's overrides from the `serving` mode and `recipe` (none when absent)."""
+    if cfg.get("serving") is None:
+        return {}
+    if cfg.get("recipe") is None:
+        raise ConfigError("serving is set but recipe is not: add `recipe: ${serving}` to defaults")
+    return stage_overrides(check_serving(cfg.serving), check_recipe(cfg.recipe))
+
+
 def _fingerprint(stage_cfg: DictConfig, after: str = "") -> str:
     text = OmegaConf.to_yaml(stage_cfg, resolve=True, sort_keys=True) + after
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -154,18 +164,19 @@ def run(cfg: DictConfig) -> PipelineResult:
         raise ConfigError(f"stages={stages}: unknown {unknown}; choose from {list(STAGES)}")
     result = PipelineResult(run_dir=str(run_dir))
     seed = f"seed={cfg.seed}"
+    sv = serving_overrides(cfg)  # checked before any stage runs
 
     data_path: str | None = None
     drafter_path: str | None = None
     data_fp = drafter_fp = report_fp = ""  # fingerprints of what later stages read
-    if "generate" in stages:
-        out = run_dir / "generate"
-        gcfg = compose_stage("generate", cfg, [f"output_dir={out}", seed])
+    if "generate" in stages:  # generate_dir: one Seq-KD run shared by several runs (sweeps)
+        out = Path(cfg.get("generate_dir") or run_dir / "generate")
+        gcfg = compose_stage("generate", cfg, [*sv.get("generate", []), f"output_dir={out}", seed])
         result.stages["generate"], data_fp = run_stage("generate", gcfg, out, "result.json")
         data_path = str(out)
     if "distill" in stages:
         out = run_dir / "distill"
-        extra = [f"output_dir={out}", seed]
+        extra = [*sv.get("distill", []), f"output_dir={out}", seed]
         if data_path:
             extra.append(format_override("data.path", data_path))
         dcfg = compose_stage("distill", cfg, extra)
@@ -175,7 +186,7 @@ def run(cfg: DictConfig) -> PipelineResult:
         drafter_path = result.stages["distill"]["drafter_path"]
     if "online" in stages:  # adapt the (distilled) drafter on the stream; validate the result
         out = run_dir / "online"
-        ocfg = compose_stage("online", cfg, [f"output_dir={out}", seed])
+        ocfg = compose_stage("online", cfg, [*sv.get("online", []), f"output_dir={out}", seed])
         if drafter_path:
             ocfg.pair.drafter = drafter_path
         result.stages["online"], drafter_fp = run_stage(
@@ -185,15 +196,26 @@ def run(cfg: DictConfig) -> PipelineResult:
     if "validate" in stages:
         if drafter_path and cfg.get("validate_base", True):
             out = run_dir / "validate_base"
-            vcfg = compose_stage("validate", cfg, [f"output_dir={out}", seed])
+            vcfg = compose_stage(
+                "validate", cfg, [*sv.get("validate", []), f"output_dir={out}", seed]
+            )
             result.stages["validate_base"], _ = run_stage("validate", vcfg, out, "report.json")
         out = run_dir / "validate"
-        vcfg = compose_stage("validate", cfg, [f"output_dir={out}", seed])
+        vcfg = compose_stage("validate", cfg, [*sv.get("validate", []), f"output_dir={out}", seed])
         if drafter_path:
             vcfg.pair.drafter = drafter_path
         result.stages["validate"], report_fp = run_stage(
             "validate", vcfg, out, "report.json", after=drafter_fp
         )
+        for name in cfg.get("validate_sets") or []:  # more prompt distributions, same drafter
+            out = run_dir / f"validate_{name}"
+            extra = [*sv.get("validate", []), f"dataset={name}", f"output_dir={out}", seed]
+            vcfg = compose_stage("validate", cfg, extra)
+            if drafter_path:
+                vcfg.pair.drafter = drafter_path
+            result.stages[f"validate_{name}"], _ = run_stage(
+                "validate", vcfg, out, "report.json", after=drafter_fp
+            )
     if "export" in stages:
         # The stage folder holds the marker; the shipped folder holds only the drafter.
         out = run_dir / "export"
@@ -208,9 +230,14 @@ def run(cfg: DictConfig) -> PipelineResult:
         )
 
     result.summary = summarize(result.stages)
+    serving = recipe = None
+    if cfg.get("serving") is not None:
+        serving = OmegaConf.to_container(cfg.serving, resolve=True)
+        recipe = OmegaConf.to_container(cfg.recipe, resolve=True)
+        result.summary["serving"], result.summary["recipe"] = serving, recipe
     result.wall_seconds = round(time.perf_counter() - t0, 1)
     atomic_write_json(run_dir / "pipeline.json", result)
-    write_report(run_dir, result.stages, result.wall_seconds)
+    write_report(run_dir, result.stages, result.wall_seconds, serving, recipe)  # type: ignore[arg-type]
     return result
 
 
@@ -218,7 +245,10 @@ def summary_markdown(result: PipelineResult) -> str:
     """The console's end-of-run table (the same text as summary.md)."""
     from specdistill.distill.report import summary_markdown as table
 
-    return table(result.run_dir, result.stages, result.wall_seconds)
+    s = result.summary
+    return table(
+        result.run_dir, result.stages, result.wall_seconds, s.get("serving"), s.get("recipe")
+    )
 
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="pipeline", version_base="1.3")

@@ -3,10 +3,10 @@
     python -m specdistill.distill.report RUN_DIR   # rebuild summary.md + report.png from a run
 
 Two different "alpha"s appear in a run and must not be confused: the validate stage's
-decode-time acceptance rate (our speculative decoder on held-out prompts, greedy and at
-temperature 1) and the distill stage's held-out alpha, the expected acceptance
-E[sum_x min(p, q)] at temperature 1 on reference completions (p = target, q = drafter). The
-table labels every row with which one it is. Reads only the stages' own result files, so it
+decode-time acceptance rate (our speculative decoder on held-out prompts, in both serving
+modes: greedy and sampling) and the distill stage's held-out alpha, the expected acceptance in
+the serving mode (p = target, q = drafter) that picked the shipped checkpoint. The table labels
+every row with which one it is and how it was measured. Reads only the stages' own result files, so it
 works on a pipeline run and on a Slurm-chained run with the same layout.
 """
 
@@ -29,6 +29,7 @@ SUMMARY_KEYS = {
         "alpha_sampled",
         "tau",
         "tau_sampled",
+        "modes",
         "gamma",
         "c",
         "speedup",
@@ -41,19 +42,60 @@ SUMMARY_KEYS = {
     "export": ("output_dir", "usage", "vocab_size", "dtype"),
 }
 
-# (label, how it was measured, stage, key, side): side picks base vs distilled for distill rows.
+# (label, how it was measured, stage, key): `{T}` is the sampling side's temperature.
 ROWS = [
-    ("alpha, greedy", "decode-time acceptance", "validate", "alpha"),
-    ("alpha, temperature 1", "decode-time acceptance", "validate", "alpha_sampled"),
-    ("tau (tokens per target forward), greedy", "decode-time", "validate", "tau"),
-    ("tau, temperature 1", "decode-time", "validate", "tau_sampled"),
-    ("speedup over target-only (measured)", "wall clock, greedy", "validate", "speedup"),
-    ("theoretical speedup", "from alpha, gamma, c", "validate", "theoretical_speedup"),
-    ("HF assisted speedup, same pair", "wall clock, greedy", "validate", "hf_speedup"),
+    ("alpha, greedy", "decode-time acceptance", "validate", "greedy.alpha"),
+    ("alpha, temperature {T}", "decode-time acceptance", "validate", "sampling.alpha"),
+    ("tau (tokens per target forward), greedy", "decode-time", "validate", "greedy.tau"),
+    ("tau, temperature {T}", "decode-time", "validate", "sampling.tau"),
+    ("speedup over target-only (measured), greedy", "wall clock", "validate", "greedy.speedup"),
+    ("speedup over target-only (measured), temperature {T}", "wall clock", "validate", "sampling.speedup"),
+    ("theoretical speedup, serving mode", "from alpha, gamma, c", "validate", "theoretical_speedup"),
+    ("HF assisted speedup, same pair", "wall clock, serving mode", "validate", "hf_speedup"),
     ("lossless (output = target's)", "token-identical, greedy", "validate", "lossless"),
-    ("held-out alpha, temperature 1", "sum min(p,q) on reference completions", "distill", "alpha"),
-    ("held-out greedy agreement", "argmax q = argmax p on reference completions", "distill", "agree"),
+    ("held-out alpha, {mode}", "{how}", "distill", "alpha"),
+    ("held-out greedy agreement", "argmax q = argmax p on {data}", "distill", "agree"),
 ]  # fmt: skip
+
+
+def mode_value(v: dict[str, Any], mode: str, key: str) -> Any:
+    """A validate report's figure for one serving mode (reports before `modes` existed held
+    greedy figures at top level and temperature-1 alpha/tau as `*_sampled`)."""
+    modes = v.get("modes")
+    if modes:
+        return (modes.get(mode) or {}).get(key)
+    greedy = not v.get("temperature")
+    if mode == "greedy":
+        return v.get(key) if greedy else None
+    if key in ("alpha", "tau"):
+        return v.get(key) if not greedy else v.get(f"{key}_sampled")
+    return v.get(key) if not greedy else None
+
+
+def _sampling_temperature(stages: dict[str, dict]) -> Any:
+    for stage in ("validate", "validate_base"):
+        side = ((stages.get(stage) or {}).get("modes") or {}).get("sampling")
+        if side:
+            t = f"{side['temperature']:g}"
+            return t + (f", top_p {side['top_p']:g}" if side.get("top_p", 1.0) < 1 else "")
+    return "1"
+
+
+def _distill_labels(stages: dict[str, dict]) -> dict[str, str]:
+    """How the distill stage's held-out figure was measured (its source and serving mode)."""
+    data = (stages.get("distill") or {}).get("data") or {}
+    smp = data.get("eval_sampling") or {"temperature": 1.0}
+    greedy = not smp.get("temperature")
+    source = data.get("eval_source", "reference")
+    if source == "target":
+        where = f"the target's {'greedy' if greedy else 'sampled'} continuations"
+    else:
+        where = "reference completions" if source == "reference" else "a generate run"
+    mode = "greedy" if greedy else f"temperature {smp['temperature']:g}"
+    if not greedy and smp.get("top_p", 1.0) < 1:
+        mode += f", top_p {smp['top_p']:g}"
+    how = ("[argmax q = argmax p]" if greedy else "sum min(p,q)") + f" on {where}"
+    return {"mode": mode, "how": how, "data": where}
 
 
 def summarize(stages: dict[str, dict]) -> dict[str, Any]:
@@ -76,6 +118,9 @@ def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> An
     v = stages.get("validate" if distilled else "validate_base") or {}
     if key == "hf_speedup":
         return (v.get("hf_assisted") or {}).get("speedup")
+    if "." in key:
+        mode, name = key.split(".")
+        return mode_value(v, mode, name)
     return v.get(key)
 
 
@@ -95,23 +140,33 @@ def comparison_table(stages: dict[str, dict]) -> list[str]:
         "| figure | how measured | base drafter | distilled drafter |",
         "| --- | --- | --- | --- |",
     ]
+    fill = {"T": _sampling_temperature(stages), **_distill_labels(stages)}
     for label, how, stage, key in ROWS:
         base, dist = _value(stages, stage, key, False), _value(stages, stage, key, True)
         if base is None and dist is None:
             continue
-        lines.append(f"| {label} | {how} | {_shown(base)} | {_shown(dist)} |")
+        lines.append(
+            f"| {label.format(**fill)} | {how.format(**fill)} | {_shown(base)} | {_shown(dist)} |"
+        )
     return lines
 
 
-def summary_markdown(run_dir: str, stages: dict[str, dict], wall_seconds: float | None) -> str:
+def summary_markdown(
+    run_dir: str,
+    stages: dict[str, dict],
+    wall_seconds: float | None,
+    serving: dict[str, Any] | None = None,
+    recipe: dict[str, Any] | None = None,
+) -> str:
     v = stages.get("validate") or stages.get("validate_base") or {}
     lines = [f"# specdistill run: {run_dir}", ""]
     if v:
         lines += [
             f"Decode-time figures: `specdistill.decode.validate`, {v.get('prompts')} held-out "
             f"prompts x {v.get('max_new_tokens')} new tokens, gamma {v.get('gamma')}, "
-            f"{v.get('device')} / {v.get('dtype')}. Held-out alpha: the distill stage's "
-            "evaluation on reference completions (expected acceptance, not decoded).",
+            f"{v.get('device')} / {v.get('dtype')}, both serving modes (greedy and sampling). "
+            "Held-out alpha: the distill stage's expected acceptance (not decoded) that picked "
+            "the shipped checkpoint.",
             "",
         ]
     lines += comparison_table(stages)
@@ -120,8 +175,14 @@ def summary_markdown(run_dir: str, stages: dict[str, dict], wall_seconds: float 
         loss = (d.get("loss") or {}).get("name", "?")
         lines += [
             "",
-            f"Distilled with loss {loss}, {d.get('steps')} steps: `{d.get('drafter_path')}`.",
+            f"Distilled with loss {loss}, lmbda {d.get('lmbda')}, {d.get('steps')} steps "
+            f"(best held-out alpha at step {d.get('best_step')}): `{d.get('drafter_path')}`.",
         ]
+    if serving:
+        how = serving.get("mode", "?")
+        if how == "sampling":
+            how += f" at temperature {serving.get('temperature')}, top_p {serving.get('top_p')}"
+        lines += ["", f"Served {how}; recipe `{(recipe or {}).get('name')}`: {recipe}."]
     e = stages.get("export")
     if e:
         lines += [
@@ -179,8 +240,14 @@ def load_stages(run_dir: Path) -> dict[str, dict]:
     return {k: read_json(run_dir / f) for k, f in files.items() if (run_dir / f).is_file()}
 
 
-def write_report(run_dir: Path, stages: dict[str, dict], wall_seconds: float | None) -> str:
-    text = summary_markdown(str(run_dir), stages, wall_seconds)
+def write_report(
+    run_dir: Path,
+    stages: dict[str, dict],
+    wall_seconds: float | None,
+    serving: dict[str, Any] | None = None,
+    recipe: dict[str, Any] | None = None,
+) -> str:
+    text = summary_markdown(str(run_dir), stages, wall_seconds, serving, recipe)
     atomic_write_text(run_dir / "summary.md", text)
     plot_acceptance(stages, run_dir / "report.png")
     return text
@@ -193,7 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     stages = load_stages(args.run_dir)
     if not stages:
         parser.error(f"run_dir={args.run_dir}: no stage results there")
-    print(write_report(args.run_dir, stages, None))
+    pj = args.run_dir / "pipeline.json"
+    summary = read_json(pj).get("summary", {}) if pj.is_file() else {}
+    print(write_report(args.run_dir, stages, None, summary.get("serving"), summary.get("recipe")))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from specdistill.data.pairs import (
     vocab_size,
 )
 from specdistill.data.prompts import load_prompts
+from specdistill.decode.acceptance import Sampling
 from specdistill.distill import zero
 from specdistill.distill.data import Example, has_topk, load_seqkd, reference_examples
 from specdistill.distill.losses import DIVERGENCES
@@ -50,11 +51,59 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"loss_chunk_size={cfg.loss_chunk_size} must be positive or null")
     if cfg.mixed_precision not in ("auto", "no", "bf16", "fp16"):
         raise ConfigError(f"mixed_precision={cfg.mixed_precision!r}: use auto, no, bf16 or fp16")
-    if cfg.eval.source not in ("reference", "path"):
-        raise ConfigError(f"eval.source={cfg.eval.source!r}: use reference or path")
+    if cfg.eval.source not in ("reference", "path", "target"):
+        raise ConfigError(f"eval.source={cfg.eval.source!r}: use reference, path or target")
+    eval_sampling(cfg)
+    check_switch(cfg)
     zero.check_deepspeed(cfg, use_cuda(cfg))
     if cfg.optim.schedule not in ("cosine", "linear", "constant"):
         raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: use cosine, linear or constant")
+
+
+def check_switch(cfg: DictConfig) -> None:
+    """`switch`: an optional second phase (e.g. greedy Seq-KD + FKL, then on-policy TVD)."""
+    sw = OmegaConf.select(cfg, "switch")
+    if sw is None or sw.get("at") is None:
+        return
+    at = float(sw.at)
+    if not 0.0 < at < 1.0:
+        raise ConfigError(f"switch.at={at} must lie in (0, 1): the share of max_steps before it")
+    if sw.get("loss") is not None and sw.loss not in DIVERGENCES:
+        raise ConfigError(f"switch.loss={sw.loss!r} is not one of {', '.join(DIVERGENCES)}")
+    for field in ("lmbda", "beta"):
+        v = sw.get(field)
+        if v is not None and not 0.0 <= float(v) <= 1.0:
+            raise ConfigError(f"switch.{field}={v} must lie in [0, 1] or be null")
+
+
+def phase_at(cfg: DictConfig, step: int) -> tuple[str, float, float]:
+    """(loss name, beta, lmbda) for optimizer step `step` (0-based): the switch's settings
+    from step int(switch.at * max_steps) on, the stage's own before (or without a switch)."""
+    sw = OmegaConf.select(cfg, "switch")
+    name, beta, lmbda = str(cfg.loss.name), float(cfg.loss.beta), float(cfg.lmbda)
+    if sw is None or sw.get("at") is None or step < int(float(sw.at) * int(cfg.max_steps)):
+        return name, beta, lmbda
+    if sw.get("loss") is not None and sw.loss != name:
+        name, beta = str(sw.loss), {"fkl": 0.0, "rkl": 1.0}.get(str(sw.loss), 0.5)
+    if sw.get("beta") is not None:
+        beta = float(sw.beta)
+    if sw.get("lmbda") is not None:
+        lmbda = float(sw.lmbda)
+    return name, beta, lmbda
+
+
+def eval_sampling(cfg: DictConfig) -> Sampling:
+    """The serving mode the held-out acceptance is measured in (temperature 0 = greedy)."""
+    t = float(cfg.eval.temperature)
+    top_p = float(OmegaConf.select(cfg, "eval.top_p", default=1.0))
+    top_k = int(OmegaConf.select(cfg, "eval.top_k", default=0) or 0)
+    if t < 0:
+        raise ConfigError(f"eval.temperature={t} must be >= 0 (0 = greedy serving)")
+    if not 0.0 < top_p <= 1.0:
+        raise ConfigError(f"eval.top_p={top_p} must lie in (0, 1]")
+    if top_k < 0:
+        raise ConfigError(f"eval.top_k={top_k} must be >= 0 (0 = off)")
+    return Sampling(temperature=t, top_k=top_k, top_p=top_p)
 
 
 def use_cuda(cfg: DictConfig) -> bool:
@@ -124,20 +173,28 @@ def _dataset_cfg(cfg: DictConfig, split: str | None) -> DictConfig:
 
 def build_seqkd(cfg: DictConfig, accelerator) -> Path:
     """Run the generate stage into output_dir/seqkd (main process; reused when complete)."""
-    path = Path(str(cfg.output_dir)) / "seqkd"
-    if accelerator.is_main_process:  # the generate stage resumes/reuses a finished run itself
+    overrides = OmegaConf.to_container(cfg.data.generate, resolve=True)
+    return run_generate(cfg, accelerator, Path(str(cfg.output_dir)) / "seqkd", "train", overrides)
+
+
+def run_generate(
+    cfg: DictConfig, accelerator, path: Path, split: str, settings: dict[str, Any]
+) -> Path:
+    """The generate stage over the dataset's `split` into `path` (main process; a finished
+    run with the same config is reused by the generate stage itself)."""
+    if accelerator.is_main_process:
         try:
             from specdistill.data.generate import run as generate
         except ImportError as e:
             raise ConfigError(
-                "data.path is null and the generate stage is not available to build Seq-KD "
-                "data: pass data.path, or data.seq_kd=false with data.reference=true"
+                "the generate stage is not available to build target continuations: pass "
+                "data.path / eval.path, or data.seq_kd=false with data.reference=true"
             ) from e
         from hydra import compose, initialize_config_module
         from hydra.core.global_hydra import GlobalHydra
 
-        overrides = [f"output_dir={path}", "split=train", f"seed={cfg.seed}"]
-        for key, value in OmegaConf.to_container(cfg.data.generate, resolve=True).items():
+        overrides = [f"output_dir={path}", f"split={split}", f"seed={cfg.seed}"]
+        for key, value in settings.items():
             overrides.append(f"{key}={'null' if value is None else value}")
         if GlobalHydra.instance().is_initialized():
             gcfg = compose(config_name="generate", overrides=overrides)
@@ -147,10 +204,13 @@ def build_seqkd(cfg: DictConfig, accelerator) -> Path:
         OmegaConf.set_struct(gcfg, False)
         gcfg.pair = cfg.pair
         gcfg.dataset = _dataset_cfg(cfg, None)
+        if split != "train":
+            gcfg.dataset.limit = cfg.eval.limit
         gcfg.shard = {"index": 0, "count": 1}
+        gcfg.progress = False
         if cfg.device == "cpu":
             gcfg.device = "cpu"
-        log.info("building Seq-KD data with the generate stage -> %s", path)
+        log.info("target continuations (%s split) with the generate stage -> %s", split, path)
         generate(gcfg)
     accelerator.wait_for_everyone()
     return path
@@ -181,7 +241,8 @@ def build_train_examples(cfg: DictConfig, tokenizer, accelerator) -> tuple[list[
     topk = has_topk(examples)
     if use_topk is True and not topk:
         raise ConfigError("data.use_topk=true but the training rows carry no stored top-k")
-    if topk and float(cfg.lmbda) > 0:
+    most_onpolicy = max(float(cfg.lmbda), float(OmegaConf.select(cfg, "switch.lmbda") or 0))
+    if topk and most_onpolicy > 0:
         if use_topk is True:
             raise ConfigError(
                 f"data.use_topk=true with lmbda={cfg.lmbda}: on-policy batches need the target "
@@ -194,7 +255,22 @@ def build_train_examples(cfg: DictConfig, tokenizer, accelerator) -> tuple[list[
     return examples, topk
 
 
-def build_eval_examples(cfg: DictConfig, tokenizer) -> list[Example]:
+def build_eval_examples(cfg: DictConfig, tokenizer, accelerator) -> list[Example]:
+    """Held-out rows: reference completions, a given generate run, or (`target`) the target's
+    own continuations in the serving mode (greedy, or sampled at eval.temperature/top_p)."""
+    if cfg.eval.source == "target":
+        sampling = eval_sampling(cfg)
+        settings = {
+            "max_new_tokens": int(cfg.eval.max_new_tokens),
+            "do_sample": not sampling.greedy,
+            "temperature": sampling.temperature if not sampling.greedy else 1.0,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "topk_logprobs": 0,
+        }
+        path = Path(str(cfg.eval.path or Path(str(cfg.output_dir)) / "eval_continuations"))
+        run_generate(cfg, accelerator, path, str(cfg.eval.split), settings)
+        return load_seqkd(path, limit=cfg.eval.limit, use_topk=False)
     if cfg.eval.source == "path":
         if cfg.eval.path is None:
             raise ConfigError("eval.source=path needs eval.path (a generate-stage dataset)")

@@ -65,6 +65,7 @@ class DistillResult:
     data: dict[str, Any]
     world_size: int
     history: list[dict[str, float]] = field(default_factory=list)
+    switch: dict[str, Any] | None = None  # the second phase, when the run had one
 
 
 def _schedule(cfg: DictConfig) -> Callable[[int], float]:
@@ -103,8 +104,9 @@ def run(cfg: DictConfig) -> DistillResult:
     tok = load_tokenizer(spec)
     drafter = load_role(spec, "drafter", device=device)
     train_examples, topk = setup.build_train_examples(cfg, tok, accelerator)
-    eval_examples = setup.build_eval_examples(cfg, tok)
+    eval_examples = setup.build_eval_examples(cfg, tok, accelerator)
     eval_has_topk = all(e.topk_ids is not None for e in eval_examples)
+    eval_sampling = setup.eval_sampling(cfg)
     target = None
     if not topk or not eval_has_topk:
         target = setup.load_target(spec, cfg, device, drafter, tok)
@@ -134,7 +136,7 @@ def run(cfg: DictConfig) -> DistillResult:
             target,
             eval_batches,
             vocab=vocab,
-            temperature=float(cfg.eval.temperature),
+            sampling=eval_sampling,
             device=device,
         )
 
@@ -180,6 +182,7 @@ def run(cfg: DictConfig) -> DistillResult:
     )
     t_train = time.perf_counter()
     while step < max_steps:
+        loss_name, beta, lmbda = setup.phase_at(cfg, step)  # a `switch` changes them mid-run
         window = []
         for a in range(A):
             g = stream.global_micro_index(step, a, rank)
@@ -231,8 +234,8 @@ def run(cfg: DictConfig) -> DistillResult:
                 loss = distill_loss(
                     logits,
                     batch["loss_mask"],
-                    divergence=cfg.loss.name,
-                    beta=float(cfg.loss.beta),
+                    divergence=loss_name,
+                    beta=beta,
                     temperature=float(cfg.loss.temperature),
                     num_tokens=max(n_window, 1),
                     chunk_size=cfg.loss_chunk_size,
@@ -296,7 +299,7 @@ def run(cfg: DictConfig) -> DistillResult:
         peak_memory_mb=peak,
         peak_memory_kind=peak_kind,
         loss=OmegaConf.to_container(cfg.loss, resolve=True),  # type: ignore[arg-type]
-        lmbda=lmbda,
+        lmbda=float(cfg.lmbda),
         data={
             "path": str(cfg.data.path or (out / "seqkd" if cfg.data.seq_kd else "")),
             "reference": bool(cfg.data.reference),
@@ -304,9 +307,11 @@ def run(cfg: DictConfig) -> DistillResult:
             "train_examples": len(train_examples),
             "eval_tokens": before["tokens"],
             "eval_source": cfg.eval.source,
+            "eval_sampling": eval_sampling.__dict__,
         },
         world_size=world,
         history=state["history"],
+        switch=OmegaConf.to_container(cfg.switch) if OmegaConf.select(cfg, "switch.at") else None,  # type: ignore[arg-type]
     )
     if accelerator.is_main_process:
         atomic_write_json(out / "result.json", result)

@@ -20,6 +20,7 @@ FAST = [
     "++distill.save_every=2",
     "++distill.logger=none",
     "++distill.eval.limit=8",
+    "++distill.eval.max_new_tokens=16",
     "++distill.micro_batch_size=4",
     "++validate.num_prompts=2",
     "++validate.max_new_tokens=16",
@@ -66,7 +67,8 @@ def test_pipeline_end_to_end_and_resume(tmp_path, monkeypatch):
         f"| alpha, greedy | decode-time acceptance | {base['alpha']:.3g} | {report['alpha']:.3g} |"
     )
     assert alpha_row in text
-    assert "held-out alpha, temperature 1" in text and str(exported.absolute()) in text
+    assert "held-out alpha, greedy" in text and str(exported.absolute()) in text
+    assert "alpha, temperature 1" in text and set(report["modes"]) == {"greedy", "sampling"}
     assert (run_dir / "report.png").stat().st_size > 1000
 
     # A rerun with the same config finds every stage done and runs none of them.

@@ -17,16 +17,63 @@ DISTILL = {"alpha_before": 0.41, "alpha_after": 0.55, "greedy_agreement_before":
            "drafter_path": "/r/distill/best"}  # fmt: skip
 
 
+def _rows(stages):
+    return {line.split(" | ")[0].lstrip("| "): line for line in report.comparison_table(stages)[2:]}
+
+
 def test_table_puts_base_and_distilled_side_by_side_with_methods():
-    lines = report.comparison_table({"validate_base": BASE, "validate": DIST, "distill": DISTILL})
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in lines[2:]}
+    """Reports from before `modes` (greedy top level, temperature-1 `*_sampled`) still read."""
+    rows = _rows({"validate_base": BASE, "validate": DIST, "distill": DISTILL})
     assert rows["alpha, greedy"] == "| alpha, greedy | decode-time acceptance | 0.37 | 0.89 |"
     assert rows["alpha, temperature 1"].endswith("| 0.51 | 0.57 |")
     assert rows["HF assisted speedup, same pair"].endswith("| 0.73 | 0.91 |")
     assert rows["lossless (output = target's)"].endswith("| yes | no |")
     held = rows["held-out alpha, temperature 1"]
     assert "reference completions" in held and held.endswith("| 0.41 | 0.55 |")
+    # no sampled speedup was measured then: that row is left out
+    assert len(rows) == len(report.ROWS) - 1
+
+
+def _modes(greedy, sampled):
+    return {
+        "greedy": {"temperature": 0.0, "top_p": 1.0, **greedy},
+        "sampling": {"temperature": 0.7, "top_p": 0.9, **sampled},
+    }
+
+
+def test_both_serving_modes_with_speedups_and_the_serving_mode_held_out_figure():
+    base = {
+        **BASE,
+        "temperature": 0.7,
+        "alpha": 0.5,
+        "modes": _modes(
+            {"alpha": 0.37, "tau": 1.6, "speedup": 0.5}, {"alpha": 0.5, "tau": 1.9, "speedup": 0.7}
+        ),
+    }
+    dist = {
+        **DIST,
+        "temperature": 0.7,
+        "alpha": 0.73,
+        "modes": _modes(
+            {"alpha": 0.11, "tau": 1.1, "speedup": 0.4}, {"alpha": 0.73, "tau": 3.1, "speedup": 1.2}
+        ),
+    }
+    distill = {**DISTILL, "data": {"eval_source": "target",
+               "eval_sampling": {"temperature": 0.7, "top_k": 0, "top_p": 0.9}}}  # fmt: skip
+    rows = _rows({"validate_base": base, "validate": dist, "distill": distill})
+    assert rows["alpha, greedy"].endswith("| 0.37 | 0.11 |")
+    assert rows["alpha, temperature 0.7, top_p 0.9"].endswith("| 0.5 | 0.73 |")
+    assert rows["speedup over target-only (measured), greedy"].endswith("| 0.5 | 0.4 |")
+    assert rows["speedup over target-only (measured), temperature 0.7, top_p 0.9"].endswith(
+        "| 0.7 | 1.2 |"
+    )
+    held = rows["held-out alpha, temperature 0.7, top_p 0.9"]
+    assert "sum min(p,q) on the target's sampled continuations" in held
     assert len(rows) == len(report.ROWS)
+    text = report.summary_markdown("/r", {"validate": dist, "distill": distill}, 1.0,
+                                   {"mode": "sampling", "temperature": 0.7, "top_p": 0.9},
+                                   {"name": "sampling", "loss": "tvd"})  # fmt: skip
+    assert "Served sampling at temperature 0.7, top_p 0.9; recipe `sampling`" in text
 
 
 def test_missing_figures_are_left_out_or_marked():
