@@ -145,6 +145,8 @@ def comparison_table(stages: dict[str, dict]) -> list[str]:
         base, dist = _value(stages, stage, key, False), _value(stages, stage, key, True)
         if base is None and dist is None:
             continue
+        if key == "agree" and fill["mode"] == "greedy":
+            continue  # the held-out alpha row above already is this figure
         lines.append(
             f"| {label.format(**fill)} | {how.format(**fill)} | {_shown(base)} | {_shown(dist)} |"
         )
