@@ -36,6 +36,7 @@ import torch
 
 from specdistill.data.io import atomic_write_json
 from specdistill.decode.acceptance import theoretical_speedup
+from specdistill.decode.modes import merge
 from specdistill.decode.speculative import DecodeOutput, DecoderConfig, SpeculativeDecoder
 from specdistill.decode.timing import hf_assisted_speed, measure_c
 
@@ -162,12 +163,7 @@ def timed(fn, batches, device: str) -> tuple[float, DecodeOutput]:
     t0 = time.perf_counter()
     outs = [fn(ids) for ids in batches]
     sync(device)
-    merged = DecodeOutput(tokens=[t for o in outs for t in o.tokens])
-    for o in outs:
-        merged.block_tokens += o.block_tokens
-        merged.row_rounds += o.row_rounds
-        merged.alpha_sum += o.alpha_sum
-        merged.trials += o.trials
+    merged = merge(outs)
     n = sum(len(t) for t in merged.tokens)
     return n / (time.perf_counter() - t0), merged
 
