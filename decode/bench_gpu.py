@@ -215,8 +215,8 @@ def bench_batch(target, drafter, args, batch: int, device: str) -> dict[str, Any
         each.baseline(prompts[0])
         rate = statistics.median(timed(each.baseline, prompts, device)[0] for _ in range(2))
         row["baseline_sync_every_step_tokens_per_s"] = round(rate, 1)
-        cap = dec.spec_capacity(1, args.prompt_len)
-        c, verify = measure_c(dec, prompts[0], args.c_iters, args.gamma, capacity=cap)
+        slots = dec.spec_slots(1, args.prompt_len)
+        c, verify = measure_c(dec, prompts[0], args.c_iters, args.gamma, slots=slots)
         theory = theoretical_speedup(min(max(out_s.alpha, 0.0), 1.0), args.gamma, c)
         ctx = args.prompt_len + args.new_tokens / 2
         roof = args.bandwidth / step_bytes(target, ctx)
@@ -306,11 +306,8 @@ def bench_hf(target, drafter, args, device: str, ours: float) -> dict[str, Any]:
     batches = [(ids, torch.ones_like(ids)) for ids, _ in rows]
     cfg = DecoderConfig(gamma=args.gamma, max_new_tokens=args.new_tokens)
     tok = SimpleNamespace(pad_token_id=0)
-    hf = hf_assisted_speed(
-        target, drafter, tok, batches[:1], batches, cfg, 1, DecodeOutput(tokens=[])
-    )
+    hf = hf_assisted_speed(target, drafter, tok, batches[:1], batches, cfg, 1, None)
     hf["ours_speculative_over_hf_assisted"] = round(ours / hf["assisted_tokens_per_s"]["median"], 2)
-    hf.pop("same_tokens", None)
     return hf
 
 

@@ -26,7 +26,7 @@ def measure_c(
     input_ids: torch.Tensor,
     iters: int,
     gamma: int,
-    capacity: int | None = None,
+    slots: int | None = None,
 ) -> tuple[float, float]:
     """(c, verify_cost): median 1-token step times of q over p, and the (gamma+1)-token verify
     step of p in units of its 1-token step (the speedup formula assumes 1).
@@ -36,11 +36,11 @@ def measure_c(
     shared CPU a lone 1-2 ms drafter step often fits in one scheduler slice while a longer target
     step is preempted, which made single-step medians understate c (toy pair under load: 0.15
     measured vs about 0.45 implied by the decode loop's own timings); blocks of similar length
-    are preempted alike. `capacity`: the decode's own cache size (compiled steps then reuse the
-    decode's graphs instead of compiling a smaller bucket's)."""
+    are preempted alike. `slots`: the decode's own cache size (`spec_slots`), so compiled steps
+    reuse the decode's graphs instead of compiling a smaller bucket's."""
     ids = input_ids.to(dec.device)
     plen, k = ids.shape[1], gamma + 1
-    runners = [dec._runner(m, capacity or plen + k + 2) for m in (dec.target, dec.drafter)]
+    runners = [dec._runner(m, slots or plen + k + 2) for m in (dec.target, dec.drafter)]
     for r in runners:
         if plen > 1:
             r.forward(ids[:, :-1], keep=1, prefill=True)
@@ -88,7 +88,7 @@ def hf_assisted_speed(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     cfg: DecoderConfig,
     repeats: int,
-    ours_baseline: DecodeOutput,
+    ours_baseline: DecodeOutput | None,
 ) -> dict[str, Any]:
     """`generate()` alone vs `generate(assistant_model=drafter)` on the same prompts, batch 1
     (HF assisted generation supports no more), HF's default assistant schedule."""
@@ -132,7 +132,9 @@ def hf_assisted_speed(
         "generate_tokens_per_s": _stats(plain),
         "assisted_tokens_per_s": _stats(assisted),
         "speedup": round(med, 3),
-        "same_tokens": (plain_tokens == ours_baseline.tokens) if s.greedy else None,
+        "same_tokens": (plain_tokens == ours_baseline.tokens)
+        if s.greedy and ours_baseline
+        else None,
         "schedule": "transformers default (assistant_model=drafter)",
     }
 

@@ -77,16 +77,17 @@ def buffer_loss(
         chunk_size=chunk,
     )
     if anchor is not None and anchor_kl > 0:
-        value = value + anchor_kl * anchor_loss(anchor, student, b, vocab, chunk)
+        value = value + anchor_kl * anchor_loss(anchor, student, mask, b, vocab, chunk)
     return value
 
 
-def anchor_loss(anchor, student: torch.Tensor, batch: dict, vocab: int, chunk: int | None):
+def anchor_loss(
+    anchor, student: torch.Tensor, mask: torch.Tensor, batch: dict, vocab: int, chunk: int | None
+):
     """KL(q0 || q) averaged over the batch's kept positions, q0 = `anchor` (no gradient)."""
     with torch.no_grad():
         logits = anchor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         start = match_vocab(logits.logits[batch["rows"], batch["cols"]], vocab)[None]
-    mask = torch.ones(student.shape[:2], dtype=torch.bool, device=student.device)
     return distill_loss(student, mask, target_logits=start, divergence="fkl", chunk_size=chunk)
 
 
