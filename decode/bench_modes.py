@@ -3,7 +3,8 @@
     python -m specdistill.decode.bench pair=toy pair.drafter=DIR/best output_dir=OUT \\
         'compare_modes=[eager,compiled]'
 
-Modes: `eager` (dynamic cache, eager steps: the CPU default), `static` (static cache, eager
+Modes: `eager` (dynamic cache, eager steps: the CPU default), `eager-linear` (the same with
+`decoder.cpu_matmul=linear`: few-row verify linears through `F.linear`, as before), `static` (static cache, eager
 steps), `compiled` (static cache, compiled steps: inductor on CPU, CUDA graphs on CUDA),
 `compiled-drafter` (only the drafter's steps compiled, over their own static cache; the target,
 and so the target-only baseline, keeps the default cache and eager steps). Every
@@ -38,6 +39,7 @@ from specdistill.decode.validate import (
 
 MODES: dict[str, dict[str, Any]] = {
     "eager": {"cache": "dynamic", "compile": False},
+    "eager-linear": {"cache": "dynamic", "compile": False, "cpu_matmul": "linear"},
     "static": {"cache": "static", "compile": False},
     "compiled": {"cache": "static", "compile": True},
     "compiled-drafter": {"cache": "auto", "compile": "drafter"},

@@ -27,6 +27,7 @@ import weakref
 import torch
 
 from specdistill.data.pairs import ConfigError
+from specdistill.decode.cpu_matmul import weight_major_linear
 
 ROLLBACK_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
 
@@ -100,8 +101,10 @@ class ModelRunner:
         static: bool,
         capacity: int,
         compile_steps: bool = False,
+        weight_major: bool = False,
     ) -> None:
         self.model = model
+        self.weight_major = weight_major  # few-row steps as weight @ x.T (decode.cpu_matmul)
         self.static = static
         self.capacity = capacity
         self.length = 0
@@ -136,14 +139,15 @@ class ModelRunner:
         fn = self._eager if prefill or not self._allocated else self._step
         if fn is not self._eager:  # compiled graphs guard on strides: views of a prompt recompile
             ids, position_ids = _fresh(ids), _fresh(position_ids)
-        out = fn(
-            input_ids=ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=self.cache,
-            use_cache=True,
-            **kwargs,
-        )
+        with weight_major_linear(self.weight_major and not prefill and n > 1):
+            out = fn(
+                input_ids=ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=self.cache,
+                use_cache=True,
+                **kwargs,
+            )
         self.length += n
         self._allocated = True
         logits = out.logits

@@ -52,6 +52,9 @@ class DecoderConfig:
     compile: str | bool = "auto"
     record_probs: bool = False  # keep the target's probabilities per verified position
     host_sync_every: int = 0  # target-only decoding: tokens reach the host every N steps; 0: auto
+    # auto: on CPU, verify and catch-up steps (2-16 tokens) run linears as weight @ x.T, which
+    # costs about one 1-token step (decode.cpu_matmul); linear: F.linear everywhere
+    cpu_matmul: str = "auto"
 
     @property
     def lossy(self) -> bool:
@@ -128,6 +131,8 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         raise ConfigError(
             f"decoder.host_sync_every={cfg.host_sync_every!r} must be an integer >= 0 (0 = auto)"
         )
+    if cfg.cpu_matmul not in ("auto", "linear"):
+        raise ConfigError(f"decoder.cpu_matmul={cfg.cpu_matmul!r}: use auto or linear")
     if cfg.compile not in ("auto", True, False, "drafter"):
         raise ConfigError(f"decoder.compile={cfg.compile!r}: use auto, true, false or drafter")
     if cfg.compile is True and cfg.cache == "dynamic":
@@ -183,6 +188,7 @@ class SpeculativeDecoder:
         # auto: 8 on CUDA, where the host can queue steps ahead; 1 on CPU, where it cannot and
         # steps past an EOS would only cost time
         self.sync_every = cfg.host_sync_every or (8 if cuda else 1)
+        self.weight_major = cfg.cpu_matmul == "auto" and self.device.type == "cpu"
 
     # ---------------------------------------------------------------- shared setup
     def _prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
@@ -208,7 +214,11 @@ class SpeculativeDecoder:
         compiled = self.compile_target or (self.compile and model is self.drafter)
         cap = bucket_capacity(slots) if compiled else slots
         return ModelRunner(
-            model, static=self.static or compiled, capacity=cap, compile_steps=compiled
+            model,
+            static=self.static or compiled,
+            capacity=cap,
+            compile_steps=compiled,
+            weight_major=self.weight_major,
         )
 
     def spec_slots(self, batch: int, plen: int) -> int:

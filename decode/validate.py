@@ -124,6 +124,7 @@ def decoder_config(
         compile=dcfg.get("compile", "auto"),
         record_probs=bool(dcfg.get("record_probs", False)),
         host_sync_every=int(dcfg.get("host_sync_every", 0)),
+        cpu_matmul=str(dcfg.get("cpu_matmul", "auto")),
     )
 
 

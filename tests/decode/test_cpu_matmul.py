@@ -1,0 +1,82 @@
+"""Few-row linears as weight @ x.T (decode.cpu_matmul): same values, scoped, wired into verify."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdistill.data.pairs import ConfigError
+from specdistill.decode import cpu_matmul
+from specdistill.decode.cpu_matmul import MAX_ROWS, few_row_linear, weight_major_linear
+from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
+from tests.conftest import tiny_llama
+from tests.decode.test_speculative import greedy_reference, prompts
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (1, 5), (3, 4), (2, 8), (1, 16), (1, 17), (40,)])
+def test_few_row_linear_equals_f_linear(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 24, generator=g)
+    b = torch.randn(48, generator=g) if bias else None
+    x = torch.randn(*shape, 24, generator=g)
+    got, want = few_row_linear(x, w, b), F.linear(x, w, b)
+    assert got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    rows = x.numel() // 24
+    if not 2 <= rows <= MAX_ROWS:  # outside the few-row range it is F.linear itself
+        assert torch.equal(got, want)
+
+
+def test_switch_is_scoped_and_restored_on_error():
+    original = torch.nn.Linear.forward
+    with weight_major_linear(False):
+        assert torch.nn.Linear.forward is original
+    with pytest.raises(RuntimeError, match="boom"), weight_major_linear():
+        assert torch.nn.Linear.forward is not original
+        raise RuntimeError("boom")
+    assert torch.nn.Linear.forward is original
+
+
+def _count_calls(monkeypatch) -> dict[int, int]:
+    """Rows of every input the few-row path saw, counted."""
+    seen: dict[int, int] = {}
+    real = cpu_matmul.few_row_linear
+
+    def spy(x, weight, bias):
+        rows = x.numel() // x.shape[-1]
+        seen[rows] = seen.get(rows, 0) + 1
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(cpu_matmul, "few_row_linear", spy)
+    return seen
+
+
+@pytest.mark.parametrize("setting", ["auto", "linear"])
+def test_verify_steps_take_the_few_row_path_only_when_asked(monkeypatch, setting):
+    """auto on CPU: the (gamma+1)-token verify goes through few_row_linear, 1-token steps and
+    prefill never do; linear: nothing does. Output stays the target's greedy output."""
+    target = tiny_llama(vocab=64, layers=2, seed=0)
+    drafter = tiny_llama(vocab=64, layers=1, seed=1)
+    original = torch.nn.Linear.forward
+    seen = _count_calls(monkeypatch)
+    dec = SpeculativeDecoder(
+        target, drafter, DecoderConfig(gamma=4, max_new_tokens=24, cpu_matmul=setting)
+    )
+    prompt = prompts(2, 64, seed=3)[1]  # 12 tokens: its prefill is 11 rows
+    out = dec.generate(torch.tensor([prompt]))
+    assert out.tokens[0] == greedy_reference(target, prompt, 24)
+    if setting == "linear":
+        assert seen == {}
+    else:
+        assert seen.get(5, 0) > 0  # verify steps: gamma + 1 rows
+        assert all(rows >= 2 for rows in seen)  # the patch never sees 1-row steps
+        assert max(seen) < len(prompt)  # nor the prefill
+    assert torch.nn.Linear.forward is original  # restored after every step
+
+
+def test_bad_cpu_matmul_setting_names_the_field():
+    model = tiny_llama(vocab=64, layers=1)
+    with pytest.raises(ConfigError, match=r"decoder\.cpu_matmul='fast'"):
+        SpeculativeDecoder(model, model, DecoderConfig(cpu_matmul="fast"))
