@@ -179,12 +179,13 @@ class ModelRunner:
             raise RuntimeError(f"cannot roll forward from {self.length} to {new_length}")
         if drop == 0:
             return
-        for layer in self.cache.layers:
-            if not getattr(layer, "is_initialized", False):
-                continue
-            if self.static:
-                layer.cumulative_length.fill_(new_length)
-            else:
+        layers = [x for x in self.cache.layers if getattr(x, "is_initialized", False)]
+        if self.static:  # two multi-tensor launches on CUDA instead of one fill per layer
+            lengths = [x.cumulative_length for x in layers]
+            torch._foreach_zero_(lengths)
+            torch._foreach_add_(lengths, new_length)
+        else:
+            for layer in layers:
                 layer.crop(-drop)
         self.length = new_length
 

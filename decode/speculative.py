@@ -288,7 +288,8 @@ class SpeculativeDecoder:
         pending: list[torch.Tensor] = []  # tokens still on the device
         while not all(done):
             length = runner.length
-            mask[:, length] = True
+            if not dense:  # batch 1 runs without a mask: no per-step write to keep it current
+                mask[:, length] = True
             attn = None if dense else self._attn(runner, mask, length + 1)
             logits = runner.forward(t[:, None], attn, None if dense else pos[:, None], keep=1)[
                 :, -1
@@ -337,7 +338,8 @@ class SpeculativeDecoder:
         while not all(done):
             length = tgt.length
             k = self._draft_width(out.tokens, done)
-            mask[:, length : length + k + 1] = True
+            if not dense:
+                mask[:, length : length + k + 1] = True
             # Draft k tokens with q (the first step also catches the drafter up).
             draft, q_probs = [], []
             x = t[:, None] if catch is None else torch.stack([catch, t], 1)
