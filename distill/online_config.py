@@ -80,6 +80,23 @@ def check_config(cfg: DictConfig) -> list[Segment]:
                 f"update_batch={cfg.update_batch} must be >= 2 with gate_agreement (it is split "
                 "into two half-batches whose gradients must agree)"
             )
+    margin = cfg.get("gate_relax_margin")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)
+                               or not 0 <= margin <= 1):  # fmt: skip
+        raise ConfigError(
+            f"gate_relax_margin={margin!r} must be an alpha drop in [0, 1] or null (never relax)"
+        )
+    loose = cfg.get("gate_relaxed")
+    if loose is not None and (isinstance(loose, bool) or not isinstance(loose, int | float)
+                              or not -1 <= loose <= 1):  # fmt: skip
+        raise ConfigError(f"gate_relaxed={loose!r} must be a cosine in [-1, 1] or null (no gate)")
+    half = cfg.get("replay_halflife")
+    if half is not None and (isinstance(half, bool) or not isinstance(half, int | float) or
+                             not half > 0):  # fmt: skip
+        raise ConfigError(
+            f"replay_halflife={half!r} must be a positive number of requests or null (uniform "
+            "replay)"
+        )
     if not float(cfg.get("anchor_kl", 0.0)) >= 0:
         raise ConfigError(f"anchor_kl={cfg.anchor_kl} must be >= 0 (0: no trust region)")
     if not float(cfg.guard_margin) >= 0:
