@@ -132,49 +132,22 @@ class ReplayBuffer:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def weights(self, halflife: float | None) -> torch.Tensor | None:
-        """Recency weights of the entries, 2 ** (-age / halflife), age = requests between an
-        entry's and the newest entry's request; None (uniform) without a half-life.
-
-        Why: after a shift the buffer is still full of the old segment's requests, so uniform
-        draws mix two domains, the agreement gate sees half-batches that disagree and the
-        drafter barely learns the new traffic (toy, greedy: 1-2 of 8 steps passed on numeric
-        tables against a buffer of e-mail). Recency weighting makes the draws follow the
-        traffic without a drift detector: it needs no alpha drop to notice a shift.
-        """
-        if halflife is None or not self.entries:
-            return None
-        req = torch.tensor([e.request for e in self.entries], dtype=torch.float64)
-        return torch.exp2((req - req.max()) / float(halflife))
-
-    def sample(
-        self, n: int, generator: torch.Generator, halflife: float | None = None
-    ) -> list[Entry]:
-        """`n` entries drawn with replacement, uniformly or with `weights(halflife)`
-        (empty buffer: none)."""
+    def sample(self, n: int, generator: torch.Generator) -> list[Entry]:
+        """`n` entries drawn uniformly with replacement (empty buffer: none)."""
         if not self.entries:
             return []
-        w = self.weights(halflife)
-        if w is None:
-            idx = torch.randint(len(self.entries), (n,), generator=generator).tolist()
-        else:
-            idx = torch.multinomial(w, n, replacement=True, generator=generator).tolist()
+        idx = torch.randint(len(self.entries), (n,), generator=generator).tolist()
         return [self.entries[i] for i in idx]
 
     def sample_halves(
-        self, n: int, generator: torch.Generator, halflife: float | None = None
+        self, n: int, generator: torch.Generator
     ) -> tuple[list[Entry], list[Entry]] | None:
-        """Two disjoint sets of up to `n // 2` entries each, drawn without replacement,
-        uniformly or with `weights(halflife)` (None with fewer than 2 entries): independent
-        evidence for the agreement gate."""
+        """Two disjoint sets of up to `n // 2` entries each, drawn without replacement (None
+        with fewer than 2 entries): independent evidence for the agreement gate."""
         if len(self.entries) < 2:
             return None
         half = max(1, min(n // 2, len(self.entries) // 2))
-        w = self.weights(halflife)
-        if w is None:
-            idx = torch.randperm(len(self.entries), generator=generator)[: 2 * half].tolist()
-        else:
-            idx = torch.multinomial(w, 2 * half, replacement=False, generator=generator).tolist()
+        idx = torch.randperm(len(self.entries), generator=generator)[: 2 * half].tolist()
         return [self.entries[i] for i in idx[:half]], [self.entries[i] for i in idx[half:]]
 
     def state_dict(self) -> dict:

@@ -43,6 +43,12 @@ def _int(cfg: DictConfig, key: str) -> int:
     return value
 
 
+def _in_range_or_null(value, lo: float, hi: float) -> bool:
+    if value is None:
+        return True
+    return not isinstance(value, bool) and isinstance(value, int | float) and lo <= value <= hi
+
+
 def check_config(cfg: DictConfig) -> list[Segment]:
     """The stream's segments, once every setting is known to be usable."""
     for key in _POSITIVE:
@@ -80,22 +86,15 @@ def check_config(cfg: DictConfig) -> list[Segment]:
                 f"update_batch={cfg.update_batch} must be >= 2 with gate_agreement (it is split "
                 "into two half-batches whose gradients must agree)"
             )
-    margin = cfg.get("gate_relax_margin")
-    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)
-                               or not 0 <= margin <= 1):  # fmt: skip
+    if not _in_range_or_null(cfg.get("gate_relax_margin"), 0, 1):
         raise ConfigError(
-            f"gate_relax_margin={margin!r} must be an alpha drop in [0, 1] or null (never relax)"
+            f"gate_relax_margin={cfg.get('gate_relax_margin')!r} must be an alpha drop in [0, 1] "
+            "or null (the gate never relaxes)"
         )
-    loose = cfg.get("gate_relaxed")
-    if loose is not None and (isinstance(loose, bool) or not isinstance(loose, int | float)
-                              or not -1 <= loose <= 1):  # fmt: skip
-        raise ConfigError(f"gate_relaxed={loose!r} must be a cosine in [-1, 1] or null (no gate)")
-    half = cfg.get("replay_halflife")
-    if half is not None and (isinstance(half, bool) or not isinstance(half, int | float) or
-                             not half > 0):  # fmt: skip
+    if not _in_range_or_null(cfg.get("gate_relaxed"), -1, 1):
         raise ConfigError(
-            f"replay_halflife={half!r} must be a positive number of requests or null (uniform "
-            "replay)"
+            f"gate_relaxed={cfg.get('gate_relaxed')!r} must be a cosine in [-1, 1] or null (no "
+            "gate while relaxed)"
         )
     if not float(cfg.get("anchor_kl", 0.0)) >= 0:
         raise ConfigError(f"anchor_kl={cfg.anchor_kl} must be >= 0 (0: no trust region)")

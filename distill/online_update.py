@@ -159,12 +159,11 @@ class Updater:
         if relaxed and gate is not None:
             loose = self.cfg.get("gate_relaxed")
             gate = None if loose is None else min(gate, float(loose))
-        halflife = self.cfg.get("replay_halflife")
         losses = []
         self.drafter.train()
         for _ in range(int(self.cfg.update_steps)):
             if gate is None:
-                batch = buffer.sample(int(self.cfg.update_batch), gen, halflife)
+                batch = buffer.sample(int(self.cfg.update_batch), gen)
                 if not batch:
                     break
                 loss = self._loss(batch)
@@ -172,7 +171,7 @@ class Updater:
                 self._step()
                 losses.append(float(loss.detach()))
             else:
-                halves = buffer.sample_halves(int(self.cfg.update_batch), gen, halflife)
+                halves = buffer.sample_halves(int(self.cfg.update_batch), gen)
                 if halves is None:
                     break
                 grads, pair = [], []

@@ -4,7 +4,6 @@ agreement gate and the start-referenced guard, against brute force."""
 from __future__ import annotations
 
 import copy
-import itertools
 
 import pytest
 import torch
@@ -196,81 +195,3 @@ def test_gate_auto_is_strict_for_greedy_and_looser_for_sampling():
 
     assert resolve_gate("auto", 0.0) == GATE_GREEDY > GATE_SAMPLING == resolve_gate("auto", 1.0)
     assert resolve_gate(None, 0.0) is None and resolve_gate(0.25, 0.0) == 0.25
-
-
-def _entry(request: int) -> Entry:
-    return Entry(request, torch.arange(6, dtype=torch.int32), torch.tensor([1, 2]),
-                 torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, 3))  # fmt: skip
-
-
-def test_recency_weights_are_two_to_the_minus_age_over_halflife():
-    buf = ReplayBuffer(1000)
-    assert buf.weights(4.0) is None  # empty
-    for r in (3, 7, 9, 11):
-        buf.add(_entry(r))
-    assert buf.weights(None) is None
-    # ages 8, 4, 2, 0 requests behind the newest; half-life 4: 1/4, 1/2, 1/sqrt 2, 1
-    torch.testing.assert_close(
-        buf.weights(4.0), torch.tensor([0.25, 0.5, 2**-0.5, 1.0], dtype=torch.float64)
-    )
-    assert float(buf.weights(2).sum()) == pytest.approx(1 / 16 + 1 / 4 + 1 / 2 + 1.0)
-
-
-def _inclusion_exact(w: list[float], draws: int) -> list[float]:
-    """P(entry i among `draws` sequential draws without replacement, each draw proportional to
-    the weights of the entries not yet drawn), by enumerating every ordered draw sequence."""
-    probs = [0.0] * len(w)
-    for seq in itertools.permutations(range(len(w)), draws):
-        p, left = 1.0, sum(w)
-        for i in seq:
-            p *= w[i] / left
-            left -= w[i]
-        for i in seq:
-            probs[i] += p
-    return probs
-
-
-def test_weighted_halves_follow_sequential_draws_without_replacement():
-    """Monte Carlo inclusion frequencies of `sample_halves(4, halflife=1)` (two halves of two,
-    four distinct entries out of six) against exact enumeration, and the halves stay disjoint;
-    the weighting really moves mass to the newest entries."""
-    buf = ReplayBuffer(1000)
-    for r in range(6):
-        buf.add(_entry(r))
-    w = buf.weights(1.0).tolist()
-    exact = _inclusion_exact(w, 4)
-    gen = torch.Generator().manual_seed(0)
-    counts, trials = [0] * 6, 20_000
-    for _ in range(trials):
-        a, b = buf.sample_halves(4, gen, 1.0)
-        got = [e.request for e in a + b]
-        assert len(a) == len(b) == 2 and len(set(got)) == 4
-        for r in got:
-            counts[r] += 1
-    freq = [c / trials for c in counts]
-    assert freq == pytest.approx(exact, abs=0.015)
-    assert exact[0] < 0.25 and exact[5] > 0.95  # oldest rarely, newest almost always drawn
-
-
-def test_weighted_sample_with_replacement_matches_the_normalised_weights():
-    buf = ReplayBuffer(1000)
-    for r in (0, 2, 4):
-        buf.add(_entry(r))
-    gen = torch.Generator().manual_seed(1)
-    draws = [e.request for e in buf.sample(30_000, gen, 2.0)]
-    w = torch.tensor([0.25, 0.5, 1.0])
-    freq = [draws.count(r) / len(draws) for r in (0, 2, 4)]
-    assert freq == pytest.approx((w / w.sum()).tolist(), abs=0.01)
-
-
-def test_no_halflife_keeps_the_uniform_draws_of_before():
-    """replay_halflife=null reaches exactly the old code path: the same draws as randperm /
-    randint on the same generator."""
-    buf = ReplayBuffer(1000)
-    for r in range(7):
-        buf.add(_entry(r))
-    a, b = buf.sample_halves(8, torch.Generator().manual_seed(3), None)
-    perm = torch.randperm(7, generator=torch.Generator().manual_seed(3))[:6].tolist()
-    assert [e.request for e in a + b] == perm
-    got = [e.request for e in buf.sample(5, torch.Generator().manual_seed(4), None)]
-    assert got == torch.randint(7, (5,), generator=torch.Generator().manual_seed(4)).tolist()
