@@ -11,8 +11,8 @@ alpha is the evidence the gate lacks: while the alpha of the latest `span` reque
 than `margin` below the best such alpha seen so far (the reference), the drafter is not at its
 optimum on this traffic, and the gate relaxes; once alpha comes back within `margin`, it is
 strict again. The reference is a running maximum, not an average that follows the traffic
-down: a second shift to traffic about as hard as the first (e-mail -> numeric tables) moves
-alpha little, and a following average would not see it. Its limit: on traffic whose ceiling
+down: such an average reaches the new, low level within a few updates and would make the gate
+strict again before the drafter had learnt the new traffic. Its limit: on traffic whose ceiling
 lies below the best level by more than `margin`, the gate stays relaxed for good (the regime in
 which ungated updates were measured to help, but without the gate's protection there).
 
