@@ -46,6 +46,7 @@ from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
 from specdistill.decode.validate import decoder_config
 from specdistill.distill.online_buffer import Entry, ReplayBuffer, entries_from_output
 from specdistill.distill.online_config import check_config, check_topk, fingerprint
+from specdistill.distill.online_drift import DriftGate
 from specdistill.distill.online_report import Window, markdown, plot, segment_summary, write_jsonl
 from specdistill.distill.online_stream import (
     boundaries,
@@ -81,6 +82,7 @@ class OnlineResult:
     updates: int
     rollbacks: int
     gated_steps: int  # optimizer steps the agreement gate skipped (gate_agreement)
+    relaxed_updates: int  # updates whose gate was relaxed after a drop in alpha (online_drift)
     decode_seconds: float
     frozen_decode_seconds: float
     update_seconds: float
@@ -121,12 +123,14 @@ class OnlineRun:
             SpeculativeDecoder(target, start, plain, tokenizer_len=n) if start else None
         )
         self.buffer = ReplayBuffer(int(cfg.buffer_tokens))
+        margin = cfg.get("gate_relax_margin")
+        self.drift = DriftGate(None if margin is None else float(margin), int(cfg.window))
         self.pos, self.updates, self.rollbacks = 0, 0, 0
         self.pending: list[Entry] = []  # kept positions of requests since the last update
         self.recent: list[dict] = []  # served alpha of batches since the last update
         self.window = Window(first_request=0)
         self.rows: list[dict] = []
-        keys = ("decode", "frozen", "update", "guard", "mass", "kept", "gated")
+        keys = ("decode", "frozen", "update", "guard", "mass", "kept", "gated", "relaxed")
         self.totals = dict.fromkeys(keys, 0.0)
         self.outputs: list[dict] = []
 
@@ -152,6 +156,7 @@ class OnlineRun:
         self.recent.append({"first": reqs[0].id, "rows": rows, "alpha_sum": out.alpha_sum})
         self.recent[-1]["trials"] = out.trials
         self.window.adapted.add(out, secs)
+        self.drift.observe(out.alpha_sum, out.trials, len(reqs))
         self.totals["decode"] += secs
         frozen: DecodeOutput | None = None
         if self.frozen_dec is not None:
@@ -181,7 +186,10 @@ class OnlineRun:
         snapshot = self.updater.state_dict() if guarded else None
         t = time.perf_counter()
         gated = self.updater.gated
-        losses = self.updater.update(self.buffer, self.updates)
+        relaxed = self.drift.decide()
+        losses = self.updater.update(self.buffer, self.updates, relaxed)
+        self.window.relaxed += int(relaxed)
+        self.totals["relaxed"] += int(relaxed)
         secs = time.perf_counter() - t
         self.window.gated += self.updater.gated - gated
         self.totals["gated"] += self.updater.gated - gated
@@ -241,6 +249,7 @@ class OnlineRun:
             "rollbacks": self.rollbacks,
             "updater": self.updater.state_dict(),
             "buffer": self.buffer.state_dict(),
+            "drift": self.drift.state_dict(),
             "pending": _entry_rows(self.pending),
             "recent": self.recent,
             "window": self.window.to_state(),
@@ -255,10 +264,11 @@ class OnlineRun:
         self.rollbacks = int(state["rollbacks"])
         self.updater.load_state_dict(state["updater"])
         self.buffer.load_state_dict(state["buffer"])
+        self.drift.load_state_dict(state["drift"])
         self.pending = [Entry(*row) for row in state["pending"]]
         self.recent, self.rows = state["recent"], state["rows"]
         self.window = Window.from_state(state["window"])
-        self.totals, self.outputs = {"gated": 0.0} | state["totals"], state["outputs"]
+        self.totals, self.outputs = state["totals"], state["outputs"]
         torch.set_rng_state(state["torch_rng"])
 
     def save(self, fp: str) -> None:
@@ -370,6 +380,7 @@ def run(cfg: DictConfig) -> OnlineResult:
         updates=job.updates,
         rollbacks=job.rollbacks,
         gated_steps=int(t["gated"]),
+        relaxed_updates=int(t["relaxed"]),
         decode_seconds=round(t["decode"], 2),
         frozen_decode_seconds=round(t["frozen"], 2),
         update_seconds=round(t["update"], 2),
@@ -397,7 +408,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     fw = r.final_window or {}
     print(
         f"online: {r.requests} requests, {r.updates} updates ({r.rollbacks} rolled back, "
-        f"{r.gated_steps} steps gated); final "
+        f"{r.gated_steps} steps gated, {r.relaxed_updates} relaxed); final "
         f"window alpha adapted {fw.get('alpha_adapted')} vs frozen {fw.get('alpha_frozen')}; "
         f"update share {r.update_share}; drafter: {r.drafter_path}"
     )

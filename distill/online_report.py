@@ -57,6 +57,7 @@ class Window:
     updates: int = 0
     rollbacks: int = 0
     gated: int = 0  # optimizer steps skipped by the agreement gate
+    relaxed: int = 0  # updates whose gate was relaxed (a drop in served alpha, online_drift)
     losses: list[float] = field(default_factory=list)
     agreements: list[float] = field(default_factory=list)  # the gate's gradient cosines
     segments: list[int] = field(default_factory=list)
@@ -78,6 +79,7 @@ class Window:
             "updates": self.updates,
             "rollbacks": self.rollbacks,
             "gated_steps": self.gated,
+            "relaxed_updates": self.relaxed,
             "agreement": round(sum(self.agreements) / len(self.agreements), 4)
             if self.agreements
             else None,
@@ -162,7 +164,8 @@ def markdown(result: dict, segments: list[dict]) -> str:
         f"{fmt(fw.get('alpha_frozen'))}; tau {fmt(fw.get('tau_adapted'))} vs "
         f"{fmt(fw.get('tau_frozen'))}",
         f"- updates {result['updates']}, rolled back by the guard {result['rollbacks']}, "
-        f"optimizer steps skipped by the agreement gate {result.get('gated_steps', 0)}",
+        f"optimizer steps skipped by the agreement gate {result.get('gated_steps', 0)}, "
+        f"updates with the gate relaxed after a drop in alpha {result.get('relaxed_updates', 0)}",
         f"- update + guard share of serving time {result['update_share']:.3f} "
         f"(update {result['update_seconds']:.1f} s, guard {result['guard_seconds']:.1f} s, "
         f"adapted decode {result['decode_seconds']:.1f} s)",

@@ -145,15 +145,20 @@ class Updater:
         self.opt.step()
         self.sched.step()
 
-    def update(self, buffer: ReplayBuffer, update_index: int) -> list[float]:
+    def update(self, buffer: ReplayBuffer, update_index: int, relaxed: bool = False) -> list[float]:
         """`update_steps` optimizer steps on minibatches drawn from the buffer; their losses.
 
         With `gate_agreement: G`, each step draws two disjoint half-batches of requests and
         steps on their mean gradient only if the two gradients agree, cos >= G; `self.gated`
-        counts the skipped steps (see `gradient_agreement`).
+        counts the skipped steps (see `gradient_agreement`). `relaxed` (a detected shift, see
+        `specdistill.distill.online_drift`): the threshold is `gate_relaxed` instead (never
+        stricter than G; null: no gate).
         """
         gen = torch.Generator().manual_seed(int(self.cfg.seed) * 1_000_003 + update_index)
         gate = resolve_gate(self.cfg.get("gate_agreement"), float(self.cfg.decoder.temperature))
+        if relaxed and gate is not None:
+            loose = self.cfg.get("gate_relaxed")
+            gate = None if loose is None else min(gate, float(loose))
         losses = []
         self.drafter.train()
         for _ in range(int(self.cfg.update_steps)):

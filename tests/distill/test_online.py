@@ -258,6 +258,11 @@ BAD = [
     ("loss.temperature=2.0", "loss.temperature=2.0"),
     ("gate_agreement=1.5", "gate_agreement=1.5"),
     ("anchor_kl=-1", "anchor_kl=-1"),
+    ("gate_relax_margin=1.5", "gate_relax_margin=1.5"),
+    ("gate_relax_margin=-0.1", "gate_relax_margin=-0.1"),
+    ("gate_relax_margin=true", "gate_relax_margin=True"),
+    ("gate_relaxed=2", "gate_relaxed=2"),
+    ("gate_relaxed=loose", "gate_relaxed='loose'"),
 ]
 
 

@@ -24,6 +24,7 @@ ARGS = [
     "update_steps=2",
     "guard_every=2",
     "guard_probe=1",
+    "gate_relax_margin=0.0",  # the drift-relaxed gate decides both ways, from restored state
     "save_every=2",
     "plot=false",
     "device=cpu",
@@ -89,3 +90,7 @@ def test_killed_and_resumed_run_ends_with_the_same_drafter(tmp_path, toy_tiny, s
     ]
     result = json.loads((cut / "result.json").read_text())
     assert result["requests"] == 24 and result["updates"] == 12
+    ref_result = json.loads((ref / "result.json").read_text())
+    assert 0 < result["relaxed_updates"] < result["updates"]
+    assert [r["relaxed_updates"] for r in rows_cut] == [r["relaxed_updates"] for r in rows_ref]
+    assert result["relaxed_updates"] == ref_result["relaxed_updates"]
