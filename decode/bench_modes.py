@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.pairs import ConfigError
-from specdistill.decode.acceptance import expected_tau, theoretical_speedup
+from specdistill.decode.acceptance import theoretical_speedup
 from specdistill.decode.speculative import SpeculativeDecoder
 from specdistill.decode.timing import hf_assisted_speed, measure_c
 from specdistill.decode.validate import (
@@ -95,7 +95,8 @@ def run_modes(cfg: DictConfig) -> list[dict[str, Any]]:
         base, spec = first[mode]
         b, s = statistics.median(rates[mode][0]), statistics.median(rates[mode][1])
         alpha, c = spec.alpha, rows[mode]["c"]
-        theory = theoretical_speedup(min(max(alpha, 0.0), 1.0), gamma, c)
+        alpha_in = min(max(alpha, 0.0), 1.0)
+        theory = theoretical_speedup(alpha_in, gamma, c)
         rows[mode] |= {
             "baseline_tokens_per_s": round(b, 2),
             "speculative_tokens_per_s": round(s, 2),
@@ -107,9 +108,7 @@ def run_modes(cfg: DictConfig) -> list[dict[str, Any]]:
             # the same formula with the verify's measured cost instead of 1 target step: the
             # gap left between it and the measured speedup is the round's glue and non-iid alpha
             "theoretical_speedup_measured_verify": round(
-                expected_tau(min(max(alpha, 0.0), 1.0), gamma)
-                / (gamma * c + rows[mode]["verify_cost"]),
-                3,
+                theoretical_speedup(alpha_in, gamma, c, rows[mode]["verify_cost"]), 3
             ),
             "lossless": spec.tokens == base.tokens == reference
             if decs[mode].cfg.sampling.greedy

@@ -219,6 +219,8 @@ def test_tau_and_speedup_match_series(alpha, gamma):
     assert expected_tau(alpha, gamma) == pytest.approx(series)
     c = 0.3
     assert theoretical_speedup(alpha, gamma, c) == pytest.approx(series / (gamma * c + 1))
+    # a verify measured at 1.3 target steps instead of the paper's 1
+    assert theoretical_speedup(alpha, gamma, c, 1.3) == pytest.approx(series / (gamma * c + 1.3))
 
 
 def test_best_gamma_is_the_argmax():
