@@ -26,9 +26,10 @@ alpha there (last toy-test window 0.72 vs 0.88 frozen); this rule leaves that do
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 
-def recent_alpha(served: list[tuple[float, int, int]], span: int) -> float | None:
+def recent_alpha(served: Sequence[tuple[float, int, int]], span: int) -> float | None:
     """alpha over the newest batches that hold the last `span` requests (a batch straddling
     the edge counts whole): sum of alpha over trials. `served`: (alpha_sum, trials, requests)
     per batch, oldest first. None without trials."""
@@ -63,7 +64,7 @@ class DriftGate:
 
     def decide(self) -> bool:
         """At an update: relax its gate? Then the reference takes the recent alpha in."""
-        recent = recent_alpha(list(self.served), self.span)
+        recent = recent_alpha(self.served, self.span)
         relax = relax_gate(recent, self.reference, self.margin)
         if recent is not None:
             self.reference = recent if self.reference is None else max(self.reference, recent)
