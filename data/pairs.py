@@ -28,12 +28,22 @@ def run_or_exit(run: Callable[[Any], T], cfg: Any) -> T:
     """Run a stage for a CLI: a ConfigError becomes one `error: ...` line and exit status 2.
 
     Hydra would print it with a traceback; bad input deserves the field and the fix, alone.
+    A write the environment refuses (disk full, quota, read-only, permission; see
+    `specdistill.data.io.describe_fault`) is one `error:` line too, with exit status 3.
     """
+    from specdistill.data.io import IO_FAULT_EXIT, describe_fault
+
     try:
         return run(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except (OSError, RuntimeError) as e:
+        message = describe_fault(e)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(IO_FAULT_EXIT)
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,10 @@ def resolve_pair(pair: Any) -> PairSpec:
         raise ConfigError("pair.drafter is empty: set it to a hub name or a local checkpoint path")
     for field, name in (("pair.target", target), ("pair.drafter", drafter)):
         _check_model_path(field, name)
+    from specdistill.data.checkpoints import check_local_pair
+
+    # Weight files complete and tokenizers the same, from headers and tokenizer files only.
+    check_local_pair(str(tokenizer or target), str(target), str(drafter))
     return PairSpec(
         target=str(target),
         drafter=str(drafter),
@@ -148,6 +162,9 @@ def load_model(
     """`AutoModelForCausalLM.from_pretrained` in eval mode, with a field-naming error."""
     from transformers import AutoModelForCausalLM
 
+    from specdistill.data.checkpoints import check_checkpoint_files
+
+    check_checkpoint_files(field, name)  # a truncated file is named before anything loads
     try:
         model = AutoModelForCausalLM.from_pretrained(
             name, revision=revision, dtype=dtype, trust_remote_code=trust_remote_code
@@ -174,30 +191,30 @@ def load_role(spec: PairSpec, role: str, *, dtype: torch.dtype = torch.float32, 
 def load_pair(
     spec: PairSpec, *, device="cpu", dtype: torch.dtype = torch.float32, target: bool = True
 ):
-    """(target or None, drafter, tokenizer), vocabularies checked against each other."""
+    """(target or None, drafter, tokenizer): tokenizers compared before any weights load,
+    then the vocabularies (logit rows) checked against each other."""
+    from specdistill.data.checkpoints import check_checkpoint_files, check_drafter_tokenizer
+
     tok = load_tokenizer(spec)
+    if target:
+        check_drafter_tokenizer(
+            tok,
+            spec.drafter,
+            revision=spec.drafter_revision,
+            target=spec.target,
+            target_revision=spec.revision,
+            trust_remote_code=spec.trust_remote_code,
+        )
+        for role in ("target", "drafter"):  # both files checked before either loads
+            check_checkpoint_files(f"pair.{role}", getattr(spec, role))
     drafter = load_role(spec, "drafter", dtype=dtype, device=device)
     tgt = None
     if target:
         tgt = load_role(spec, "target", dtype=dtype, device=device)
         check_vocab(vocab_size(tgt), vocab_size(drafter), len(tok))
-        drafter_tok = _maybe_tokenizer(spec.drafter, spec.drafter_revision, spec.trust_remote_code)
-        if drafter_tok is not None:
-            check_same_tokenizer(tok, drafter_tok)
     else:
         check_vocab(vocab_size(drafter), vocab_size(drafter), len(tok))
     return tgt, drafter, tok
-
-
-def _maybe_tokenizer(name: str, revision: str | None, trust_remote_code: bool):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(
-            name, revision=revision, trust_remote_code=trust_remote_code
-        )
-    except (OSError, ValueError):
-        return None
 
 
 def vocab_size(model) -> int:
@@ -238,12 +255,11 @@ def match_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def check_same_tokenizer(target_tok, drafter_tok, *, field: str = "pair.drafter") -> None:
-    """Both tokenizers must map the same strings to the same ids (padding aside)."""
-    a, b = target_tok.get_vocab(), drafter_tok.get_vocab()
-    common = min(len(a), len(b))
-    diff = [t for t, i in a.items() if i < common and b.get(t) != i]
-    if diff:
-        raise ConfigError(
-            f"{field} uses a different tokenizer than pair.target ({len(diff)} tokens map to other "
-            f"ids, e.g. {diff[:3]!r}): distil only between models that share a tokenizer"
-        )
+    """Both tokenizers must be the same tokenizer (vocabulary, merges, added tokens); embedding
+    padding rows aside. See `specdistill.data.checkpoints`."""
+    from specdistill.data.checkpoints import TokenizerInfo, check_tokenizers
+
+    def info(tok):
+        return TokenizerInfo.from_tokenizer(str(getattr(tok, "name_or_path", "") or "?"), tok)
+
+    check_tokenizers(info(target_tok), info(drafter_tok), field_name=field)
