@@ -380,8 +380,8 @@ def check_bare_drafter(
     problems = []
     if rows is not None and not p.rows <= int(rows) <= max(int(target_rows), p.rows):
         problems.append(
-            f"vocab_size {rows} vs the target tokenizer's {p.rows} tokens "
-            f"(target rows {target_rows})"
+            f"vocab_size {rows}, where the target's tokenizer has {p.rows} tokens and the "
+            f"target {target_rows} rows"
         )
     ids = {tok: i for i, tok in p.tokens.items()}
     for key, role in (("eos_token_id", "eos_token"), ("bos_token_id", "bos_token")):

@@ -47,9 +47,12 @@ def _free_bytes(path: str | Path) -> tuple[int, Path] | None:
     for q in (p, *p.parents):
         if q.exists():
             try:
-                return shutil.disk_usage(q).free, q
+                free = shutil.disk_usage(q).free
+                while q.parent != q and q.parent.stat().st_dev == q.stat().st_dev:
+                    q = q.parent  # name the filesystem by its mount point
             except OSError:
                 return None
+            return free, q
     return None
 
 

@@ -36,14 +36,15 @@ def run_or_exit(run: Callable[[Any], T], cfg: Any) -> T:
     try:
         return run(cfg)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        message, status = str(e), 2
     except (OSError, RuntimeError) as e:
-        message = describe_fault(e)
+        message, status = describe_fault(e), IO_FAULT_EXIT
         if message is None:
             raise
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(IO_FAULT_EXIT)
+    # Printed once the failed run's frames are gone (a progress bar closes as they go), so the
+    # error is the last line.
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(status)
 
 
 @dataclass(frozen=True)
