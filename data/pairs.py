@@ -8,32 +8,15 @@ heavy work, with an error that names the field and the fix.
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
+from specdistill.data.runtime import ConfigError
+
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """Bad user input, reported with the config field at fault and how to fix it."""
-
-
-def run_or_exit(run: Callable[[Any], T], cfg: Any) -> T:
-    """Run a stage for a CLI: a ConfigError becomes one `error: ...` line and exit status 2.
-
-    Hydra would print it with a traceback; bad input deserves the field and the fix, alone.
-    """
-    try:
-        return run(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 @dataclass(frozen=True)
@@ -55,7 +38,7 @@ def resolve_pair(pair: Any) -> PairSpec:
     toy = get("toy")
     target, drafter, tokenizer = get("target"), get("drafter"), get("tokenizer")
     if toy:
-        from specdistill.data.toy import ensure_toy_world
+        from specdistill.data.toy.world import ensure_toy_world
 
         world = ensure_toy_world(toy)
         target = target or str(world.target_dir)
@@ -88,28 +71,6 @@ def _check_model_path(field: str, name: str) -> None:
             f"{field}={name!r} {what}: point it at a saved `transformers` checkpoint "
             "(a folder written by save_pretrained) or a hub model id"
         )
-
-
-def parse_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.dtype:
-    """`auto` means bf16 on CUDA and fp32 on CPU (CPU bf16 matmuls are slow and lossy)."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16}
-    table |= {"bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-    if name not in table:
-        raise ConfigError(f"dtype={name!r} is not known; use one of auto, {', '.join(table)}")
-    return table[name]
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} but no CUDA device is visible; use device=cpu or auto")
-    return dev
 
 
 def load_tokenizer(spec: PairSpec):
