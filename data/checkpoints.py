@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdistill.data.pairs import ConfigError
+from specdistill.data.runtime import ConfigError
 
 log = logging.getLogger(__name__)
 

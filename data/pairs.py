@@ -8,43 +8,22 @@ heavy work, with an error that names the field and the fix.
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
+from specdistill.data.checkpoints import (
+    TokenizerInfo,
+    check_checkpoint_files,
+    check_drafter_tokenizer,
+    check_local_pair,
+    check_tokenizers,
+)
+from specdistill.data.runtime import ConfigError
+
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """Bad user input, reported with the config field at fault and how to fix it."""
-
-
-def run_or_exit(run: Callable[[Any], T], cfg: Any) -> T:
-    """Run a stage for a CLI: a ConfigError becomes one `error: ...` line and exit status 2.
-
-    Hydra would print it with a traceback; bad input deserves the field and the fix, alone.
-    A write the environment refuses (disk full, quota, read-only, permission; see
-    `specdistill.data.io.describe_fault`) is one `error:` line too, with exit status 3.
-    """
-    from specdistill.data.io import IO_FAULT_EXIT, describe_fault
-
-    try:
-        return run(cfg)
-    except ConfigError as e:
-        message, status = str(e), 2
-    except (OSError, RuntimeError) as e:
-        message, status = describe_fault(e), IO_FAULT_EXIT
-        if message is None:
-            raise
-    # Printed once the failed run's frames are gone (a progress bar closes as they go), so the
-    # error is the last line.
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(status)
 
 
 @dataclass(frozen=True)
@@ -66,7 +45,7 @@ def resolve_pair(pair: Any) -> PairSpec:
     toy = get("toy")
     target, drafter, tokenizer = get("target"), get("drafter"), get("tokenizer")
     if toy:
-        from specdistill.data.toy import ensure_toy_world
+        from specdistill.data.toy.world import ensure_toy_world
 
         world = ensure_toy_world(toy)
         target = target or str(world.target_dir)
@@ -78,8 +57,6 @@ def resolve_pair(pair: Any) -> PairSpec:
         raise ConfigError("pair.drafter is empty: set it to a hub name or a local checkpoint path")
     for field, name in (("pair.target", target), ("pair.drafter", drafter)):
         _check_model_path(field, name)
-    from specdistill.data.checkpoints import check_local_pair
-
     # Weight files complete and tokenizers the same, from headers and tokenizer files only.
     check_local_pair(str(tokenizer or target), str(target), str(drafter))
     return PairSpec(
@@ -103,28 +80,6 @@ def _check_model_path(field: str, name: str) -> None:
             f"{field}={name!r} {what}: point it at a saved `transformers` checkpoint "
             "(a folder written by save_pretrained) or a hub model id"
         )
-
-
-def parse_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.dtype:
-    """`auto` means bf16 on CUDA and fp32 on CPU (CPU bf16 matmuls are slow and lossy)."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16}
-    table |= {"bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-    if name not in table:
-        raise ConfigError(f"dtype={name!r} is not known; use one of auto, {', '.join(table)}")
-    return table[name]
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} but no CUDA device is visible; use device=cpu or auto")
-    return dev
 
 
 def load_tokenizer(spec: PairSpec):
@@ -163,8 +118,6 @@ def load_model(
     """`AutoModelForCausalLM.from_pretrained` in eval mode, with a field-naming error."""
     from transformers import AutoModelForCausalLM
 
-    from specdistill.data.checkpoints import check_checkpoint_files
-
     check_checkpoint_files(field, name)  # a truncated file is named before anything loads
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -194,8 +147,6 @@ def load_pair(
 ):
     """(target or None, drafter, tokenizer): tokenizers compared before any weights load,
     then the vocabularies (logit rows) checked against each other."""
-    from specdistill.data.checkpoints import check_checkpoint_files, check_drafter_tokenizer
-
     tok = load_tokenizer(spec)
     if target:
         check_drafter_tokenizer(
@@ -258,7 +209,6 @@ def match_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
 def check_same_tokenizer(target_tok, drafter_tok, *, field: str = "pair.drafter") -> None:
     """Both tokenizers must be the same tokenizer (vocabulary, merges, added tokens); embedding
     padding rows aside. See `specdistill.data.checkpoints`."""
-    from specdistill.data.checkpoints import TokenizerInfo, check_tokenizers
 
     def info(tok):
         return TokenizerInfo.from_tokenizer(str(getattr(tok, "name_or_path", "") or "?"), tok)

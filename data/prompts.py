@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specdistill.data.pairs import ConfigError
+from specdistill.data.runtime import ConfigError
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def _apply_chat(messages: Any, tokenizer) -> str:
 
 
 def _toy_rows(name: str, split: str) -> list[dict]:
-    from specdistill.data.toy import ensure_toy_world, read_jsonl
+    from specdistill.data.toy.world import ensure_toy_world, read_jsonl
 
     world = ensure_toy_world(name)
     if split not in ("train", "test"):
@@ -108,9 +108,9 @@ def _toy_rows(name: str, split: str) -> list[dict]:
 
 
 def _toy_stream_rows(group: Any, stride: Any) -> list[dict]:
-    """Stdlib packages the toy world never saw (`data/toy_stream.py`): a second prompt
+    """Stdlib packages the toy world never saw (`data/toy/stream.py`): a second prompt
     distribution, so recipes are not tuned to the toy test split alone."""
-    from specdistill.data.toy_stream import STREAM_GROUPS, group_prompts
+    from specdistill.data.toy.stream import STREAM_GROUPS, group_prompts
 
     if group not in STREAM_GROUPS:
         raise ConfigError(f"dataset.group={group!r}: use one of {', '.join(STREAM_GROUPS)}")

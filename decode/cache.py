@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from specdistill.data.pairs import ConfigError
+from specdistill.data.runtime import ConfigError
 from specdistill.decode.cpu_matmul import weight_major_linear
 
 ROLLBACK_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")

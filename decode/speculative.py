@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdistill.data.pairs import ConfigError, check_vocab, match_vocab, vocab_size
+from specdistill.data.pairs import check_vocab, match_vocab, vocab_size
+from specdistill.data.runtime import ConfigError
 from specdistill.decode.acceptance import (
     Sampling,
     accept_prefix,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole pipeline on Slurm: generate (array) -> distill (multi-node) -> validate -> export,
 # chained with --dependency=afterok and handing off by path, in the same RUN_DIR layout as
-# `specdistill` (so `python -m specdistill.distill.report RUN_DIR` reads either). The base
+# `specdistill` (so `python -m specdistill.distill.pipeline.report RUN_DIR` reads either). The base
 # drafter is validated in parallel; a last small job writes RUN_DIR/summary.md and report.png.
 #
 #   slurm/pipeline.sh RUN_DIR [OVERRIDE ...]
@@ -56,7 +56,7 @@ exp=$(sbatch "${SD_COMMON[@]}" --dependency="afterok:$val" --gpus=1 \
   "$here/export.sbatch" "${common[@]}" "drafter=$best" "report=$run/validate/report.json" \
   "output_dir=$run/export/drafter" "overwrite=true" "${export_[@]}")
 rep=$(sbatch "${SD_COMMON[@]}" --dependency="afterok:$base:$exp" --job-name=specdistill-report \
-  --wrap="${SPECDISTILL_SETUP:+$SPECDISTILL_SETUP; }python -m specdistill.distill.report '$run'")
+  --wrap="${SPECDISTILL_SETUP:+$SPECDISTILL_SETUP; }python -m specdistill.distill.pipeline.report '$run'")
 
 printf 'generate=%s\ndistill=%s\nvalidate_base=%s\nvalidate=%s\nexport=%s\nreport=%s\n' \
   "$gen" "$dist" "$base" "$val" "$exp" "$rep"

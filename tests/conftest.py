@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def toy_tiny():
     """The `toy-tiny` world (tokenizer, target, drafter, prompts), cached under SPECDISTILL_HOME."""
-    from specdistill.data.toy import ensure_toy_world
+    from specdistill.data.toy.world import ensure_toy_world
 
     return ensure_toy_world("toy-tiny")
 

@@ -21,17 +21,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdistill.data.pairs import ConfigError, resolve_pair
+from specdistill.data.pairs import resolve_pair
+from specdistill.data.runtime import ConfigError
 from tests.conftest import main_in_process
 
-# The stages' CLI modules (`python -m NAME`), each with a Hydra `main`.
+# Each stage's module with its Hydra `main` (what `python -m specdistill.<floor>.<stage>` runs).
 STAGES = {
-    "generate": "specdistill.data.generate",
-    "distill": "specdistill.distill.train",
-    "online": "specdistill.distill.online",
-    "validate": "specdistill.decode.validate",
-    "export": "specdistill.distill.export",
-    "pipeline": "specdistill.distill.pipeline",
+    "generate": "specdistill.data.generate.stage",
+    "distill": "specdistill.distill.train.stage",
+    "online": "specdistill.distill.online.stage",
+    "validate": "specdistill.decode.validate.stage",
+    "export": "specdistill.distill.export.stage",
+    "pipeline": "specdistill.distill.pipeline.stage",
 }
 
 
@@ -44,7 +45,7 @@ def build_fixtures(root: Path, world) -> Path:
     """The broken and foreign checkpoints of the table, built from the toy-tiny world."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
-    from specdistill.data.toy import train_tokenizer
+    from specdistill.data.toy.world import train_tokenizer
 
     root.mkdir(parents=True, exist_ok=True)
     # The issue's case: a random GPT-2 with a 1000-token vocabulary, saved without a tokenizer.
@@ -318,8 +319,8 @@ GEN += ("progress=false", "device=cpu")
 def test_disk_full_in_a_chunk_then_the_rerun_resumes(toy_tiny, tmp_path, monkeypatch, capsys):
     """ENOSPC half-way through chunk 3: one line naming it; no half chunk, no temp file; the
     rerun keeps chunks 1-2 and writes only chunk 3."""
-    from specdistill.data import generate as gen
-    from specdistill.data import shards
+    from specdistill.data.generate import shards
+    from specdistill.data.generate import stage as gen
 
     out = tmp_path / "gen"
     real = shards.pq.write_table
@@ -356,7 +357,7 @@ def test_disk_full_in_the_merge_leaves_no_dataset(toy_tiny, tmp_path, monkeypatc
     folder; merge_only=true then merges."""
     import datasets
 
-    from specdistill.data import generate as gen
+    from specdistill.data.generate import stage as gen
 
     out = tmp_path / "gen"
     real = datasets.Dataset.save_to_disk
@@ -388,7 +389,7 @@ def test_disk_full_in_a_distill_checkpoint(toy_tiny_pair, tmp_path, monkeypatch,
     with resume=true trains to the end."""
     import accelerate
 
-    from specdistill.distill import train
+    from specdistill.distill.train import stage as train
     from tests.distill.conftest import make_seqkd
 
     data = make_seqkd(tmp_path / "seqkd", toy_tiny_pair, n=8, comp_len=8)
@@ -420,7 +421,7 @@ def test_disk_full_in_a_distill_checkpoint(toy_tiny_pair, tmp_path, monkeypatch,
 @pytest.mark.usefixtures("one_thread")
 def test_disk_full_in_an_online_checkpoint(toy_tiny, tmp_path, monkeypatch, capsys):
     """ENOSPC in the online state's torch.save: no state file, no temp file."""
-    from specdistill.distill import online
+    from specdistill.distill.online import stage as online
 
     out = tmp_path / "online"
     args = ["pair=toy-tiny", f"output_dir={out}", "logger=none", "plot=false", "device=cpu"]
@@ -442,7 +443,7 @@ def test_disk_full_in_export(toy_tiny, tmp_path, monkeypatch, capsys):
     """ENOSPC in save_pretrained: nothing published, no temp folder; the size needed is named."""
     from transformers import PreTrainedModel
 
-    from specdistill.distill import export
+    from specdistill.distill.export import stage as export
 
     out = tmp_path / "export"
 

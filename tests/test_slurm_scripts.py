@@ -138,7 +138,7 @@ def test_pipeline_chains_stages_with_afterok_and_hands_off_paths(tmp_path):
                            f"report={run}/validate/report.json",
                            f"output_dir={run}/export/drafter", "overwrite=true", "dtype=bf16"]  # fmt: skip
     assert rep["dependency"] == [base["job_id"], exp["job_id"]]
-    assert any("specdistill.distill.report" in a for a in rep["argv"])
+    assert any("specdistill.distill.pipeline.report" in a for a in rep["argv"])
 
 
 def _free_port() -> int:

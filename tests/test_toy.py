@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from specdistill.data.toy import extract_prompts, read_jsonl
+from specdistill.data.toy.world import extract_prompts, read_jsonl
 
 
 def test_toy_tiny_is_real_hf_checkpoints(toy_tiny):
@@ -56,7 +56,7 @@ def test_extract_prompts_cuts_after_docstring():
 
 
 def test_build_is_cached(toy_tiny):
-    from specdistill.data.toy import ensure_toy_world
+    from specdistill.data.toy.world import ensure_toy_world
 
     before = json.loads((toy_tiny.root / "build.json").read_text())
     again = ensure_toy_world("toy-tiny")

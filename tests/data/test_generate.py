@@ -14,10 +14,10 @@ import datasets
 import pytest
 import torch
 
-from specdistill.data import batched
-from specdistill.data import generate as gen
-from specdistill.data.pairs import ConfigError
+from specdistill.data.generate import batched
+from specdistill.data.generate import stage as gen
 from specdistill.data.prompts import load_prompts
+from specdistill.data.runtime import ConfigError, eos_ids
 from tests.conftest import main_in_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,7 +62,7 @@ def test_batched_greedy_equals_one_at_a_time_generate(toy_tiny_pair):
         seed=0,
     )
     rows, tokens = batched.generate_rows(target, tok, prompts, s, batch_size=8, topk=0)
-    eos = batched.eos_ids(target.generation_config, tok)
+    eos = eos_ids(target.generation_config, tok)
     for p, row in zip(prompts, rows):
         with torch.inference_mode():
             out = target.generate(
@@ -280,7 +280,7 @@ def test_accelerate_two_processes_equal_one_process(toy_tiny, tmp_path):
 
 
 def test_bench_reports_ratios_and_identical_greedy_tokens(generate_cfg, tmp_path):
-    from specdistill.data.bench_generate import format_report, run_bench
+    from specdistill.data.generate.bench import format_report, run_bench
 
     cfg = generate_cfg(
         "bench.num_prompts=6", "bench.batch_sizes=[1,4]", f"bench.output={tmp_path}/b.json"

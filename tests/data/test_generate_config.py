@@ -10,10 +10,10 @@ from collections import Counter
 import datasets
 import pytest
 
-from specdistill.data import generate as gen
-from specdistill.data.batched import split_completion
-from specdistill.data.pairs import ConfigError
-from specdistill.data.shards import plan_shard, resolve_shard
+from specdistill.data.generate import stage as gen
+from specdistill.data.generate.batched import split_completion
+from specdistill.data.generate.shards import plan_shard, resolve_shard
+from specdistill.data.runtime import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

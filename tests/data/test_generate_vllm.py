@@ -21,10 +21,10 @@ import datasets
 import pytest
 import torch
 
-from specdistill.data import generate as gen
-from specdistill.data import vllm_backend as vb
-from specdistill.data.batched import Sampling
-from specdistill.data.pairs import ConfigError
+from specdistill.data.generate import stage as gen
+from specdistill.data.generate import vllm_engine as vb
+from specdistill.data.generate.batched import Sampling
+from specdistill.data.runtime import ConfigError
 from tests.conftest import main_in_process
 from tests.data.conftest import compose_generate
 

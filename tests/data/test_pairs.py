@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdistill.data.pairs import (
-    ConfigError,
-    check_same_tokenizer,
-    check_vocab,
-    match_vocab,
-    parse_dtype,
-    resolve_pair,
-)
+from specdistill.data.pairs import check_same_tokenizer, check_vocab, match_vocab, resolve_pair
+from specdistill.data.runtime import ConfigError, parse_dtype
 
 
 def test_check_vocab_accepts_padding_only():
@@ -60,7 +54,7 @@ def test_resolve_pair_missing_paths_name_the_field(tmp_path):
 def test_different_tokenizers_are_rejected(toy_tiny):
     from transformers import AutoTokenizer
 
-    from specdistill.data.toy import train_tokenizer
+    from specdistill.data.toy.world import train_tokenizer
 
     tok = AutoTokenizer.from_pretrained(toy_tiny.target_dir)
     other = train_tokenizer(["completely different text " * 50, "zzz yyy xxx " * 50], 300)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from specdistill.data.pairs import ConfigError
 from specdistill.data.prompts import load_prompts
+from specdistill.data.runtime import ConfigError
 
 
 def test_toy_prompts_have_references(toy_tiny):

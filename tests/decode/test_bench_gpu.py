@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from specdistill.decode.bench_gpu import main, step_bytes
+from specdistill.decode.bench.gpu import main, step_bytes
 from tests.conftest import tiny_llama
 
 

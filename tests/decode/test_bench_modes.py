@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specdistill.data.pairs import ConfigError
+from specdistill.data.runtime import ConfigError
 
 
 def _cfg(tmp_path, modes: str):
@@ -21,7 +21,7 @@ def _cfg(tmp_path, modes: str):
 
 def test_modes_side_by_side(tmp_path, toy_tiny):
     from specdistill.decode.acceptance import expected_tau
-    from specdistill.decode.bench_modes import run_modes
+    from specdistill.decode.bench.modes import run_modes
 
     rows = run_modes(_cfg(tmp_path, "[eager,static,eager-linear]"))
     assert [(r["mode"], r["cache"], r["compiled"]) for r in rows] == [
@@ -42,7 +42,7 @@ def test_modes_side_by_side(tmp_path, toy_tiny):
 
 
 def test_unknown_mode_names_the_field(tmp_path):
-    from specdistill.decode.bench_modes import run_modes
+    from specdistill.decode.bench.modes import run_modes
 
     with pytest.raises(ConfigError, match=r"compare_modes=\['eager', 'fast'\]"):
         run_modes(_cfg(tmp_path, "[eager,fast]"))

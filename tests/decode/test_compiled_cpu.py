@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdistill.data.pairs import ConfigError
+from specdistill.data.runtime import ConfigError
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.conftest import tiny_llama
 from tests.decode.sliding_models import gemma2

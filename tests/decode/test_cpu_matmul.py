@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdistill.data.pairs import ConfigError
+from specdistill.data.runtime import ConfigError
 from specdistill.decode import cpu_matmul
 from specdistill.decode.cpu_matmul import MAX_ROWS, few_row_linear, weight_major_linear
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from specdistill.data.pairs import ConfigError
+from specdistill.data.runtime import ConfigError
 from specdistill.decode.acceptance import Sampling
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.conftest import tiny_llama
@@ -120,7 +120,7 @@ def test_sampling_decoder_in_process(tmp_path, toy_tiny):
     """`decoder=sampling`: lossless is distributional (None here), alpha is the sampled alpha."""
     from hydra import compose, initialize_config_module
 
-    from specdistill.decode.validate import run
+    from specdistill.decode.validate.stage import run
 
     overrides = ["pair=toy-tiny", "decoder=sampling", f"output_dir={tmp_path}", "num_prompts=2"]
     overrides += ["max_new_tokens=8", "repeats=1", "hf_assisted=false", "step_time_iters=2"]

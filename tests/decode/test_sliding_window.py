@@ -14,10 +14,10 @@ import copy
 import pytest
 import torch
 
-from specdistill.data.pairs import ConfigError
+from specdistill.data.runtime import ConfigError
 from specdistill.decode.cache import rollback_problem
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
-from specdistill.decode.timing import measure_c
+from specdistill.decode.validate.timing import measure_c
 from tests.decode.sliding_models import FACTORIES, WINDOW
 from tests.decode.test_speculative import greedy_reference, left_pad, prompts
 

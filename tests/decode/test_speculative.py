@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 
+from specdistill.data.runtime import pad_rows
 from specdistill.decode.acceptance import Sampling
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.conftest import tiny_llama
@@ -44,13 +45,7 @@ def greedy_reference(model, prompt: list[int], n: int, eos: tuple[int, ...] = ()
 
 
 def left_pad(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r)
-        mask[i, width - len(r) :] = 1
-    return ids, mask
+    return pad_rows(rows, pad)
 
 
 def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:

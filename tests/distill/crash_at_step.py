@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from specdistill.distill import train
+from specdistill.distill.train import stage as train
 
 
 def _crash(step: int) -> None:

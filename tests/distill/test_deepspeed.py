@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdistill.data.pairs import ConfigError
-from specdistill.distill import setup, zero
+from specdistill.data.runtime import ConfigError
+from specdistill.distill.train import setup, zero
 
 COMMON = [
     "pair=toy-tiny", "logger=none", "max_steps=4", "micro_batch_size=2", "grad_accum=2",

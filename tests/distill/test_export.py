@@ -13,8 +13,9 @@ import torch
 from hydra import compose, initialize_config_module
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdistill.data.pairs import ConfigError
-from specdistill.distill import export, export_check
+from specdistill.data.runtime import ConfigError
+from specdistill.distill.export import check as export_check
+from specdistill.distill.export import stage as export
 
 PROMPTS = ["def add(a, b):\n    return", "class Stack:\n    def push(self, x):\n"]
 

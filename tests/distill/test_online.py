@@ -8,13 +8,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from specdistill.data.pairs import ConfigError, run_or_exit
+from specdistill.data.runtime import ConfigError, pad_rows, run_or_exit
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
-from specdistill.distill import online
 from specdistill.distill.losses import DIVERGENCES, distill_loss
-from specdistill.distill.online_buffer import Entry, ReplayBuffer, entries_from_output
-from specdistill.distill.online_update import buffer_batch, buffer_loss
-from specdistill.distill.online_util import left_pad
+from specdistill.distill.online import stage as online
+from specdistill.distill.online.buffer import Entry, ReplayBuffer, entries_from_output
+from specdistill.distill.online.update import buffer_batch, buffer_loss
 
 SMALL = [
     "pair=toy-tiny",
@@ -40,7 +39,7 @@ def _decode(pair, texts, record="all", k=None, sampling=None, seed=0):
     """Decode `texts` as one left-padded batch with recorded target probabilities."""
     target, drafter, tok = pair
     rows = [tok(t, add_special_tokens=False).input_ids[-40:] for t in texts]
-    ids, mask = left_pad(rows, tok.pad_token_id)
+    ids, mask = pad_rows(rows, tok.pad_token_id)
     kw = {"sampling": sampling} if sampling is not None else {}
     cfg = DecoderConfig(gamma=3, max_new_tokens=20, record_probs=True, **kw)
     dec = SpeculativeDecoder(target, drafter, cfg, tokenizer_len=len(tok))
@@ -129,7 +128,7 @@ class _Obj(dict):
 def test_topk_auto_keeps_all_of_p_for_sampling_and_a_few_tokens_for_greedy():
     """Sampled alpha is 1 - TV(p, q), so `auto` keeps (up to TOPK_SAMPLING) all of p there;
     greedy acceptance needs only the top tokens."""
-    from specdistill.distill.online_config import TOPK_GREEDY, TOPK_SAMPLING, resolve_topk
+    from specdistill.distill.online.config import TOPK_GREEDY, TOPK_SAMPLING, resolve_topk
 
     assert resolve_topk("auto", 0.0, 4096) == TOPK_GREEDY == 32
     assert resolve_topk("auto", 1.0, 4096) == 4096
@@ -196,7 +195,7 @@ def test_greedy_serving_is_token_identical_with_and_without_updates(
     assert any(w["alpha_adapted"] != w["alpha_frozen"] for w in windows[1:])
     # and both equal the target's own greedy decoding of the same prompts
     target, drafter, tok = toy_tiny_pair
-    from specdistill.distill.online_stream import load_sources, parse_stream, plan_requests
+    from specdistill.distill.online.stream import load_sources, parse_stream, plan_requests
 
     segs = parse_stream(online_cfg(tmp_path).stream)
     sources = load_sources(segs, "toy-tiny", tok)

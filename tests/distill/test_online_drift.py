@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from specdistill.distill.online_buffer import ReplayBuffer
-from specdistill.distill.online_drift import DriftGate, recent_alpha, relax_gate
-from specdistill.distill.online_update import Updater
+from specdistill.distill.online.buffer import ReplayBuffer
+from specdistill.distill.online.drift import DriftGate, recent_alpha, relax_gate
+from specdistill.distill.online.update import Updater
 from tests.distill.test_online import PROMPTS, _decode, online_cfg
 
 

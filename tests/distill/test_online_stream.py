@@ -6,9 +6,8 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from specdistill.data.io import read_json
-from specdistill.data.pairs import ConfigError
-from specdistill.data.toy import read_jsonl
-from specdistill.data.toy_stream import (
+from specdistill.data.runtime import ConfigError
+from specdistill.data.toy.stream import (
     SOURCE_GROUPS,
     STREAM_GROUPS,
     TEXT_GROUPS,
@@ -16,13 +15,14 @@ from specdistill.data.toy_stream import (
     group_prompts,
     text_prompts,
 )
-from specdistill.distill.online_stream import boundaries, parse_stream, plan_requests
+from specdistill.data.toy.world import read_jsonl
+from specdistill.distill.online.stream import boundaries, parse_stream, plan_requests
 
 
 def test_stream_groups_are_disjoint_and_outside_the_toy_corpus(toy_tiny):
     """No group shares a file with another, with the toy world's corpus (train or held-out,
     so with no training prompt either) or a prompt text with the training prompts."""
-    from specdistill.data.toy import _SKIP_DIRS, _stdlib_dir, corpus_files
+    from specdistill.data.toy.world import _SKIP_DIRS, _stdlib_dir, corpus_files
 
     train_rows = read_jsonl(toy_tiny.train_prompts)
     train_modules = {r["module"] for r in train_rows}
@@ -92,7 +92,7 @@ def test_bad_stream_entries_name_the_field():
 
 def test_pipeline_runs_online_between_distill_and_validate(tmp_path):
     """stages=[online, validate]: online adapts pair.drafter, validate takes the adapted one."""
-    from specdistill.distill import pipeline
+    from specdistill.distill.pipeline import stage as pipeline
 
     run_dir = tmp_path / "run"
     overrides = [

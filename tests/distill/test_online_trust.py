@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
-from specdistill.distill import online
 from specdistill.distill.losses import distill_loss
-from specdistill.distill.online_buffer import Entry, ReplayBuffer
-from specdistill.distill.online_update import (
+from specdistill.distill.online import stage as online
+from specdistill.distill.online.buffer import Entry, ReplayBuffer
+from specdistill.distill.online.update import (
     Updater,
     buffer_batch,
     buffer_loss,
@@ -191,7 +191,7 @@ def test_agreement_gate_skips_steps_whose_half_gradients_disagree(toy_tiny_pair,
 
 
 def test_gate_auto_is_strict_for_greedy_and_looser_for_sampling():
-    from specdistill.distill.online_config import GATE_GREEDY, GATE_SAMPLING, resolve_gate
+    from specdistill.distill.online.config import GATE_GREEDY, GATE_SAMPLING, resolve_gate
 
     assert resolve_gate("auto", 0.0) == GATE_GREEDY > GATE_SAMPLING == resolve_gate("auto", 1.0)
     assert resolve_gate(None, 0.0) is None and resolve_gate(0.25, 0.0) == 0.25

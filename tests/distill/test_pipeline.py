@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from specdistill.data.io import read_json
-from specdistill.distill import pipeline
+from specdistill.distill.pipeline import stage as pipeline
 
 FAST = [
     "pair=toy-tiny",

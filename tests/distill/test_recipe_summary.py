@@ -8,10 +8,10 @@ import json
 import pytest
 from hydra import compose, initialize_config_module
 
-from specdistill.data.pairs import ConfigError
 from specdistill.data.prompts import load_prompts
-from specdistill.data.toy_stream import group_prompts
-from specdistill.distill import recipe_summary
+from specdistill.data.runtime import ConfigError
+from specdistill.data.toy.stream import group_prompts
+from specdistill.distill.pipeline import recipe_summary
 
 
 def _report(path, dataset, greedy, sampling):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from specdistill.distill import report
+from specdistill.distill.pipeline import report
 
 BASE = {"alpha": 0.37, "alpha_sampled": 0.51, "tau": 1.58, "tau_sampled": 1.4, "speedup": 0.5,
         "theoretical_speedup": 0.9, "lossless": True, "hf_assisted": {"speedup": 0.73},

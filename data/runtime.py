@@ -1,0 +1,119 @@
+"""Helpers every floor needs, written once: the CLI error contract, device/dtype/threads, padding.
+
+They live on the ground floor (`data/`) so `decode/` and `distill/` import them without
+importing each other.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """Bad user input, reported with the config field at fault and how to fix it."""
+
+
+def run_or_exit(run: Callable[[Any], T], cfg: Any) -> T:
+    """Run a stage for a CLI: a ConfigError becomes one `error: ...` line and exit status 2.
+
+    Hydra would print it with a traceback; bad input deserves the field and the fix, alone.
+    A write the environment refuses (disk full, quota, read-only, permission; see
+    `specdistill.data.io.describe_fault`) is one `error:` line too, with exit status 3.
+    """
+    from specdistill.data.io import IO_FAULT_EXIT, describe_fault
+
+    try:
+        return run(cfg)
+    except ConfigError as e:
+        message, status = str(e), 2
+    except (OSError, RuntimeError) as e:
+        message, status = describe_fault(e), IO_FAULT_EXIT
+        if message is None:
+            raise
+    # Printed once the failed run's frames are gone (a progress bar closes as they go), so the
+    # error is the last line.
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(status)
+
+
+def parse_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.dtype:
+    """`auto` means bf16 on CUDA and fp32 on CPU (CPU bf16 matmuls are slow and lossy)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16}
+    table |= {"bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if name not in table:
+        raise ConfigError(f"dtype={name!r} is not known; use one of auto, {', '.join(table)}")
+    return table[name]
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but no CUDA device is visible; use device=cpu or auto")
+    return dev
+
+
+def set_threads(setting: Any, device: torch.device, *, field: str = "threads") -> None:
+    """`auto`: one CPU thread; `default` (or null): torch's own choice; N: N threads.
+
+    Decode steps of small models are a few tiny matmuls each, and on a shared CPU a second
+    thread's synchronisation stalls them (toy pair: a 5-token verify took 15 single-token steps
+    at 2 threads, 1.1 at 1).
+    """
+    if setting in (None, "default"):
+        return
+    n = 1 if setting == "auto" else setting
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"{field}={setting!r} must be auto, default or a positive integer")
+    if device.type == "cpu":
+        torch.set_num_threads(n)
+
+
+def pad_rows(
+    rows: Sequence[Sequence[int] | torch.Tensor], pad_id: int, *, side: str = "left"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention_mask) of a batch of token rows, padded to the longest row.
+
+    Decoder-only generation needs `left` (every row ends at the last column); training and
+    scoring batches read positions from the start of each row, so they pad on the `right`.
+    """
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if not len(r):
+            continue
+        cols = slice(width - len(r), width) if side == "left" else slice(0, len(r))
+        ids[i, cols] = torch.as_tensor(r, dtype=torch.long)
+        mask[i, cols] = 1
+    return ids, mask
+
+
+def eos_ids(generation_config: Any, tokenizer: Any) -> list[int]:
+    """Every id that ends a completion (chat models often have several)."""
+    ids = getattr(generation_config, "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median and range of repeated timings: how every report states a wall-clock figure."""
+    return {
+        "median": round(statistics.median(values), 2),
+        "min": round(min(values), 2),
+        "max": round(max(values), 2),
+    }

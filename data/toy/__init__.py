@@ -1,0 +1,1 @@
+"""The toy world: a stdlib-trained Llama pair, its tokenizer, prompts and text streams."""

@@ -1,0 +1,1 @@
+"""Decoder benchmarks: ratios measured side by side in one run."""

@@ -1,0 +1,44 @@
+"""The decoder benchmark: the validate stage's side-by-side measurement under its benchmark name.
+
+    python -m specdistill.decode.bench pair=toy pair.drafter=DIR/best output_dir=OUT
+    python -m specdistill.decode.bench pair=toy pair.drafter=DIR/best output_dir=OUT \\
+        'compare_modes=[eager,compiled]'
+
+Target-only vs speculative vs `transformers` assisted generation, measured in one run and
+reported as ratios (report.json / report.md). The stage itself is `specdistill.decode.validate.stage`;
+this entry point exists so speed goals live under a benchmark name, as the project's
+conventions ask, without a second copy of the measurement. `compare_modes` runs it once per
+decoder step mode (`specdistill.decode.bench.modes`) and prints the modes side by side.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from specdistill.data.runtime import run_or_exit
+from specdistill.decode.bench.modes import run_modes
+from specdistill.decode.validate.stage import main as validate_main
+
+
+@hydra.main(config_path="pkg://specdistill.conf", config_name="validate", version_base="1.3")
+def _modes_main(cfg: DictConfig) -> None:
+    run_or_exit(run_modes, cfg)
+    out = Path(str(cfg.output_dir)).expanduser().absolute() / "modes.md"
+    print(out.read_text(), end="")
+    print(out)
+
+
+def main() -> None:
+    import sys
+
+    if any(a.startswith("compare_modes=") and not a.endswith("=null") for a in sys.argv[1:]):
+        _modes_main()
+    else:
+        validate_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Both serving modes in one validate run: greedy and speculative sampling, each timed.
+
+The best drafter for greedy serving is often poor for sampling and vice versa (DistillSpec;
+measured on the toy pair), so the validate stage decodes in its configured mode and then in the
+other one (greedy <-> sampling at `other_sampling`'s temperature/top_p), reporting alpha, tau
+and the measured speedup of each side by side. p = target, q = drafter.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from specdistill.data.runtime import spread
+from specdistill.decode.speculative import DecodeOutput
+
+
+def run_all(fn: Callable, batches, seed: int) -> tuple[float, list[DecodeOutput]]:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    t0 = time.perf_counter()
+    outs = [fn(ids, mask, generator=gen) for ids, mask in batches]
+    return time.perf_counter() - t0, outs
+
+
+def merge(outs: list[DecodeOutput]) -> DecodeOutput:
+    total = DecodeOutput(tokens=[tk for o in outs for tk in o.tokens])
+    for o in outs:
+        total.block_tokens += o.block_tokens
+        total.row_rounds += o.row_rounds
+        total.alpha_sum += o.alpha_sum
+        total.trials += o.trials
+        total.accepted += o.accepted
+        total.target_forwards += o.target_forwards
+        total.drafter_forwards += o.drafter_forwards
+        if o.trials_at:
+            total.trials_at = [
+                a + b for a, b in zip(total.trials_at or [0] * len(o.trials_at), o.trials_at)
+            ]
+            total.accepted_at = [
+                a + b for a, b in zip(total.accepted_at or [0] * len(o.accepted_at), o.accepted_at)
+            ]
+    return total
+
+
+def mode_name(temperature: float) -> str:
+    return "greedy" if float(temperature) == 0.0 else "sampling"
+
+
+def other_decoder(dcfg: Any, other_sampling: Any) -> Any:
+    """The decoder node of the other serving mode: greedy when `dcfg` samples, else sampling
+    at other_sampling's temperature / top_k / top_p (gamma, cache, compile kept)."""
+    if mode_name(dcfg.get("temperature", 0.0)) == "sampling":
+        return OmegaConf.merge(dcfg, {"temperature": 0.0, "top_k": 0, "top_p": 1.0})
+    side = other_sampling or {}
+    return OmegaConf.merge(
+        dcfg,
+        {
+            "temperature": float(side.get("temperature", 1.0)),
+            "top_k": int(side.get("top_k", 0) or 0),
+            "top_p": float(side.get("top_p", 1.0)),
+        },
+    )
+
+
+def timed_repeats(dec, batches, seed: int, repeats: int):
+    """Interleaved target-only / speculative passes (load drifts hit both alike).
+
+    Returns (baseline tokens/s per repeat, speculative tokens/s per repeat, first baseline
+    output, first speculative output), the outputs merged over batches.
+    """
+    base_rates, spec_rates = [], []
+    base_out = spec_out = None
+    for rep in range(repeats):
+        tb, bo = run_all(dec.baseline, batches, seed + rep)
+        ts, so = run_all(dec.generate, batches, seed + rep)
+        base_rates.append(sum(len(t) for o in bo for t in o.tokens) / tb)
+        spec_rates.append(sum(len(t) for o in so for t in o.tokens) / ts)
+        if rep == 0:
+            base_out, spec_out = merge(bo), merge(so)
+    assert base_out is not None and spec_out is not None
+    return base_rates, spec_rates, base_out, spec_out
+
+
+def mode_figures(dec, base_rates, spec_rates, spec_out: DecodeOutput) -> dict[str, Any]:
+    """One mode's row of report.json's `modes`: alpha, tau and the measured speedup."""
+    s = dec.cfg.sampling
+    return {
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "alpha": round(spec_out.alpha, 4),
+        "tau": round(spec_out.tau, 3),
+        "speedup": round(statistics.median(spec_rates) / statistics.median(base_rates), 3),
+        "baseline_tokens_per_s": spread(base_rates),
+        "speculative_tokens_per_s": spread(spec_rates),
+    }
+
+
+def measure_other_mode(
+    make, dcfg: Any, other_sampling: Any, batches, warm, seed: int, repeats: int
+):
+    """Decode the other serving mode with a fresh decoder (same gamma), warmed up untimed."""
+    dec = make(other_decoder(dcfg, other_sampling))
+    run_all(dec.baseline, warm, seed)
+    run_all(dec.generate, warm, seed)
+    base_rates, spec_rates, _, spec_out = timed_repeats(dec, batches, seed, repeats)
+    return mode_name(dec.cfg.sampling.temperature), mode_figures(
+        dec, base_rates, spec_rates, spec_out
+    )

@@ -1,0 +1,371 @@
+"""The validate stage: prove the speedup and that the output stayed the target's.
+
+    python -m specdistill.decode.validate pair=toy-tiny output_dir=DIR
+    python -m specdistill.decode.validate pair=toy pair.drafter=/path/to/distilled decoder=sampling
+
+On the same prompts and max_new_tokens it decodes with the target p alone and speculatively
+(drafter q proposes, p verifies), untimed warm-up first, `repeats` timed passes interleaved so
+load drifts hit both alike, and reports side by side: tokens/s (median, min, max), the measured
+speedup, alpha, tau, c (drafter/target step time), the theoretical speedup those imply, their
+ratio (decoder efficiency), `lossless` (greedy: every sequence token-identical to target-only),
+the same figures in the other serving mode (`modes`: greedy and sampling, both timed; a drafter
+tuned for one mode is often poor in the other), and the same pair through `transformers`
+assisted generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from specdistill.data.io import atomic_write_json, atomic_write_text
+from specdistill.data.pairs import load_pair, resolve_pair
+from specdistill.data.prompts import load_prompts
+from specdistill.data.runtime import (
+    ConfigError,
+    pad_rows,
+    parse_dtype,
+    resolve_device,
+    run_or_exit,
+    set_threads,
+    spread,
+)
+from specdistill.decode.acceptance import Sampling, best_gamma, expected_tau, theoretical_speedup
+from specdistill.decode.cache import check_rollback_config
+from specdistill.decode.speculative import (
+    DecoderConfig,
+    SpeculativeDecoder,
+    check_decoder_config,
+)
+from specdistill.decode.validate.modes import (
+    measure_other_mode,
+    mode_figures,
+    mode_name,
+    timed_repeats,
+)
+from specdistill.decode.validate.modes import merge as _merge
+from specdistill.decode.validate.modes import run_all as _run_all
+from specdistill.decode.validate.report import plot_acceptance, report_markdown
+from specdistill.decode.validate.timing import hf_assisted_speed, measure_c
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ValidateResult:
+    """Everything report.json holds; p = target, q = drafter."""
+
+    output_dir: str
+    target: str
+    drafter: str
+    device: str
+    dtype: str
+    gamma: int
+    gamma_auto: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    lenience: float
+    lossy: bool
+    batch_size: int
+    prompts: int
+    max_new_tokens: int
+    repeats: int
+    alpha: float
+    acceptance_rate: float
+    tau: float
+    c: float
+    verify_cost: float  # (gamma+1)-token verify / 1-token target step
+    baseline_tokens_per_s: dict[str, float]
+    speculative_tokens_per_s: dict[str, float]
+    speedup: float
+    theoretical_speedup: float
+    decoder_efficiency: float
+    # The same model with the measured verify cost instead of 1 target step: on CPU a
+    # (gamma+1)-token verify is dearer than one step, which the classic formula ignores.
+    theoretical_speedup_measured_verify: float
+    lossless: bool | None
+    mismatched_sequences: int
+    acceptance_by_position: list[float]
+    alpha_sampled: float | None = None  # the sampling side of `modes` (its temperature there)
+    tau_sampled: float | None = None
+    # Both serving modes side by side: {"greedy": {...}, "sampling": {...}}, each with
+    # temperature/top_k/top_p, alpha, tau, speedup and tokens/s.
+    modes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    hf_assisted: dict[str, Any] | None = None
+    cache: str = "dynamic"
+    compiled: bool = False
+    # Untimed time before the timed repeats: c measurement, warm-up, and compiling the decode
+    # steps when `compiled` (steady-state tokens/s above exclude it).
+    warmup_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def decoder_config(
+    dcfg: Any, max_new_tokens: int, eos: tuple[int, ...], gamma: int
+) -> DecoderConfig:
+    """The `decoder` config node as a DecoderConfig (gamma resolved by the caller)."""
+    sampling = Sampling(
+        temperature=float(dcfg.get("temperature", 0.0)),
+        top_k=int(dcfg.get("top_k", 0) or 0),
+        top_p=float(dcfg.get("top_p", 1.0)),
+    )
+    return DecoderConfig(
+        gamma=gamma,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        lenience=float(dcfg.get("lenience", 1.0)),
+        eos_token_id=eos,
+        cache=str(dcfg.get("cache", "auto")),
+        compile=dcfg.get("compile", "auto"),
+        record_probs=bool(dcfg.get("record_probs", False)),
+        host_sync_every=int(dcfg.get("host_sync_every", 0)),
+        cpu_matmul=str(dcfg.get("cpu_matmul", "auto")),
+    )
+
+
+def _gamma_setting(dcfg: Any) -> tuple[int | None, int]:
+    raw, max_gamma = dcfg.get("gamma", 4), int(dcfg.get("max_gamma", 12))
+    if raw == "auto":
+        if max_gamma < 1:
+            raise ConfigError(f"decoder.max_gamma={max_gamma} must be >= 1 for gamma=auto")
+        return None, max_gamma
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        raise ConfigError(f"decoder.gamma={raw!r} must be an integer >= 1 or `auto`")
+    return raw, max_gamma
+
+
+def _batches(prompts: list[str], tok, batch_size: int, max_prompt_tokens: int):
+    """Left-padded tensors, prompts cut to their last `max_prompt_tokens` tokens."""
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        rows = [
+            tok(p, add_special_tokens=False).input_ids[-max_prompt_tokens:]
+            for p in prompts[i : i + batch_size]
+        ]
+        ids, mask = pad_rows(rows, tok.pad_token_id)
+        out.append((ids, mask))
+    return out
+
+
+@dataclass
+class Setup:
+    """A loaded pair and its prompts as left-padded batches (shared with decode.bench_modes)."""
+
+    spec: Any
+    target: Any
+    drafter: Any
+    tok: Any
+    device: torch.device
+    dtype: torch.dtype
+    eos: tuple[int, ...]
+    texts: list[str]
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    warm: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def setup(cfg: DictConfig, gamma_room: int) -> Setup:
+    """Check the settings, then load the pair and the prompts (bad input fails before loading)."""
+    dcfg = cfg.decoder
+    for key in ("max_new_tokens", "repeats", "batch_size", "step_time_iters"):
+        if not isinstance(cfg.get(key), int) or cfg.get(key) < 1:
+            raise ConfigError(f"{key}={cfg.get(key)!r} must be a positive integer")
+    device = resolve_device(str(cfg.get("device", "auto")))
+    set_threads(cfg.get("threads", "auto"), device)
+    dtype = parse_dtype(str(cfg.get("dtype", "auto")), device)
+    spec = resolve_pair(cfg.pair)
+    # Check the decoder settings before loading anything heavy.
+    check_decoder_config(decoder_config(dcfg, int(cfg.max_new_tokens), (), 1))
+    for key, name, rev in (
+        ("pair.target", spec.target, spec.revision),
+        ("pair.drafter", spec.drafter, spec.drafter_revision),
+    ):  # refuse an un-rollbackable cache before any weights load
+        check_rollback_config(key, name, rev, spec.trust_remote_code)
+    target, drafter, tok = load_pair(spec, device=device, dtype=dtype)
+    prompts = load_prompts(cfg.dataset, tok, default_split="test")
+    if cfg.get("num_prompts"):
+        prompts = prompts[: int(cfg.num_prompts)]
+    eos = tuple(sorted({i for i in [tok.eos_token_id] if i is not None}))
+    context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
+    room = context - int(cfg.max_new_tokens) - gamma_room - 2
+    max_prompt = int(cfg.get("max_prompt_tokens") or room)
+    if max_prompt < 1 or max_prompt > room:
+        raise ConfigError(
+            f"max_prompt_tokens={max_prompt}: the context ({context}) leaves {room} prompt tokens "
+            f"after max_new_tokens={cfg.max_new_tokens}; lower max_new_tokens or max_prompt_tokens"
+        )
+    texts = [p.text for p in prompts]
+    batches = _batches(texts, tok, int(cfg.batch_size), max_prompt)
+    warm = _batches(texts[:1], tok, 1, max_prompt)
+    return Setup(spec, target, drafter, tok, device, dtype, eos, texts, batches, warm)
+
+
+def warm_up(dec: SpeculativeDecoder, batches, warm, seed: int) -> None:
+    """Untimed: compile every step shape per capacity bucket (compiled steps, batch 1), then one
+    baseline and one speculative pass on the warm-up prompt."""
+    if dec.compile and all(ids.shape[0] == 1 for ids, _ in batches):
+        buckets = {dec.spec_capacity(1, int(m.sum())): ids[:, m[0].bool()] for ids, m in batches}
+        for ids in buckets.values():
+            dec.warm_up(ids)
+    _run_all(dec.baseline, warm, seed)
+    _run_all(dec.generate, warm, seed)
+
+
+def run(cfg: DictConfig) -> ValidateResult:
+    """Validate one pair; see the module docstring. Writes report.json and report.md."""
+    t_start = time.perf_counter()
+    out_dir = Path(str(cfg.output_dir)).expanduser().absolute()
+    dcfg = cfg.decoder
+    fixed_gamma, max_gamma = _gamma_setting(dcfg)
+    st = setup(cfg, fixed_gamma or max_gamma)
+    spec, target, drafter, tok, device, dtype = (
+        st.spec,
+        st.target,
+        st.drafter,
+        st.tok,
+        st.device,
+        st.dtype,
+    )
+    eos, texts, batches, warm = st.eos, st.texts, st.batches, st.warm
+    seed = int(cfg.get("seed", 0))
+    notes: list[str] = []
+
+    def make(gamma: int, dc: Any = dcfg) -> SpeculativeDecoder:
+        return SpeculativeDecoder(
+            target,
+            drafter,
+            decoder_config(dc, int(cfg.max_new_tokens), eos, gamma),
+            tokenizer_len=len(tok),
+        )
+
+    # c: drafter vs target single-token step time, measured with the decoder's own caches.
+    t_warm = time.perf_counter()
+    probe_dec = make(fixed_gamma or 4)
+    c, verify_cost = measure_c(probe_dec, warm[0][0], int(cfg.step_time_iters), fixed_gamma or 4)
+    gamma = fixed_gamma
+    if gamma is None:  # gamma=auto: a pilot run measures alpha, the speedup model picks gamma
+        _, pilot = _run_all(make(4).generate, batches[: max(1, len(batches) // 4)], seed)
+        gamma = best_gamma(_merge(pilot).alpha, c, max_gamma)
+        notes.append(
+            f"gamma=auto picked {gamma} (pilot alpha {_merge(pilot).alpha:.3f}, c {c:.3f})"
+        )
+    dec = make(gamma)
+    if fixed_gamma is None:  # the verify cost depends on gamma: measure it for the one picked
+        c, verify_cost = measure_c(dec, warm[0][0], int(cfg.step_time_iters), gamma)
+    # Warm-up (untimed), then interleaved timed repeats.
+    warm_up(dec, batches, warm, seed)
+    warmup_seconds = time.perf_counter() - t_warm
+    base_rates, spec_rates, base_out, spec_out = timed_repeats(dec, batches, seed, int(cfg.repeats))
+    greedy = dec.cfg.sampling.greedy
+    mismatched = sum(a != b for a, b in zip(base_out.tokens, spec_out.tokens))
+    lossless = (mismatched == 0 and not dec.cfg.lossy) if greedy else None
+    if not greedy:
+        notes.append("sampling: lossless is distributional (checked by tests), not per token")
+    if dec.cfg.lossy:
+        notes.append(f"LOSSY: lenience={dec.cfg.lenience} < 1 changes the output distribution")
+    if greedy and mismatched and dtype != torch.float32:
+        notes.append(f"{mismatched} sequences differ in {dtype}: near-ties, rerun with dtype=fp32")
+    alpha = spec_out.alpha
+    speedup = statistics.median(spec_rates) / statistics.median(base_rates)
+    theory = theoretical_speedup(min(max(alpha, 0.0), 1.0), gamma, c)
+    by_pos = [a / t if t else 0.0 for a, t in zip(spec_out.accepted_at, spec_out.trials_at)]
+
+    # Both serving modes, always (unless turned off): the other one decoded and timed too.
+    modes = {
+        mode_name(dec.cfg.sampling.temperature): mode_figures(dec, base_rates, spec_rates, spec_out)
+    }
+    if cfg.get("both_modes", True) and cfg.get("sampled_alpha", True):
+        name, figures = measure_other_mode(
+            lambda dc: make(gamma, dc),
+            dcfg,
+            cfg.get("other_sampling"),
+            batches,
+            warm,
+            seed,
+            int(cfg.repeats),
+        )
+        modes[name] = figures
+    alpha_s = (modes.get("sampling") or {}).get("alpha")
+    tau_s = (modes.get("sampling") or {}).get("tau")
+
+    hf = None
+    if cfg.get("hf_assisted", True):
+        hf = hf_assisted_speed(
+            target, drafter, tok, warm, batches, dec.cfg, int(cfg.repeats), base_out
+        )
+        hf["ours_over_hf"] = round(speedup / hf["speedup"], 3)
+
+    result = ValidateResult(
+        output_dir=str(out_dir),
+        target=spec.target,
+        drafter=spec.drafter,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        gamma=gamma,
+        gamma_auto=fixed_gamma is None,
+        temperature=dec.cfg.sampling.temperature,
+        top_k=dec.cfg.sampling.top_k,
+        top_p=dec.cfg.sampling.top_p,
+        lenience=dec.cfg.lenience,
+        lossy=dec.cfg.lossy,
+        batch_size=int(cfg.batch_size),
+        prompts=len(texts),
+        max_new_tokens=int(cfg.max_new_tokens),
+        repeats=int(cfg.repeats),
+        alpha=round(alpha, 4),
+        acceptance_rate=round(spec_out.accepted / max(spec_out.trials, 1), 4),
+        tau=round(spec_out.tau, 3),
+        c=round(c, 4),
+        verify_cost=round(verify_cost, 3),
+        baseline_tokens_per_s=spread(base_rates),
+        speculative_tokens_per_s=spread(spec_rates),
+        speedup=round(speedup, 3),
+        theoretical_speedup=round(theory, 3),
+        decoder_efficiency=round(speedup / theory, 3),
+        theoretical_speedup_measured_verify=round(
+            expected_tau(min(max(alpha, 0.0), 1.0), gamma) / (gamma * c + verify_cost), 3
+        ),
+        lossless=lossless,
+        mismatched_sequences=mismatched,
+        acceptance_by_position=[round(x, 4) for x in by_pos],
+        alpha_sampled=alpha_s,
+        tau_sampled=tau_s,
+        modes=modes,
+        hf_assisted=hf,
+        cache="static" if dec.static else "dynamic",
+        compiled=dec.compile,
+        warmup_seconds=round(warmup_seconds, 1),
+        notes=notes,
+        config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+    )
+    result.wall_seconds = round(time.perf_counter() - t_start, 1)
+    atomic_write_json(out_dir / "report.json", result)
+    atomic_write_text(out_dir / "report.md", report_markdown(result))
+    if cfg.get("plot", True):
+        plot_acceptance(by_pos, out_dir / "report.png", notes)
+    return result
+
+
+@hydra.main(config_path="pkg://specdistill.conf", config_name="validate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """CLI: bad input is one clean line on stderr and exit status 2, not a traceback."""
+    r = run_or_exit(run, cfg)
+    print(
+        f"speedup {r.speedup}x (theoretical {r.theoretical_speedup}x, efficiency "
+        f"{r.decoder_efficiency}); alpha {r.alpha}, tau {r.tau}, c {r.c}, gamma {r.gamma}, "
+        f"lossless {r.lossless}: {r.output_dir}/report.json"
+    )
+
+
+if __name__ == "__main__":
+    main()

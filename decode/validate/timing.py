@@ -1,0 +1,140 @@
+"""Timing helpers for the validate stage: c from single steps, and HF assisted generation.
+
+c = drafter (q) step time / target (p) step time, measured with the decoder's own caches at the
+length of a real prompt, alternating the two models so CPU load drifts hit both alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from specdistill.data.runtime import spread
+from specdistill.decode.speculative import DecodeOutput, DecoderConfig, SpeculativeDecoder
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def measure_c(
+    dec: SpeculativeDecoder,
+    input_ids: torch.Tensor,
+    iters: int,
+    gamma: int,
+    slots: int | None = None,
+) -> tuple[float, float]:
+    """(c, verify_cost): median 1-token step times of q over p, and the (gamma+1)-token verify
+    step of p in units of its 1-token step (the speedup formula assumes 1).
+
+    Each sample times a block of gamma+1 steps, as a decode round runs them: 1-token steps
+    back to back (the cache grows, then is rolled back), verify steps each rolled back. On a
+    shared CPU a lone 1-2 ms drafter step often fits in one scheduler slice while a longer target
+    step is preempted, which made single-step medians understate c (toy pair under load: 0.15
+    measured vs about 0.45 implied by the decode loop's own timings); blocks of similar length
+    are preempted alike. `slots`: the decode's own cache size (`spec_slots`), so compiled steps
+    reuse the decode's graphs instead of compiling a smaller bucket's."""
+    ids = input_ids.to(dec.device)
+    plen, k = ids.shape[1], gamma + 1
+    runners = [dec._runner(m, slots or plen + k + 2) for m in (dec.target, dec.drafter)]
+    for r in runners:
+        if plen > 1:
+            r.forward(ids[:, :-1], keep=1, prefill=True)
+    one = ids[:, -1:]
+    block = ids[:, -1:].repeat(1, gamma + 1)
+    times: dict[str, list[float]] = {"target": [], "drafter": [], "verify": []}
+
+    def timed(runner, x) -> float:
+        base = runner.length
+        _sync(dec.device)
+        t0 = time.perf_counter()
+        for _ in range(k):
+            runner.forward(x, keep=x.shape[1])
+            if x.shape[1] > 1:
+                runner.rollback(base)
+        _sync(dec.device)
+        dt = time.perf_counter() - t0
+        runner.rollback(base)
+        return dt / k
+
+    for i in range(iters + 2):  # the first two are warm-up
+        tt = timed(runners[0], one)
+        td = timed(runners[1], one)
+        tv = timed(runners[0], block)
+        if i >= 2:
+            times["target"].append(tt)
+            times["drafter"].append(td)
+            times["verify"].append(tv)
+    t_target = statistics.median(times["target"])
+    return statistics.median(times["drafter"]) / t_target, statistics.median(
+        times["verify"]
+    ) / t_target
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / max(seconds, 1e-9)
+
+
+@torch.inference_mode()
+def hf_assisted_speed(
+    target,
+    drafter,
+    tok,
+    warm: list[tuple[torch.Tensor, torch.Tensor]],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    cfg: DecoderConfig,
+    repeats: int,
+    ours_baseline: DecodeOutput | None,
+) -> dict[str, Any]:
+    """`generate()` alone vs `generate(assistant_model=drafter)` on the same prompts, batch 1
+    (HF assisted generation supports no more), HF's default assistant schedule."""
+    device = next(target.parameters()).device
+    rows = [ids[j : j + 1, mask[j].bool()] for ids, mask in batches for j in range(ids.shape[0])]
+    s = cfg.sampling
+    kw: dict[str, Any] = {
+        "max_new_tokens": cfg.max_new_tokens,
+        "do_sample": not s.greedy,
+        "eos_token_id": list(cfg.eos_token_id) or None,
+        "pad_token_id": tok.pad_token_id,
+    }
+    if not s.greedy:
+        kw |= {"temperature": s.temperature, "top_k": s.top_k or None, "top_p": s.top_p}
+
+    def one_pass(assisted: bool) -> tuple[float, list[list[int]]]:
+        extra = {"assistant_model": drafter} if assisted else {}
+        out, n = [], 0
+        _sync(device)
+        t0 = time.perf_counter()
+        for ids in rows:
+            ids = ids.to(device)
+            gen = target.generate(ids, attention_mask=torch.ones_like(ids), **kw, **extra)
+            new = gen[0, ids.shape[1] :].tolist()
+            out.append(new)
+            n += len(new)
+        _sync(device)
+        return _rate(n, time.perf_counter() - t0), out
+
+    w = warm[0][0].to(device)
+    target.generate(w, attention_mask=torch.ones_like(w), **kw)
+    target.generate(w, attention_mask=torch.ones_like(w), assistant_model=drafter, **kw)
+    plain, assisted, plain_tokens = [], [], None
+    for _ in range(repeats):
+        r, toks = one_pass(False)
+        plain.append(r)
+        plain_tokens = plain_tokens or toks
+        assisted.append(one_pass(True)[0])
+    med = statistics.median(assisted) / statistics.median(plain)
+    return {
+        "generate_tokens_per_s": spread(plain),
+        "assisted_tokens_per_s": spread(assisted),
+        "speedup": round(med, 3),
+        "same_tokens": (plain_tokens == ours_baseline.tokens)
+        if s.greedy and ours_baseline
+        else None,
+        "schedule": "transformers default (assistant_model=drafter)",
+    }

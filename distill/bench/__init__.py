@@ -1,0 +1,1 @@
+"""Distillation benchmarks (loss kernels, held-out figure vs validate, online cost)."""

@@ -1,0 +1,143 @@
+"""The exported drafter's model card (README.md): provenance, measured figures, how to serve it.
+
+Figures come from the validate stage's report.json and the distill stage's result.json; each
+says how it was measured, because "alpha" means different things in different places
+(decode-time acceptance of our speculative decoder vs. expected acceptance on held-out text).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def usage_command(drafter: str, target: str, report: dict[str, Any] | None) -> str:
+    """One line that serves the pair with `transformers` assisted generation."""
+    return (
+        f"AutoModelForCausalLM.from_pretrained({target!r}).generate(**inputs, "
+        f"assistant_model=AutoModelForCausalLM.from_pretrained({drafter!r}))"
+    )
+
+
+def _figures(report: dict[str, Any]) -> list[str]:
+    hf = report.get("hf_assisted") or {}
+    rows = [
+        ("alpha, greedy (decode-time acceptance rate)", report.get("alpha")),
+        ("alpha at temperature 1 (decode-time)", report.get("alpha_sampled")),
+        ("tau: tokens per target forward, greedy", report.get("tau")),
+        ("tau at temperature 1", report.get("tau_sampled")),
+        ("gamma (drafted tokens per round)", report.get("gamma")),
+        ("c (drafter / target step time)", report.get("c")),
+        ("speedup over target-only decoding (measured)", report.get("speedup")),
+        ("theoretical speedup from alpha, gamma, c", report.get("theoretical_speedup")),
+        ("`transformers` assisted generation speedup", hf.get("speedup")),
+        ("output identical to the target's (greedy)", report.get("lossless")),
+    ]
+    lines = ["| figure | value |", "| --- | --- |"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in rows]
+    return lines
+
+
+def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, Any] | None) -> str:
+    """README.md for the exported folder (result: an ExportResult)."""
+    name = Path(result.output_dir).name
+    target = result.target
+    gamma = int(report["gamma"]) if report else 4
+    lines = [
+        "---",
+        "library_name: transformers",
+        "tags: [speculative-decoding, draft-model, specdistill]",
+        "---",
+        "",
+        f"# {name}: a drafter aligned to {target}",
+        "",
+        f"A draft model for speculative decoding with **{target}** as the target. It shares the "
+        f"target's tokenizer, vocabulary size ({result.vocab_size}), special token ids and "
+        "generation config, so engines accept the pair as is. Speculative decoding with it is "
+        "lossless: the target verifies every drafted token.",
+        "",
+        "## Provenance",
+        "",
+        f"- target: `{target}`",
+        f"- base drafter: `{result.base_drafter}`",
+        f"- exported from: `{result.drafter}` ({result.parameters:,} parameters, {result.dtype})",
+    ]
+    if result.source_vocab_size != result.vocab_size:
+        lines.append(
+            f"- vocabulary rows {result.source_vocab_size} -> {result.vocab_size}: padding rows "
+            "only (no token of the tokenizer moved)"
+        )
+    if distill:
+        loss = distill.get("loss") or {}
+        data = distill.get("data") or {}
+        lines += [
+            f"- distillation: loss `{loss.get('name', loss.get('_target_', loss))}`, "
+            f"{distill.get('steps')} steps, {distill.get('tokens')} tokens, lmbda (on-policy "
+            f"share) {distill.get('lmbda')}, {distill.get('world_size')} process(es)",
+            f"- data: `{data.get('path') or 'n/a'}` ({data.get('train_examples')} rows; "
+            f"target-generated Seq-KD data when a path is given; reference completions: "
+            f"{data.get('reference')})",
+            f"- held-out alpha (expected acceptance sum_x min(p, q) at temperature "
+            f"1 on {data.get('eval_source', 'reference')} completions, {data.get('eval_tokens')} "
+            f"tokens): {_fmt(distill.get('alpha_before'))} before, "
+            f"{_fmt(distill.get('alpha_after'))} after",
+        ]
+    lines += ["", "## Measured", ""]
+    if report:
+        lines += [
+            f"Measured by `specdistill.decode.validate.stage` on {report.get('prompts')} held-out prompts "
+            f"x {report.get('max_new_tokens')} new tokens, batch {report.get('batch_size')}, "
+            f"on {report.get('device')} in {report.get('dtype')}, median of "
+            f"{report.get('repeats')} timed repeats. alpha is the decode-time acceptance rate of "
+            "drafted tokens; greedy figures come from greedy decoding, the temperature-1 ones "
+            "from sampling at temperature 1.",
+            "",
+            *_figures(report),
+        ]
+    else:
+        lines.append("No validate report was given to the export: no figures.")
+    lines += [
+        "",
+        "## Use",
+        "",
+        "`transformers`:",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'tok = AutoTokenizer.from_pretrained("{target}")',
+        f'target = AutoModelForCausalLM.from_pretrained("{target}")',
+        f'drafter = AutoModelForCausalLM.from_pretrained("{result.output_dir}")',
+        'inputs = tok("def fibonacci(n):", return_tensors="pt")',
+        "out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=64)",
+        "```",
+        "",
+        "vLLM (draft-model speculative decoding):",
+        "",
+        "```python",
+        "from vllm import LLM",
+        f'llm = LLM(model="{target}", speculative_config={{"model": "{result.output_dir}", '
+        f'"method": "draft_model", "num_speculative_tokens": {gamma}}})',
+        "```",
+        "",
+        "SGLang (standalone draft model):",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE "
+        f"--speculative-draft-model-path {result.output_dir} --speculative-num-steps {gamma} "
+        f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}",
+        "```",
+        "",
+        "## Self-check at export",
+        "",
+        *[f"- {k}: {v}" for k, v in result.check.items()],
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Online adaptation: the drafter updated while serving, from what verification already computed."""

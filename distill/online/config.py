@@ -1,0 +1,167 @@
+"""Checks of the online stage's config: every bad setting named before any model loads."""
+
+from __future__ import annotations
+
+import hashlib
+
+from omegaconf import DictConfig, OmegaConf
+
+from specdistill.data.runtime import ConfigError
+from specdistill.decode.speculative import check_decoder_config
+from specdistill.decode.validate.stage import decoder_config
+from specdistill.distill.losses import DIVERGENCES
+from specdistill.distill.online.buffer import RECORD_MODES
+from specdistill.distill.online.stream import Segment, parse_stream
+
+_POSITIVE = (
+    "batch_size",
+    "max_new_tokens",
+    "max_prompt_tokens",
+    "window",
+    "buffer_tokens",
+    "update_every",
+    "update_steps",
+    "update_batch",
+    "save_every",
+)
+# `topk: auto` per serving mode. Greedy acceptance only asks whether q's argmax is p's, which
+# a few top tokens decide. Sampled acceptance is sum_x min(p, q) = 1 - TV(p, q): all of p
+# counts, and a small top-k leaves most of a high-entropy p in one rest bucket whose shape the
+# (K+1)-way loss cannot see (toy pair at T=1: top-32 holds 44% of p's mass, top-4096 all of it;
+# with K=32 online updates lowered sampled alpha, with K=V they raised it). 4096 kept positions
+# at K=4096 take 128 MB (int32 id + fp32 log-prob per entry).
+TOPK_GREEDY = 32
+TOPK_SAMPLING = 4096
+# Settings that do not change what a run computes: a resumed run may change them.
+_RUN_ONLY = ("resume", "output_dir", "logger", "device", "threads", "plot", "hydra")
+
+
+def _int(cfg: DictConfig, key: str) -> int:
+    value = OmegaConf.select(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}={value!r} must be an integer")
+    return value
+
+
+def _in_range_or_null(value, lo: float, hi: float) -> bool:
+    if value is None:
+        return True
+    return not isinstance(value, bool) and isinstance(value, int | float) and lo <= value <= hi
+
+
+def check_config(cfg: DictConfig) -> list[Segment]:
+    """The stream's segments, once every setting is known to be usable."""
+    for key in _POSITIVE:
+        if _int(cfg, key) <= 0:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be a positive integer")
+    topk = cfg.topk
+    if topk != "auto" and (isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0):
+        raise ConfigError(f"topk={topk!r} must be a positive integer or auto (by decoder mode)")
+    segments = parse_stream(cfg.stream)
+    b = int(cfg.batch_size)
+    for key in ("window", "update_every"):
+        if int(cfg[key]) % b:
+            raise ConfigError(f"{key}={cfg[key]} must be a multiple of batch_size={b}")
+    if _int(cfg, "stream_blend") < 0:
+        raise ConfigError(f"stream_blend={cfg.stream_blend} must be >= 0 (0: sharp shifts)")
+    if cfg.record not in RECORD_MODES:
+        raise ConfigError(f"record={cfg.record!r}: use one of {', '.join(RECORD_MODES)}")
+    if _int(cfg, "guard_every") < 0:
+        raise ConfigError(f"guard_every={cfg.guard_every} must be >= 0 (0: no guard)")
+    if int(cfg.guard_every) > 0:
+        probe = _int(cfg, "guard_probe")
+        if probe <= 0 or probe > int(cfg.update_every) or probe % b:
+            raise ConfigError(
+                f"guard_probe={probe} must be a positive multiple of batch_size={b} and at most "
+                f"update_every={cfg.update_every} (the probe is the latest traffic)"
+            )
+    gate = cfg.get("gate_agreement")
+    if gate is not None and gate != "auto":
+        if isinstance(gate, bool) or not isinstance(gate, int | float) or not -1 <= gate <= 1:
+            raise ConfigError(
+                f"gate_agreement={gate!r} must be a cosine in [-1, 1], auto or null (no gate)"
+            )
+        if int(cfg.update_batch) < 2:
+            raise ConfigError(
+                f"update_batch={cfg.update_batch} must be >= 2 with gate_agreement (it is split "
+                "into two half-batches whose gradients must agree)"
+            )
+    if not _in_range_or_null(cfg.get("gate_relax_margin"), 0, 1):
+        raise ConfigError(
+            f"gate_relax_margin={cfg.get('gate_relax_margin')!r} must be an alpha drop in [0, 1] "
+            "or null (the gate never relaxes)"
+        )
+    if not _in_range_or_null(cfg.get("gate_relaxed"), -1, 1):
+        raise ConfigError(
+            f"gate_relaxed={cfg.get('gate_relaxed')!r} must be a cosine in [-1, 1] or null (no "
+            "gate while relaxed)"
+        )
+    if not float(cfg.get("anchor_kl", 0.0)) >= 0:
+        raise ConfigError(f"anchor_kl={cfg.anchor_kl} must be >= 0 (0: no trust region)")
+    if not float(cfg.guard_margin) >= 0:
+        raise ConfigError(f"guard_margin={cfg.guard_margin} must be >= 0")
+    if cfg.loss.name not in DIVERGENCES:
+        raise ConfigError(f"loss.name={cfg.loss.name!r} is not one of {', '.join(DIVERGENCES)}")
+    if not 0.0 <= float(cfg.loss.beta) <= 1.0:
+        raise ConfigError(f"loss.beta={cfg.loss.beta} must lie in [0, 1]")
+    if float(cfg.loss.temperature) != 1.0:
+        raise ConfigError(
+            f"loss.temperature={cfg.loss.temperature}: online updates train on the target's "
+            "temperature-1 probabilities from verification; set loss.temperature=1"
+        )
+    if cfg.optim.schedule not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: use cosine, linear or constant")
+    if cfg.decoder.get("gamma") == "auto":
+        raise ConfigError("decoder.gamma=auto is not supported online: set an integer gamma")
+    check_decoder_config(decoder_config(cfg.decoder, int(cfg.max_new_tokens), (), 1))
+    check_decoder_config(
+        decoder_config(cfg.decoder, int(cfg.max_new_tokens), (), int(cfg.decoder.gamma))
+    )
+    return segments
+
+
+# `gate_agreement: auto` per serving mode (toy pair, distilled drafter, 8-request windows).
+# Greedy acceptance hangs on the argmax alone: on its own domain the distilled drafter's half-
+# batch gradients agreed at cos 0.2-0.36 on average and every step taken there lost alpha (one
+# fragile request: 36 -> 24 accepted of 40); 0.6 took none (adapted == frozen) and passes
+# shifted traffic (0.46-0.94). Sampled acceptance (1 - TV) gains from any real FKL progress, and
+# at 0.3 it kept most of the ungated gains (last windows +0.12..+0.19 vs +0.14..+0.25).
+# After a shift, the replay buffer mixes domains and 0.6 passed only 1-2 of 8 steps (numeric
+# tables after e-mail: greedy ended that segment below the frozen drafter); `gate_relax_margin`
+# relaxes the gate while served alpha is well below its best (specdistill.distill.online.drift).
+GATE_GREEDY = 0.6
+GATE_SAMPLING = 0.3
+
+
+def resolve_gate(gate, temperature: float) -> float | None:
+    """The agreement threshold: `auto` is GATE_GREEDY at temperature 0, else GATE_SAMPLING."""
+    if gate == "auto":
+        return GATE_GREEDY if float(temperature) == 0 else GATE_SAMPLING
+    return None if gate is None else float(gate)
+
+
+def resolve_topk(topk: int | str, temperature: float, vocab: int) -> int:
+    """The target top-k kept per position: `auto` is TOPK_GREEDY for greedy decoding
+    (temperature 0) and TOPK_SAMPLING for sampling, capped at the vocabulary."""
+    if topk == "auto":
+        return min(vocab, TOPK_GREEDY if float(temperature) == 0 else TOPK_SAMPLING)
+    return int(topk)
+
+
+def check_topk(cfg: DictConfig, vocab: int) -> int:
+    """The resolved top-k, once it fits the vocabulary."""
+    k = resolve_topk(cfg.topk, float(cfg.decoder.temperature), vocab)
+    if k > vocab:
+        raise ConfigError(
+            f"topk={cfg.topk} is larger than the vocabulary ({vocab} tokens): use topk <= {vocab}"
+        )
+    return k
+
+
+def fingerprint(cfg: DictConfig, plan_fp: str) -> str:
+    """What a resumed run must share with the run it continues."""
+    keep = {
+        k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in _RUN_ONLY
+    }
+    text = OmegaConf.to_yaml(OmegaConf.create(keep), sort_keys=True) + plan_fp
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,425 @@
+"""The online stage: the drafter q learns from the target p's verdicts while it serves.
+
+    python -m specdistill.distill.online pair=toy-tiny output_dir=DIR
+    python -m specdistill.distill.online pair=toy pair.drafter=RUN/distill/best decoder=sampling
+
+Online Speculative Decoding (Liu et al., 2024), at batch size >= 1 and without an extra target
+forward: requests of a shifting stream (`specdistill.distill.online.stream`) are decoded
+speculatively with `record_probs`, every verified position on the emitted sequence (or only
+the rejected ones) goes into a replay buffer with the target's top-k taken from verification
+(`specdistill.distill.online.buffer`), and every `update_every` requests the drafter takes
+`update_steps` optimizer steps on the buffer (`specdistill.distill.online.update`); the next
+request decodes with the updated drafter. A frozen twin decodes the same requests with the same
+seeds for the baseline; a guard rolls back an update that lowers alpha on held-out recent
+traffic. Checkpoints (drafter, optimizer, buffer, stream position, metrics) are atomic and
+written every `save_every` updates and at exit, SIGINT and SIGTERM included; `resume=true`
+continues the stream. The adapted drafter (`output_dir/drafter`) is an ordinary checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from specdistill.data.checkpoints import check_saved_file
+from specdistill.data.io import atomic_write_json, atomic_write_text, guard_write
+from specdistill.data.pairs import load_pair, load_tokenizer, resolve_pair
+from specdistill.data.runtime import (
+    ConfigError,
+    pad_rows,
+    parse_dtype,
+    resolve_device,
+    run_or_exit,
+    set_threads,
+)
+from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
+from specdistill.decode.validate.stage import decoder_config
+from specdistill.distill.online.buffer import Entry, ReplayBuffer, entries_from_output
+from specdistill.distill.online.config import check_config, check_topk, fingerprint
+from specdistill.distill.online.drift import DriftGate
+from specdistill.distill.online.report import Window, markdown, plot, segment_summary, write_jsonl
+from specdistill.distill.online.stream import (
+    boundaries,
+    load_sources,
+    plan_fingerprint,
+    plan_requests,
+)
+from specdistill.distill.online.update import Updater
+from specdistill.distill.online.util import (
+    StopOnSignal,
+    export_atomic,
+    wandb_tracker,
+)
+
+log = logging.getLogger("specdistill.online")
+STATE_FILE = "online_state.pt"
+
+
+@dataclass
+class OnlineResult:
+    output_dir: str
+    drafter_path: str
+    drafter_start: str
+    requests: int
+    decoder: str
+    gamma: int
+    loss: str
+    record: str
+    topk: int
+    topk_mass: float  # mean target probability mass the kept top-k covered
+    updates: int
+    rollbacks: int
+    gated_steps: int  # optimizer steps the agreement gate skipped (gate_agreement)
+    relaxed_updates: int  # updates whose gate was relaxed after a drop in alpha (online_drift)
+    decode_seconds: float
+    frozen_decode_seconds: float
+    update_seconds: float
+    guard_seconds: float
+    update_share: float
+    buffer_capacity: int
+    buffer_peak_mb: float
+    final_window: dict[str, Any] | None
+    segments: list[dict] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def _entry_rows(entries: list[Entry]) -> list[tuple]:
+    return [(e.request, e.ids, e.positions, e.topk_ids, e.topk_lp) for e in entries]
+
+
+class OnlineRun:
+    """The serving loop's state and steps; `run` below wires it to the config."""
+
+    def __init__(self, cfg, out, plan, prompts, target, drafter, frozen, tok, dcfg, topk) -> None:
+        self.cfg, self.out, self.plan, self.prompts, self.tok = cfg, out, plan, prompts, tok
+        self.topk = topk
+        n = len(tok)
+        self.dec = SpeculativeDecoder(target, drafter, dcfg, tokenizer_len=n)
+        plain = dataclasses.replace(dcfg, record_probs=False)
+        self.guard_dec = SpeculativeDecoder(target, drafter, plain, tokenizer_len=n)
+        self.frozen_dec = (
+            SpeculativeDecoder(target, frozen, plain, tokenizer_len=n) if frozen else None
+        )
+        total = (len(plan) // int(cfg.update_every)) * int(cfg.update_steps)
+        self.updater = Updater(drafter, cfg, total, self.dec.vocab, tok.pad_token_id, anchor=frozen)
+        # the start drafter for guard_start without a frozen twin (the anchor's copy if any)
+        start = frozen or self.updater.anchor
+        if start is None and cfg.guard_start and int(cfg.guard_every) > 0:
+            start = copy.deepcopy(drafter).requires_grad_(False)
+        self.start_dec = (
+            SpeculativeDecoder(target, start, plain, tokenizer_len=n) if start else None
+        )
+        self.buffer = ReplayBuffer(int(cfg.buffer_tokens))
+        margin = cfg.get("gate_relax_margin")
+        self.drift = DriftGate(None if margin is None else float(margin), int(cfg.window))
+        self.pos, self.updates, self.rollbacks = 0, 0, 0
+        self.pending: list[Entry] = []  # kept positions of requests since the last update
+        self.recent: list[dict] = []  # served alpha of batches since the last update
+        self.window = Window(first_request=0)
+        self.rows: list[dict] = []
+        keys = ("decode", "frozen", "update", "guard", "mass", "kept", "gated", "relaxed")
+        self.totals = dict.fromkeys(keys, 0.0)
+        self.outputs: list[dict] = []
+
+    # ------------------------------------------------------------ serving
+    def _seed(self, first_request: int) -> torch.Generator:
+        return torch.Generator().manual_seed(int(self.cfg.seed) * 1_000_003 + first_request)
+
+    def _decode(self, dec: SpeculativeDecoder, first: int, rows: list[list[int]]):
+        ids, mask = pad_rows(rows, self.tok.pad_token_id)
+        t = time.perf_counter()
+        out = dec.generate(ids, mask, generator=self._seed(first))
+        return out, time.perf_counter() - t
+
+    def serve_batch(self) -> None:
+        reqs = self.plan[self.pos : self.pos + int(self.cfg.batch_size)]
+        rows = [self.prompts[r.source][r.prompt] for r in reqs]
+        out, secs = self._decode(self.dec, reqs[0].id, rows)
+        ids = [r.id for r in reqs]
+        kept = entries_from_output(out, rows, ids, self.topk, self.cfg.record)
+        self.totals["mass"] += sum(float(e.topk_lp.exp().sum()) for e in kept)
+        self.totals["kept"] += sum(e.tokens for e in kept)
+        self.pending += kept
+        self.recent.append({"first": reqs[0].id, "rows": rows, "alpha_sum": out.alpha_sum})
+        self.recent[-1]["trials"] = out.trials
+        self.window.adapted.add(out, secs)
+        self.drift.observe(out.alpha_sum, out.trials, len(reqs))
+        self.totals["decode"] += secs
+        frozen: DecodeOutput | None = None
+        if self.frozen_dec is not None:
+            frozen, fsecs = self._decode(self.frozen_dec, reqs[0].id, rows)
+            self.window.frozen.add(frozen, fsecs)
+            self.totals["frozen"] += fsecs
+            self.recent[-1]["start"] = (frozen.alpha_sum, frozen.trials)  # for guard_start
+        self.window.segments += [r.segment for r in reqs]
+        if self.cfg.log_tokens:
+            for j, r in enumerate(reqs):
+                row = {"request": r.id, "adapted": out.tokens[j]}
+                self.outputs.append(row | ({"frozen": frozen.tokens[j]} if frozen else {}))
+        self.pos += len(reqs)
+
+    # ------------------------------------------------------------ updates and guard
+    def update(self) -> None:
+        cfg = self.cfg
+        guarded = int(cfg.guard_every) > 0 and (self.updates + 1) % int(cfg.guard_every) == 0
+        probe_batches = int(cfg.guard_probe) // int(cfg.batch_size) if guarded else 0
+        probe = self.recent[len(self.recent) - probe_batches :] if probe_batches else []
+        held = {r.request for r in self.pending} & {
+            b["first"] + i for b in probe for i in range(len(b["rows"]))
+        }
+        for e in self.pending:
+            if e.request not in held:
+                self.buffer.add(e)
+        snapshot = self.updater.state_dict() if guarded else None
+        t = time.perf_counter()
+        gated = self.updater.gated
+        relaxed = self.drift.decide()
+        losses = self.updater.update(self.buffer, self.updates, relaxed)
+        self.window.relaxed += int(relaxed)
+        self.totals["relaxed"] += int(relaxed)
+        secs = time.perf_counter() - t
+        self.window.gated += self.updater.gated - gated
+        self.totals["gated"] += self.updater.gated - gated
+        self.updates, self.window.updates = self.updates + 1, self.window.updates + 1
+        self.window.update_seconds += secs
+        self.totals["update"] += secs
+        self.window.losses += losses
+        self.window.agreements += self.updater.agreements
+        self.updater.agreements = []
+        if guarded:
+            t = time.perf_counter()
+            before = sum(b["alpha_sum"] for b in probe) / max(1, sum(b["trials"] for b in probe))
+            outs = [self._decode(self.guard_dec, b["first"], b["rows"])[0] for b in probe]
+            after = sum(o.alpha_sum for o in outs) / max(1, sum(o.trials for o in outs))
+            start = self._start_alpha(probe) if cfg.guard_start else None
+            if after < max(before, start or 0.0) - float(cfg.guard_margin):
+                self.updater.load_state_dict(snapshot)  # type: ignore[arg-type]
+                self.rollbacks += 1
+                self.window.rollbacks += 1
+                log.warning(
+                    "guard: update %d rolled back (probe alpha %.3f before, %.3f after, start "
+                    "drafter %s, margin %.3f)", self.updates, before, after,
+                    "-" if start is None else f"{start:.3f}", float(cfg.guard_margin),
+                )  # fmt: skip
+            secs = time.perf_counter() - t
+            self.window.guard_seconds += secs
+            self.totals["guard"] += secs
+        for e in self.pending:
+            if e.request in held:
+                self.buffer.add(e)
+        self.pending, self.recent = [], []
+
+    def _start_alpha(self, probe: list[dict]) -> float:
+        """The starting drafter's alpha on the probe: its frozen twin's decode of those very
+        requests (same seeds) when compare_frozen, else one decode with the start drafter."""
+        if any("start" not in b for b in probe):
+            for b in probe:
+                out = self._decode(self.start_dec, b["first"], b["rows"])[0]
+                b["start"] = (out.alpha_sum, out.trials)
+        return sum(b["start"][0] for b in probe) / max(1, sum(b["start"][1] for b in probe))
+
+    def close_window(self) -> dict:
+        row = self.window.row(
+            self.pos, self.buffer.tokens, self.buffer.capacity, self.buffer.peak_nbytes
+        )
+        self.rows.append(row)
+        self.window = Window(first_request=self.pos)
+        write_jsonl(self.out / "online.jsonl", self.rows)
+        return row
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self, fp: str) -> dict:
+        return {
+            "fingerprint": fp,
+            "pos": self.pos,
+            "updates": self.updates,
+            "rollbacks": self.rollbacks,
+            "updater": self.updater.state_dict(),
+            "buffer": self.buffer.state_dict(),
+            "drift": self.drift.state_dict(),
+            "pending": _entry_rows(self.pending),
+            "recent": self.recent,
+            "window": self.window.to_state(),
+            "rows": self.rows,
+            "totals": self.totals,
+            "outputs": self.outputs,
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos, self.updates = int(state["pos"]), int(state["updates"])
+        self.rollbacks = int(state["rollbacks"])
+        self.updater.load_state_dict(state["updater"])
+        self.buffer.load_state_dict(state["buffer"])
+        self.drift.load_state_dict(state["drift"])
+        self.pending = [Entry(*row) for row in state["pending"]]
+        self.recent, self.rows = state["recent"], state["rows"]
+        self.window = Window.from_state(state["window"])
+        self.totals, self.outputs = state["totals"], state["outputs"]
+        torch.set_rng_state(state["torch_rng"])
+
+    def save(self, fp: str) -> None:
+        """Atomic: the state file is replaced whole, then the drafter export."""
+        tmp = self.out / f".{STATE_FILE}.tmp"
+        with guard_write(self.out / STATE_FILE, cleanup=(tmp,)):  # no half state file left
+            torch.save(self.state_dict(fp), tmp)
+            os.replace(tmp, self.out / STATE_FILE)
+        export_atomic(self.updater.drafter, self.tok, self.out / "drafter")
+        write_jsonl(self.out / "online.jsonl", self.rows)
+
+
+def run(cfg: DictConfig) -> OnlineResult:
+    t_start = time.perf_counter()
+    segments = check_config(cfg)
+    out = Path(str(cfg.output_dir)).expanduser().absolute()
+    device = resolve_device(str(cfg.device))
+    set_threads(cfg.threads, device)
+    dtype = parse_dtype(str(cfg.dtype), device)
+    spec = resolve_pair(cfg.pair)
+    tok = load_tokenizer(spec)
+    topk = check_topk(cfg, len(tok))
+    sources = load_sources(segments, spec.toy, tok)
+    plan = plan_requests(
+        segments, {k: len(v) for k, v in sources.items()}, int(cfg.stream_blend), int(cfg.seed)
+    )
+    fp = fingerprint(cfg, plan_fingerprint(plan))
+    state_path = out / STATE_FILE
+    state = None
+    if cfg.resume and state_path.exists():
+        check_saved_file(
+            "resume=true", state_path, "delete it (and drafter/) to start afresh, or resume=false"
+        )
+        state = torch.load(state_path, weights_only=False)
+        if state["fingerprint"] != fp:
+            raise ConfigError(
+                f"resume=true but {state_path} was written by a different config or stream: "
+                "resume with the same settings, or use a fresh output_dir"
+            )
+    elif cfg.resume:
+        log.warning("resume=true but no %s: starting fresh", state_path)
+    # Prompts are tokenised once, cut to their last max_prompt_tokens tokens.
+    keep = int(cfg.max_prompt_tokens)
+    prompts = {
+        label: [tok(p.text, add_special_tokens=False).input_ids[-keep:] or [tok.eos_token_id]
+                for p in plist]
+        for label, plist in sources.items()
+    }  # fmt: skip
+
+    target, drafter, tok = load_pair(spec, device=device, dtype=dtype)
+    target.requires_grad_(False)
+    frozen = copy.deepcopy(drafter).requires_grad_(False) if cfg.compare_frozen else None
+    eos = tuple(sorted({i for i in [tok.eos_token_id] if i is not None}))
+    dcfg = dataclasses.replace(
+        decoder_config(cfg.decoder, int(cfg.max_new_tokens), eos, int(cfg.decoder.gamma)),
+        record_probs=True,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    job = OnlineRun(cfg, out, plan, prompts, target, drafter, frozen, tok, dcfg, topk)
+    if state is not None:
+        job.load_state_dict(state)
+        log.info("resumed at request %d (%d updates)", job.pos, job.updates)
+    tracker = wandb_tracker(cfg, device)
+    bounds, labels = boundaries(segments), [s.label for s in segments]
+    update_every, window = int(cfg.update_every), int(cfg.window)
+    with StopOnSignal() as stop:
+        while job.pos < len(plan) and stop.signum is None:
+            job.serve_batch()
+            updated = job.pos % update_every == 0
+            if updated:
+                job.update()
+            if job.pos % window == 0 or job.pos == len(plan):
+                row = job.close_window()
+                log.info(
+                    "requests %d: alpha adapted %s frozen %s, tau %s/%s, %.0f tok/s, update "
+                    "share %.3f, buffer %.2f",
+                    row["requests"], row["alpha_adapted"], row["alpha_frozen"],
+                    row["tau_adapted"], row["tau_frozen"], row["tokens_per_s"],
+                    row["update_share"], row["buffer_fill"],
+                )  # fmt: skip
+                if tracker is not None:
+                    tracker.log({f"online/{k}": v for k, v in row.items()}, step=row["requests"])
+            if updated and job.updates % int(cfg.save_every) == 0:
+                job.save(fp)
+        job.save(fp)
+        if stop.signum is not None:
+            log.warning(
+                "stopped by signal %d at request %d; resume=true continues", stop.signum, job.pos
+            )
+            if tracker is not None:
+                tracker.end_training()
+            sys.exit(128 + stop.signum)
+    if tracker is not None:
+        tracker.end_training()
+
+    seg = segment_summary(job.rows, bounds, labels)
+    t = job.totals
+    serve = t["decode"] + t["update"] + t["guard"]
+    s = dcfg.sampling
+    result = OnlineResult(
+        output_dir=str(out),
+        drafter_path=str(out / "drafter"),
+        drafter_start=spec.drafter,
+        requests=job.pos,
+        decoder="greedy"
+        if s.greedy
+        else f"sampling T={s.temperature} top_k={s.top_k} top_p={s.top_p}",
+        gamma=dcfg.gamma,
+        loss=str(cfg.loss.name),
+        record=str(cfg.record),
+        topk=topk,
+        topk_mass=round(t["mass"] / max(t["kept"], 1), 4),
+        updates=job.updates,
+        rollbacks=job.rollbacks,
+        gated_steps=int(t["gated"]),
+        relaxed_updates=int(t["relaxed"]),
+        decode_seconds=round(t["decode"], 2),
+        frozen_decode_seconds=round(t["frozen"], 2),
+        update_seconds=round(t["update"], 2),
+        guard_seconds=round(t["guard"], 2),
+        update_share=round((t["update"] + t["guard"]) / max(serve, 1e-9), 4),
+        buffer_capacity=job.buffer.capacity,
+        buffer_peak_mb=round(job.buffer.peak_nbytes / 2**20, 4),
+        final_window=job.rows[-1] if job.rows else None,
+        segments=seg,
+        wall_seconds=round(time.perf_counter() - t_start, 1),
+        config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+    )
+    if cfg.log_tokens:
+        write_jsonl(out / "outputs.jsonl", job.outputs)
+    if cfg.plot:
+        plot(job.rows, bounds, labels, out / "online.png")
+    atomic_write_text(out / "online.md", markdown(dataclasses.asdict(result), seg))
+    atomic_write_json(out / "result.json", result)
+    return result
+
+
+@hydra.main(config_path="pkg://specdistill.conf", config_name="online", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    r = run_or_exit(run, cfg)
+    fw = r.final_window or {}
+    print(
+        f"online: {r.requests} requests, {r.updates} updates ({r.rollbacks} rolled back, "
+        f"{r.gated_steps} steps gated, {r.relaxed_updates} relaxed); final "
+        f"window alpha adapted {fw.get('alpha_adapted')} vs frozen {fw.get('alpha_frozen')}; "
+        f"update share {r.update_share}; drafter: {r.drafter_path}"
+    )
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

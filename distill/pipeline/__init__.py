@@ -1,0 +1,1 @@
+"""The one orchestrator: every stage's config composed once, run in-process or on Slurm."""

@@ -1,0 +1,271 @@
+"""The pipeline's report: base vs distilled drafter side by side, each figure with its method.
+
+    python -m specdistill.distill.pipeline.report RUN_DIR   # rebuild summary.md + report.png from a run
+
+Two different "alpha"s appear in a run and must not be confused: the validate stage's
+decode-time acceptance rate (our speculative decoder on held-out prompts, in both serving
+modes: greedy and sampling) and the distill stage's held-out alpha, the expected acceptance in
+the serving mode (p = target, q = drafter) that picked the shipped checkpoint. The table labels
+every row with which one it is and how it was measured. Reads only the stages' own result files, so it
+works on a pipeline run and on a Slurm-chained run with the same layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from specdistill.data.io import atomic_write_text, read_json
+
+log = logging.getLogger("specdistill.report")
+
+# Flat figures kept in pipeline.json's summary, by the stage report that holds them.
+SUMMARY_KEYS = {
+    "distill": ("alpha_before", "alpha_after", "steps", "tokens_per_s", "wall_seconds"),
+    "validate": (
+        "alpha",
+        "alpha_sampled",
+        "tau",
+        "tau_sampled",
+        "modes",
+        "gamma",
+        "c",
+        "speedup",
+        "theoretical_speedup",
+        "decoder_efficiency",
+        "lossless",
+        "device",
+        "dtype",
+    ),
+    "export": ("output_dir", "usage", "vocab_size", "dtype"),
+}
+
+# (label, how it was measured, stage, key): `{T}` is the sampling side's temperature.
+ROWS = [
+    ("alpha, greedy", "decode-time acceptance", "validate", "greedy.alpha"),
+    ("alpha, temperature {T}", "decode-time acceptance", "validate", "sampling.alpha"),
+    ("tau (tokens per target forward), greedy", "decode-time", "validate", "greedy.tau"),
+    ("tau, temperature {T}", "decode-time", "validate", "sampling.tau"),
+    ("speedup over target-only (measured), greedy", "wall clock", "validate", "greedy.speedup"),
+    ("speedup over target-only (measured), temperature {T}", "wall clock", "validate", "sampling.speedup"),
+    ("theoretical speedup, serving mode", "from alpha, gamma, c", "validate", "theoretical_speedup"),
+    ("HF assisted speedup, same pair", "wall clock, serving mode", "validate", "hf_speedup"),
+    ("lossless (output = target's)", "token-identical, greedy", "validate", "lossless"),
+    ("held-out alpha, {mode}", "{how}", "distill", "alpha"),
+    ("held-out greedy agreement", "argmax q = argmax p on {data}", "distill", "agree"),
+]  # fmt: skip
+
+
+def mode_value(v: dict[str, Any], mode: str, key: str) -> Any:
+    """A validate report's figure for one serving mode (reports before `modes` existed held
+    greedy figures at top level and temperature-1 alpha/tau as `*_sampled`)."""
+    modes = v.get("modes")
+    if modes:
+        return (modes.get(mode) or {}).get(key)
+    greedy = not v.get("temperature")
+    if mode == "greedy":
+        return v.get(key) if greedy else None
+    if key in ("alpha", "tau"):
+        return v.get(key) if not greedy else v.get(f"{key}_sampled")
+    return v.get(key) if not greedy else None
+
+
+def _sampling_temperature(stages: dict[str, dict]) -> Any:
+    for stage in ("validate", "validate_base"):
+        side = ((stages.get(stage) or {}).get("modes") or {}).get("sampling")
+        if side:
+            t = f"{side['temperature']:g}"
+            return t + (f", top_p {side['top_p']:g}" if side.get("top_p", 1.0) < 1 else "")
+    return "1"
+
+
+def _distill_labels(stages: dict[str, dict]) -> dict[str, str]:
+    """How the distill stage's held-out figure was measured (its source and serving mode)."""
+    data = (stages.get("distill") or {}).get("data") or {}
+    smp = data.get("eval_sampling") or {"temperature": 1.0}
+    greedy = not smp.get("temperature")
+    source = data.get("eval_source", "reference")
+    if source == "target":
+        where = f"the target's {'greedy' if greedy else 'sampled'} continuations"
+    else:
+        where = "reference completions" if source == "reference" else "a generate run"
+    mode = "greedy" if greedy else f"temperature {smp['temperature']:g}"
+    if not greedy and smp.get("top_p", 1.0) < 1:
+        mode += f", top_p {smp['top_p']:g}"
+    how = ("[argmax q = argmax p]" if greedy else "sum min(p,q)") + f" on {where}"
+    return {"mode": mode, "how": how, "data": where}
+
+
+def summarize(stages: dict[str, dict]) -> dict[str, Any]:
+    """Flat `stage.key` figures for pipeline.json (validate_base reads like validate)."""
+    out: dict[str, Any] = {}
+    for stage, figures in stages.items():
+        for key in SUMMARY_KEYS.get(stage.removesuffix("_base"), ()):
+            if key in figures:
+                out[f"{stage}.{key}"] = figures[key]
+    if "export" in stages:
+        out["exported_drafter"] = stages["export"]["output_dir"]
+    return out
+
+
+def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> Any:
+    if stage == "distill":
+        d = stages.get("distill") or {}
+        name = {"alpha": "alpha", "agree": "greedy_agreement"}[key]
+        return d.get(f"{name}_{'after' if distilled else 'before'}")
+    v = stages.get("validate" if distilled else "validate_base") or {}
+    if key == "hf_speedup":
+        return (v.get("hf_assisted") or {}).get("speedup")
+    if "." in key:
+        mode, name = key.split(".")
+        return mode_value(v, mode, name)
+    return v.get(key)
+
+
+def _shown(v: Any) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def comparison_table(stages: dict[str, dict]) -> list[str]:
+    """Markdown rows: figure | how measured | base drafter | distilled drafter."""
+    lines = [
+        "| figure | how measured | base drafter | distilled drafter |",
+        "| --- | --- | --- | --- |",
+    ]
+    fill = {"T": _sampling_temperature(stages), **_distill_labels(stages)}
+    for label, how, stage, key in ROWS:
+        base, dist = _value(stages, stage, key, False), _value(stages, stage, key, True)
+        if base is None and dist is None:
+            continue
+        if key == "agree" and fill["mode"] == "greedy":
+            continue  # the held-out alpha row above already is this figure
+        lines.append(
+            f"| {label.format(**fill)} | {how.format(**fill)} | {_shown(base)} | {_shown(dist)} |"
+        )
+    return lines
+
+
+def summary_markdown(
+    run_dir: str,
+    stages: dict[str, dict],
+    wall_seconds: float | None,
+    serving: dict[str, Any] | None = None,
+    recipe: dict[str, Any] | None = None,
+) -> str:
+    v = stages.get("validate") or stages.get("validate_base") or {}
+    lines = [f"# specdistill run: {run_dir}", ""]
+    if v:
+        lines += [
+            f"Decode-time figures: `specdistill.decode.validate.stage`, {v.get('prompts')} held-out "
+            f"prompts x {v.get('max_new_tokens')} new tokens, gamma {v.get('gamma')}, "
+            f"{v.get('device')} / {v.get('dtype')}, both serving modes (greedy and sampling). "
+            "Held-out alpha: the distill stage's expected acceptance (not decoded) that picked "
+            "the shipped checkpoint.",
+            "",
+        ]
+    lines += comparison_table(stages)
+    d = stages.get("distill")
+    if d:
+        loss = (d.get("loss") or {}).get("name", "?")
+        lines += [
+            "",
+            f"Distilled with loss {loss}, lmbda {d.get('lmbda')}, {d.get('steps')} steps "
+            f"(best held-out alpha at step {d.get('best_step')}): `{d.get('drafter_path')}`.",
+        ]
+    if serving:
+        how = serving.get("mode", "?")
+        if how == "sampling":
+            how += f" at temperature {serving.get('temperature')}, top_p {serving.get('top_p')}"
+        lines += ["", f"Served {how}; recipe `{(recipe or {}).get('name')}`: {recipe}."]
+    e = stages.get("export")
+    if e:
+        lines += [
+            "",
+            f"Exported drafter (self-checked): `{e['output_dir']}`",
+            "",
+            f"Use it: `{e['usage']}`",
+        ]
+    if wall_seconds is not None:
+        lines += ["", f"wall time: {wall_seconds} s"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_acceptance(stages: dict[str, dict], path: Path) -> bool:
+    """report.png: acceptance by draft position, base and distilled drafter in one figure."""
+    series = [
+        (name, (stages.get(stage) or {}).get("acceptance_by_position"))
+        for name, stage in (("base drafter", "validate_base"), ("distilled drafter", "validate"))
+    ]
+    series = [(n, s) for n, s in series if s]
+    if not series:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no %s", path)
+        return False
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series):
+        xs = [k + 1 + (i - (len(series) - 1) / 2) * width for k in range(len(values))]
+        ax.bar(xs, values, width=width, label=name)
+    ax.set(xlabel="draft position", ylabel="P(accept | reached), greedy", ylim=(0, 1))
+    ax.set_xticks(range(1, max(len(s) for _, s in series) + 1))
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def load_stages(run_dir: Path) -> dict[str, dict]:
+    """A run folder's stage results (the pipeline's and pipeline.sh's common layout)."""
+    files = {
+        "generate": "generate/result.json",
+        "distill": "distill/result.json",
+        "validate_base": "validate_base/report.json",
+        "validate": "validate/report.json",
+        "export": "export/drafter/export.json",
+    }
+    return {k: read_json(run_dir / f) for k, f in files.items() if (run_dir / f).is_file()}
+
+
+def write_report(
+    run_dir: Path,
+    stages: dict[str, dict],
+    wall_seconds: float | None,
+    serving: dict[str, Any] | None = None,
+    recipe: dict[str, Any] | None = None,
+) -> str:
+    text = summary_markdown(str(run_dir), stages, wall_seconds, serving, recipe)
+    atomic_write_text(run_dir / "summary.md", text)
+    plot_acceptance(stages, run_dir / "report.png")
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    args = parser.parse_args(argv)
+    stages = load_stages(args.run_dir)
+    if not stages:
+        parser.error(f"run_dir={args.run_dir}: no stage results there")
+    pj = args.run_dir / "pipeline.json"
+    summary = read_json(pj).get("summary", {}) if pj.is_file() else {}
+    print(write_report(args.run_dir, stages, None, summary.get("serving"), summary.get("recipe")))
+
+
+if __name__ == "__main__":
+    main()

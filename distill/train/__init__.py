@@ -1,0 +1,1 @@
+"""The distill stage: the drafter trained against the target (DistillSpec losses, Seq-KD / on-policy data)."""

@@ -1,0 +1,245 @@
+"""Training data for the distill stage: Seq-KD rows, reference completions, on-policy samples.
+
+Every source becomes a list of `Example` (prompt ids + completion ids, optionally the target's
+stored top-k log-probs per completion token). Which examples form which micro-batch is a pure
+function of (seed, optimizer step, rank, accumulation index), so a resumed run and a run with a
+different process count (same global batch) see exactly the same data, and the on-policy coin
+for a micro-batch is drawn from the same seed whatever the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdistill.data.runtime import ConfigError
+
+SEQKD_COLUMNS = ("prompt_ids", "completion_ids")
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training sequence; completion tokens are the ones the loss sees."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
+
+
+def load_seqkd(path: str | Path, *, limit: int | None = None, use_topk: bool = True):
+    """Rows of a generate-stage dataset (`datasets.load_from_disk`) as Examples."""
+    import datasets
+
+    p = Path(str(path)).expanduser()
+    if not p.exists():
+        raise ConfigError(
+            f"data.path={str(path)!r} does not exist: point it at a generate-stage output_dir "
+            "(python -m specdistill.data.generate ...) or set data.path=null to build one"
+        )
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except Exception as e:  # datasets raises IndexError for a 0-row save, ValueError, ...
+        raise ConfigError(
+            f"data.path={str(path)!r} is empty or not a saved `datasets` dataset ({e!r})"
+        ) from e
+    if isinstance(ds, datasets.DatasetDict):
+        raise ConfigError(f"data.path={str(path)!r} holds several splits; point it at one")
+    missing = [c for c in SEQKD_COLUMNS if c not in ds.column_names]
+    if missing:
+        raise ConfigError(
+            f"data.path={str(path)!r} lacks columns {missing} (has {ds.column_names}); "
+            "it must be written by the generate stage"
+        )
+    if len(ds) == 0:
+        raise ConfigError(f"data.path={str(path)!r} has no rows")
+    if limit is not None:
+        ds = ds.select(range(min(int(limit), len(ds))))
+    topk = use_topk and "topk_ids" in ds.column_names and "topk_logprobs" in ds.column_names
+    out = []
+    for row in ds:
+        if not row["completion_ids"]:
+            continue
+        out.append(
+            Example(
+                prompt_ids=list(row["prompt_ids"]),
+                completion_ids=list(row["completion_ids"]),
+                topk_ids=row["topk_ids"] if topk else None,
+                topk_logprobs=row["topk_logprobs"] if topk else None,
+            )
+        )
+    if not out:
+        raise ConfigError(f"data.path={str(path)!r} has no rows with a non-empty completion")
+    return out
+
+
+def has_topk(examples: list[Example]) -> bool:
+    return bool(examples) and all(e.topk_ids is not None for e in examples)
+
+
+def reference_examples(prompts, tokenizer, field: str = "dataset.reference_field") -> list:
+    """Prompt + reference completion (the fixed-dataset source), EOS appended like generate."""
+    out = []
+    for pr in prompts:
+        if pr.reference is None:
+            raise ConfigError(
+                f"{field} is not set or empty for prompt {pr.index}: reference completions are "
+                "needed for data.reference=true / eval.source=reference"
+            )
+        ids = tokenizer(pr.text, add_special_tokens=False)["input_ids"]
+        comp = tokenizer(pr.reference, add_special_tokens=False)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            comp = [*comp, tokenizer.eos_token_id]
+        out.append(Example(prompt_ids=ids, completion_ids=comp))
+    return out
+
+
+def collate(examples: list[Example], pad_id: int, max_seq_len: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch; `loss_mask[b, t]` marks logits positions whose *next* token is a
+    completion token, so logits[:, t] is compared with the target's distribution at t."""
+    seqs, starts, tk_ids, tk_lp = [], [], [], []
+    for ex in examples:
+        comp = ex.completion_ids[: max_seq_len - 1]
+        prompt = ex.prompt_ids[-(max_seq_len - len(comp)) :] if ex.prompt_ids else []
+        if not prompt:  # the first completion token needs a context position to predict it
+            raise ConfigError("an example has an empty prompt; every row needs prompt_ids")
+        seqs.append(prompt + comp)
+        starts.append(len(prompt))
+        if ex.topk_ids is not None:
+            tk_ids.append(ex.topk_ids[: len(comp)])
+            tk_lp.append(ex.topk_logprobs[: len(comp)])  # type: ignore[index]
+    n = max(len(s) for s in seqs)
+    b = len(seqs)
+    input_ids = torch.full((b, n), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, n), dtype=torch.long)
+    loss_mask = torch.zeros((b, n), dtype=torch.bool)
+    for i, (s, st) in enumerate(zip(seqs, starts)):
+        input_ids[i, : len(s)] = torch.tensor(s)
+        attention[i, : len(s)] = 1
+        loss_mask[i, st - 1 : len(s) - 1] = True
+    batch = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
+    if tk_ids and len(tk_ids) == b:
+        k = len(tk_ids[0][0])
+        # Padding rows: a valid (K+1)-way distribution (uniform) so masked positions stay finite.
+        ids = torch.arange(k).expand(b, n, k).clone()
+        lp = torch.full((b, n, k), -torch.log(torch.tensor(k + 1.0)).item())
+        for i, (st, ti, tl) in enumerate(zip(starts, tk_ids, tk_lp)):
+            ids[i, st - 1 : st - 1 + len(ti)] = torch.tensor(ti, dtype=torch.long)
+            lp[i, st - 1 : st - 1 + len(tl)] = torch.tensor(tl, dtype=torch.float32)
+        batch["topk_ids"], batch["topk_lp"] = ids, lp
+    return batch
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """The layout of the example stream: what is needed to find any micro-batch's examples."""
+
+    num_examples: int
+    micro_batch_size: int
+    world_size: int
+    grad_accum: int
+    seed: int
+
+    @property
+    def micro_per_step(self) -> int:
+        return self.world_size * self.grad_accum
+
+    def global_micro_index(self, step: int, accum_index: int, rank: int) -> int:
+        """Micro-batch g of the global stream; a step's window is g in [step*W*A, (step+1)*W*A),
+        so 1 process x 2 accumulation and 2 processes x 1 see the same window."""
+        return step * self.micro_per_step + accum_index * self.world_size + rank
+
+    def examples_seen(self, step: int) -> int:
+        """The data position after `step` optimizer steps (examples consumed, all ranks)."""
+        return step * self.micro_per_step * self.micro_batch_size
+
+    def indices(self, g: int) -> list[int]:
+        """Example indices of micro-batch g: consecutive slots of per-epoch permutations."""
+        out = []
+        for slot in range(g * self.micro_batch_size, (g + 1) * self.micro_batch_size):
+            epoch, pos = divmod(slot, self.num_examples)
+            out.append(int(_epoch_perm(self.seed, epoch, self.num_examples)[pos]))
+        return out
+
+
+_PERM_CACHE: dict[tuple[int, int, int], torch.Tensor] = {}
+
+
+def _epoch_perm(seed: int, epoch: int, n: int) -> torch.Tensor:
+    key = (seed, epoch, n)
+    if key not in _PERM_CACHE:
+        if len(_PERM_CACHE) > 8:
+            _PERM_CACHE.clear()
+        gen = torch.Generator().manual_seed(seed * 7919 + epoch)
+        _PERM_CACHE[key] = torch.randperm(n, generator=gen)
+    return _PERM_CACHE[key]
+
+
+def micro_seed(seed: int, g: int) -> int:
+    """A seed for micro-batch g's randomness (on-policy coin and sampling), layout-independent."""
+    return (seed * 1_000_003 + g * 7_919 + 17) % (2**63 - 1)
+
+
+def is_onpolicy(seed: int, g: int, lmbda: float) -> bool:
+    """GKD's per-batch coin: with probability lmbda this micro-batch is drafter-generated."""
+    if lmbda <= 0.0:
+        return False
+    if lmbda >= 1.0:
+        return True
+    gen = torch.Generator().manual_seed(micro_seed(seed, g))
+    return bool(torch.rand((), generator=gen).item() < lmbda)
+
+
+@torch.no_grad()
+def sample_onpolicy(
+    model,
+    examples: list[Example],
+    *,
+    pad_id: int,
+    eos_id: int | None,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    synced_gpus: bool = False,
+) -> list[Example]:
+    """The drafter's own completions for the examples' prompts (GKD on-policy data).
+
+    Sampling runs under a forked RNG seeded per micro-batch, so it neither depends on nor
+    disturbs the global RNG stream (resume and process layout stay exact).
+    """
+    device = next(model.parameters()).device
+    n = max(len(e.prompt_ids) for e in examples)
+    ids = torch.full((len(examples), n), pad_id, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, e in enumerate(examples):  # left-pad for decoder-only generation
+        ids[i, n - len(e.prompt_ids) :] = torch.tensor(e.prompt_ids)
+        att[i, n - len(e.prompt_ids) :] = 1
+    was_training = model.training
+    model.eval()
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=att.to(device),
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad_id,
+            eos_token_id=eos_id,
+            synced_gpus=synced_gpus,
+        )
+    model.train(was_training)
+    result = []
+    for i, e in enumerate(examples):
+        comp = out[i, n:].tolist()
+        if eos_id is not None and eos_id in comp:
+            comp = comp[: comp.index(eos_id) + 1]
+        elif pad_id in comp and pad_id != eos_id:
+            comp = comp[: comp.index(pad_id)]
+        result.append(Example(prompt_ids=e.prompt_ids, completion_ids=comp or [pad_id]))
+    return result

@@ -1,0 +1,88 @@
+"""Held-out evaluation of the drafter: expected decode-time acceptance in the serving mode.
+
+Target p, drafter q. At every completion position the probability that speculative decoding
+accepts the drafted token is exactly
+  greedy serving:   [argmax q == argmax p]
+  sampling serving: sum_x min(P, Q), P and Q being p and q after the serving temperature /
+                    top-k / top-p (applied identically to both, as the decoder does).
+`alpha` is the mean of that over the batches' masked positions. Measured on the target's own
+continuations of held-out prompts (greedy continuations for greedy serving, sampled at the
+serving temperature for sampling), it is what the validate stage's alpha estimates, so the
+distill stage picks `best/` by it (DistillSpec: the right figure depends on the decoding mode).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdistill.data.runtime import ConfigError
+from specdistill.decode.acceptance import Sampling, expected_alpha, probs_from_logits
+
+
+def serving_acceptance(
+    p_logits: torch.Tensor, q_logits: torch.Tensor, sampling: Sampling
+) -> torch.Tensor:
+    """Per-position acceptance probability of a drafted token (target p, drafter q), (...,)."""
+    if sampling.greedy:  # no one-hot (B, T, V) tensors: compare the argmaxes
+        return (p_logits.argmax(-1) == q_logits.argmax(-1)).float()
+    return expected_alpha(
+        probs_from_logits(p_logits, sampling), probs_from_logits(q_logits, sampling)
+    )
+
+
+def _stored_topk_ok(sampling: Sampling) -> bool:
+    """Stored top-k log-probs are the target's at temperature 1 with nothing cut."""
+    return sampling.greedy or (
+        sampling.temperature == 1.0 and sampling.top_k == 0 and sampling.top_p == 1.0
+    )
+
+
+@torch.no_grad()
+def evaluate(
+    drafter,
+    target,
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    vocab: int,
+    sampling: Sampling,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """alpha (acceptance in the `sampling` mode) and greedy agreement over masked positions.
+
+    With `target=None` the batches must carry the target's stored top-k log-probs (at T=1):
+    alpha is then sum over the top-k of min(p, q), a lower bound (the rest bucket's mass is
+    left out), and greedy agreement uses the stored top-1.
+    """
+    if target is None and not _stored_topk_ok(sampling):
+        raise ConfigError(
+            f"eval.temperature={sampling.temperature} / top_k={sampling.top_k} / "
+            f"top_p={sampling.top_p}: stored top-k log-probs are at temperature 1; load the "
+            "target (eval.source=target or reference) or evaluate at temperature 0 or 1"
+        )
+    was_training = drafter.training
+    drafter.eval()
+    acc_sum, agree, count = 0.0, 0, 0
+    for batch in batches:
+        ids = batch["input_ids"].to(device)
+        att = batch["attention_mask"].to(device)
+        mask = batch["loss_mask"].to(device)
+        q_logits = drafter(input_ids=ids, attention_mask=att).logits[..., :vocab].float()
+        if target is not None:
+            p_logits = target(input_ids=ids, attention_mask=att).logits[..., :vocab].float()
+            acc = serving_acceptance(p_logits, q_logits, sampling)
+            p_top = p_logits.argmax(-1)
+        else:
+            tk_ids = batch["topk_ids"].to(device)
+            p_top = tk_ids[..., 0]
+            if sampling.greedy:
+                acc = (q_logits.argmax(-1) == p_top).float()
+            else:
+                lq = torch.log_softmax(q_logits, -1).gather(-1, tk_ids)
+                acc = torch.minimum(batch["topk_lp"].to(device), lq).exp().sum(-1)
+        acc_sum += float(acc[mask].double().sum())
+        agree += int((q_logits.argmax(-1) == p_top)[mask].sum())
+        count += int(mask.sum())
+    drafter.train(was_training)
+    if count == 0:
+        return {"alpha": float("nan"), "greedy_agreement": float("nan"), "tokens": 0}
+    return {"alpha": acc_sum / count, "greedy_agreement": agree / count, "tokens": count}

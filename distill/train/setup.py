@@ -1,0 +1,278 @@
+"""Distill-stage set-up: config checks, the accelerator, models and data sources.
+
+Everything that can be wrong with the user's input is checked here, before any model trains,
+with a ConfigError that names the config field.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from specdistill.data.pairs import (
+    PairSpec,
+    check_same_tokenizer,
+    check_vocab,
+    load_role,
+    vocab_size,
+)
+from specdistill.data.prompts import load_prompts
+from specdistill.data.runtime import ConfigError, parse_dtype
+from specdistill.decode.acceptance import Sampling
+from specdistill.distill.losses import DIVERGENCES
+from specdistill.distill.train import zero
+from specdistill.distill.train.data import Example, has_topk, load_seqkd, reference_examples
+
+log = logging.getLogger(__name__)
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Reject bad settings up front, naming the field."""
+    for field in ("lmbda", "loss.beta"):
+        value = OmegaConf.select(cfg, field)
+        if value is None or not 0.0 <= float(value) <= 1.0:
+            raise ConfigError(f"{field}={value} must lie in [0, 1] (see DESIGN.md: GKD naming)")
+    if cfg.loss.name not in DIVERGENCES:
+        raise ConfigError(f"loss.name={cfg.loss.name!r} is not one of {', '.join(DIVERGENCES)}")
+    if float(cfg.loss.temperature) <= 0:
+        raise ConfigError(f"loss.temperature={cfg.loss.temperature} must be positive")
+    for field in ("max_steps", "micro_batch_size", "grad_accum", "eval_every", "save_every"):
+        if int(OmegaConf.select(cfg, field)) <= 0:
+            raise ConfigError(f"{field}={OmegaConf.select(cfg, field)} must be a positive integer")
+    if int(cfg.max_seq_len) < 2:
+        raise ConfigError(f"max_seq_len={cfg.max_seq_len} must be at least 2")
+    if cfg.loss_chunk_size is not None and int(cfg.loss_chunk_size) <= 0:
+        raise ConfigError(f"loss_chunk_size={cfg.loss_chunk_size} must be positive or null")
+    if cfg.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+        raise ConfigError(f"mixed_precision={cfg.mixed_precision!r}: use auto, no, bf16 or fp16")
+    if cfg.eval.source not in ("reference", "path", "target"):
+        raise ConfigError(f"eval.source={cfg.eval.source!r}: use reference, path or target")
+    eval_sampling(cfg)
+    check_switch(cfg)
+    zero.check_deepspeed(cfg, use_cuda(cfg))
+    if cfg.optim.schedule not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: use cosine, linear or constant")
+
+
+def check_switch(cfg: DictConfig) -> None:
+    """`switch`: an optional second phase (e.g. greedy Seq-KD + FKL, then on-policy TVD)."""
+    sw = OmegaConf.select(cfg, "switch")
+    if sw is None or sw.get("at") is None:
+        return
+    at = float(sw.at)
+    if not 0.0 < at < 1.0:
+        raise ConfigError(f"switch.at={at} must lie in (0, 1): the share of max_steps before it")
+    if sw.get("loss") is not None and sw.loss not in DIVERGENCES:
+        raise ConfigError(f"switch.loss={sw.loss!r} is not one of {', '.join(DIVERGENCES)}")
+    for field in ("lmbda", "beta"):
+        v = sw.get(field)
+        if v is not None and not 0.0 <= float(v) <= 1.0:
+            raise ConfigError(f"switch.{field}={v} must lie in [0, 1] or be null")
+
+
+def phase_at(cfg: DictConfig, step: int) -> tuple[str, float, float]:
+    """(loss name, beta, lmbda) for optimizer step `step` (0-based): the switch's settings
+    from step int(switch.at * max_steps) on, the stage's own before (or without a switch)."""
+    sw = OmegaConf.select(cfg, "switch")
+    name, beta, lmbda = str(cfg.loss.name), float(cfg.loss.beta), float(cfg.lmbda)
+    if sw is None or sw.get("at") is None or step < int(float(sw.at) * int(cfg.max_steps)):
+        return name, beta, lmbda
+    if sw.get("loss") is not None and sw.loss != name:
+        name, beta = str(sw.loss), {"fkl": 0.0, "rkl": 1.0}.get(str(sw.loss), 0.5)
+    if sw.get("beta") is not None:
+        beta = float(sw.beta)
+    if sw.get("lmbda") is not None:
+        lmbda = float(sw.lmbda)
+    return name, beta, lmbda
+
+
+def eval_sampling(cfg: DictConfig) -> Sampling:
+    """The serving mode the held-out acceptance is measured in (temperature 0 = greedy)."""
+    t = float(cfg.eval.temperature)
+    top_p = float(OmegaConf.select(cfg, "eval.top_p", default=1.0))
+    top_k = int(OmegaConf.select(cfg, "eval.top_k", default=0) or 0)
+    if t < 0:
+        raise ConfigError(f"eval.temperature={t} must be >= 0 (0 = greedy serving)")
+    if not 0.0 < top_p <= 1.0:
+        raise ConfigError(f"eval.top_p={top_p} must lie in (0, 1]")
+    if top_k < 0:
+        raise ConfigError(f"eval.top_k={top_k} must be >= 0 (0 = off)")
+    return Sampling(temperature=t, top_k=top_k, top_p=top_p)
+
+
+def use_cuda(cfg: DictConfig) -> bool:
+    return torch.cuda.is_available() and cfg.device != "cpu"
+
+
+def make_accelerator(cfg: DictConfig):
+    """accelerate handles devices and processes; our own loop does the accumulation (so the
+    loss can be normalised by the window's tokens), except under DeepSpeed, whose engine must
+    own the accumulation boundary (see `zero`)."""
+    from accelerate import Accelerator
+
+    mp = cfg.mixed_precision
+    if mp == "auto":
+        mp = "bf16" if use_cuda(cfg) else "no"
+    kwargs: dict[str, Any] = {"mixed_precision": mp, "cpu": not use_cuda(cfg)}
+    if cfg.logger.name == "wandb":
+        kwargs["log_with"] = "wandb"
+        kwargs["project_dir"] = str(cfg.output_dir)
+    if cfg.deepspeed.enabled:
+        return zero.make_deepspeed_accelerator(cfg, use_cuda(cfg), kwargs)
+    return Accelerator(**kwargs)
+
+
+def init_logger(accelerator, cfg: DictConfig) -> None:
+    """wandb: project/run name/config from Hydra; offline when no API key is configured."""
+    if cfg.logger.name != "wandb":
+        return
+    mode = os.environ.get("WANDB_MODE") or cfg.logger.mode
+    if mode == "auto":
+        netrc = Path.home() / ".netrc"
+        has_key = bool(os.environ.get("WANDB_API_KEY")) or (
+            netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+        )
+        mode = "online" if has_key else "offline"
+    name = cfg.logger.run_name or f"{cfg.loss.name}-{Path(str(cfg.output_dir)).name}"
+    accelerator.init_trackers(
+        cfg.logger.project,
+        config=OmegaConf.to_container(cfg, resolve=True),
+        init_kwargs={"wandb": {"name": name, "dir": str(cfg.output_dir), "mode": mode}},
+    )
+
+
+def load_target(spec: PairSpec, cfg: DictConfig, device, drafter, tokenizer):
+    """The frozen target: eval mode, no grad, bf16 on GPU; vocab and tokenizer checked."""
+    dtype = parse_dtype(cfg.target_dtype, device)
+    target = load_role(spec, "target", dtype=dtype, device=device)
+    target.requires_grad_(False)
+    check_vocab(vocab_size(target), vocab_size(drafter), len(tokenizer))
+    from transformers import AutoTokenizer
+
+    try:
+        drafter_tok = AutoTokenizer.from_pretrained(spec.drafter, revision=spec.drafter_revision)
+    except (OSError, ValueError):
+        drafter_tok = None
+    if drafter_tok is not None:
+        check_same_tokenizer(tokenizer, drafter_tok)
+    return target
+
+
+def _dataset_cfg(cfg: DictConfig, split: str | None) -> DictConfig:
+    ds = OmegaConf.to_container(cfg.dataset, resolve=True)
+    if split is not None:
+        ds["split"] = split
+    return OmegaConf.create(ds)
+
+
+def build_seqkd(cfg: DictConfig, accelerator) -> Path:
+    """Run the generate stage into output_dir/seqkd (main process; reused when complete)."""
+    overrides = OmegaConf.to_container(cfg.data.generate, resolve=True)
+    return run_generate(cfg, accelerator, Path(str(cfg.output_dir)) / "seqkd", "train", overrides)
+
+
+def run_generate(
+    cfg: DictConfig, accelerator, path: Path, split: str, settings: dict[str, Any]
+) -> Path:
+    """The generate stage over the dataset's `split` into `path` (main process; a finished
+    run with the same config is reused by the generate stage itself)."""
+    if accelerator.is_main_process:
+        try:
+            from specdistill.data.generate.stage import run as generate
+        except ImportError as e:
+            raise ConfigError(
+                "the generate stage is not available to build target continuations: pass "
+                "data.path / eval.path, or data.seq_kd=false with data.reference=true"
+            ) from e
+        from hydra import compose, initialize_config_module
+        from hydra.core.global_hydra import GlobalHydra
+
+        overrides = [f"output_dir={path}", f"split={split}", f"seed={cfg.seed}"]
+        for key, value in settings.items():
+            overrides.append(f"{key}={'null' if value is None else value}")
+        if GlobalHydra.instance().is_initialized():
+            gcfg = compose(config_name="generate", overrides=overrides)
+        else:
+            with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+                gcfg = compose(config_name="generate", overrides=overrides)
+        OmegaConf.set_struct(gcfg, False)
+        gcfg.pair = cfg.pair
+        gcfg.dataset = _dataset_cfg(cfg, None)
+        if split != "train":
+            gcfg.dataset.limit = cfg.eval.limit
+        gcfg.shard = {"index": 0, "count": 1}
+        gcfg.progress = False
+        if cfg.device == "cpu":
+            gcfg.device = "cpu"
+        log.info("target continuations (%s split) with the generate stage -> %s", split, path)
+        generate(gcfg)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def build_train_examples(cfg: DictConfig, tokenizer, accelerator) -> tuple[list[Example], bool]:
+    """(examples, top-k mode). Sources mix: Seq-KD rows + reference completions; with
+    lmbda = 1 and neither, the dataset's prompts alone (every batch is drafter-generated)."""
+    examples: list[Example] = []
+    path = cfg.data.path
+    if path is None and cfg.data.seq_kd:
+        path = build_seqkd(cfg, accelerator)
+    use_topk = cfg.data.use_topk
+    if path is not None:
+        examples += load_seqkd(path, limit=cfg.data.limit, use_topk=use_topk in ("auto", True))
+    if cfg.data.reference:
+        prompts = load_prompts(_dataset_cfg(cfg, None), tokenizer, default_split="train")
+        examples += reference_examples(prompts[: cfg.data.limit or None], tokenizer)
+    if not examples and float(cfg.lmbda) >= 1.0:
+        prompts = load_prompts(_dataset_cfg(cfg, None), tokenizer, default_split="train")
+        ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+        examples = [Example(prompt_ids=i, completion_ids=[]) for i in ids]
+    if not examples:
+        raise ConfigError(
+            "no training data: set data.path (a Seq-KD dataset), data.seq_kd=true, "
+            "data.reference=true or lmbda=1 (on-policy only)"
+        )
+    topk = has_topk(examples)
+    if use_topk is True and not topk:
+        raise ConfigError("data.use_topk=true but the training rows carry no stored top-k")
+    most_onpolicy = max(float(cfg.lmbda), float(OmegaConf.select(cfg, "switch.lmbda") or 0))
+    if topk and most_onpolicy > 0:
+        if use_topk is True:
+            raise ConfigError(
+                f"data.use_topk=true with lmbda={cfg.lmbda}: on-policy batches need the target "
+                "loaded; set lmbda=0 or data.use_topk=false"
+            )
+        examples = [Example(e.prompt_ids, e.completion_ids) for e in examples]
+        topk = False
+    if topk and float(cfg.loss.temperature) != 1.0:
+        raise ConfigError("loss.temperature must be 1 with stored top-k log-probs (stored at T=1)")
+    return examples, topk
+
+
+def build_eval_examples(cfg: DictConfig, tokenizer, accelerator) -> list[Example]:
+    """Held-out rows: reference completions, a given generate run, or (`target`) the target's
+    own continuations in the serving mode (greedy, or sampled at eval.temperature/top_p)."""
+    if cfg.eval.source == "target":
+        sampling = eval_sampling(cfg)
+        settings = {
+            "max_new_tokens": int(cfg.eval.max_new_tokens),
+            "do_sample": not sampling.greedy,
+            "temperature": sampling.temperature if not sampling.greedy else 1.0,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "topk_logprobs": 0,
+        }
+        path = Path(str(cfg.eval.path or Path(str(cfg.output_dir)) / "eval_continuations"))
+        run_generate(cfg, accelerator, path, str(cfg.eval.split), settings)
+        return load_seqkd(path, limit=cfg.eval.limit, use_topk=False)
+    if cfg.eval.source == "path":
+        if cfg.eval.path is None:
+            raise ConfigError("eval.source=path needs eval.path (a generate-stage dataset)")
+        return load_seqkd(cfg.eval.path, limit=cfg.eval.limit)
+    prompts = load_prompts(_dataset_cfg(cfg, cfg.eval.split), tokenizer, default_split="test")
+    return reference_examples(prompts[: cfg.eval.limit or None], tokenizer)

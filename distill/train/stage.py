@@ -1,0 +1,437 @@
+"""The distill stage: train the drafter q towards the frozen target p (DistillSpec / GKD).
+
+    python -m specdistill.distill.train pair=toy-tiny output_dir=DIR max_steps=50
+    torchrun --nproc_per_node 2 -m specdistill.distill.train ... [deepspeed=zero2|zero3]
+
+Data sources mix (Seq-KD rows, reference completions, on-policy drafter samples with
+probability `lmbda` per micro-batch); the target runs on the fly (frozen, no grad) unless the
+Seq-KD rows carry stored top-k log-probs. The loss is summed over completion tokens and divided
+by the token count of the whole accumulation window across processes, so 2 processes x 1
+micro-batch train exactly like 1 process x 2. Writes `output_dir/result.json`, `best/` (the
+best held-out alpha: the drafter to ship), `final/` and resumable `checkpoints/`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from specdistill.data.io import atomic_write_json
+from specdistill.data.pairs import load_role, load_tokenizer, resolve_pair
+from specdistill.data.runtime import ConfigError, run_or_exit
+from specdistill.distill.losses import distill_loss
+from specdistill.distill.train import checkpoint as ckpt
+from specdistill.distill.train import setup, zero
+from specdistill.distill.train.data import (
+    StreamSpec,
+    collate,
+    is_onpolicy,
+    micro_seed,
+    sample_onpolicy,
+)
+from specdistill.distill.train.evaluate import evaluate
+
+log = logging.getLogger("specdistill.distill")
+
+# Test hook: called as STEP_HOOK(step) after every optimizer step (and its checkpoint), e.g. to
+# simulate a crash at a chosen step.
+STEP_HOOK: Callable[[int], None] | None = None
+
+
+@dataclass
+class DistillResult:
+    output_dir: str
+    drafter_path: str
+    final_path: str
+    alpha_before: float
+    alpha_after: float
+    greedy_agreement_before: float
+    greedy_agreement_after: float
+    best_alpha: float
+    best_step: int
+    steps: int
+    tokens: int
+    tokens_per_s: float
+    wall_seconds: float
+    peak_memory_mb: float
+    peak_memory_kind: str
+    loss: dict[str, Any]
+    lmbda: float
+    data: dict[str, Any]
+    world_size: int
+    history: list[dict[str, float]] = field(default_factory=list)
+    switch: dict[str, Any] | None = None  # the second phase, when the run had one
+
+
+def _schedule(cfg: DictConfig) -> Callable[[int], float]:
+    """LR multiplier: linear warmup, then cosine/linear decay to min_lr_ratio (or constant)."""
+    warm, total = int(cfg.optim.warmup_steps), int(cfg.max_steps)
+    floor, kind = float(cfg.optim.min_lr_ratio), cfg.optim.schedule
+
+    def mult(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if kind == "constant":
+            return 1.0
+        frac = min(1.0, (step - warm) / max(1, total - warm))
+        shape = 0.5 * (1 + math.cos(math.pi * frac)) if kind == "cosine" else 1 - frac
+        return floor + (1 - floor) * shape
+
+    return mult
+
+
+def _peak_memory(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_max_rss"
+
+
+@dataclass
+class Trainer:
+    """Everything one distill run holds between its named steps (prepare, train_step,
+    evaluate_and_save, finish)."""
+
+    cfg: DictConfig
+    out: Path
+    accelerator: Any
+    model: Any  # the prepared drafter q (DDP / DeepSpeed engine)
+    target: Any  # the frozen target p, or None when every batch carries stored top-k
+    tok: Any
+    opt: Any
+    sched: Any
+    train_examples: list
+    eval_batches: list
+    eval_sampling: Any
+    topk: bool
+    stream: StreamSpec
+    vocab: int
+    t_start: float
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def evaluate(self) -> dict[str, float]:
+        return evaluate(
+            self.accelerator.unwrap_model(self.model),
+            self.target,
+            self.eval_batches,
+            vocab=self.vocab,
+            sampling=self.eval_sampling,
+            device=self.device,
+        )
+
+
+def prepare(cfg: DictConfig) -> Trainer:
+    """Check the config, load the pair, build the data, prepare model and optimizer."""
+    t_start = time.perf_counter()
+    setup.check_config(cfg)
+    out = Path(str(cfg.output_dir))
+    out.mkdir(parents=True, exist_ok=True)
+    accelerator = setup.make_accelerator(cfg)
+    device, world = accelerator.device, accelerator.num_processes
+    torch.manual_seed(int(cfg.seed))
+
+    spec = resolve_pair(cfg.pair)
+    tok = load_tokenizer(spec)
+    drafter = load_role(spec, "drafter", device=device)
+    train_examples, topk = setup.build_train_examples(cfg, tok, accelerator)
+    eval_examples = setup.build_eval_examples(cfg, tok, accelerator)
+    eval_has_topk = all(e.topk_ids is not None for e in eval_examples)
+    target = None
+    if not topk or not eval_has_topk:
+        target = setup.load_target(spec, cfg, device, drafter, tok)
+    eval_batches = [
+        collate(
+            eval_examples[i : i + int(cfg.eval.batch_size)], tok.pad_token_id, int(cfg.max_seq_len)
+        )
+        for i in range(0, len(eval_examples), int(cfg.eval.batch_size))
+    ]
+
+    drafter.train()
+    opt = hydra.utils.instantiate(cfg.optim.optimizer)(drafter.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(cfg))
+    # The scheduler is not prepared: accelerate would step it once per process per step (for
+    # split data), so 2 processes would decay the LR twice as fast as 1 with 2x accumulation.
+    model, opt = accelerator.prepare(drafter, opt)
+    accelerator.register_for_checkpointing(sched)
+    setup.init_logger(accelerator, cfg)
+    stream = StreamSpec(
+        len(train_examples), int(cfg.micro_batch_size), world, int(cfg.grad_accum), int(cfg.seed)
+    )
+    return Trainer(
+        cfg=cfg,
+        out=out,
+        accelerator=accelerator,
+        model=model,
+        target=target,
+        tok=tok,
+        opt=opt,
+        sched=sched,
+        train_examples=train_examples,
+        eval_batches=eval_batches,
+        eval_sampling=setup.eval_sampling(cfg),
+        topk=topk,
+        stream=stream,
+        # both models' logits are cut to the real tokens (padding rows dropped)
+        vocab=len(tok),
+        t_start=t_start,
+    )
+
+
+def start_or_resume(tr: Trainer) -> dict[str, Any]:
+    """The run's state: restored from the latest checkpoint, or fresh (evaluated at step 0)."""
+    cfg, accelerator = tr.cfg, tr.accelerator
+    root = tr.out / "checkpoints"
+    latest = ckpt.latest_checkpoint(root) if cfg.resume else None
+    if latest is not None:
+        state = ckpt.load_checkpoint(accelerator, latest)
+        if state["stream"] != tr.stream.__dict__:
+            raise ConfigError(
+                f"resume=true but the data layout changed since {latest} "
+                f"({state['stream']} vs {tr.stream.__dict__}): keep the data, micro_batch_size, "
+                "grad_accum, process count and seed, or start a fresh output_dir"
+            )
+        log.info("resumed from %s at step %d", latest, state["step"])
+        return state
+    if cfg.resume:
+        log.warning("resume=true but no checkpoint in %s: starting fresh", root)
+    before = tr.evaluate()
+    state = {
+        "step": 0,
+        "tokens": 0,
+        "train_seconds": 0.0,
+        "history": [],
+        "before": before,
+        "best_alpha": before["alpha"],
+        "best_step": 0,
+    }
+    ckpt.export_pretrained(accelerator, tr.model, tr.tok, tr.out / "best")
+    accelerator.log(
+        {"eval/alpha": before["alpha"], "eval/greedy": before["greedy_agreement"]}, step=0
+    )
+    return state
+
+
+def micro_batches(tr: Trainer, step: int, lmbda: float) -> list[tuple[dict, bool]]:
+    """This process's micro-batches of one optimizer step, each flagged on-policy or not."""
+    cfg, seed = tr.cfg, int(tr.cfg.seed)
+    zero3 = zero.zero_stage(cfg) == 3
+    rank = tr.accelerator.process_index
+    window = []
+    for a in range(int(cfg.grad_accum)):
+        g = tr.stream.global_micro_index(step, a, rank)
+        exs = [tr.train_examples[i] for i in tr.stream.indices(g)]
+        onp = is_onpolicy(seed, g, lmbda)
+        # ZeRO-3: a forward gathers shards from every rank, so when any rank of this slot
+        # is on-policy all of them generate together (and the others drop their samples).
+        if onp or (zero3 and zero.any_rank_onpolicy(tr.stream, step, a, seed, lmbda)):
+            sampled = sample_onpolicy(
+                tr.accelerator.unwrap_model(tr.model),
+                exs,
+                pad_id=tr.tok.pad_token_id,
+                eos_id=tr.tok.eos_token_id,
+                max_new_tokens=int(cfg.onpolicy.max_new_tokens),
+                temperature=float(cfg.onpolicy.temperature),
+                seed=micro_seed(seed, g),
+                synced_gpus=zero3,
+            )
+            exs = sampled if onp else exs
+        window.append((collate(exs, tr.tok.pad_token_id, int(cfg.max_seq_len)), onp))
+    return window
+
+
+def train_step(tr: Trainer, step: int) -> dict[str, Any]:
+    """One optimizer step over the accumulation window; its log record (without eval)."""
+    cfg, accelerator, model, device = tr.cfg, tr.accelerator, tr.model, tr.device
+    loss_name, beta, lmbda = setup.phase_at(cfg, step)  # a `switch` changes them mid-run
+    window = micro_batches(tr, step, lmbda)
+    A, world, ds_on = int(cfg.grad_accum), accelerator.num_processes, bool(cfg.deepspeed.enabled)
+    n_local = sum(int(b["loss_mask"].sum()) for b, _ in window)
+    n_window = int(accelerator.reduce(torch.tensor(n_local, device=device), "sum"))
+    # DDP averages gradients over processes and DeepSpeed divides by its accumulation steps:
+    # undo both so the gradient is exactly sum(token losses) / n_window.
+    scale = world * (A if ds_on else 1)
+    loss_sum = torch.zeros((), device=device)
+    for a, (batch, onp) in enumerate(window):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        if ds_on:  # the engine's accumulation boundary comes from accelerate's counter
+            boundary = accelerator.accumulate(model)
+        else:
+            sync = a == A - 1
+            boundary = contextlib.nullcontext() if sync else accelerator.no_sync(model)
+        with boundary:
+            if ds_on and accelerator.sync_gradients != (a == A - 1):
+                raise RuntimeError(f"DeepSpeed accumulation boundary out of step at {step}/{a}")
+            with accelerator.autocast():
+                logits = model(
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                ).logits[..., : tr.vocab]
+            kwargs: dict[str, Any] = {}
+            if tr.topk and not onp:
+                kwargs = {"topk_ids": batch["topk_ids"], "topk_lp": batch["topk_lp"]}
+            else:
+                with torch.no_grad():
+                    kwargs["target_logits"] = tr.target(  # type: ignore[misc]
+                        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                    ).logits[..., : tr.vocab]
+            loss = distill_loss(
+                logits,
+                batch["loss_mask"],
+                divergence=loss_name,
+                beta=beta,
+                temperature=float(cfg.loss.temperature),
+                num_tokens=max(n_window, 1),
+                chunk_size=cfg.loss_chunk_size,
+                **kwargs,
+            )
+            accelerator.backward(loss * scale)
+        loss_sum += loss.detach()
+    grad_norm = None
+    if cfg.optim.max_grad_norm is not None and not ds_on:
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+    elif ds_on:  # the engine clipped (and stepped) at the boundary; its pre-clip norm
+        grad_norm = accelerator.deepspeed_engine_wrapped.get_global_grad_norm()
+    tr.opt.step()
+    tr.sched.step()
+    tr.opt.zero_grad(set_to_none=True)
+    rec = {
+        "step": step + 1,
+        "loss": float(accelerator.reduce(loss_sum, "sum")),
+        "lr": tr.sched.get_last_lr()[0],
+        "tokens": n_window,
+    }
+    if grad_norm is not None:
+        rec["grad_norm"] = float(grad_norm)
+    return rec
+
+
+def evaluate_and_save(
+    tr: Trainer, state: dict[str, Any], rec: dict[str, Any], t_train: float
+) -> float:
+    """Held-out eval (best/ follows the best alpha) and the resumable checkpoint, on schedule.
+
+    Returns the time the next training stretch starts from (checkpoint time is not training).
+    """
+    cfg, step = tr.cfg, rec["step"]
+    last = step == int(cfg.max_steps)
+    if step % int(cfg.eval_every) == 0 or last:
+        ev = tr.evaluate()
+        rec |= {"alpha": ev["alpha"], "greedy_agreement": ev["greedy_agreement"]}
+        if ev["alpha"] > state["best_alpha"]:
+            state["best_alpha"], state["best_step"] = ev["alpha"], step
+            ckpt.export_pretrained(tr.accelerator, tr.model, tr.tok, tr.out / "best")
+    state["history"].append(rec)
+    tr.accelerator.log({f"train/{k}" if k != "step" else k: v for k, v in rec.items()}, step=step)
+    if step % int(cfg.save_every) == 0 or last:
+        state["step"] = step
+        state["examples_seen"] = tr.stream.examples_seen(step)
+        state["stream"] = tr.stream.__dict__
+        state["train_seconds"] += time.perf_counter() - t_train
+        t_train = time.perf_counter()
+        root = tr.out / "checkpoints"
+        ckpt.save_checkpoint(tr.accelerator, root, step, state, int(cfg.keep_checkpoints))
+    return t_train
+
+
+def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
+    """final/, the result (written by the main process) and the sweep summary if any."""
+    cfg, out = tr.cfg, tr.out
+    ckpt.export_pretrained(tr.accelerator, tr.model, tr.tok, out / "final")
+    after = next((h for h in reversed(state["history"]) if "alpha" in h), None)
+    before = state["before"]
+    peak, peak_kind = _peak_memory(tr.device)
+    result = DistillResult(
+        output_dir=str(out),
+        drafter_path=str(out / "best"),
+        final_path=str(out / "final"),
+        alpha_before=before["alpha"],
+        alpha_after=after["alpha"] if after else before["alpha"],
+        greedy_agreement_before=before["greedy_agreement"],
+        greedy_agreement_after=after["greedy_agreement"] if after else before["greedy_agreement"],
+        best_alpha=state["best_alpha"],
+        best_step=state["best_step"],
+        steps=step,
+        tokens=state["tokens"],
+        tokens_per_s=state["tokens"] / max(state["train_seconds"], 1e-9),
+        wall_seconds=time.perf_counter() - tr.t_start,
+        peak_memory_mb=peak,
+        peak_memory_kind=peak_kind,
+        loss=OmegaConf.to_container(cfg.loss, resolve=True),  # type: ignore[arg-type]
+        lmbda=float(cfg.lmbda),
+        data={
+            "path": str(cfg.data.path or (out / "seqkd" if cfg.data.seq_kd else "")),
+            "reference": bool(cfg.data.reference),
+            "topk": tr.topk,
+            "train_examples": len(tr.train_examples),
+            "eval_tokens": before["tokens"],
+            "eval_source": cfg.eval.source,
+            "eval_sampling": tr.eval_sampling.__dict__,
+        },
+        world_size=tr.accelerator.num_processes,
+        history=state["history"],
+        switch=OmegaConf.to_container(cfg.switch) if OmegaConf.select(cfg, "switch.at") else None,  # type: ignore[arg-type]
+    )
+    if tr.accelerator.is_main_process:
+        atomic_write_json(out / "result.json", result)
+        if OmegaConf.select(cfg, "sweep_dir"):
+            from specdistill.distill.pipeline.sweep_summary import write_summary
+
+            write_summary(Path(str(cfg.sweep_dir)))
+    tr.accelerator.end_training()
+    return result
+
+
+def run(cfg: DictConfig) -> DistillResult:
+    tr = prepare(cfg)
+    state = start_or_resume(tr)
+    step, max_steps = int(state["step"]), int(cfg.max_steps)
+    bar = tqdm(
+        total=max_steps,
+        initial=step,
+        disable=not tr.accelerator.is_main_process,
+        desc=f"distill[{cfg.loss.name}]",
+        dynamic_ncols=True,
+    )
+    t_train = time.perf_counter()
+    while step < max_steps:
+        rec = train_step(tr, step)
+        step = rec["step"]
+        state["tokens"] += rec["tokens"]
+        t_train = evaluate_and_save(tr, state, rec, t_train)
+        bar.update(1)
+        bar.set_postfix(loss=f"{rec['loss']:.4f}", alpha=f"{state['best_alpha']:.3f}")
+        if STEP_HOOK is not None:
+            STEP_HOOK(step)
+    bar.close()
+    state["train_seconds"] += time.perf_counter() - t_train
+    return finish(tr, state, step)
+
+
+@hydra.main(config_path="pkg://specdistill.conf", config_name="distill", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    res = run_or_exit(run, cfg)
+    print(
+        f"distill: alpha {res.alpha_before:.4f} -> {res.alpha_after:.4f} "
+        f"(best {res.best_alpha:.4f} at step {res.best_step}); drafter: {res.drafter_path}"
+    )
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()
