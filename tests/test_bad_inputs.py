@@ -168,7 +168,12 @@ CASES = [
         ("drafter={fx}/foreign-tok",),
         ("drafter='{fx}/foreign-tok' uses a different tokenizer",),
     ),
-    Case("pipeline-truncated", "pipeline", ("pair.drafter={fx}/truncated-drafter",), TRUNCATED_D),
+    Case(
+        "pipeline-truncated",
+        "pipeline",
+        ("pair.drafter={fx}/truncated-drafter", "generate.dataset.limit=4"),
+        TRUNCATED_D,
+    ),
 ]
 
 
