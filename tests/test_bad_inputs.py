@@ -51,7 +51,7 @@ def build_fixtures(root: Path, world) -> Path:
     # The case: a random GPT-2 with a 1000-token vocabulary, saved without a tokenizer.
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(
-        GPT2Config(vocab_size=1000, n_embd=32, n_layer=1, n_head=2, n_positions=256)
+        GPT2Config(vocab_size=1000, n_embd=32, n_layer=1, n_head=2, n_positions=512)
     )
     gpt2.save_pretrained(root / "gpt2-1000")
     # The toy drafter's weights beside another tokenizer (the same 512 rows).
