@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from specdistill.data.checkpoints import (
+from specdistill.data.checkpoints import check_checkpoint_files
+from specdistill.data.runtime import ConfigError
+from specdistill.data.tokenizer_identity import (
     TokenizerInfo,
-    check_checkpoint_files,
     check_drafter_tokenizer,
-    check_local_pair,
+    check_local_tokenizers,
     check_tokenizers,
 )
-from specdistill.data.runtime import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,9 @@ def resolve_pair(pair: Any) -> PairSpec:
     for field, name in (("pair.target", target), ("pair.drafter", drafter)):
         _check_model_path(field, name)
     # Weight files complete and tokenizers the same, from headers and tokenizer files only.
-    check_local_pair(str(tokenizer or target), str(target), str(drafter))
+    check_checkpoint_files("pair.target", str(target))
+    check_checkpoint_files("pair.drafter", str(drafter))
+    check_local_tokenizers(str(tokenizer or target), str(target), str(drafter))
     return PairSpec(
         target=str(target),
         drafter=str(drafter),
@@ -208,7 +210,7 @@ def match_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
 
 def check_same_tokenizer(target_tok, drafter_tok, *, field: str = "pair.drafter") -> None:
     """Both tokenizers must be the same tokenizer (vocabulary, merges, added tokens); embedding
-    padding rows aside. See `specdistill.data.checkpoints`."""
+    padding rows aside. See `specdistill.data.tokenizer_identity`."""
 
     def info(tok):
         return TokenizerInfo.from_tokenizer(str(getattr(tok, "name_or_path", "") or "?"), tok)

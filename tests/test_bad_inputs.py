@@ -241,7 +241,7 @@ def test_drafter_without_tokenizer_is_accepted_with_a_warning(toy_tiny, tmp_path
 
 
 def _info(tokens, added=(), merges=None, eos="<eos>"):
-    from specdistill.data.checkpoints import TokenizerInfo
+    from specdistill.data.tokenizer_identity import TokenizerInfo
 
     return TokenizerInfo(
         "t", "BPE", dict(enumerate(tokens)), set(added), merges, {"eos_token": eos}
@@ -249,7 +249,7 @@ def _info(tokens, added=(), merges=None, eos="<eos>"):
 
 
 def test_tokenizer_differences():
-    from specdistill.data.checkpoints import tokenizer_differences
+    from specdistill.data.tokenizer_identity import tokenizer_differences
 
     base = ["a", "b", "ab", "<eos>"]
     same = _info(base, merges=[("a", "b")])

@@ -30,7 +30,6 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.checkpoints import check_drafter_tokenizer
 from specdistill.data.io import guard_write, param_bytes, read_json, replace_dir, to_jsonable
 from specdistill.data.pairs import (
     PairSpec,
@@ -39,6 +38,7 @@ from specdistill.data.pairs import (
     resolve_pair,
 )
 from specdistill.data.runtime import ConfigError, parse_dtype, resolve_device, run_or_exit
+from specdistill.data.tokenizer_identity import check_drafter_tokenizer
 from specdistill.distill.export.card import model_card, usage_command
 
 log = logging.getLogger("specdistill.export")
