@@ -48,6 +48,7 @@ RESULT_FILES = {  # relative to the step's out_dir
     "export": "drafter/export.json",
     "report": "pipeline.json",
 }
+DATASET_STAGES = ("generate", "distill", "validate")  # the stages with a `dataset` group
 PLAN_DIR = "plan"  # <run_dir>/plan/<step>.yaml: what each step's job loads
 
 
@@ -190,7 +191,13 @@ def build_plan(cfg: DictConfig) -> list[Step]:
         return step
 
     def compose(stage: str, *extra: str) -> DictConfig:
-        return compose_stage(stage, cfg, [*sv.get(stage, []), *extra, seed])
+        stage_cfg = compose_stage(stage, cfg, [*sv.get(stage, []), *extra, seed])
+        own = (cfg.get(stage) or {}).get("dataset")
+        picked = isinstance(own, str) or any(e.startswith("dataset=") for e in extra)
+        if cfg.get("dataset") is not None and stage in DATASET_STAGES and not picked:
+            # the pipeline's prompt set (`dataset=ultrachat`), then the stage's own dataset keys
+            stage_cfg.dataset = OmegaConf.merge(cfg.dataset, own or {})
+        return stage_cfg
 
     def out_dir(path: Path) -> str:
         return format_override("output_dir", str(path))

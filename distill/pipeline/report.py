@@ -231,7 +231,7 @@ def plot_acceptance(stages: dict[str, dict], path: Path) -> bool:
 
 
 def load_stages(run_dir: Path) -> dict[str, dict]:
-    """A run folder's stage results (the pipeline's and pipeline.sh's common layout)."""
+    """A run folder's stage results (the same layout, run locally or on Slurm)."""
     files = {
         "generate": "generate/result.json",
         "distill": "distill/result.json",

@@ -201,7 +201,10 @@ def submit(cfg: DictConfig, out: Any = None) -> dict[str, str]:
     for tool in ("sbatch", "srun"):
         if shutil.which(tool) is None:
             raise ConfigError(f"launcher=slurm: no `{tool}` on PATH; run on a Slurm login node")
-    import submitit
+    try:
+        import submitit
+    except ImportError as e:
+        raise ConfigError('launcher=slurm needs submitit: pip install -e ".[slurm]"') from e
 
     write_plan(steps)
     run_dir = Path(steps[-1].out_dir)
