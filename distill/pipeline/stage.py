@@ -153,6 +153,8 @@ def run(cfg: DictConfig) -> PipelineResult:
     steps = build_plan(cfg)  # every config composed and checked before any step runs
     write_plan(steps)
     stages = {step.name: run_step(step) for step in steps[:-1]}
+    if not _main_process():  # under a launcher, rank 0 alone writes the run's report
+        return PipelineResult(run_dir=steps[-1].out_dir, stages=stages)
     return finish(steps[-1], stages, round(time.perf_counter() - t0, 1))
 
 
