@@ -70,6 +70,23 @@ class Sampling:
         )
         return spec.check(field)
 
+    @classmethod
+    def from_parent(cls, parent: Any, field: str) -> Sampling:
+        """The spec at `field` (e.g. `decoder.sampling`) read from its parent node (the
+        `decoder` node), refusing the per-key spelling beside it that the one spec replaced
+        (`+decoder.temperature=0.7` would otherwise be silently ignored)."""
+        prefix, _, key = field.rpartition(".")
+        prefix = f"{prefix}." if prefix else ""
+        for old in (*KEYS, "do_sample"):
+            if isinstance(parent, Mapping) and old in parent:
+                hint = (
+                    f"{field}.temperature=0 is greedy, > 0 samples"
+                    if old == "do_sample"
+                    else f"use {field}.{old}"
+                )
+                raise ConfigError(f"{prefix}{old} was replaced by the one sampling spec: {hint}")
+        return cls.from_node(parent.get(key) if isinstance(parent, Mapping) else None, field)
+
 
 def _number(value: Any, default: float) -> Any:
     """A float for a number (ints too); anything else unchanged, for `check` to name."""

@@ -85,6 +85,24 @@ def test_the_pipeline_hands_each_stage_one_spec():
     assert stray == ["loss.temperature"]  # the loss's own temperature, not a sampling spec
 
 
+def test_a_stage_spec_key_from_the_pipeline_cli_wins_and_old_keys_are_named():
+    """`specdistill validate.decoder.sampling.top_p=0.5` (conf/README.md) sets one key of the
+    spec the serving mode wrote; a per-key spelling from before the spec is refused by name."""
+    from specdistill.distill.pipeline import stage as pipeline
+
+    def stage_cfg(*argv: str) -> DictConfig:
+        overrides = ["pair=toy-tiny", *pipeline.stage_keys_addable(list(argv))]
+        cfg = compose(config_name="pipeline", overrides=overrides)
+        return pipeline.compose_stage("validate", cfg, pipeline.serving_overrides(cfg)["validate"])
+
+    with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+        val = stage_cfg("serving=sampling", "serving.sampling.temperature=0.7",
+                        "validate.decoder.sampling.top_p=0.5")  # fmt: skip
+        assert Sampling.from_node(val.decoder.sampling, "x") == Sampling(0.7, 0, 0.5)
+        with pytest.raises(ConfigError, match=r"^validate: .*temperature"):
+            stage_cfg("validate.decoder.temperature=1")
+
+
 # --- bad values: exit 2 and one line naming the field, per stage CLI -----------------------
 
 
@@ -118,6 +136,11 @@ CLI_CASES = [
         "serving.sampling.temperature=0.0",
     ),
     ("pipeline", ["serving.sampling.top_p=2"], "serving.sampling.top_p=2.0"),
+    # the per-key spellings the spec replaced, added the way Hydra's own message suggests
+    ("generate", ["+do_sample=true"], "do_sample was replaced"),
+    ("validate", ["+decoder.temperature=0.7"], "decoder.temperature was replaced"),
+    ("distill", ["+eval.top_p=0.9"], "eval.top_p was replaced"),
+    ("pipeline", ["+serving.temperature=0.7"], "serving.temperature was replaced"),
 ]
 
 

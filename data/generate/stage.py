@@ -89,7 +89,7 @@ def check_settings(cfg: Any) -> GenerationSettings:
         positive(field)
     s = GenerationSettings(
         max_new_tokens=int(cfg.max_new_tokens),
-        sampling=Sampling.from_node(cfg.get("sampling"), "sampling"),
+        sampling=Sampling.from_parent(cfg, "sampling"),
         num_samples=int(cfg.num_samples),
         seed=int(cfg.seed),
     )

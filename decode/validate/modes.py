@@ -60,7 +60,7 @@ def both_modes(cfg: Any) -> bool:
 def other_decoder(dcfg: Any, other_sampling: Any) -> Any:
     """The decoder node of the other serving mode: greedy when `dcfg` samples, else sampling
     with `other_sampling` (gamma, cache, compile kept). Checks both specs (ConfigError)."""
-    own = Sampling.from_node(dcfg.get("sampling") or {}, "decoder.sampling")
+    own = Sampling.from_parent(dcfg, "decoder.sampling")
     if not own.greedy:
         return OmegaConf.merge(dcfg, {"sampling": Sampling().as_dict()})
     side = Sampling.from_node(

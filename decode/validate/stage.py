@@ -118,7 +118,7 @@ def decoder_config(
     dcfg: Any, max_new_tokens: int, eos: tuple[int, ...], gamma: int
 ) -> DecoderConfig:
     """The `decoder` config node as a DecoderConfig (gamma resolved by the caller)."""
-    sampling = Sampling.from_node(dcfg.get("sampling") or {}, "decoder.sampling")
+    sampling = Sampling.from_parent(dcfg, "decoder.sampling")
     return DecoderConfig(
         gamma=gamma,
         max_new_tokens=max_new_tokens,

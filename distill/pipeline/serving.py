@@ -53,7 +53,7 @@ def check_serving(node: Any) -> Serving:
     mode = s.get("mode")
     if mode not in MODES:
         raise ConfigError(f"serving.mode={mode!r}: use serving=greedy or serving=sampling")
-    sampling = Sampling.from_node(s.get("sampling") or {}, "serving.sampling")
+    sampling = Sampling.from_parent(s, "serving.sampling")
     t = sampling.temperature
     if mode == "sampling" and sampling.greedy:
         raise ConfigError(

@@ -94,12 +94,12 @@ def phase_at(cfg: DictConfig, step: int) -> tuple[str, float, float]:
 
 def eval_sampling(cfg: DictConfig) -> Sampling:
     """The serving mode the held-out acceptance is measured in (temperature 0 = greedy)."""
-    return Sampling.from_node(OmegaConf.select(cfg, "eval.sampling"), "eval.sampling")
+    return Sampling.from_parent(cfg.eval, "eval.sampling")
 
 
 def onpolicy_sampling(cfg: DictConfig) -> Sampling:
     """How the drafter samples its on-policy batches (temperature 0 = its greedy output)."""
-    return Sampling.from_node(OmegaConf.select(cfg, "onpolicy.sampling"), "onpolicy.sampling")
+    return Sampling.from_parent(cfg.onpolicy, "onpolicy.sampling")
 
 
 def use_cuda(cfg: DictConfig) -> bool:

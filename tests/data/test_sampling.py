@@ -76,3 +76,22 @@ def test_there_is_one_sampling_class():
         if "class Sampling" in p.read_text()
     ]
     assert defs == ["data/sampling.py"]
+
+
+@pytest.mark.parametrize(
+    ("parent", "field", "message"),
+    [
+        ({"temperature": 0.7, "sampling": {}}, "decoder.sampling", "decoder.temperature was "
+         "replaced by the one sampling spec: use decoder.sampling.temperature"),
+        ({"top_p": 0.9, "sampling": {}}, "serving.sampling", "serving.top_p was replaced"),
+        ({"do_sample": True, "sampling": {}}, "sampling", "do_sample was replaced by the one "
+         "sampling spec: sampling.temperature=0 is greedy, > 0 samples"),
+        ({}, "eval.sampling", "eval.sampling=None must be a mapping"),
+    ],
+)  # fmt: skip
+def test_from_parent_refuses_the_per_key_spelling_it_replaced(parent, field, message):
+    """`+decoder.temperature=0.7` (what Hydra suggests for an unknown key) is named, not ignored."""
+    with pytest.raises(ConfigError) as err:
+        Sampling.from_parent(parent, field)
+    assert str(err.value).startswith(message)
+    assert Sampling.from_parent({"sampling": {"top_k": 3}}, field) == Sampling(top_k=3)
