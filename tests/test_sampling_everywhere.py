@@ -178,6 +178,29 @@ def test_generate_record_keeps_its_layout_and_fingerprint(tmp_path):
         check_settings(compose_generate(tmp_path, "num_samples=2"))
 
 
+def test_vllm_sampling_params_follow_the_spec(monkeypatch):
+    """backend=vllm: the same settings become SamplingParams (a stand-in `vllm` module here;
+    the real engine runs under `pytest -m vllm`)."""
+    import sys
+    import types
+
+    from specdistill.data.generate import vllm_engine
+    from specdistill.data.generate.batched import GenerationSettings
+
+    fake = types.ModuleType("vllm")
+    fake.SamplingParams = lambda **kw: kw  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+
+    def params(sampling: Sampling, seed: int | None) -> dict:
+        s = GenerationSettings(max_new_tokens=8, sampling=sampling, num_samples=1, seed=0)
+        return vllm_engine.sampling_params(s, [2], 0, seed)
+
+    greedy = params(Sampling(), None)
+    assert greedy["temperature"] == 0.0 and "top_p" not in greedy and greedy["max_tokens"] == 8
+    hot = params(Sampling(0.7, 50, 0.9), 11)
+    assert (hot["temperature"], hot["top_k"], hot["top_p"], hot["seed"]) == (0.7, 50, 0.9, 11)
+
+
 class _MainProcess:
     is_main_process = True
 
