@@ -114,8 +114,8 @@ def _one_line(stage: str, e: Exception) -> str:
     if unknown:
         key = unknown.group(1)
         return (
-            f"{stage}.{key}: the {stage} stage has no key `{key}` "
-            f"(its keys are in conf/{stage}.yaml; check the spelling or the `{stage}:` section)"
+            f"{stage}: no key `{key}` in the {stage} stage (from `{stage}.{key}`; "
+            f"its keys are in conf/{stage}.yaml)"
         )
     return f"{stage}: {text} (check the `{stage}:` section of the pipeline config)"
 

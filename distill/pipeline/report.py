@@ -183,7 +183,8 @@ def summary_markdown(
     if serving:
         how = serving.get("mode", "?")
         if how == "sampling":
-            how += f" at temperature {serving.get('temperature')}, top_p {serving.get('top_p')}"
+            smp = serving.get("sampling") or serving  # runs before the one spec: flat keys
+            how += f" at temperature {smp.get('temperature')}, top_p {smp.get('top_p')}"
         lines += ["", f"Served {how}; recipe `{(recipe or {}).get('name')}`: {recipe}."]
     e = stages.get("export")
     if e:

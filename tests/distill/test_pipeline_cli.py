@@ -96,7 +96,7 @@ def test_the_docs_show_the_forms_the_pipeline_promises():
     for expected in [
         "specdistill",
         "specdistill pair=toy-tiny distill.max_steps=50",
-        "specdistill serving=sampling serving.temperature=0.7 serving.top_p=0.9",
+        "specdistill serving=sampling serving.sampling.temperature=0.7 serving.sampling.top_p=0.9",
         "specdistill serving=sampling recipe=balanced",
         "specdistill stages=[generate,distill,online,validate,export]",
         "specdistill pair.toy=null pair.target=ORG/BIG pair.drafter=ORG/SMALL dataset=ultrachat",
@@ -135,8 +135,10 @@ def test_documented_form_plans(form, cli, tmp_path):
 def test_stage_keys_reach_their_stage(cli):
     code, (p,), _ = cli("pair=toy-tiny", "distill.max_steps=50", "distill.lmbda=0.5",
                         "validate.num_prompts=2", "validate.max_new_tokens=64",
-                        "generate.dataset.limit=64", "export.dtype=bf16")  # fmt: skip
+                        "generate.dataset.limit=64", "export.dtype=bf16",
+                        "validate.decoder.sampling.top_p=0.9")  # fmt: skip
     assert code == 0
+    assert p["validate"]["config"]["decoder"]["sampling"]["top_p"] == 0.9
     assert (p["distill"]["config"]["max_steps"], p["distill"]["config"]["lmbda"]) == (50, 0.5)
     for name in ("validate", "validate_base"):
         assert p[name]["config"]["num_prompts"] == 2
@@ -147,10 +149,11 @@ def test_stage_keys_reach_their_stage(cli):
 
 
 def test_serving_and_recipe_reach_their_stages(cli):
-    _, (p,), _ = cli("serving=sampling", "serving.temperature=0.7", "serving.top_p=0.9")
-    dec = p["validate"]["config"]["decoder"]
+    _, (p,), _ = cli("serving=sampling", "serving.sampling.temperature=0.7",
+                     "serving.sampling.top_p=0.9")  # fmt: skip
+    dec = p["validate"]["config"]["decoder"]["sampling"]
     assert (dec["temperature"], dec["top_p"]) == (0.7, 0.9)
-    assert p["distill"]["config"]["eval"]["temperature"] == 0.7
+    assert p["distill"]["config"]["eval"]["sampling"]["temperature"] == 0.7
     assert p["report"]["config"]["serving"]["mode"] == "sampling"
     _, (p,), _ = cli("serving=sampling", "recipe=balanced")
     assert p["report"]["config"]["recipe"]["name"] == "balanced"
@@ -201,12 +204,12 @@ def test_slurm_plan_shows_placement_and_needs_the_settings(cli, monkeypatch):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["distill.no_such_key=1"], "error: distill.no_such_key: the distill stage has no key"),
-        (["validate.nope=1"], "error: validate.nope: the validate stage has no key"),
-        (["generate.dataset.nope=1"], "error: generate.dataset.nope: the generate stage"),
+        (["distill.no_such_key=1"], "error: distill: no key `no_such_key` in the distill stage"),
+        (["validate.nope=1"], "error: validate: no key `nope` in the validate stage"),
+        (["generate.dataset.nope=1"], "error: generate: no key `dataset.nope` in the generate"),
         (["stages=[generate,train]"], "error: stages=['generate', 'train']: unknown ['train']"),
         (["launcher=pbs"], "error: launcher='pbs': use launcher=local or launcher=slurm"),
-        (["serving.temperature=0.7"], "error: serving.temperature=0.7 with serving=greedy"),
+        (["serving.sampling.temperature=0.7"], "error: serving.sampling.temperature=0.7 with"),
     ],
 )
 def test_a_bad_key_is_one_error_line_and_exit_2(cli, args, message):

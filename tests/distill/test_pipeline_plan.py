@@ -42,7 +42,7 @@ def test_local_and_slurm_plans_are_the_same_stage_configs(tmp_path, monkeypatch)
         job = ids[step.name] + ("_0" if step.name == "generate" else "")
         assert submitted_call(run, job)[1][0] == str(step_file(run, step.name))
     assert local[1].config["lmbda"] == 1.0  # the sampling recipe reached distill
-    assert local[3].config["decoder"]["temperature"] == 1.0  # and validate's decoder
+    assert local[3].config["decoder"]["sampling"]["temperature"] == 1.0  # and validate's decoder
 
     here = _docs(show_plan(_cfg(run, *SAMPLING, "plan=true")))
     there = _docs(show_plan(_cfg(run, *SAMPLING, "plan=true", "launcher=slurm")))
