@@ -11,24 +11,12 @@ lossy variant, which callers must label as such wherever it is reported.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
+from specdistill.data.sampling import Sampling
+
 NEG_INF = float("-inf")
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Logits processing shared by target and drafter; temperature 0 means greedy (argmax)."""
-
-    temperature: float = 0.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def process_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

@@ -20,8 +20,8 @@ import torch
 
 from specdistill.data.pairs import check_vocab, match_vocab, vocab_size
 from specdistill.data.runtime import ConfigError
+from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import (
-    Sampling,
     accept_prefix,
     expected_alpha,
     greedy_agreement,

@@ -13,19 +13,40 @@ from typing import Any
 import torch
 
 from specdistill.data.runtime import eos_ids, pad_rows
+from specdistill.data.sampling import Sampling
 
 
 @dataclass(frozen=True)
-class Sampling:
-    """How the target p decodes: greedy (do_sample=false) or sampled, n samples per prompt."""
+class GenerationSettings:
+    """How the target p decodes: greedy (sampling.temperature 0) or sampled with `sampling`,
+    `num_samples` completions per prompt, up to `max_new_tokens` each."""
 
     max_new_tokens: int
-    do_sample: bool
-    temperature: float
-    top_p: float
-    top_k: int
+    sampling: Sampling
     num_samples: int
     seed: int
+
+    @property
+    def do_sample(self) -> bool:
+        return not self.sampling.greedy
+
+    def record(self) -> dict[str, Any]:
+        """The settings as generation_config.json's `sampling` (what decides the rows).
+
+        The flat layout the stage has always written, so fingerprints of earlier runs still
+        match and they resume: greedy rows do not depend on temperature / top-k / top-p, and
+        greedy runs recorded transformers' neutral values (1, 0, 1) for them.
+        """
+        s = self.sampling if self.do_sample else Sampling(temperature=1.0)
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "do_sample": self.do_sample,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+        }
 
 
 @dataclass(frozen=True)
@@ -45,13 +66,13 @@ def split_completion(ids: Sequence[int], eos: Sequence[int]) -> tuple[list[int],
     return list(ids), "length"
 
 
-def generation_config(s: Sampling, pad_id: int, eos: Sequence[int]):
+def generation_config(s: GenerationSettings, pad_id: int, eos: Sequence[int]):
     """Every setting explicit: unset ones would be filled from the checkpoint's defaults."""
     from transformers import GenerationConfig
 
     kw: dict[str, Any] = {"do_sample": s.do_sample}
     if s.do_sample:
-        kw |= {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+        kw |= s.sampling.as_dict()
     return GenerationConfig(
         max_new_tokens=s.max_new_tokens,
         num_return_sequences=s.num_samples,
@@ -136,7 +157,7 @@ def generate_rows(
     model: Any,
     tokenizer: Any,
     prompts: Sequence[PreparedPrompt],
-    s: Sampling,
+    s: GenerationSettings,
     batch_size: int,
     topk: int,
     on_batch: Callable[[int, int], None] = lambda rows, tokens: None,

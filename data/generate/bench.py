@@ -27,8 +27,8 @@ from omegaconf import DictConfig
 
 from specdistill.data.generate import vllm_engine as vllm_backend
 from specdistill.data.generate.batched import (
+    GenerationSettings,
     PreparedPrompt,
-    Sampling,
     generate_rows,
     generation_config,
     split_completion,
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 @torch.inference_mode()
 def one_at_a_time(
-    model: Any, tokenizer: Any, prompts: list[PreparedPrompt], s: Sampling
+    model: Any, tokenizer: Any, prompts: list[PreparedPrompt], s: GenerationSettings
 ) -> list[list[int]]:
     """The baseline: a plain `generate` per prompt, no padding, no batching."""
     eos = eos_ids(model.generation_config, tokenizer)
@@ -168,7 +168,7 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
 def _bench_vllm(
     cfg: DictConfig,
     spec: Any,
-    s: Sampling,
+    s: GenerationSettings,
     dtype: torch.dtype,
     model: Any,
     tokenizer: Any,

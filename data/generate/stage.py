@@ -19,7 +19,6 @@ resumes with the missing chunks only, and the last shard to finish merges all of
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
@@ -35,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from specdistill.data.generate import vllm_engine as vllm_backend
-from specdistill.data.generate.batched import PreparedPrompt, Sampling, generate_rows
+from specdistill.data.generate.batched import GenerationSettings, PreparedPrompt, generate_rows
 from specdistill.data.generate.shards import (
     chunk_is_complete,
     chunk_path,
@@ -54,6 +53,7 @@ from specdistill.data.io import read_json
 from specdistill.data.pairs import PairSpec, load_role, load_tokenizer, resolve_pair
 from specdistill.data.prompts import Prompt, load_prompts
 from specdistill.data.runtime import ConfigError, parse_dtype, resolve_device, run_or_exit
+from specdistill.data.sampling import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class GenerateResult:
     result: dict[str, Any] | None = None
 
 
-def check_settings(cfg: Any) -> Sampling:
+def check_settings(cfg: Any) -> GenerationSettings:
     """Validate the cheap scalar settings before anything is loaded."""
 
     def positive(field: str) -> int:
@@ -87,28 +87,16 @@ def check_settings(cfg: Any) -> Sampling:
 
     for field in ("max_new_tokens", "batch_size", "num_samples", "chunk_size"):
         positive(field)
-    s = Sampling(
+    s = GenerationSettings(
         max_new_tokens=int(cfg.max_new_tokens),
-        do_sample=bool(cfg.do_sample),
-        temperature=float(cfg.temperature),
-        top_p=float(cfg.top_p),
-        top_k=int(cfg.top_k),
+        sampling=Sampling.from_parent(cfg, "sampling"),
         num_samples=int(cfg.num_samples),
         seed=int(cfg.seed),
     )
-    if s.temperature < 0 or (s.do_sample and s.temperature == 0):
-        raise ConfigError(
-            f"temperature={s.temperature} must be > 0 when sampling: "
-            "use do_sample=false for greedy decoding"
-        )
-    if not 0 < s.top_p <= 1:
-        raise ConfigError(f"top_p={s.top_p} must be in (0, 1]; top_p=1 turns nucleus sampling off")
-    if s.top_k < 0:
-        raise ConfigError(f"top_k={s.top_k} must be >= 0 (0 turns top-k filtering off)")
     if s.num_samples > 1 and not s.do_sample:
         raise ConfigError(
-            f"num_samples={s.num_samples} with do_sample=false would store identical greedy "
-            "copies: set do_sample=true, or num_samples=1"
+            f"num_samples={s.num_samples} with sampling.temperature=0 (greedy) would store "
+            "identical copies: set sampling.temperature > 0 (e.g. 1.0), or num_samples=1"
         )
     if int(cfg.topk_logprobs) < 0:
         raise ConfigError(f"topk_logprobs={cfg.topk_logprobs} must be >= 0 (0: not stored)")
@@ -190,7 +178,7 @@ def is_chat(dataset_cfg: Any) -> bool:
 def config_record(
     cfg: Any,
     spec: PairSpec,
-    s: Sampling,
+    s: GenerationSettings,
     dtype: torch.dtype,
     budget: int,
     prepared: Sequence[PreparedPrompt],
@@ -208,7 +196,7 @@ def config_record(
         "toy": spec.toy,
         "dataset": OmegaConf.to_container(cfg.dataset, resolve=True),
         "split": cfg.split,
-        "sampling": dataclasses.asdict(s),
+        "sampling": s.record(),
         "topk_logprobs": int(cfg.topk_logprobs),
         "long_prompts": str(cfg.long_prompts),
         "max_prompt_tokens": budget,
@@ -352,7 +340,7 @@ RowsFn = Callable[[Sequence[PreparedPrompt], Callable[[int, int], None]], list[d
 def _engine_for(
     cfg: Any,
     spec: PairSpec,
-    s: Sampling,
+    s: GenerationSettings,
     device: torch.device,
     dtype: torch.dtype,
     tokenizer: Any,
@@ -381,7 +369,7 @@ def _engine_for(
 
 def _generate_todo(
     cfg: Any,
-    s: Sampling,
+    s: GenerationSettings,
     rows_for: RowsFn,
     todo: Sequence[tuple[int, list[int]]],
     by_index: dict[int, PreparedPrompt],

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from specdistill.data.generate.batched import (
+    GenerationSettings,
     PreparedPrompt,
-    Sampling,
     completion_row,
     split_completion,
 )
@@ -180,13 +180,13 @@ def row_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
-def sampling_params(s: Sampling, eos: Sequence[int], topk: int, seed: int | None) -> Any:
+def sampling_params(s: GenerationSettings, eos: Sequence[int], topk: int, seed: int | None) -> Any:
     """The stage's sampling settings as vLLM `SamplingParams` (one row per request, n=1)."""
     from vllm import SamplingParams
 
     kw: dict[str, Any] = {"temperature": 0.0}
     if s.do_sample:
-        kw = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": seed}
+        kw = {**s.sampling.as_dict(), "seed": seed}
     return SamplingParams(
         n=1,
         max_tokens=s.max_new_tokens,
@@ -335,7 +335,7 @@ def rows_fn(
     dtype: str,
     settings: EngineSettings,
     max_model_len: int,
-    s: Sampling,
+    s: GenerationSettings,
     tokenizer: Any,
     topk: int,
     local_rank: int | None = None,
@@ -358,7 +358,7 @@ def generate_rows_vllm(
     engine: Any,
     tokenizer: Any,
     prompts: Sequence[PreparedPrompt],
-    s: Sampling,
+    s: GenerationSettings,
     topk: int,
     eos: Sequence[int],
     on_batch: Callable[[int, int], None] = lambda rows, tokens: None,

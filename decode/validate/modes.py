@@ -2,7 +2,7 @@
 
 The best drafter for greedy serving is often poor for sampling and vice versa (DistillSpec;
 measured on the toy pair), so the validate stage decodes in its configured mode and then in the
-other one (greedy <-> sampling at `other_sampling`'s temperature/top_p), reporting alpha, tau
+other one (greedy <-> sampling at `other_sampling`, the one sampling spec), reporting alpha, tau
 and the measured speedup of each side by side. p = target, q = drafter.
 """
 
@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from specdistill.data.runtime import spread
+from specdistill.data.runtime import ConfigError, spread
+from specdistill.data.sampling import Sampling
 from specdistill.decode.speculative import DecodeOutput
 
 
@@ -51,20 +52,26 @@ def mode_name(temperature: float) -> str:
     return "greedy" if float(temperature) == 0.0 else "sampling"
 
 
+def both_modes(cfg: Any) -> bool:
+    """Whether validate also decodes the other serving mode (`sampled_alpha`: legacy switch)."""
+    return bool(cfg.get("both_modes", True) and cfg.get("sampled_alpha", True))
+
+
 def other_decoder(dcfg: Any, other_sampling: Any) -> Any:
     """The decoder node of the other serving mode: greedy when `dcfg` samples, else sampling
-    at other_sampling's temperature / top_k / top_p (gamma, cache, compile kept)."""
-    if mode_name(dcfg.get("temperature", 0.0)) == "sampling":
-        return OmegaConf.merge(dcfg, {"temperature": 0.0, "top_k": 0, "top_p": 1.0})
-    side = other_sampling or {}
-    return OmegaConf.merge(
-        dcfg,
-        {
-            "temperature": float(side.get("temperature", 1.0)),
-            "top_k": int(side.get("top_k", 0) or 0),
-            "top_p": float(side.get("top_p", 1.0)),
-        },
+    with `other_sampling` (gamma, cache, compile kept). Checks both specs (ConfigError)."""
+    own = Sampling.from_parent(dcfg, "decoder.sampling")
+    if not own.greedy:
+        return OmegaConf.merge(dcfg, {"sampling": Sampling().as_dict()})
+    side = Sampling.from_node(
+        other_sampling if other_sampling is not None else {"temperature": 1.0}, "other_sampling"
     )
+    if side.greedy:
+        raise ConfigError(
+            "other_sampling.temperature=0: the mode decoded beside a greedy decoder samples; "
+            "set other_sampling.temperature > 0 (e.g. 1.0), or both_modes=false"
+        )
+    return OmegaConf.merge(dcfg, {"sampling": side.as_dict()})
 
 
 def timed_repeats(dec, batches, seed: int, repeats: int):

@@ -38,7 +38,8 @@ from specdistill.data.runtime import (
     set_threads,
     spread,
 )
-from specdistill.decode.acceptance import Sampling, best_gamma, expected_tau, theoretical_speedup
+from specdistill.data.sampling import Sampling
+from specdistill.decode.acceptance import best_gamma, expected_tau, theoretical_speedup
 from specdistill.decode.cache import check_rollback_config
 from specdistill.decode.speculative import (
     DecoderConfig,
@@ -46,9 +47,11 @@ from specdistill.decode.speculative import (
     check_decoder_config,
 )
 from specdistill.decode.validate.modes import (
+    both_modes,
     measure_other_mode,
     mode_figures,
     mode_name,
+    other_decoder,
     timed_repeats,
 )
 from specdistill.decode.validate.modes import merge as _merge
@@ -115,11 +118,7 @@ def decoder_config(
     dcfg: Any, max_new_tokens: int, eos: tuple[int, ...], gamma: int
 ) -> DecoderConfig:
     """The `decoder` config node as a DecoderConfig (gamma resolved by the caller)."""
-    sampling = Sampling(
-        temperature=float(dcfg.get("temperature", 0.0)),
-        top_k=int(dcfg.get("top_k", 0) or 0),
-        top_p=float(dcfg.get("top_p", 1.0)),
-    )
+    sampling = Sampling.from_parent(dcfg, "decoder.sampling")
     return DecoderConfig(
         gamma=gamma,
         max_new_tokens=max_new_tokens,
@@ -186,6 +185,8 @@ def setup(cfg: DictConfig, gamma_room: int) -> Setup:
     spec = resolve_pair(cfg.pair)
     # Check the decoder settings before loading anything heavy.
     check_decoder_config(decoder_config(dcfg, int(cfg.max_new_tokens), (), 1))
+    if both_modes(cfg):
+        other_decoder(dcfg, cfg.get("other_sampling"))  # checks other_sampling
     for key, name, rev in (
         ("pair.target", spec.target, spec.revision),
         ("pair.drafter", spec.drafter, spec.drafter_revision),
@@ -284,7 +285,7 @@ def run(cfg: DictConfig) -> ValidateResult:
     modes = {
         mode_name(dec.cfg.sampling.temperature): mode_figures(dec, base_rates, spec_rates, spec_out)
     }
-    if cfg.get("both_modes", True) and cfg.get("sampled_alpha", True):
+    if both_modes(cfg):
         name, figures = measure_other_mode(
             lambda dc: make(gamma, dc),
             dcfg,

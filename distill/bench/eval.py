@@ -25,9 +25,9 @@ from specdistill.distill.pipeline.recipe_summary import collect
 
 # (column, eval overrides): the mode's serving temperature, 0 = greedy.
 EVALS = {
-    "target_greedy": ["eval.source=target", "eval.temperature=0.0"],
-    "target_t1": ["eval.source=target", "eval.temperature=1.0"],
-    "reference_t1": ["eval.source=reference", "eval.temperature=1.0"],
+    "target_greedy": ["eval.source=target", "eval.sampling.temperature=0.0"],
+    "target_t1": ["eval.source=target", "eval.sampling.temperature=1.0"],
+    "reference_t1": ["eval.source=reference", "eval.sampling.temperature=1.0"],
 }
 
 
@@ -47,7 +47,6 @@ def run(val_dir: Path, runs_dir: Path, pair: str, limit: int, work: Path) -> dic
     from hydra import compose, initialize_config_module
 
     from specdistill.data.pairs import load_role, load_tokenizer, resolve_pair
-    from specdistill.decode.acceptance import Sampling
     from specdistill.distill.train import setup
     from specdistill.distill.train.data import collate
     from specdistill.distill.train.evaluate import evaluate
@@ -87,7 +86,7 @@ def run(val_dir: Path, runs_dir: Path, pair: str, limit: int, work: Path) -> dic
         q = load_role(dataclasses.replace(spec, drafter=drafter), "drafter", device="cpu")
         rec: dict[str, Any] = {"recipe": r["recipe"]}
         for name, cfg in cfgs.items():
-            s = Sampling(temperature=float(cfg.eval.temperature))
+            s = setup.eval_sampling(cfg)
             rec[name] = evaluate(q, target, batches[name], vocab=len(tok), sampling=s)["alpha"]
         toy = r["sets"]["toy-test"]
         rec["validate_greedy"] = (toy.get("greedy") or {}).get("alpha")

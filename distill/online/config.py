@@ -150,7 +150,7 @@ def resolve_topk(topk: int | str, temperature: float, vocab: int) -> int:
 
 def check_topk(cfg: DictConfig, vocab: int) -> int:
     """The resolved top-k, once it fits the vocabulary."""
-    k = resolve_topk(cfg.topk, float(cfg.decoder.temperature), vocab)
+    k = resolve_topk(cfg.topk, float(cfg.decoder.sampling.temperature), vocab)
     if k > vocab:
         raise ConfigError(
             f"topk={cfg.topk} is larger than the vocabulary ({vocab} tokens): use topk <= {vocab}"

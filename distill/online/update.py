@@ -151,7 +151,9 @@ class Updater:
         stricter than G; null: no gate).
         """
         gen = torch.Generator().manual_seed(int(self.cfg.seed) * 1_000_003 + update_index)
-        gate = resolve_gate(self.cfg.get("gate_agreement"), float(self.cfg.decoder.temperature))
+        gate = resolve_gate(
+            self.cfg.get("gate_agreement"), float(self.cfg.decoder.sampling.temperature)
+        )
         if relaxed and gate is not None:
             loose = self.cfg.get("gate_relaxed")
             gate = None if loose is None else min(gate, float(loose))

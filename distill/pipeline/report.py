@@ -6,8 +6,8 @@ Two different "alpha"s appear in a run and must not be confused: the validate st
 decode-time acceptance rate (our speculative decoder on held-out prompts, in both serving
 modes: greedy and sampling) and the distill stage's held-out alpha, the expected acceptance in
 the serving mode (p = target, q = drafter) that picked the shipped checkpoint. The table labels
-every row with which one it is and how it was measured. Reads only the stages' own result files, so it
-works on a pipeline run and on a Slurm-chained run with the same layout.
+every row with which one it is and how it was measured. Reads only the stages' own result files
+(those `RUN_DIR/plan/report.yaml` names), so it works on a run made here or on Slurm alike.
 """
 
 from __future__ import annotations
@@ -183,7 +183,8 @@ def summary_markdown(
     if serving:
         how = serving.get("mode", "?")
         if how == "sampling":
-            how += f" at temperature {serving.get('temperature')}, top_p {serving.get('top_p')}"
+            smp = serving.get("sampling") or serving  # runs before the one spec: flat keys
+            how += f" at temperature {smp.get('temperature')}, top_p {smp.get('top_p')}"
         lines += ["", f"Served {how}; recipe `{(recipe or {}).get('name')}`: {recipe}."]
     e = stages.get("export")
     if e:
@@ -231,7 +232,14 @@ def plot_acceptance(stages: dict[str, dict], path: Path) -> bool:
 
 
 def load_stages(run_dir: Path) -> dict[str, dict]:
-    """A run folder's stage results (the pipeline's and pipeline.sh's common layout)."""
+    """A run folder's stage results: those its plan names (`plan/report.yaml`, written by the
+    pipeline, local or Slurm), else the default layout's."""
+    plan = run_dir / "plan" / "report.yaml"
+    if plan.is_file():
+        from omegaconf import OmegaConf
+
+        results = OmegaConf.to_container(OmegaConf.load(plan).config.results)
+        return {k: read_json(f) for k, f in results.items() if Path(f).is_file()}  # type: ignore[union-attr]
     files = {
         "generate": "generate/result.json",
         "distill": "distill/result.json",

@@ -2,13 +2,16 @@
 
 The best recipe depends on the serving mode (DistillSpec; on the toy pair greedy Seq-KD + FKL
 triples greedy acceptance but barely moves sampled acceptance, on-policy TVD does the reverse).
-The pipeline's `serving` group (greedy | sampling, with temperature / top_p / top_k) and its
-`recipe` group (defaulting to the shipped recipe of that mode) become each stage's overrides:
+The pipeline's `serving` group (greedy | sampling, with `serving.sampling`, the one sampling spec
+`{temperature, top_k, top_p}`) and its `recipe` group (defaulting to the shipped recipe of that
+mode) become each stage's overrides, one spec per place that samples:
 
-- generate: Seq-KD greedy or sampled (recipe.seqkd);
-- distill: loss, beta, loss temperature, lmbda, on-policy temperature, and the held-out metric that picks best/:
-  expected acceptance in the serving mode on the target's own continuations;
-- validate (and online): the decoder in the serving mode, the other mode reported beside it.
+- generate: Seq-KD greedy or sampled (recipe.seqkd) -> `sampling`;
+- distill: loss, beta, loss temperature, lmbda, the on-policy drafter's `onpolicy.sampling`, and
+  the held-out metric that picks best/ (`eval.sampling`): expected acceptance in the serving mode
+  on the target's own continuations;
+- validate (and online): the decoder in the serving mode (`decoder.sampling`), the other mode
+  reported beside it (`other_sampling`).
 
 User overrides under a stage's key (`distill.lmbda=0.5`) still win: they come after these.
 """
@@ -21,7 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.runtime import ConfigError
-from specdistill.decode.acceptance import Sampling
+from specdistill.data.sampling import Sampling
 from specdistill.distill.losses import DIVERGENCES
 
 MODES = ("greedy", "sampling")
@@ -30,19 +33,12 @@ SEQKD = ("greedy", "sampled")
 
 @dataclass(frozen=True)
 class Serving:
-    """The serving setting; `sampling` is what the decoder applies to both p and q."""
+    """The serving setting: `sampling` is what the decoder applies to both p and q; `report`
+    is the sampling side validate reports beside greedy serving."""
 
     mode: str
-    temperature: float
-    top_p: float
-    top_k: int
-    report_temperature: float  # the sampling side reported beside greedy serving
-
-    @property
-    def sampling(self) -> Sampling:
-        if self.mode == "greedy":
-            return Sampling()
-        return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+    sampling: Sampling
+    report: Sampling
 
 
 def _plain(node: Any) -> dict[str, Any]:
@@ -57,26 +53,29 @@ def check_serving(node: Any) -> Serving:
     mode = s.get("mode")
     if mode not in MODES:
         raise ConfigError(f"serving.mode={mode!r}: use serving=greedy or serving=sampling")
-    t = float(s.get("temperature") or 0.0)
-    if mode == "sampling" and t <= 0:
+    sampling = Sampling.from_parent(s, "serving.sampling")
+    t = sampling.temperature
+    if mode == "sampling" and sampling.greedy:
         raise ConfigError(
-            f"serving.temperature={t} with serving=sampling must be > 0 (greedy: serving=greedy)"
+            f"serving.sampling.temperature={t} with serving=sampling must be > 0 "
+            "(greedy: serving=greedy)"
         )
-    if mode == "greedy" and t != 0:
+    if mode == "greedy" and not sampling.greedy:
         raise ConfigError(
-            f"serving.temperature={t} with serving=greedy: greedy ignores temperature; "
-            f"use serving=sampling serving.temperature={t}"
+            f"serving.sampling.temperature={t} with serving=greedy: greedy ignores temperature; "
+            f"use serving=sampling serving.sampling.temperature={t}"
         )
-    top_p = float(s.get("top_p", 1.0))
-    if not 0.0 < top_p <= 1.0:
-        raise ConfigError(f"serving.top_p={top_p} must lie in (0, 1]")
-    top_k = int(s.get("top_k") or 0)
-    if top_k < 0:
-        raise ConfigError(f"serving.top_k={top_k} must be >= 0 (0 = off)")
-    report_t = float(s.get("report_temperature") or 1.0)
-    if report_t <= 0:
-        raise ConfigError(f"serving.report_temperature={report_t} must be > 0")
-    return Serving(mode, t, top_p, top_k, report_t)
+    if mode == "greedy":  # top-k / top-p mean nothing at temperature 0
+        sampling = Sampling()
+    report = Sampling.from_node(
+        s.get("report_sampling") or {"temperature": 1.0}, "serving.report_sampling"
+    )
+    if report.greedy:
+        raise ConfigError(
+            "serving.report_sampling.temperature=0: the side reported beside greedy samples; "
+            "set it > 0 (e.g. 1.0)"
+        )
+    return Serving(mode, sampling, report)
 
 
 def check_recipe(node: Any) -> dict[str, Any]:
@@ -107,8 +106,15 @@ def check_recipe(node: Any) -> dict[str, Any]:
 def _temperature(value: Any, serving: Serving) -> float:
     """A recipe temperature; `serving` means the serving temperature (1 for greedy serving)."""
     if value == "serving":
-        return serving.temperature if serving.mode == "sampling" else 1.0
+        return serving.sampling.temperature if serving.mode == "sampling" else 1.0
     return float(value)
+
+
+def _spec(key: str, sampling: Sampling) -> str:
+    """One sampling spec as one override, e.g. `decoder.sampling={temperature:0.7,...}`."""
+    from specdistill.distill.pipeline.stage import format_override
+
+    return format_override(key, sampling.as_dict())
 
 
 def stage_overrides(serving: Serving, recipe: dict[str, Any]) -> dict[str, list[str]]:
@@ -116,20 +122,20 @@ def stage_overrides(serving: Serving, recipe: dict[str, Any]) -> dict[str, list[
     serving mode and recipe. Pure: the pipeline composes each stage with them."""
     s = serving.sampling
     if recipe["seqkd"] == "greedy":
-        generate = ["do_sample=false"]
+        seqkd = Sampling()
     else:
         t = _temperature(recipe.get("seqkd_temperature", 1.0), serving)
-        generate = ["do_sample=true", f"temperature={t}", f"top_p={s.top_p}", f"top_k={s.top_k}"]
+        seqkd = Sampling(temperature=t, top_k=s.top_k, top_p=s.top_p)
+    # The drafter samples its on-policy batches at the recipe's temperature, nothing cut.
+    onpolicy = Sampling(temperature=_temperature(recipe.get("onpolicy_temperature", 1.0), serving))
     distill = [
         f"loss={recipe['loss']}",
         # sampling serving: p and q are compared at the serving temperature, as the decoder does
         f"loss.temperature={s.temperature if serving.mode == 'sampling' else 1.0}",
         f"lmbda={float(recipe['lmbda'])}",
-        f"onpolicy.temperature={_temperature(recipe.get('onpolicy_temperature', 1.0), serving)}",
+        _spec("onpolicy.sampling", onpolicy),
         "eval.source=target",
-        f"eval.temperature={s.temperature}",
-        f"eval.top_p={s.top_p}",
-        f"eval.top_k={s.top_k}",
+        _spec("eval.sampling", s),
     ]
     if recipe.get("beta") is not None:
         distill.append(f"loss.beta={float(recipe['beta'])}")
@@ -139,16 +145,11 @@ def stage_overrides(serving: Serving, recipe: dict[str, Any]) -> dict[str, list[
         for key in ("loss", "beta", "lmbda"):
             if switch.get(key) is not None:
                 distill.append(f"switch.{key}={switch[key]}")
-    decoder = [
-        f"decoder={serving.mode}",
-        f"decoder.temperature={s.temperature}",
-        f"decoder.top_p={s.top_p}",
-        f"decoder.top_k={s.top_k}",
-    ]
-    validate = [
-        *decoder,
-        f"other_sampling.temperature={serving.report_temperature}",
-        f"other_sampling.top_p={s.top_p}",
-        f"other_sampling.top_k={s.top_k}",
-    ]
-    return {"generate": generate, "distill": distill, "validate": validate, "online": decoder}
+    decoder = [f"decoder={serving.mode}", _spec("decoder.sampling", s)]
+    validate = [*decoder, _spec("other_sampling", serving.report)]
+    return {
+        "generate": [_spec("sampling", seqkd)],
+        "distill": distill,
+        "validate": validate,
+        "online": decoder,
+    }

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from specdistill.data.runtime import ConfigError
+from specdistill.data.sampling import Sampling
 
 SEQKD_COLUMNS = ("prompt_ids", "completion_ids")
 
@@ -192,6 +194,13 @@ def is_onpolicy(seed: int, g: int, lmbda: float) -> bool:
     return bool(torch.rand((), generator=gen).item() < lmbda)
 
 
+def _generate_sampling(sampling: Sampling) -> dict[str, Any]:
+    """`generate` keywords for a sampling spec (top_k 0 and top_p 1 are off there too)."""
+    if sampling.greedy:
+        return {"do_sample": False}
+    return {"do_sample": True, **sampling.as_dict()}
+
+
 @torch.no_grad()
 def sample_onpolicy(
     model,
@@ -200,11 +209,12 @@ def sample_onpolicy(
     pad_id: int,
     eos_id: int | None,
     max_new_tokens: int,
-    temperature: float,
+    sampling: Sampling,
     seed: int,
     synced_gpus: bool = False,
 ) -> list[Example]:
-    """The drafter's own completions for the examples' prompts (GKD on-policy data).
+    """The drafter's own completions for the examples' prompts (GKD on-policy data), sampled
+    with `sampling` (`onpolicy.sampling`; temperature 0: the drafter's greedy output).
 
     Sampling runs under a forked RNG seeded per micro-batch, so it neither depends on nor
     disturbs the global RNG stream (resume and process layout stay exact).
@@ -224,10 +234,7 @@ def sample_onpolicy(
         out = model.generate(
             input_ids=ids.to(device),
             attention_mask=att.to(device),
-            do_sample=True,
-            temperature=temperature,
-            top_k=0,
-            top_p=1.0,
+            **_generate_sampling(sampling),
             max_new_tokens=max_new_tokens,
             pad_token_id=pad_id,
             eos_token_id=eos_id,

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from specdistill.data.runtime import ConfigError
-from specdistill.decode.acceptance import Sampling, expected_alpha, probs_from_logits
+from specdistill.data.sampling import Sampling
+from specdistill.decode.acceptance import expected_alpha, probs_from_logits
 
 
 def serving_acceptance(
@@ -55,9 +56,9 @@ def evaluate(
     """
     if target is None and not _stored_topk_ok(sampling):
         raise ConfigError(
-            f"eval.temperature={sampling.temperature} / top_k={sampling.top_k} / "
-            f"top_p={sampling.top_p}: stored top-k log-probs are at temperature 1; load the "
-            "target (eval.source=target or reference) or evaluate at temperature 0 or 1"
+            f"eval.sampling={sampling.as_dict()}: stored top-k log-probs are at temperature 1 "
+            "with nothing cut; load the target (eval.source=target or reference) or evaluate "
+            "at eval.sampling.temperature=0 or 1 (top_k 0, top_p 1)"
         )
     was_training = drafter.training
     drafter.eval()

@@ -23,7 +23,7 @@ from specdistill.data.pairs import (
 )
 from specdistill.data.prompts import load_prompts
 from specdistill.data.runtime import ConfigError, parse_dtype
-from specdistill.decode.acceptance import Sampling
+from specdistill.data.sampling import Sampling
 from specdistill.distill.losses import DIVERGENCES
 from specdistill.distill.train import zero
 from specdistill.distill.train.data import Example, has_topk, load_seqkd, reference_examples
@@ -53,6 +53,7 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.eval.source not in ("reference", "path", "target"):
         raise ConfigError(f"eval.source={cfg.eval.source!r}: use reference, path or target")
     eval_sampling(cfg)
+    onpolicy_sampling(cfg)
     check_switch(cfg)
     zero.check_deepspeed(cfg, use_cuda(cfg))
     if cfg.optim.schedule not in ("cosine", "linear", "constant"):
@@ -93,16 +94,12 @@ def phase_at(cfg: DictConfig, step: int) -> tuple[str, float, float]:
 
 def eval_sampling(cfg: DictConfig) -> Sampling:
     """The serving mode the held-out acceptance is measured in (temperature 0 = greedy)."""
-    t = float(cfg.eval.temperature)
-    top_p = float(OmegaConf.select(cfg, "eval.top_p", default=1.0))
-    top_k = int(OmegaConf.select(cfg, "eval.top_k", default=0) or 0)
-    if t < 0:
-        raise ConfigError(f"eval.temperature={t} must be >= 0 (0 = greedy serving)")
-    if not 0.0 < top_p <= 1.0:
-        raise ConfigError(f"eval.top_p={top_p} must lie in (0, 1]")
-    if top_k < 0:
-        raise ConfigError(f"eval.top_k={top_k} must be >= 0 (0 = off)")
-    return Sampling(temperature=t, top_k=top_k, top_p=top_p)
+    return Sampling.from_parent(cfg.eval, "eval.sampling")
+
+
+def onpolicy_sampling(cfg: DictConfig) -> Sampling:
+    """How the drafter samples its on-policy batches (temperature 0 = its greedy output)."""
+    return Sampling.from_parent(cfg.onpolicy, "onpolicy.sampling")
 
 
 def use_cuda(cfg: DictConfig) -> bool:
@@ -193,13 +190,15 @@ def run_generate(
         from hydra.core.global_hydra import GlobalHydra
 
         overrides = [f"output_dir={path}", f"split={split}", f"seed={cfg.seed}"]
-        for key, value in settings.items():
-            overrides.append(f"{key}={'null' if value is None else value}")
         if GlobalHydra.instance().is_initialized():
             gcfg = compose(config_name="generate", overrides=overrides)
         else:
             with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
                 gcfg = compose(config_name="generate", overrides=overrides)
+        try:  # merged, not written as overrides: nested settings (`sampling`) keep their shape
+            gcfg = OmegaConf.merge(gcfg, settings)
+        except Exception as e:  # a key the generate stage does not have
+            raise ConfigError(f"data.generate: {e}".splitlines()[0]) from e
         OmegaConf.set_struct(gcfg, False)
         gcfg.pair = cfg.pair
         gcfg.dataset = _dataset_cfg(cfg, None)
@@ -256,15 +255,11 @@ def build_train_examples(cfg: DictConfig, tokenizer, accelerator) -> tuple[list[
 
 def build_eval_examples(cfg: DictConfig, tokenizer, accelerator) -> list[Example]:
     """Held-out rows: reference completions, a given generate run, or (`target`) the target's
-    own continuations in the serving mode (greedy, or sampled at eval.temperature/top_p)."""
+    own continuations in the serving mode (greedy, or sampled at eval.sampling)."""
     if cfg.eval.source == "target":
-        sampling = eval_sampling(cfg)
         settings = {
             "max_new_tokens": int(cfg.eval.max_new_tokens),
-            "do_sample": not sampling.greedy,
-            "temperature": sampling.temperature if not sampling.greedy else 1.0,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
+            "sampling": eval_sampling(cfg).as_dict(),
             "topk_logprobs": 0,
         }
         path = Path(str(cfg.eval.path or Path(str(cfg.output_dir)) / "eval_continuations"))

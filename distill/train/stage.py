@@ -114,6 +114,7 @@ class Trainer:
     train_examples: list
     eval_batches: list
     eval_sampling: Any
+    onpolicy_sampling: Any
     topk: bool
     stream: StreamSpec
     vocab: int
@@ -183,6 +184,7 @@ def prepare(cfg: DictConfig) -> Trainer:
         train_examples=train_examples,
         eval_batches=eval_batches,
         eval_sampling=setup.eval_sampling(cfg),
+        onpolicy_sampling=setup.onpolicy_sampling(cfg),
         topk=topk,
         stream=stream,
         # both models' logits are cut to the real tokens (padding rows dropped)
@@ -244,7 +246,7 @@ def micro_batches(tr: Trainer, step: int, lmbda: float) -> list[tuple[dict, bool
                 pad_id=tr.tok.pad_token_id,
                 eos_id=tr.tok.eos_token_id,
                 max_new_tokens=int(cfg.onpolicy.max_new_tokens),
-                temperature=float(cfg.onpolicy.temperature),
+                sampling=tr.onpolicy_sampling,
                 seed=micro_seed(seed, g),
                 synced_gpus=zero3,
             )
@@ -378,7 +380,7 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
             "train_examples": len(tr.train_examples),
             "eval_tokens": before["tokens"],
             "eval_source": cfg.eval.source,
-            "eval_sampling": tr.eval_sampling.__dict__,
+            "eval_sampling": tr.eval_sampling.as_dict(),
         },
         world_size=tr.accelerator.num_processes,
         history=state["history"],

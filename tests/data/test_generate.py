@@ -18,6 +18,7 @@ from specdistill.data.generate import batched
 from specdistill.data.generate import stage as gen
 from specdistill.data.prompts import load_prompts
 from specdistill.data.runtime import ConfigError, eos_ids
+from specdistill.data.sampling import Sampling
 from tests.conftest import main_in_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,15 +53,7 @@ def test_batched_greedy_equals_one_at_a_time_generate(toy_tiny_pair):
     target, _, tok = toy_tiny_pair
     prompts = _prepared(tok, 12)
     assert len({len(p.ids) for p in prompts}) > 6  # lengths differ, so padding is exercised
-    s = batched.Sampling(
-        max_new_tokens=12,
-        do_sample=False,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        num_samples=1,
-        seed=0,
-    )
+    s = batched.GenerationSettings(max_new_tokens=12, sampling=Sampling(), num_samples=1, seed=0)
     rows, tokens = batched.generate_rows(target, tok, prompts, s, batch_size=8, topk=0)
     eos = eos_ids(target.generation_config, tok)
     for p, row in zip(prompts, rows):
@@ -147,7 +140,7 @@ def test_two_shards_merged_equal_one_shard(generate_cfg, tmp_path):
 
 
 def test_sampled_run_is_seeded_and_has_n_samples(generate_cfg, tmp_path):
-    args = ("do_sample=true", "num_samples=3", "temperature=1.0", "top_p=0.9", "dataset.limit=5")
+    args = ("sampling.temperature=1.0", "sampling.top_p=0.9", "num_samples=3", "dataset.limit=5")
     gen.run(generate_cfg(*args, out=tmp_path / "a"))
     gen.run(generate_cfg(*args, out=tmp_path / "b"))
     rows = _rows(tmp_path / "a")

@@ -23,14 +23,13 @@ import torch
 
 from specdistill.data.generate import stage as gen
 from specdistill.data.generate import vllm_engine as vb
-from specdistill.data.generate.batched import Sampling
+from specdistill.data.generate.batched import GenerationSettings
 from specdistill.data.runtime import ConfigError
+from specdistill.data.sampling import Sampling
 from tests.conftest import main_in_process
 from tests.data.conftest import compose_generate
 
-GREEDY = Sampling(
-    max_new_tokens=8, do_sample=False, temperature=1, top_p=1, top_k=0, num_samples=1, seed=0
-)
+GREEDY = GenerationSettings(max_new_tokens=8, sampling=Sampling(), num_samples=1, seed=0)
 ENGINE = vb.EngineSettings(1, 0.9, 16, None, True, 1.0)
 # In-process runs share one engine (same settings: same key); CLI runs start their own.
 VLLM_QUICK = ["backend=vllm", "vllm.enforce_eager=true", "vllm.max_num_seqs=16"]
@@ -233,9 +232,8 @@ def test_vllm_matches_hf_greedy_tokens_and_topk(vllm_model, tmp_path):
 def test_vllm_sampled_rows_do_not_depend_on_sharding(vllm_model, tmp_path):
     """Per-row seeds: 2 shards (run one after the other) equal 1 shard, even when sampling."""
     common = (
-        "do_sample=true",
-        "temperature=0.9",
-        "top_k=50",
+        "sampling.temperature=0.9",
+        "sampling.top_k=50",
         "num_samples=2",
         "dataset.limit=12",
         "max_new_tokens=8",

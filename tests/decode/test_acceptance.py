@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import (
-    Sampling,
     acceptance_probs,
     best_gamma,
     expected_alpha,

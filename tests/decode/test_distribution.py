@@ -15,7 +15,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdistill.decode.acceptance import Sampling, probs_from_logits
+from specdistill.data.sampling import Sampling
+from specdistill.decode.acceptance import probs_from_logits
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.conftest import tiny_llama
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specdistill.data.runtime import pad_rows
-from specdistill.decode.acceptance import Sampling
+from specdistill.data.sampling import Sampling
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.conftest import tiny_llama
 

@@ -54,7 +54,7 @@ PROMPTS = ['def add(a, b):\n    """Return a + b."""', "import os\n\ndef main():\
 @pytest.mark.parametrize("greedy", [True, False])
 def test_recorded_target_probs_equal_a_fresh_target_forward(toy_tiny_pair, greedy):
     """Every kept position's top-k (here K = V) is the target's own distribution there."""
-    from specdistill.decode.acceptance import Sampling
+    from specdistill.data.sampling import Sampling
 
     target = toy_tiny_pair[0]
     sampling = None if greedy else Sampling(temperature=1.0)

@@ -70,10 +70,14 @@ def test_both_serving_modes_with_speedups_and_the_serving_mode_held_out_figure()
     held = rows["held-out alpha, temperature 0.7, top_p 0.9"]
     assert "sum min(p,q) on the target's sampled continuations" in held
     assert len(rows) == len(report.ROWS)
-    text = report.summary_markdown("/r", {"validate": dist, "distill": distill}, 1.0,
-                                   {"mode": "sampling", "temperature": 0.7, "top_p": 0.9},
-                                   {"name": "sampling", "loss": "tvd"})  # fmt: skip
+    served = {"mode": "sampling", "sampling": {"temperature": 0.7, "top_p": 0.9}}
+    recipe = {"name": "sampling", "loss": "tvd"}
+    stages = {"validate": dist, "distill": distill}
+    text = report.summary_markdown("/r", stages, 1.0, served, recipe)
     assert "Served sampling at temperature 0.7, top_p 0.9; recipe `sampling`" in text
+    # pipeline.json of runs before the one sampling spec held the keys flat
+    old = {"mode": "sampling", "temperature": 0.7, "top_p": 0.9}
+    assert report.summary_markdown("/r", stages, 1.0, old, recipe) == text
 
 
 def test_missing_figures_are_left_out_or_marked():

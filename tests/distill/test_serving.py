@@ -10,13 +10,14 @@ from hydra import compose, initialize_config_module
 
 from specdistill.data.io import read_json
 from specdistill.data.runtime import ConfigError
-from specdistill.decode.acceptance import Sampling, verify_greedy, verify_sampling
+from specdistill.data.sampling import Sampling
+from specdistill.decode.acceptance import verify_greedy, verify_sampling
 from specdistill.distill.pipeline import stage as pipeline
 from specdistill.distill.pipeline.serving import check_recipe, check_serving
 from specdistill.distill.train.evaluate import evaluate, serving_acceptance
 from tests.distill.test_pipeline import FAST
 
-SAMPLING_07 = ["serving=sampling", "serving.temperature=0.7", "serving.top_p=0.9"]
+SAMPLING_07 = ["serving=sampling", "serving.sampling.temperature=0.7", "serving.sampling.top_p=0.9"]
 
 
 def _pipeline_cfg(*overrides: str):
@@ -34,10 +35,10 @@ def test_greedy_serving_reaches_generate_distill_and_validate():
     cfg = _pipeline_cfg()
     assert cfg.serving.mode == "greedy" and cfg.recipe.name == "greedy"
     gen, dis, val = (_stage(s, cfg) for s in ("generate", "distill", "validate"))
-    assert gen.do_sample is False
+    assert gen.sampling.temperature == 0.0  # greedy Seq-KD
     assert (dis.loss.name, dis.lmbda, dis.loss.temperature) == ("fkl", 0.0, 1.0)
-    assert (dis.eval.source, dis.eval.temperature) == ("target", 0.0)  # greedy acceptance
-    assert val.decoder.temperature == 0.0 and val.both_modes is True
+    assert (dis.eval.source, dis.eval.sampling.temperature) == ("target", 0.0)  # greedy acceptance
+    assert val.decoder.sampling.temperature == 0.0 and val.both_modes is True
     assert val.other_sampling.temperature == 1.0  # the sampling side reported beside greedy
 
 
@@ -45,12 +46,13 @@ def test_sampling_serving_reaches_generate_distill_validate_and_online():
     cfg = _pipeline_cfg(*SAMPLING_07)
     assert cfg.recipe.name == "sampling"  # the recipe follows the serving mode
     gen, dis, val, onl = (_stage(s, cfg) for s in ("generate", "distill", "validate", "online"))
-    assert gen.do_sample is False  # the shipped sampling recipe trains on greedy Seq-KD rows
+    assert gen.sampling.temperature == 0.0  # the shipped sampling recipe: greedy Seq-KD rows
     assert (dis.loss.name, dis.lmbda) == ("fkl", 1.0)
-    assert dis.loss.temperature == 0.7 and dis.onpolicy.temperature == 0.7
-    assert (dis.eval.source, dis.eval.temperature, dis.eval.top_p) == ("target", 0.7, 0.9)
+    assert dis.loss.temperature == 0.7 and dis.onpolicy.sampling.temperature == 0.7
+    ev = dis.eval.sampling
+    assert (dis.eval.source, ev.temperature, ev.top_p) == ("target", 0.7, 0.9)
     for d in (val.decoder, onl.decoder):
-        assert (d.temperature, d.top_p) == (0.7, 0.9)
+        assert (d.sampling.temperature, d.sampling.top_p) == (0.7, 0.9)
     assert val.other_sampling.temperature == 0.7
 
 
@@ -58,18 +60,20 @@ def test_sampled_seqkd_recipe_and_user_overrides_win():
     cfg = _pipeline_cfg(*SAMPLING_07, "recipe.seqkd=sampled", "recipe.seqkd_temperature=serving",
                         "++distill.lmbda=0.5", "++validate.decoder.gamma=3")  # fmt: skip
     gen, dis, val = (_stage(s, cfg) for s in ("generate", "distill", "validate"))
-    assert (gen.do_sample, gen.temperature, gen.top_p) == (True, 0.7, 0.9)
+    assert (gen.sampling.temperature, gen.sampling.top_p) == (0.7, 0.9)  # sampled Seq-KD
     assert dis.lmbda == 0.5 and dis.loss.name == "fkl"  # the user's stage key beats the recipe
-    assert val.decoder.gamma == 3 and val.decoder.temperature == 0.7
+    assert val.decoder.gamma == 3 and val.decoder.sampling.temperature == 0.7
 
 
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
         (["serving.mode=beam"], "serving.mode"),
-        (["serving=sampling", "serving.temperature=0"], "serving.temperature"),
-        (["serving.temperature=0.7"], "serving.temperature"),  # greedy with a temperature
-        (["serving=sampling", "serving.top_p=1.5"], "serving.top_p"),
+        (["serving=sampling", "serving.sampling.temperature=0"], "serving.sampling.temperature"),
+        (["serving.sampling.temperature=0.7"], "serving.sampling.temperature"),  # greedy + T
+        (["serving=sampling", "serving.sampling.top_p=1.5"], "serving.sampling.top_p"),
+        (["serving=sampling", "serving.sampling.top_k=-1"], "serving.sampling.top_k"),
+        (["serving.report_sampling.temperature=0"], "serving.report_sampling.temperature"),
         (["recipe.loss=mse"], "recipe.loss"),
         (["recipe.lmbda=2"], "recipe.lmbda"),
         (["recipe.seqkd=beam"], "recipe.seqkd"),
@@ -85,7 +89,7 @@ def test_check_helpers_accept_the_shipped_groups():
     for mode in ("greedy", "sampling", "balanced"):
         cfg = _pipeline_cfg(f"recipe={mode}")
         check_recipe(cfg.recipe)
-    assert check_serving({"mode": "greedy", "temperature": 0}).sampling.greedy
+    assert check_serving({"mode": "greedy", "sampling": {"temperature": 0}}).sampling.greedy
 
 
 def _brute_process(logits: torch.Tensor, t: float, top_p: float) -> torch.Tensor:
@@ -164,7 +168,7 @@ def test_evaluate_masks_positions_and_refuses_stored_topk_at_another_temperature
     ev = evaluate(Fixed(q), Fixed(p), [batch], vocab=vocab, sampling=s)
     want = serving_acceptance(p, q, s)[mask].mean()
     assert math.isclose(ev["alpha"], float(want), rel_tol=1e-6) and ev["tokens"] == 3
-    with pytest.raises(ConfigError, match="eval.temperature"):
+    with pytest.raises(ConfigError, match="eval.sampling"):
         evaluate(Fixed(q), None, [batch], vocab=vocab, sampling=s)
 
 

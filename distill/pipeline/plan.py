@@ -1,0 +1,303 @@
+"""The pipeline's plan: every step's stage config composed once, resolved, with its hand-offs.
+
+`build_plan(cfg)` turns the pipeline config into a list of Steps (generate, distill, online,
+validate_base, validate, validate_<set>, export, report), in the order they run. A Step holds its
+stage's primary config (`conf/<stage>.yaml`) composed with the pipeline's pair, the serving
+mode's and recipe's overrides (distill/pipeline/serving.py), the run's folders, the seed and the
+user's `STAGE.KEY=VALUE` keys, resolved to a plain dict: exactly what the stage runs, wherever
+it runs. Hand-offs are paths known up front (generate's output_dir is distill's `data.path`;
+distill's drafter is `<run_dir>/distill/best`, online's `<run_dir>/online/drafter`), so the
+fingerprint of a step (its config + the fingerprints of the steps whose output it reads) is
+static too: a changed distill re-runs what reads its output, on any executor.
+
+Executors: the local one runs the steps in-process (distill/pipeline/stage.py), the Slurm one
+submits one job per step (distill/pipeline/slurm.py); both call the same `run_step` on the same
+Step, and each step's file under `<run_dir>/plan/` is what its job loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from specdistill.data.runtime import ConfigError
+from specdistill.distill.pipeline.serving import check_recipe, check_serving, stage_overrides
+
+STAGES = ("generate", "distill", "online", "validate", "export")
+MODULES = {  # each stage's own entry point: `python -m MODULE KEY=VALUE ...`
+    "generate": "specdistill.data.generate",
+    "distill": "specdistill.distill.train",
+    "online": "specdistill.distill.online",
+    "validate": "specdistill.decode.validate",
+    "export": "specdistill.distill.export",
+    "report": "specdistill.distill.pipeline.report",
+}
+RESULT_FILES = {  # relative to the step's out_dir
+    "generate": "result.json",
+    "distill": "result.json",
+    "online": "result.json",
+    "validate": "report.json",
+    "export": "drafter/export.json",
+    "report": "pipeline.json",
+}
+DATASET_STAGES = ("generate", "distill", "validate")  # the stages with a `dataset` group
+PLAN_DIR = "plan"  # <run_dir>/plan/<step>.yaml: what each step's job loads
+
+
+@dataclass
+class Step:
+    """One unit of work: a stage on its fully composed config, and the steps it reads from."""
+
+    name: str  # generate, distill, online, validate_base, validate, validate_<set>, export, report
+    stage: str  # which stage runs it (validate_* steps run `validate`)
+    module: str  # the stage's `python -m` entry point
+    out_dir: str
+    result_file: str  # relative to out_dir; read back when the stage returns
+    needs: list[str] = field(default_factory=list)
+    fingerprint: str = ""  # config + needed steps' fingerprints; "" = always runs (report)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def result_path(self) -> Path:
+        return Path(self.out_dir) / self.result_file
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def format_override(key: str, value: Any) -> str:
+    """One Hydra command-line override, quoting strings the override grammar would misread."""
+    if value is None:
+        return f"{key}=null"
+    if isinstance(value, bool):
+        return f"{key}={str(value).lower()}"
+    if isinstance(value, int | float):
+        return f"{key}={value}"
+    if isinstance(value, list | tuple):
+        return f"{key}=[{','.join(format_override('x', v)[2:] for v in value)}]"
+    if isinstance(value, dict):  # e.g. the items of online's `stream` list
+        items = (f"{k}:{format_override('x', v)[2:]}" for k, v in value.items())
+        return f"{key}={{{','.join(items)}}}"
+    text = str(value)
+    if text and all(c.isalnum() or c in "_-./" for c in text):
+        return f"{key}={text}"
+    escaped = text.replace("\\", "\\\\").replace("'", "\\'")
+    return f"{key}='{escaped}'"
+
+
+def flatten_overrides(node: Any, prefix: str = "") -> list[str]:
+    """Nested stage overrides as dotted `key=value` strings (a bare string may pick a group)."""
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
+    out: list[str] = []
+    for key, value in (node or {}).items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.extend(flatten_overrides(value, dotted + "."))
+        else:
+            out.append(format_override(dotted, value))
+    return out
+
+
+def _one_line(stage: str, e: Exception) -> str:
+    """Hydra's composition error as one line naming the stage (and the key, when it is one)."""
+    text = " ".join(str(e).split())
+    unknown = re.match(r"Could not override '([^']+)'", text)
+    if unknown:
+        key = unknown.group(1)
+        return (
+            f"{stage}: no key `{key}` in the {stage} stage (from `{stage}.{key}`; "
+            f"its keys are in conf/{stage}.yaml)"
+        )
+    return f"{stage}: {text} (check the `{stage}:` section of the pipeline config)"
+
+
+@contextlib.contextmanager
+def config_module() -> Iterator[None]:
+    """Hydra's config search path, initialised once for a run of compositions."""
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        yield
+    else:
+        with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+            yield
+
+
+def compose_stage(stage: str, cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """The stage's primary config with the pipeline's pair and the given overrides, then the
+    user's keys under the stage's section (`distill.lmbda=0.5`), which win."""
+    from hydra import compose
+
+    user = flatten_overrides(cfg.get(stage) or {})
+    try:
+        with config_module():
+            stage_cfg = compose(config_name=stage, overrides=[*overrides, *user])
+    except Exception as e:  # hydra's errors name the bad key; add which section it came from
+        raise ConfigError(_one_line(stage, e)) from e
+    OmegaConf.set_struct(stage_cfg, False)
+    stage_cfg.pair = OmegaConf.merge(stage_cfg.pair, cfg.pair)
+    return stage_cfg
+
+
+def serving_overrides(cfg: DictConfig) -> dict[str, list[str]]:
+    """Each stage's overrides from the `serving` mode and `recipe` (none when absent)."""
+    if cfg.get("serving") is None:
+        return {}
+    if cfg.get("recipe") is None:
+        raise ConfigError("serving is set but recipe is not: add `recipe: ${serving}` to defaults")
+    return stage_overrides(check_serving(cfg.serving), check_recipe(cfg.recipe))
+
+
+def fingerprint(config: dict[str, Any], after: str = "") -> str:
+    """A step's identity: its resolved config and what it reads (`after`: upstream fingerprints)."""
+    text = OmegaConf.to_yaml(OmegaConf.create(config), sort_keys=True) + after
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _resolved(stage_cfg: DictConfig) -> dict[str, Any]:
+    try:
+        return OmegaConf.to_container(stage_cfg, resolve=True)  # type: ignore[return-value]
+    except Exception as e:  # an interpolation that cannot resolve: name it here, not in a job
+        raise ConfigError(" ".join(str(e).split())) from e
+
+
+def build_plan(cfg: DictConfig) -> list[Step]:
+    """The steps of `cfg.stages` in run order, each on its final config; nothing is loaded."""
+    stages = list(cfg.stages)
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ConfigError(f"stages={stages}: unknown {unknown}; choose from {list(STAGES)}")
+    run_dir = Path(str(cfg.run_dir)).expanduser().absolute()
+    seed = f"seed={cfg.seed}"
+    sv = serving_overrides(cfg)  # checked before anything is composed
+    steps: list[Step] = []
+
+    def add(name: str, stage: str, out: Path, stage_cfg: DictConfig, reads: list[Step]) -> Step:
+        config = _resolved(stage_cfg)
+        after = "".join(s.fingerprint for s in reads)
+        step = Step(name, stage, MODULES[stage], str(out), RESULT_FILES[stage],
+                    [s.name for s in reads], fingerprint(config, after), config)  # fmt: skip
+        steps.append(step)
+        return step
+
+    def compose(stage: str, *extra: str) -> DictConfig:
+        stage_cfg = compose_stage(stage, cfg, [*sv.get(stage, []), *extra, seed])
+        own = (cfg.get(stage) or {}).get("dataset")
+        picked = isinstance(own, str) or any(e.startswith("dataset=") for e in extra)
+        if cfg.get("dataset") is not None and stage in DATASET_STAGES and not picked:
+            # the pipeline's prompt set (`dataset=ultrachat`), then the stage's own dataset keys
+            stage_cfg.dataset = OmegaConf.merge(cfg.dataset, own or {})
+        return stage_cfg
+
+    def out_dir(path: Path) -> str:
+        return format_override("output_dir", str(path))
+
+    with config_module():
+        data = drafter = report = None  # the steps whose output later steps read
+        drafter_path: str | None = None
+        if "generate" in stages:  # generate_dir: one Seq-KD run shared by several runs (sweeps)
+            out = Path(str(cfg.get("generate_dir") or run_dir / "generate")).expanduser().absolute()
+            data = add("generate", "generate", out, compose("generate", out_dir(out)), [])
+        if "distill" in stages:
+            out = run_dir / "distill"
+            extra = [out_dir(out)]
+            if data:
+                extra.append(format_override("data.path", data.out_dir))
+            drafter = add(
+                "distill", "distill", out, compose("distill", *extra), [data] if data else []
+            )
+            drafter_path = str(out / "best")  # what distill ships (its held-out best)
+        if "online" in stages:  # adapt the (distilled) drafter on the stream; validate the result
+            out = run_dir / "online"
+            ocfg = compose("online", out_dir(out))
+            if drafter_path:
+                ocfg.pair.drafter = drafter_path
+            drafter = add("online", "online", out, ocfg, [drafter] if drafter else [])
+            drafter_path = str(out / "drafter")
+        reads = [drafter] if drafter else []
+        if "validate" in stages:
+            if drafter_path and cfg.get("validate_base", True):  # the undistilled drafter
+                out = run_dir / "validate_base"
+                add("validate_base", "validate", out, compose("validate", out_dir(out)), [])
+            sets = [None, *(cfg.get("validate_sets") or [])]  # more prompt distributions
+            for name in sets:
+                out = run_dir / ("validate" if name is None else f"validate_{name}")
+                extra = [out_dir(out)] if name is None else [f"dataset={name}", out_dir(out)]
+                vcfg = compose("validate", *extra)
+                if drafter_path:
+                    vcfg.pair.drafter = drafter_path
+                step = add(out.name, "validate", out, vcfg, reads)
+                report = report or step
+        if "export" in stages:
+            # The stage folder holds the marker; the shipped folder holds only the drafter.
+            out = run_dir / "export"
+            extra = [out_dir(out / "drafter"), "overwrite=true"]
+            if drafter_path:
+                extra.append(format_override("drafter", drafter_path))
+            if report:
+                extra.append(format_override("report", str(Path(report.result_path))))
+            ecfg = compose_stage("export", cfg, extra)  # no serving keys, no seed: a copy
+            add("export", "export", out, ecfg, [*reads, *([report] if report else [])])
+
+    serving = recipe = None
+    if cfg.get("serving") is not None:
+        serving = OmegaConf.to_container(cfg.serving, resolve=True)
+        recipe = OmegaConf.to_container(cfg.recipe, resolve=True)
+    results = {s.name: str(s.result_path) for s in steps}
+    config = {"run_dir": str(run_dir), "serving": serving, "recipe": recipe, "results": results}
+    report_step = Step(
+        "report", "report", MODULES["report"], str(run_dir), RESULT_FILES["report"],
+        list(results), "", config,
+    )  # fmt: skip
+    steps.append(report_step)
+    return steps
+
+
+def step_file(run_dir: str | Path, name: str) -> Path:
+    return Path(run_dir) / PLAN_DIR / f"{name}.yaml"
+
+
+def write_plan(steps: list[Step]) -> list[Path]:
+    """Each step as `<run_dir>/plan/<name>.yaml` (what its job loads); returns the files."""
+    from specdistill.data.io import atomic_write_text
+
+    run_dir = steps[-1].out_dir  # the report step's folder is the run's
+    files = []
+    for step in steps:
+        path = step_file(run_dir, step.name)
+        atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(step.as_dict())))
+        files.append(path)
+    return files
+
+
+def load_step(path: str | Path) -> Step:
+    """A step written by `write_plan`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such step file (write one with `specdistill plan=true`?)")
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    return Step(**data)  # type: ignore[arg-type]
+
+
+def plan_text(steps: list[Step], resources: dict[str, dict[str, Any]] | None = None) -> str:
+    """The plan as YAML documents, one per step: name, entry point, needs, folders, config
+    (and, for Slurm, the job's resources)."""
+    docs = [f"# specdistill plan: {len(steps)} steps under {steps[-1].out_dir}; nothing was run"]
+    for step in steps:
+        doc = step.as_dict()
+        config = doc.pop("config")
+        if resources and step.name in resources:
+            doc["slurm"] = resources[step.name]
+        doc["config"] = config
+        docs.append(f"--- # {step.name}: python -m {step.module}\n" + OmegaConf.to_yaml(doc))
+    return "\n".join(docs)

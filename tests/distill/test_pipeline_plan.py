@@ -1,0 +1,93 @@
+"""The plan: every step's config composed once, the same for the local and the Slurm executor."""
+
+from __future__ import annotations
+
+import io
+
+import yaml
+from hydra import compose, initialize_config_module
+
+from specdistill.distill.pipeline import slurm
+from specdistill.distill.pipeline.plan import build_plan, load_step, step_file, write_plan
+from specdistill.distill.pipeline.stage import show_plan
+from tests.distill.test_pipeline_slurm import SETTINGS, slurm_env, submitted_call
+
+SAMPLING = ["serving=sampling"]
+
+
+def _cfg(run_dir, *overrides: str):
+    with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+        return compose(
+            config_name="pipeline", overrides=["pair=toy-tiny", f"run_dir={run_dir}", *overrides]
+        )
+
+
+def _docs(text: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def test_local_and_slurm_plans_are_the_same_stage_configs(tmp_path, monkeypatch):
+    """`specdistill serving=sampling`: the configs the local executor runs are the ones the
+    Slurm jobs load, step for step; and the two printed plans differ only by placement."""
+    slurm_env(monkeypatch, tmp_path, **SETTINGS, SPECDISTILL_NODES="2",
+              SPECDISTILL_GENERATE_TASKS="2")  # fmt: skip
+    run = tmp_path / "run"
+    local = build_plan(_cfg(run, *SAMPLING))
+    ids = slurm.submit(_cfg(run, *SAMPLING, "launcher=slurm"), out=io.StringIO())
+    assert list(ids) == [s.name for s in local]
+    for step in local:
+        submitted = load_step(step_file(run, step.name))
+        assert submitted.config == step.config, step.name
+        assert (submitted.needs, submitted.fingerprint) == (step.needs, step.fingerprint)
+        job = ids[step.name] + ("_0" if step.name == "generate" else "")
+        assert submitted_call(run, job)[1][0] == str(step_file(run, step.name))
+    assert local[1].config["lmbda"] == 1.0  # the sampling recipe reached distill
+    assert local[3].config["decoder"]["sampling"]["temperature"] == 1.0  # and validate's decoder
+
+    here = _docs(show_plan(_cfg(run, *SAMPLING, "plan=true")))
+    there = _docs(show_plan(_cfg(run, *SAMPLING, "plan=true", "launcher=slurm")))
+    placement = {d["name"]: d.pop("slurm") for d in there}
+    assert here == there
+    assert (placement["generate"]["array"], placement["distill"]["nodes"]) == (2, 2)
+
+
+def test_hand_offs_are_paths_known_up_front(tmp_path):
+    run = tmp_path / "run"
+    steps = {s.name: s for s in build_plan(_cfg(run, "validate_sets=[stdlib-tests]"))}
+    assert list(steps) == ["generate", "distill", "validate_base", "validate",
+                           "validate_stdlib-tests", "export", "report"]  # fmt: skip
+    gen, dis, base, val, extra, exp, rep = steps.values()
+    assert dis.config["data"]["path"] == gen.out_dir == str(run / "generate")
+    best = str(run / "distill" / "best")
+    assert val.config["pair"]["drafter"] == extra.config["pair"]["drafter"] == best
+    assert base.config["pair"]["drafter"] is None  # the toy's own base drafter
+    assert (
+        extra.config["dataset"]["group"] == "stdlib-tests"
+        and val.config["dataset"]["source"] == "toy"
+    )
+    assert (exp.config["drafter"], exp.config["report"]) == (best, str(val.result_path))
+    assert exp.config["output_dir"] == str(run / "export" / "drafter")
+    assert dis.needs == ["generate"] and base.needs == [] and val.needs == ["distill"]
+    assert exp.needs == ["distill", "validate"]
+    assert rep.needs == [s for s in steps if s != "report"]
+    assert rep.config["results"]["export"] == str(run / "export" / "drafter" / "export.json")
+    online = {s.name: s for s in build_plan(_cfg(run, "stages=[distill,online,validate]"))}
+    assert online["online"].config["pair"]["drafter"] == best
+    assert online["validate"].config["pair"]["drafter"] == str(run / "online" / "drafter")
+    assert online["validate"].needs == ["online"] and online["online"].needs == ["distill"]
+    assert online["distill"].config["data"]["path"] is None  # no generate: distill's own
+
+
+def test_fingerprints_follow_what_a_step_reads(tmp_path):
+    a = {s.name: s.fingerprint for s in build_plan(_cfg(tmp_path))}
+    b = {s.name: s.fingerprint for s in build_plan(_cfg(tmp_path, "++distill.max_steps=5"))}
+    assert a == {s.name: s.fingerprint for s in build_plan(_cfg(tmp_path))}  # deterministic
+    changed = {k for k in a if a[k] != b[k]}
+    assert changed == {"distill", "validate", "export"}  # not generate, not the base drafter
+
+
+def test_step_files_round_trip(tmp_path):
+    steps = build_plan(_cfg(tmp_path / "run"))
+    files = write_plan(steps)
+    assert [f.name for f in files] == [f"{s.name}.yaml" for s in steps]
+    assert [load_step(f) for f in files] == steps
