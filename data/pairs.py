@@ -14,7 +14,14 @@ from typing import Any
 
 import torch
 
+from specdistill.data.checkpoints import check_checkpoint_files
 from specdistill.data.runtime import ConfigError
+from specdistill.data.tokenizer_identity import (
+    TokenizerInfo,
+    check_drafter_tokenizer,
+    check_local_tokenizers,
+    check_tokenizers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +57,10 @@ def resolve_pair(pair: Any) -> PairSpec:
         raise ConfigError("pair.drafter is empty: set it to a hub name or a local checkpoint path")
     for field, name in (("pair.target", target), ("pair.drafter", drafter)):
         _check_model_path(field, name)
+    # Weight files complete and tokenizers the same, from headers and tokenizer files only.
+    check_checkpoint_files("pair.target", str(target))
+    check_checkpoint_files("pair.drafter", str(drafter))
+    check_local_tokenizers(str(tokenizer or target), str(target), str(drafter))
     return PairSpec(
         target=str(target),
         drafter=str(drafter),
@@ -109,6 +120,7 @@ def load_model(
     """`AutoModelForCausalLM.from_pretrained` in eval mode, with a field-naming error."""
     from transformers import AutoModelForCausalLM
 
+    check_checkpoint_files(field, name)  # a truncated file is named before anything loads
     try:
         model = AutoModelForCausalLM.from_pretrained(
             name, revision=revision, dtype=dtype, trust_remote_code=trust_remote_code
@@ -135,30 +147,28 @@ def load_role(spec: PairSpec, role: str, *, dtype: torch.dtype = torch.float32, 
 def load_pair(
     spec: PairSpec, *, device="cpu", dtype: torch.dtype = torch.float32, target: bool = True
 ):
-    """(target or None, drafter, tokenizer), vocabularies checked against each other."""
+    """(target or None, drafter, tokenizer): tokenizers compared before any weights load,
+    then the vocabularies (logit rows) checked against each other."""
     tok = load_tokenizer(spec)
+    if target:
+        check_drafter_tokenizer(
+            tok,
+            spec.drafter,
+            revision=spec.drafter_revision,
+            target=spec.target,
+            target_revision=spec.revision,
+            trust_remote_code=spec.trust_remote_code,
+        )
+        for role in ("target", "drafter"):  # both files checked before either loads
+            check_checkpoint_files(f"pair.{role}", getattr(spec, role))
     drafter = load_role(spec, "drafter", dtype=dtype, device=device)
     tgt = None
     if target:
         tgt = load_role(spec, "target", dtype=dtype, device=device)
         check_vocab(vocab_size(tgt), vocab_size(drafter), len(tok))
-        drafter_tok = _maybe_tokenizer(spec.drafter, spec.drafter_revision, spec.trust_remote_code)
-        if drafter_tok is not None:
-            check_same_tokenizer(tok, drafter_tok)
     else:
         check_vocab(vocab_size(drafter), vocab_size(drafter), len(tok))
     return tgt, drafter, tok
-
-
-def _maybe_tokenizer(name: str, revision: str | None, trust_remote_code: bool):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(
-            name, revision=revision, trust_remote_code=trust_remote_code
-        )
-    except (OSError, ValueError):
-        return None
 
 
 def vocab_size(model) -> int:
@@ -199,12 +209,10 @@ def match_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def check_same_tokenizer(target_tok, drafter_tok, *, field: str = "pair.drafter") -> None:
-    """Both tokenizers must map the same strings to the same ids (padding aside)."""
-    a, b = target_tok.get_vocab(), drafter_tok.get_vocab()
-    common = min(len(a), len(b))
-    diff = [t for t, i in a.items() if i < common and b.get(t) != i]
-    if diff:
-        raise ConfigError(
-            f"{field} uses a different tokenizer than pair.target ({len(diff)} tokens map to other "
-            f"ids, e.g. {diff[:3]!r}): distil only between models that share a tokenizer"
-        )
+    """Both tokenizers must be the same tokenizer (vocabulary, merges, added tokens); embedding
+    padding rows aside. See `specdistill.data.tokenizer_identity`."""
+
+    def info(tok):
+        return TokenizerInfo.from_tokenizer(str(getattr(tok, "name_or_path", "") or "?"), tok)
+
+    check_tokenizers(info(target_tok), info(drafter_tok), field_name=field)

@@ -24,12 +24,23 @@ def run_or_exit(run: Callable[[Any], T], cfg: Any) -> T:
     """Run a stage for a CLI: a ConfigError becomes one `error: ...` line and exit status 2.
 
     Hydra would print it with a traceback; bad input deserves the field and the fix, alone.
+    A write the environment refuses (disk full, quota, read-only, permission; see
+    `specdistill.data.io.describe_fault`) is one `error:` line too, with exit status 3.
     """
+    from specdistill.data.io import IO_FAULT_EXIT, describe_fault
+
     try:
         return run(cfg)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        message, status = str(e), 2
+    except (OSError, RuntimeError) as e:
+        message, status = describe_fault(e), IO_FAULT_EXIT
+        if message is None:
+            raise
+    # Printed once the failed run's frames are gone (a progress bar closes as they go), so the
+    # error is the last line.
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(status)
 
 
 def parse_dtype(name: str | torch.dtype, device: torch.device | str) -> torch.dtype:

@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from specdistill.data.io import atomic_write_json, read_json
+from specdistill.data.io import atomic_write_json, guard_write, read_json
 from specdistill.data.runtime import ConfigError
 
 CONFIG_FILE = "generation_config.json"
@@ -144,16 +144,14 @@ def chunk_schema(topk: bool) -> pa.Schema:
 
 def write_chunk(path: Path, rows: Sequence[Mapping[str, Any]], topk: bool) -> Path:
     """Write rows as parquet to a temp file, fsync, and rename: a chunk is all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        pq.write_table(pa.Table.from_pylist(list(rows), schema=chunk_schema(topk)), tmp)
+    table = pa.Table.from_pylist(list(rows), schema=chunk_schema(topk))
+    with guard_write(path, table.nbytes, cleanup=(tmp,)):  # never a half chunk, nor its temp
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return path
 
 
@@ -246,7 +244,8 @@ def _save_dataset(out: Path, table: pa.Table, config: Mapping[str, Any]) -> None
     info = datasets.DatasetInfo(description=json.dumps(config, sort_keys=True))
     tmp = out / f".merge-tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    datasets.Dataset(InMemoryTable(table), info=info).save_to_disk(str(tmp))
+    with guard_write(out, table.nbytes, cleanup=(tmp,)):  # no state.json: not read as merged
+        datasets.Dataset(InMemoryTable(table), info=info).save_to_disk(str(tmp))
     new = {f.name for f in tmp.iterdir()}
     for f in sorted(tmp.iterdir(), key=lambda f: f.name == "state.json"):
         os.replace(f, out / f.name)

@@ -30,15 +30,15 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.io import read_json, replace_dir, to_jsonable
+from specdistill.data.io import guard_write, param_bytes, read_json, replace_dir, to_jsonable
 from specdistill.data.pairs import (
     PairSpec,
-    check_same_tokenizer,
     check_vocab,
     load_model,
     resolve_pair,
 )
 from specdistill.data.runtime import ConfigError, parse_dtype, resolve_device, run_or_exit
+from specdistill.data.tokenizer_identity import check_drafter_tokenizer
 from specdistill.distill.export.card import model_card, usage_command
 
 log = logging.getLogger("specdistill.export")
@@ -203,6 +203,16 @@ def run(cfg: DictConfig) -> ExportResult:
     target_vocab = int(target_config.get_text_config().vocab_size)
     drafter_rev = None if cfg.get("drafter") else spec.drafter_revision
     field_name = "drafter" if cfg.get("drafter") else "pair.drafter"
+    # The same tokenizer (not merely enough rows), before the drafter's weights load.
+    check_drafter_tokenizer(
+        tok,
+        source,
+        revision=drafter_rev,
+        target=spec.target,
+        target_revision=spec.revision,
+        trust_remote_code=spec.trust_remote_code,
+        field_name=field_name,
+    )
     model = load_model(
         source,
         revision=drafter_rev,
@@ -213,13 +223,8 @@ def run(cfg: DictConfig) -> ExportResult:
     source_vocab = int(model.get_output_embeddings().weight.shape[0])
     try:
         check_vocab(target_vocab, source_vocab, len(tok))
-        drafter_tok = AutoTokenizer.from_pretrained(source, revision=drafter_rev)
     except ConfigError as e:
         raise ConfigError(f"{field_name}={source!r}: {e}") from e
-    except (OSError, ValueError):
-        drafter_tok = None  # a bare checkpoint: the row count is all there is to check
-    if drafter_tok is not None:
-        check_same_tokenizer(tok, drafter_tok, field=field_name)
 
     # Reference logits on one prompt, to prove the row surgery left the real tokens alone.
     probe = torch.tensor([tok(prompts[0], add_special_tokens=False).input_ids])
@@ -235,8 +240,11 @@ def run(cfg: DictConfig) -> ExportResult:
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp, safe_serialization=True, max_shard_size=str(cfg.max_shard_size))
-        tok.save_pretrained(tmp)
+        with guard_write(out, param_bytes(model), cleanup=(tmp,)):
+            model.save_pretrained(
+                tmp, safe_serialization=True, max_shard_size=str(cfg.max_shard_size)
+            )
+            tok.save_pretrained(tmp)
         needed = _validated_context(report) if min_pos == "auto" else int(min_pos)
         check = self_check(
             tmp,

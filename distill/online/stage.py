@@ -32,7 +32,8 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.io import atomic_write_json, atomic_write_text
+from specdistill.data.checkpoints import check_saved_file
+from specdistill.data.io import atomic_write_json, atomic_write_text, guard_write
 from specdistill.data.pairs import load_pair, load_tokenizer, resolve_pair
 from specdistill.data.runtime import (
     ConfigError,
@@ -272,8 +273,9 @@ class OnlineRun:
     def save(self, fp: str) -> None:
         """Atomic: the state file is replaced whole, then the drafter export."""
         tmp = self.out / f".{STATE_FILE}.tmp"
-        torch.save(self.state_dict(fp), tmp)
-        os.replace(tmp, self.out / STATE_FILE)
+        with guard_write(self.out / STATE_FILE, cleanup=(tmp,)):  # no half state file left
+            torch.save(self.state_dict(fp), tmp)
+            os.replace(tmp, self.out / STATE_FILE)
         export_atomic(self.updater.drafter, self.tok, self.out / "drafter")
         write_jsonl(self.out / "online.jsonl", self.rows)
 
@@ -296,6 +298,9 @@ def run(cfg: DictConfig) -> OnlineResult:
     state_path = out / STATE_FILE
     state = None
     if cfg.resume and state_path.exists():
+        check_saved_file(
+            "resume=true", state_path, "delete it (and drafter/) to start afresh, or resume=false"
+        )
         state = torch.load(state_path, weights_only=False)
         if state["fingerprint"] != fp:
             raise ConfigError(

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from specdistill.data.io import replace_dir
+from specdistill.data.io import guard_write, param_bytes, replace_dir
 
 log = logging.getLogger("specdistill.online")
 
@@ -21,8 +21,9 @@ def export_atomic(drafter, tok, path: Path) -> None:
     """save_pretrained into a temp folder renamed over `path`: never half a checkpoint."""
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    drafter.save_pretrained(str(tmp), safe_serialization=True)
-    tok.save_pretrained(str(tmp))
+    with guard_write(path, param_bytes(drafter), cleanup=(tmp,)):
+        drafter.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
     replace_dir(tmp, path)
 
 

@@ -13,7 +13,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from specdistill.data.io import atomic_write_json, atomic_write_text, replace_dir
+from specdistill.data.checkpoints import check_checkpoint_files
+from specdistill.data.io import (
+    atomic_write_json,
+    atomic_write_text,
+    guard_write,
+    param_bytes,
+    replace_dir,
+)
 
 STATE_FILE = "trainer_state.json"
 
@@ -27,10 +34,12 @@ def save_checkpoint(accelerator, root: Path, step: int, state: dict[str, Any], k
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    with guard_write(final, cleanup=(tmp,)):  # a failed save leaves no half folder behind
+        accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        atomic_write_json(tmp / STATE_FILE, state)
+        with guard_write(final, cleanup=(tmp,)):
+            atomic_write_json(tmp / STATE_FILE, state)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         atomic_write_text(root / "latest", final.name + "\n")
@@ -51,6 +60,8 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def load_checkpoint(accelerator, path: Path) -> dict[str, Any]:
     """Restore model/optimizer/scheduler/RNG in place; return the trainer state."""
+    fix = "delete that folder and rerun (resume=true then starts afresh)"
+    check_checkpoint_files("resume=true checkpoint", path, fix)
     accelerator.load_state(str(path))
     return json.loads((Path(path) / STATE_FILE).read_text())
 
@@ -66,10 +77,10 @@ def export_pretrained(accelerator, model, tokenizer, path: Path) -> Path:
         state = _share_tied(accelerator.unwrap_model(model), state)
         tmp = path.with_name(f".{path.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(
-            str(tmp), state_dict=state, safe_serialization=True
-        )
-        tokenizer.save_pretrained(str(tmp))
+        unwrapped = accelerator.unwrap_model(model)
+        with guard_write(path, param_bytes(unwrapped), cleanup=(tmp,)):
+            unwrapped.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+            tokenizer.save_pretrained(str(tmp))
         replace_dir(tmp, path)
     accelerator.wait_for_everyone()
     return path
