@@ -1,7 +1,9 @@
 """Target/drafter pairs: resolve the `pair` config, load the models, check their vocabularies.
 
 Model names stay plain strings handed to `from_pretrained`; the toy world only fills them in
-(building itself first) when `pair.toy` is set. Vocabulary problems are caught here, before any
+(building itself first) when `pair.toy` is set, and `pair.real` (a packaged GGUF model),
+`.gguf` paths and `pair.drafter_layers` (a drafter built from the target) become cached
+checkpoint folders (data/gguf.py, data/drafter_from_target.py). Vocabulary problems are caught here, before any
 heavy work, with an error that names the field and the fix.
 """
 
@@ -37,6 +39,7 @@ class PairSpec:
     drafter_revision: str | None = None
     trust_remote_code: bool = False
     toy: str | None = None
+    real: str | None = None
 
 
 def resolve_pair(pair: Any) -> PairSpec:
@@ -51,10 +54,31 @@ def resolve_pair(pair: Any) -> PairSpec:
         target = target or str(world.target_dir)
         drafter = drafter or str(world.drafter_dir)
         tokenizer = tokenizer or str(world.target_dir)
+    real, layers = get("real"), get("drafter_layers")
+    if (
+        real
+        or layers is not None
+        or any(str(n).lower().endswith(".gguf") for n in (target, drafter, tokenizer))
+    ):
+        # Packaged models, .gguf files and drafters built from the target's layers.
+        from specdistill.data.drafter_from_target import resolve_built_pair
+
+        target, drafter, tokenizer = resolve_built_pair(
+            real=real,
+            target=target,
+            drafter=drafter,
+            tokenizer=tokenizer,
+            layers=layers,
+            revision=get("revision"),
+            trust_remote_code=bool(get("trust_remote_code", False)),
+        )
     if not target:
         raise ConfigError("pair.target is empty: set it to a hub name or a local checkpoint path")
     if not drafter:
-        raise ConfigError("pair.drafter is empty: set it to a hub name or a local checkpoint path")
+        raise ConfigError(
+            "pair.drafter is empty: set it to a hub name or a local checkpoint path, "
+            "or pair.drafter_layers (e.g. first:4) to build one from the target's layers"
+        )
     for field, name in (("pair.target", target), ("pair.drafter", drafter)):
         _check_model_path(field, name)
     # Weight files complete and tokenizers the same, from headers and tokenizer files only.
@@ -69,6 +93,7 @@ def resolve_pair(pair: Any) -> PairSpec:
         drafter_revision=get("drafter_revision"),
         trust_remote_code=bool(get("trust_remote_code", False)),
         toy=toy,
+        real=real,
     )
 
 
