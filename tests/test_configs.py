@@ -48,7 +48,8 @@ def test_experiment_composes(name):
     assert cfg.pair is not None
 
 
-@pytest.mark.parametrize("pair", ["toy", "toy-tiny", "llama3", "qwen2.5"])
+@pytest.mark.parametrize("pair", ["toy", "toy-tiny", "llama3", "qwen2.5", "smollm2"])
 def test_pairs_compose(pair):
     cfg = _compose("generate", [f"pair={pair}"])
     assert ("toy" in pair) == bool(cfg.pair.toy)
+    assert (pair == "smollm2") == bool(cfg.pair.real) == bool(cfg.pair.drafter_layers)

