@@ -28,7 +28,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,8 @@ from typing import Any
 from filelock import FileLock
 
 from specdistill.data.gguf import specdistill_home
-from specdistill.data.pairs import ConfigError
+from specdistill.data.io import guard_write, replace_dir
+from specdistill.data.runtime import ConfigError, run_or_exit
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +156,11 @@ def ensure_drafter(
             return root
         tmp = root.with_name(root.name + f".tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        build_drafter(target, layers, tmp, revision=revision, trust_remote_code=trust_remote_code)
-        shutil.rmtree(root, ignore_errors=True)
-        os.replace(tmp, root)
+        with guard_write(root, cleanup=(tmp,)):  # disk full & co.: one line, exit 3
+            build_drafter(
+                target, layers, tmp, revision=revision, trust_remote_code=trust_remote_code
+            )
+            replace_dir(tmp, root)
     return root
 
 
@@ -296,19 +298,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--revision", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        _, drafter, _ = resolve_built_pair(
-            real=args.real,
-            target=args.target,
+    built = run_or_exit(  # bad input: one line, exit 2; disk full & co.: one line, exit 3
+        lambda a: resolve_built_pair(
+            real=a.real,
+            target=a.target,
             drafter=None,
             tokenizer=None,
-            layers=args.layers,
-            revision=args.revision,
+            layers=a.layers,
+            revision=a.revision,
             fields={"real": "--real", "target": "--target", "drafter_layers": "--layers"},
-        )
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        ),
+        args,
+    )
+    drafter = built[1]
     info = json.loads((Path(drafter) / INFO_FILE).read_text())
     print(json.dumps({"path": drafter, **info}, indent=2))
 

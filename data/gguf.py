@@ -30,7 +30,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from specdistill.data.pairs import ConfigError
+from specdistill.data.io import guard_write, replace_dir
+from specdistill.data.runtime import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -251,13 +252,10 @@ def ensure_gguf_checkpoint(path: str | Path, field: str = "pair.target") -> Path
             return root
         tmp = root.with_name(root.name + f".tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        try:
+        # Any failure removes the temp folder; disk full & co. end as one line, exit 3.
+        with guard_write(root, cleanup=(tmp,)):
             _convert(src, tmp, meta, field)
-        except ConfigError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        shutil.rmtree(root, ignore_errors=True)
-        os.replace(tmp, root)
+            replace_dir(tmp, root)
     return root
 
 

@@ -12,7 +12,7 @@ from specdistill.data.drafter_from_target import (
     ensure_drafter,
     parse_layers,
 )
-from specdistill.data.pairs import ConfigError
+from specdistill.data.runtime import ConfigError
 from tests.data.gguf_models import tiny_bpe, tiny_llama
 
 
@@ -121,3 +121,32 @@ def test_cli_prints_path_and_info(target_dir, capsys):
     main(["--target", str(target_dir), "--layers", "first:1"])
     info = json.loads(capsys.readouterr().out)
     assert info["layers"] == [0] and info["path"].endswith("layers-0-v1")
+
+
+def test_disk_full_is_one_line_exit_3_and_no_temp_left(target_dir, capsys, monkeypatch):
+    import errno
+
+    import specdistill.data.drafter_from_target as mod
+    from specdistill.data.drafter_from_target import main
+
+    real_build = mod.build_drafter
+
+    def full(target, layers, out, **kw):
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(mod, "build_drafter", full)
+    with pytest.raises(SystemExit) as e:
+        main(["--target", str(target_dir), "--layers", "first:2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 3 and len(err) == 1 and err[0].startswith("error: no space left")
+    home = mod.specdistill_home() / "drafters"
+    assert not [
+        p
+        for p in home.rglob("*")
+        if ".tmp-" in p.name or (p.name.startswith("layers") and not p.name.endswith(".lock"))
+    ]
+    monkeypatch.setattr(mod, "build_drafter", real_build)
+    main(["--target", str(target_dir), "--layers", "first:2"])  # a rerun builds it
+    assert json.loads(capsys.readouterr().out)["layers"] == [0, 1]

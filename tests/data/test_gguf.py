@@ -21,7 +21,8 @@ from specdistill.data.gguf import (
     ensure_gguf_checkpoint,
     read_gguf_metadata,
 )
-from specdistill.data.pairs import ConfigError, load_pair, resolve_pair
+from specdistill.data.pairs import load_pair, resolve_pair
+from specdistill.data.runtime import ConfigError
 from tests.data.gguf_models import tiny_bpe, tiny_llama, write_llama_gguf
 
 
@@ -187,7 +188,7 @@ def test_missing_packages_name_the_extra(tiny, home, monkeypatch):
 
 def test_missing_wheel_through_a_stage_cli(home, monkeypatch, capsys):
     """The validate stage prints the one line and exits 2 before loading anything."""
-    from specdistill.decode.validate import main
+    from specdistill.decode.validate.stage import main
     from tests.conftest import main_in_process
 
     monkeypatch.setattr(gguf_mod, "_find_spec", lambda name: None)

@@ -59,7 +59,7 @@ def test_default_drafter_is_first_four_layers():
 def test_validate_is_lossless_on_the_real_pair(tmp_path):
     from hydra import compose, initialize_config_module
 
-    from specdistill.decode.validate import run
+    from specdistill.decode.validate.stage import run
 
     overrides = ["pair=smollm2", f"output_dir={tmp_path}", "num_prompts=1", "max_new_tokens=8"]
     overrides += ["repeats=1", "hf_assisted=false", "both_modes=false", "step_time_iters=2"]
