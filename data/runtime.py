@@ -6,14 +6,21 @@ importing each other.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 T = TypeVar("T")
+
+
+def specdistill_home() -> Path:
+    """Where the toy world, converted GGUF models and built drafters are cached."""
+    return Path(os.environ.get("SPECDISTILL_HOME", Path.home() / ".cache" / "specdistill"))
 
 
 class ConfigError(ValueError):

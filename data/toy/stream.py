@@ -31,7 +31,8 @@ import sys
 from pathlib import Path
 
 from specdistill.data.io import atomic_write_text
-from specdistill.data.toy.world import _prompt_set, _read, _stdlib_dir, read_jsonl, specdistill_home
+from specdistill.data.runtime import specdistill_home
+from specdistill.data.toy.world import _prompt_set, _read, _stdlib_dir, read_jsonl
 
 # Bump when an extraction below changes, so stale caches are not reused.
 STREAM_VERSION = 1  # code groups

@@ -29,6 +29,8 @@ import torch
 from filelock import FileLock
 from tqdm.auto import tqdm
 
+from specdistill.data.runtime import specdistill_home
+
 log = logging.getLogger(__name__)
 
 # Bump when anything below changes what a build produces, so stale caches are not reused.
@@ -133,10 +135,6 @@ class ToyWorld:
     @property
     def build_info(self) -> dict:
         return json.loads((self.root / "build.json").read_text())
-
-
-def specdistill_home() -> Path:
-    return Path(os.environ.get("SPECDISTILL_HOME", Path.home() / ".cache" / "specdistill"))
 
 
 def _stdlib_dir() -> Path:
