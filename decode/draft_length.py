@@ -1,0 +1,422 @@
+"""Per-round draft length: how many tokens the drafter q proposes before the target p verifies.
+
+p = target, q = drafter. A fixed gamma pays gamma drafter steps every round however poor the
+drafts; these policies choose the length round by round from what the decoder already knows,
+and fall back to plain target steps (a round with 0 drafts) when drafting does not pay.
+
+Lossless by construction: a policy reads the drafter's own distributions q and the outcomes of
+*earlier* rounds, never the target's p of the round being drafted, so the acceptance rule stays
+exact for whatever length it picks (a length is just a stopping time of the draft; tests check
+greedy identity and the sampled distribution with a chi-square test).
+
+Cost model (units: one 1-token target step; `DraftCosts`): a round with k >= 1 drafts costs
+k c (drafter steps; one forward in all for a parallel drafter) + 1 + `round_overhead` +
+k `verify_per_token` (the (k+1)-token verify and the round's glue); a round with 0 drafts is a
+plain target step and costs 1.
+
+Expected-gain rule (`draft_gain`). With acceptance probabilities a_1..a_k of the drafts (each
+given that the ones before were accepted), a round emits E = 1 + sum_j prod_{i<=j} a_i tokens.
+Throughput over many rounds is tokens / time, and a rule maximises it when each round maximises
+E - R * cost, R being the throughput achievable (Dinkelbach; R >= 1 since target-only decoding
+is always there). After j drafts, whose prefix is accepted with probability P_j, drafting m more
+with predicted acceptance a each returns P_j (a + a^2 + ... + a^m) tokens and costs
+R (cost(j+m) - cost(j)): draft on while some m >= 1 has a positive net gain. Before a round
+(j = 0, P_0 = 1) the same comparison decides between drafting and a plain target step: the floor.
+
+Policies (`decoder.draft_length`):
+- `fixed`: gamma drafts every round (the decoder's classic behaviour).
+- `confidence`: the expected-gain rule on the drafter's confidence (its probability of the token
+  it drafted), calibrated into an acceptance probability from the acceptance history (binned,
+  with the confidence itself as the prior); the next draft's acceptance is predicted from the
+  latest one's, the first draft's from this row's recent acceptance.
+- `heuristic`: `transformers`' assisted-generation schedule: start at gamma, +2 after a round
+  whose drafts were all accepted, -1 (at least 1) otherwise.
+Both adaptive policies have the floor (`draft_floor`): when the rule says even one draft does not
+pay, rounds are plain target steps; every `probe_every` of them a probe round drafts again to see
+whether it pays now (the drafter catches up on the skipped tokens in one forward).
+
+Batches (`draft_scope`): `batch` picks one length for all rows from their summed gains (a batched
+drafter step costs the same however many rows use it); `row` lets each row stop on its own
+(the batch drafts while any row goes on, each row verifies only its own drafts).
+
+Parallel drafting (one drafter forward proposes all gamma tokens) fits the same functions: the
+drafter cost no longer grows with k (`DraftCosts.parallel`), and `best_length` picks how many of
+the proposals to verify from their known confidences.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+POLICIES = ("fixed", "heuristic", "confidence")
+SCOPES = ("batch", "row")
+
+
+@dataclass(frozen=True)
+class DraftCosts:
+    """Round costs in 1-token target steps (p = target, q = drafter).
+
+    c: one drafter step; verify_per_token: what each draft adds to the verify step;
+    round_overhead: a speculative round's fixed cost beyond one target step (the verify's
+    first token and the round's host-side glue); parallel: one drafter forward drafts any k.
+    """
+
+    c: float = 0.4
+    verify_per_token: float = 0.05
+    round_overhead: float = 0.15
+    parallel: bool = False
+
+    def round_cost(self, k: int) -> float:
+        """Cost of a round with k drafts (k = 0: a plain target step, cost 1)."""
+        if k <= 0:
+            return 1.0
+        drafting = self.c if self.parallel else k * self.c
+        return drafting + 1.0 + self.round_overhead + k * self.verify_per_token
+
+
+def expected_tokens(accept: Sequence[float]) -> float:
+    """Tokens a round emits on average: 1 + sum_j prod_{i<=j} a_i (a_j: acceptance of draft j
+    given drafts 1..j-1 were accepted; the 1 is the correction or bonus token)."""
+    total, prefix = 1.0, 1.0
+    for a in accept:
+        prefix *= a
+        total += prefix
+    return total
+
+
+def draft_gain(
+    prefix_prob: torch.Tensor,
+    next_accept: torch.Tensor,
+    drafted: int,
+    max_k: int,
+    costs: DraftCosts,
+    rate: torch.Tensor,
+) -> torch.Tensor:
+    """Net expected gain (tokens - rate * cost) of drafting m = 0..max_k-drafted more tokens.
+
+    prefix_prob (B,): probability that the `drafted` drafts so far are all accepted; next_accept
+    (B,): predicted acceptance of each further draft; rate (B,): throughput to beat (tokens per
+    target step). Returns (B, M+1) gains, column m for m more drafts, column 0 being 0.
+    """
+    m = max(max_k - drafted, 0)
+    a = next_accept.double().clamp(0.0, 1.0)[:, None]
+    steps = torch.arange(1, m + 1, dtype=torch.float64)
+    tokens = (a**steps).cumsum(-1) * prefix_prob.double()[:, None]  # (B, M)
+    base = costs.round_cost(drafted)
+    extra = torch.tensor([costs.round_cost(drafted + i) - base for i in range(1, m + 1)])
+    gains = tokens - rate.double()[:, None] * extra.to(torch.float64)
+    return torch.cat([torch.zeros_like(gains[:, :1]), gains], 1)
+
+
+def best_length(accept: Sequence[float], costs: DraftCosts, rate: float = 1.0) -> int:
+    """k in 0..len(accept) maximising E_k - rate * cost(k) when every draft's acceptance is known
+    (parallel drafting: verify the k best-paying proposals of one forward)."""
+    best, best_v = 0, 1.0 - rate * costs.round_cost(0)
+    for k in range(1, len(accept) + 1):
+        v = expected_tokens(accept[:k]) - rate * costs.round_cost(k)
+        if v > best_v + 1e-12:
+            best, best_v = k, v
+    return best
+
+
+class Calibration:
+    """P(draft accepted | drafter confidence), binned, learned from the acceptance history.
+
+    Bin b starts with `prior` pseudo-observations at the bin's centre (a calibrated drafter's
+    confidence is its acceptance); each tested draft adds one observation to its bin. Kept for the
+    decoder's lifetime: how confidence maps to acceptance is the pair's, not one prompt's.
+    """
+
+    def __init__(self, bins: int = 10, prior: float = 4.0) -> None:
+        self.bins = bins
+        centre = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
+        self.hits = centre * prior
+        self.seen = torch.full((bins,), prior, dtype=torch.float64)
+
+    def _bin(self, conf: torch.Tensor) -> torch.Tensor:
+        return (conf.double() * self.bins).long().clamp(0, self.bins - 1)
+
+    def __call__(self, conf: torch.Tensor) -> torch.Tensor:
+        b = self._bin(conf)
+        return self.hits[b] / self.seen[b]
+
+    def update(self, conf: torch.Tensor, accepted: torch.Tensor) -> None:
+        if conf.numel():
+            b = self._bin(conf)
+            self.hits.index_add_(0, b, accepted.double())
+            self.seen.index_add_(0, b, torch.ones_like(accepted, dtype=torch.float64))
+
+
+@dataclass
+class RoundPlan:
+    """What a round drafts: at most `k` tokens (0: a plain target step); `probe` marks a floor
+    probe."""
+
+    k: int
+    probe: bool = False
+
+
+class DraftLengthPolicy:
+    """Base: a fixed gamma. Subclasses choose k per round; the decoder calls, per generate:
+    `start(B)`, then per round `plan(budget, active)`, `keep_drafting(j, conf)` after each draft
+    (only when `reads_q`), `lengths(k)`, and `observe(...)` after the verify."""
+
+    reads_q = False
+
+    def __init__(
+        self,
+        gamma: int,
+        max_k: int,
+        costs: DraftCosts,
+        scope: str = "batch",
+        floor: bool = True,
+        probe_every: int = 8,
+    ) -> None:
+        self.gamma, self.max_k, self.costs = gamma, max_k, costs
+        self.scope, self.floor, self.probe_every = scope, floor, probe_every
+        self.alpha_prior = 0.5  # first-draft acceptance before any history
+        self._seen = [0.0, 0.0]  # accepted, tested over the decoder's lifetime
+
+    # -- per generate call
+    def start(self, batch: int) -> None:
+        self.b = batch
+        prior = self._seen[0] / self._seen[1] if self._seen[1] >= 8 else self.alpha_prior
+        self.recent = torch.full((batch,), prior, dtype=torch.float64)  # EMA of acceptance
+        self.tokens = torch.ones(batch, dtype=torch.float64)  # realized tokens / modeled cost
+        self.cost = torch.ones(batch, dtype=torch.float64)
+        self.skipped = 0  # consecutive plain target steps (floor)
+        self.row_k: list[int] | None = None
+
+    def rate(self) -> torch.Tensor:
+        """Throughput to beat, per row: realized tokens per modeled cost so far, at least 1."""
+        return (self.tokens / self.cost).clamp_min(1.0)
+
+    def _pays(self, active: list[bool]) -> list[bool]:
+        """Per row: does drafting (any m >= 1 at this row's recent acceptance) beat a target step?"""
+        g = draft_gain(
+            torch.ones(self.b), self.recent, 0, self.max_k, self.costs, self.rate()
+        ).amax(1)
+        if self.scope == "batch":
+            total = sum(float(v) for v, a in zip(g, active) if a)
+            return [total > 0] * self.b
+        return [bool(v > 0) for v in g]
+
+    def plan(self, budget: int, active: list[bool]) -> RoundPlan:
+        """Before drafting: this round's most drafts (<= budget), 0 for a plain target step."""
+        if not self.floor:
+            return RoundPlan(self._k(budget))
+        pays = any(p for p, a in zip(self._pays(active), active) if a)
+        if pays or self.skipped >= self.probe_every:
+            probe = not pays
+            self.skipped = 0
+            return RoundPlan(self._k(budget), probe)
+        self.skipped += 1
+        return RoundPlan(0)
+
+    def _k(self, budget: int) -> int:
+        return min(self.gamma, budget)
+
+    def keep_drafting(self, drafted: int, conf: torch.Tensor) -> bool:
+        return True
+
+    def lengths(self, k: int) -> list[int]:
+        """Drafts each row verifies this round (row scope may cut rows short)."""
+        return [k] * self.b if self.row_k is None else [min(x, k) for x in self.row_k]
+
+    def observe(
+        self,
+        lengths: list[int],
+        accepted: list[int],
+        active: list[bool],
+        conf: torch.Tensor | None,
+    ) -> None:
+        """After the verify: row r verified lengths[r] drafts and accepted accepted[r]; conf
+        (B, K): the drafter's confidence per draft (confidence policy)."""
+        k = max(lengths) if lengths else 0
+        cost = self.costs.round_cost(k)
+        for r, a in enumerate(active):
+            if not a:
+                continue
+            n, kr = accepted[r], lengths[r]
+            self.tokens[r] += n + 1
+            self.cost[r] += cost
+            for j in range(min(n + 1, kr)):  # positions put to the test
+                ok = float(j < n)
+                self.recent[r] = 0.7 * self.recent[r] + 0.3 * ok
+                self._seen[0] += ok
+                self._seen[1] += 1
+        self.row_k = None
+
+
+class FixedLength(DraftLengthPolicy):
+    """gamma drafts every round, no floor (the classic decoder)."""
+
+    def __init__(self, gamma: int, max_k: int, costs: DraftCosts, **_) -> None:
+        super().__init__(gamma, max_k, costs, floor=False)
+
+
+class HeuristicLength(DraftLengthPolicy):
+    """`transformers`' schedule: +2 when a round's drafts were all accepted, else -1 (>= 1)."""
+
+    def start(self, batch: int) -> None:
+        super().start(batch)
+        self.n = [min(self.gamma, self.max_k)] * batch
+
+    def _k(self, budget: int) -> int:
+        if self.scope == "row":
+            self.row_k = list(self.n)
+            return min(max(self.n), budget)
+        return min(self.n[0], budget)
+
+    def observe(self, lengths, accepted, active, conf) -> None:
+        super().observe(lengths, accepted, active, conf)
+        k = max(lengths) if lengths else 0
+        if k == 0:
+            return
+        if self.scope == "row":
+            for r, a in enumerate(active):
+                if a:
+                    full = accepted[r] >= lengths[r]
+                    self.n[r] = min(self.max_k, self.n[r] + 2) if full else max(1, self.n[r] - 1)
+            return
+        full = all(n >= kr for n, kr, a in zip(accepted, lengths, active) if a)
+        n = min(self.max_k, self.n[0] + 2) if full else max(1, self.n[0] - 1)
+        self.n = [n] * self.b
+
+
+class ConfidenceLength(DraftLengthPolicy):
+    """The expected-gain rule on the drafter's calibrated confidence (see the module docstring)."""
+
+    reads_q = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calibration = Calibration()
+
+    def plan(self, budget: int, active: list[bool]) -> RoundPlan:
+        self.prefix = torch.ones(self.b, dtype=torch.float64)
+        self.going = torch.tensor(active)  # rows still drafting (finished rows never are)
+        self.row_k = [budget] * self.b if self.scope == "row" else None
+        return super().plan(budget, active)
+
+    def _k(self, budget: int) -> int:
+        return min(self.max_k, budget)
+
+    def keep_drafting(self, drafted: int, conf: torch.Tensor) -> bool:
+        """After `drafted` drafts, the latest with confidence conf (B,): draft another?"""
+        a = self.calibration(conf)
+        self.prefix = self.prefix * a
+        gain = draft_gain(self.prefix, a, drafted, self.max_k, self.costs, self.rate()).amax(1)
+        more = gain > 1e-12
+        if self.scope == "batch":
+            return bool((gain * self.going).sum() > 1e-12)
+        assert self.row_k is not None
+        for r in range(self.b):
+            if self.going[r] and not more[r]:
+                self.row_k[r] = drafted
+        self.going &= more
+        return bool(self.going.any())
+
+    def observe(self, lengths, accepted, active, conf) -> None:
+        if conf is not None and conf.numel():
+            cs, oks = [], []
+            for r, a in enumerate(active):
+                if a:
+                    t = min(accepted[r] + 1, lengths[r])
+                    cs.append(conf[r, :t])
+                    oks.append((torch.arange(t) < accepted[r]).double())
+            if cs:
+                self.calibration.update(torch.cat(cs), torch.cat(oks))
+        super().observe(lengths, accepted, active, conf)
+
+
+def make_policy(
+    name: str,
+    gamma: int,
+    max_k: int,
+    costs: DraftCosts,
+    scope: str = "batch",
+    floor: bool = True,
+    probe_every: int = 8,
+) -> DraftLengthPolicy:
+    cls = {"fixed": FixedLength, "heuristic": HeuristicLength, "confidence": ConfidenceLength}[name]
+    return cls(gamma, max_k, costs, scope=scope, floor=floor, probe_every=probe_every)
+
+
+def verify_widths(max_k: int) -> list[int]:
+    """Verify widths (drafts + 1) a compiled target is given: k in {0, 1, 2, 4, 8, ...} and
+    max_k, so CUDA graphs / inductor see a few shapes; a round's drafts are padded up."""
+    ks = {0, max_k} | {1 << i for i in range(int(math.log2(max(max_k, 1))) + 1)}
+    return sorted(k + 1 for k in ks if k <= max_k)
+
+
+def chunk_widths(n: int, max_width: int = 16) -> list[int]:
+    """Split an n-token drafter catch-up into few shapes: powers of two, largest first."""
+    out = []
+    while n > 0:
+        w = min(1 << (n.bit_length() - 1), max_width)
+        out.append(w)
+        n -= w
+    return out
+
+
+# A speculative round's host-side glue beyond a plain target step's (verdict, host sync of the
+# drafts, bookkeeping, cache rollback), in target steps: measured on the toy pair on CPU.
+ROUND_GLUE = 0.1
+
+
+@torch.inference_mode()
+def measure_costs(dec, ids: torch.Tensor, iters: int = 6) -> DraftCosts:
+    """The pair's `DraftCosts` on this device, timed with the decoder's own caches (p = target,
+    q = drafter): medians over blocks of steps, the models interleaved so load drifts hit both
+    alike. ids: one prompt (1, P), dense."""
+    import statistics
+    import time
+
+    k = dec.max_draft
+    plen = ids.shape[1]
+    width = max(dec.verify_widths[-1], k + 1)
+    runners = [dec._runner(m, plen + width + 2) for m in (dec.target, dec.drafter)]
+    for r in runners:
+        if plen > 1:
+            r.forward(ids[:, :-1], keep=1, prefill=True)
+    cuda = dec.device.type == "cuda"
+
+    def timed(runner, w: int, reps: int = 4) -> float:
+        base, x = runner.length, ids[:, -1:].repeat(1, w)
+        if cuda:
+            torch.cuda.synchronize(dec.device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            runner.forward(x, keep=1 if w == 1 else w)
+            if w > 1:
+                runner.rollback(base)
+        if cuda:
+            torch.cuda.synchronize(dec.device)
+        runner.rollback(base)
+        return (time.perf_counter() - t0) / reps
+
+    samples: dict[str, list[float]] = {"t": [], "d": [], "v1": [], "vk": []}
+    for i in range(iters + 1):  # the first round is warm-up
+        got = {
+            "t": timed(runners[0], 1),
+            "d": timed(runners[1], 1),
+            "v1": timed(runners[0], 2),
+            "vk": timed(runners[0], k + 1),
+        }
+        if i:
+            for key, v in got.items():
+                samples[key].append(v)
+    med = {key: statistics.median(v) for key, v in samples.items()}
+    tt = med["t"]
+    v1, vk = med["v1"] / tt, med["vk"] / tt
+    per_token = max(0.0, (vk - v1) / (k - 1)) if k > 1 else 0.0
+    return DraftCosts(
+        c=round(med["d"] / tt, 4),
+        verify_per_token=round(per_token, 4),
+        round_overhead=round(max(0.0, v1 - 1.0 - per_token) + ROUND_GLUE, 4),
+    )
