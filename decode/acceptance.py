@@ -162,7 +162,7 @@ def verify_sampling(
         q = q * proposed[..., None]
     n = torch.cumprod(ok.int(), dim=-1).sum(-1)
     # Distribution for the next token: residual at the rejected position, p at the bonus slot.
-    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # q = 0 at the bonus slot
+    q_pad = torch.cat([q, q.new_zeros(b, 1, q.shape[-1])], dim=1)  # q = 0 at the bonus slot
     rows = torch.arange(b, device=draft.device)
     dist = residual(p[rows, n], q_pad[rows, n], lenience)
     return n, sample_from(dist, u_sample)

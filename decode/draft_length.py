@@ -95,20 +95,27 @@ def draft_gain(
     max_k: int,
     costs: DraftCosts,
     rate: torch.Tensor,
+    first_accept: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Net expected gain (tokens - rate * cost) of drafting m = 0..max_k-drafted more tokens.
 
-    prefix_prob (B,): probability that the `drafted` drafts so far are all accepted; next_accept
-    (B,): predicted acceptance of each further draft; rate (B,): throughput to beat (tokens per
-    target step). Returns (B, M+1) gains, column m for m more drafts, column 0 being 0.
+    prefix_prob (B,): probability that the `drafted` drafts so far are all accepted; the next
+    draft is accepted with probability first_accept (B,) (default next_accept), each one after it
+    with next_accept (B,); rate (B,): throughput to beat (tokens per target step).
+    Returns (B, M+1) gains, column m for m more drafts, column 0 being 0.
     """
     m = max(max_k - drafted, 0)
     a = next_accept.double().clamp(0.0, 1.0)[:, None]
-    steps = torch.arange(1, m + 1, dtype=torch.float64)
-    tokens = (a**steps).cumsum(-1) * prefix_prob.double()[:, None]  # (B, M)
+    first = a if first_accept is None else first_accept.double().clamp(0.0, 1.0)[:, None]
+    steps = torch.arange(m, dtype=torch.float64)
+    # P(the first l more drafts are all accepted), l = 1..m
+    reach = first * a**steps
+    tokens = reach.cumsum(-1) * prefix_prob.double()[:, None]  # (B, M)
     base = costs.round_cost(drafted)
-    extra = torch.tensor([costs.round_cost(drafted + i) - base for i in range(1, m + 1)])
-    gains = tokens - rate.double()[:, None] * extra.to(torch.float64)
+    extra = torch.tensor(
+        [costs.round_cost(drafted + i) - base for i in range(1, m + 1)], dtype=torch.float64
+    )
+    gains = tokens - rate.double()[:, None] * extra
     return torch.cat([torch.zeros_like(gains[:, :1]), gains], 1)
 
 
@@ -124,31 +131,50 @@ def best_length(accept: Sequence[float], costs: DraftCosts, rate: float = 1.0) -
 
 
 class Calibration:
-    """P(draft accepted | drafter confidence), binned, learned from the acceptance history.
+    """P(draft accepted | drafter confidence), learned from the acceptance history (q only).
 
-    Bin b starts with `prior` pseudo-observations at the bin's centre (a calibrated drafter's
-    confidence is its acceptance); each tested draft adds one observation to its bin. Kept for the
-    decoder's lifetime: how confidence maps to acceptance is the pair's, not one prompt's.
+    A logistic model sigmoid(w0 + w1 logit(conf)) fitted by Newton steps to the last `window`
+    observations, with a Gaussian prior of weight `prior` centred on (0, 1): before any history
+    the confidence is taken at face value; drafters are rarely calibrated (a weak one's
+    probabilities are flat, so its 0.05 may mean 70% acceptance), and the fit learns the map.
     """
 
-    def __init__(self, bins: int = 10, prior: float = 4.0) -> None:
-        self.bins = bins
-        centre = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
-        self.hits = centre * prior
-        self.seen = torch.full((bins,), prior, dtype=torch.float64)
+    def __init__(self, prior: float = 4.0, window: int = 2048, refit_every: int = 16) -> None:
+        self.prior, self.window, self.refit_every = prior, window, refit_every
+        self.w0 = torch.tensor([0.0, 1.0], dtype=torch.float64)
+        self.w = self.w0.clone()
+        self.x = torch.zeros(0, dtype=torch.float64)
+        self.y = torch.zeros(0, dtype=torch.float64)
+        self._new = 0
 
-    def _bin(self, conf: torch.Tensor) -> torch.Tensor:
-        return (conf.double() * self.bins).long().clamp(0, self.bins - 1)
+    @staticmethod
+    def _feature(conf: torch.Tensor) -> torch.Tensor:
+        c = conf.double().clamp(1e-6, 1 - 1e-6)
+        return torch.log(c) - torch.log1p(-c)
 
     def __call__(self, conf: torch.Tensor) -> torch.Tensor:
-        b = self._bin(conf)
-        return self.hits[b] / self.seen[b]
+        return torch.sigmoid(self.w[0] + self.w[1] * self._feature(conf))
 
     def update(self, conf: torch.Tensor, accepted: torch.Tensor) -> None:
-        if conf.numel():
-            b = self._bin(conf)
-            self.hits.index_add_(0, b, accepted.double())
-            self.seen.index_add_(0, b, torch.ones_like(accepted, dtype=torch.float64))
+        if not conf.numel():
+            return
+        self.x = torch.cat([self.x, self._feature(conf)])[-self.window :]
+        self.y = torch.cat([self.y, accepted.double()])[-self.window :]
+        self._new += conf.numel()
+        if self._new >= self.refit_every:
+            self._new = 0
+            self.fit()
+
+    def fit(self, steps: int = 4) -> None:
+        """Newton steps on the penalised log-likelihood (prior: N(w0, 1/prior) per weight)."""
+        x = torch.stack([torch.ones_like(self.x), self.x], 1)
+        w = self.w
+        for _ in range(steps):
+            p = torch.sigmoid(x @ w)
+            grad = x.T @ (p - self.y) + self.prior * (w - self.w0)
+            hess = (x * (p * (1 - p))[:, None]).T @ x + self.prior * torch.eye(2, dtype=x.dtype)
+            w = w - torch.linalg.solve(hess, grad)
+        self.w = w
 
 
 @dataclass
@@ -163,9 +189,15 @@ class RoundPlan:
 class DraftLengthPolicy:
     """Base: a fixed gamma. Subclasses choose k per round; the decoder calls, per generate:
     `start(B)`, then per round `plan(budget, active)`, `keep_drafting(j, conf)` after each draft
-    (only when `reads_q`), `lengths(k)`, and `observe(...)` after the verify."""
+    (only when `reads_q`), `lengths(k)`, and `observe(...)` after the verify.
+
+    What the floor knows (per row, from earlier rounds only): `first` and `follow`, moving
+    averages of the acceptance of a round's first draft and of the drafts after it, and the
+    realized throughput `rate` (tokens per modeled cost, at least 1).
+    """
 
     reads_q = False
+    ema = 0.3  # weight of the newest outcome in the moving averages
 
     def __init__(
         self,
@@ -178,15 +210,19 @@ class DraftLengthPolicy:
     ) -> None:
         self.gamma, self.max_k, self.costs = gamma, max_k, costs
         self.scope, self.floor, self.probe_every = scope, floor, probe_every
-        self.alpha_prior = 0.5  # first-draft acceptance before any history
-        self._seen = [0.0, 0.0]  # accepted, tested over the decoder's lifetime
+        # lifetime counts (accepted, tested) of first and later drafts: the next call's prior
+        self._life = {"first": [0.0, 0.0], "follow": [0.0, 0.0]}
+
+    def _prior(self, key: str) -> float:
+        hits, seen = self._life[key]
+        return (hits + 0.5 * 2) / (seen + 2)  # 0.5 before any history
 
     # -- per generate call
     def start(self, batch: int) -> None:
         self.b = batch
-        prior = self._seen[0] / self._seen[1] if self._seen[1] >= 8 else self.alpha_prior
-        self.recent = torch.full((batch,), prior, dtype=torch.float64)  # EMA of acceptance
-        self.tokens = torch.ones(batch, dtype=torch.float64)  # realized tokens / modeled cost
+        self.first = torch.full((batch,), self._prior("first"), dtype=torch.float64)
+        self.follow = torch.full((batch,), self._prior("follow"), dtype=torch.float64)
+        self.tokens = torch.ones(batch, dtype=torch.float64)
         self.cost = torch.ones(batch, dtype=torch.float64)
         self.skipped = 0  # consecutive plain target steps (floor)
         self.row_k: list[int] | None = None
@@ -195,23 +231,29 @@ class DraftLengthPolicy:
         """Throughput to beat, per row: realized tokens per modeled cost so far, at least 1."""
         return (self.tokens / self.cost).clamp_min(1.0)
 
-    def _pays(self, active: list[bool]) -> list[bool]:
-        """Per row: does drafting (any m >= 1 at this row's recent acceptance) beat a target step?"""
+    def _pays(self, active: list[bool]) -> bool:
+        """Does drafting (some m >= 1 drafts at the rows' recent acceptance) beat a target step?
+        Batch scope: summed over the active rows; row scope: for any active row."""
         g = draft_gain(
-            torch.ones(self.b), self.recent, 0, self.max_k, self.costs, self.rate()
-        ).amax(1)
+            torch.ones(self.b, dtype=torch.float64),
+            self.follow,
+            0,
+            self.max_k,
+            self.costs,
+            self.rate(),
+            first_accept=self.first,
+        )
+        on = torch.tensor(active)
         if self.scope == "batch":
-            total = sum(float(v) for v, a in zip(g, active) if a)
-            return [total > 0] * self.b
-        return [bool(v > 0) for v in g]
+            return bool((g * on[:, None]).sum(0).amax() > 1e-12)
+        return bool((g.amax(1) > 1e-12)[on].any())
 
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
         """Before drafting: this round's most drafts (<= budget), 0 for a plain target step."""
         if not self.floor:
             return RoundPlan(self._k(budget))
-        pays = any(p for p, a in zip(self._pays(active), active) if a)
-        if pays or self.skipped >= self.probe_every:
-            probe = not pays
+        if self._pays(active) or self.skipped >= self.probe_every:
+            probe = self.skipped >= self.probe_every
             self.skipped = 0
             return RoundPlan(self._k(budget), probe)
         self.skipped += 1
@@ -238,6 +280,7 @@ class DraftLengthPolicy:
         (B, K): the drafter's confidence per draft (confidence policy)."""
         k = max(lengths) if lengths else 0
         cost = self.costs.round_cost(k)
+        e = self.ema
         for r, a in enumerate(active):
             if not a:
                 continue
@@ -246,9 +289,11 @@ class DraftLengthPolicy:
             self.cost[r] += cost
             for j in range(min(n + 1, kr)):  # positions put to the test
                 ok = float(j < n)
-                self.recent[r] = 0.7 * self.recent[r] + 0.3 * ok
-                self._seen[0] += ok
-                self._seen[1] += 1
+                key = "first" if j == 0 else "follow"
+                avg = self.first if j == 0 else self.follow
+                avg[r] = (1 - e) * avg[r] + e * ok
+                self._life[key][0] += ok
+                self._life[key][1] += 1
         self.row_k = None
 
 
@@ -289,13 +334,20 @@ class HeuristicLength(DraftLengthPolicy):
 
 
 class ConfidenceLength(DraftLengthPolicy):
-    """The expected-gain rule on the drafter's calibrated confidence (see the module docstring)."""
+    """The expected-gain rule on the drafter's calibrated confidence (see the module docstring).
+
+    Two calibrations, both of q only and learned from earlier rounds: `accept` maps a draft's
+    confidence to its acceptance (given the drafts before it were accepted), `follow` maps it to
+    the acceptance of the *next* draft (given this one was accepted), which is what the decision
+    to spend another drafter step needs before that step runs.
+    """
 
     reads_q = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.calibration = Calibration()
+        self.accept = Calibration()
+        self.follow_cal = Calibration()
 
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
         self.prefix = torch.ones(self.b, dtype=torch.float64)
@@ -308,9 +360,9 @@ class ConfidenceLength(DraftLengthPolicy):
 
     def keep_drafting(self, drafted: int, conf: torch.Tensor) -> bool:
         """After `drafted` drafts, the latest with confidence conf (B,): draft another?"""
-        a = self.calibration(conf)
-        self.prefix = self.prefix * a
-        gain = draft_gain(self.prefix, a, drafted, self.max_k, self.costs, self.rate()).amax(1)
+        self.prefix = self.prefix * self.accept(conf)
+        nxt = self.follow_cal(conf)
+        gain = draft_gain(self.prefix, nxt, drafted, self.max_k, self.costs, self.rate()).amax(1)
         more = gain > 1e-12
         if self.scope == "batch":
             return bool((gain * self.going).sum() > 1e-12)
@@ -323,14 +375,19 @@ class ConfidenceLength(DraftLengthPolicy):
 
     def observe(self, lengths, accepted, active, conf) -> None:
         if conf is not None and conf.numel():
-            cs, oks = [], []
+            cs, oks, fc, fok = [], [], [], []
             for r, a in enumerate(active):
-                if a:
-                    t = min(accepted[r] + 1, lengths[r])
-                    cs.append(conf[r, :t])
-                    oks.append((torch.arange(t) < accepted[r]).double())
-            if cs:
-                self.calibration.update(torch.cat(cs), torch.cat(oks))
+                if not a:
+                    continue
+                n, t = accepted[r], min(accepted[r] + 1, lengths[r])
+                cs.append(conf[r, :t])
+                oks.append((torch.arange(t) < n).double())
+                # pairs (confidence of an accepted draft, was the next one accepted?)
+                f = min(n, lengths[r] - 1)
+                fc.append(conf[r, :f])
+                fok.append((torch.arange(1, f + 1) < n).double())
+            self.accept.update(torch.cat(cs), torch.cat(oks))
+            self.follow_cal.update(torch.cat(fc), torch.cat(fok))
         super().observe(lengths, accepted, active, conf)
 
 
