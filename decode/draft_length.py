@@ -477,3 +477,28 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 6) -> DraftCosts:
         verify_per_token=round(per_token, 4),
         round_overhead=round(max(0.0, v1 - 1.0 - per_token) + ROUND_GLUE, 4),
     )
+
+
+def draft_length_settings(dcfg) -> dict:
+    """The `decoder` config node's draft-length keys as DecoderConfig keyword arguments
+    (`draft_costs: auto` -> None: measured on the pair; or {c, verify_per_token, round_overhead})."""
+    from specdistill.data.pairs import ConfigError
+
+    raw = dcfg.get("draft_costs", "auto")
+    costs = None
+    if raw not in (None, "auto"):
+        try:
+            costs = DraftCosts(**{k: float(v) for k, v in dict(raw).items()})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"decoder.draft_costs={raw!r}: auto, or a mapping of c, verify_per_token, "
+                f"round_overhead ({e})"
+            ) from None
+    return {
+        "draft_length": str(dcfg.get("draft_length", "fixed")),
+        "max_draft": dcfg.get("max_draft", 8),
+        "draft_scope": str(dcfg.get("draft_scope", "batch")),
+        "draft_floor": dcfg.get("draft_floor", True),
+        "probe_every": dcfg.get("probe_every", 8),
+        "draft_costs": costs,
+    }

@@ -38,6 +38,7 @@ from specdistill.data.pairs import (
 from specdistill.data.prompts import load_prompts
 from specdistill.decode.acceptance import Sampling, best_gamma, expected_tau, theoretical_speedup
 from specdistill.decode.cache import check_rollback_config
+from specdistill.decode.draft_length import draft_length_settings
 from specdistill.decode.modes import measure_other_mode, mode_figures, mode_name, timed_repeats
 from specdistill.decode.modes import merge as _merge
 from specdistill.decode.modes import run_all as _run_all
@@ -125,6 +126,7 @@ def decoder_config(
         record_probs=bool(dcfg.get("record_probs", False)),
         host_sync_every=int(dcfg.get("host_sync_every", 0)),
         cpu_matmul=str(dcfg.get("cpu_matmul", "auto")),
+        **draft_length_settings(dcfg),
     )
 
 
