@@ -1,0 +1,280 @@
+"""Per-round draft length (decode.draft_length): the expected-gain rule against brute force, and
+the adaptive decoder's losslessness (greedy token-identical, sampling by chi-square).
+
+p = target, q = drafter. The stopping rule may read q and earlier rounds only; these tests show
+that whatever length it picks, greedy output is the target's and sampled output follows p.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from specdistill.data.pairs import ConfigError
+from specdistill.decode.acceptance import Sampling, verify_sampling
+from specdistill.decode.draft_length import (
+    Calibration,
+    DraftCosts,
+    best_length,
+    chunk_widths,
+    draft_gain,
+    expected_tokens,
+    verify_widths,
+)
+from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
+from tests.conftest import tiny_llama
+from tests.decode.test_distribution import (
+    PROMPT,
+    chi2_pvalue,
+    exact_sequence_probs,
+    models,  # noqa: F401  (fixture)
+)
+from tests.decode.test_speculative import greedy_reference, left_pad, prompts, truncated_copy
+
+# ---------------------------------------------------------------- the rule, by enumeration
+
+
+def brute_tokens(accept: list[float]) -> float:
+    """E[tokens] of a round by enumerating every accept/reject outcome of its drafts."""
+    total = 0.0
+    for outcome in itertools.product([0, 1], repeat=len(accept)):
+        prob = 1.0
+        for a, o in zip(accept, outcome):
+            prob *= a if o else 1 - a
+        n = next((j for j, o in enumerate(outcome) if not o), len(accept))  # accepted prefix
+        total += prob * (n + 1)
+    return total
+
+
+@pytest.mark.parametrize("accept", [[], [0.3], [0.9, 0.5], [0.2, 0.8, 0.6, 1.0], [0.7] * 5])
+def test_expected_tokens_matches_enumeration(accept):
+    assert expected_tokens(accept) == pytest.approx(brute_tokens(accept), abs=1e-12)
+
+
+COSTS = [
+    DraftCosts(c=0.38, verify_per_token=0.06, round_overhead=0.15),
+    DraftCosts(c=0.05, verify_per_token=0.0, round_overhead=0.0),
+    DraftCosts(c=0.9, verify_per_token=0.2, round_overhead=0.4),
+    DraftCosts(c=0.3, verify_per_token=0.05, round_overhead=0.1, parallel=True),
+]
+
+
+@pytest.mark.parametrize("costs", COSTS, ids=["toy", "cheap", "dear", "parallel"])
+@pytest.mark.parametrize("drafted", [0, 1, 3])
+@pytest.mark.parametrize("rate", [1.0, 1.7])
+def test_draft_gain_matches_enumeration(costs, drafted, rate):
+    """Net gain of m more drafts (tokens - rate * extra cost) for rows of known history: the
+    closed form against enumerating every outcome of the whole round."""
+    history = [[0.9, 0.6, 0.7], [0.3, 0.95, 0.5], [1.0, 1.0, 0.2]]
+    nxt = torch.tensor([0.8, 0.35, 0.99], dtype=torch.float64)
+    max_k = 6
+    prefix = torch.tensor([math.prod(h[:drafted]) for h in history], dtype=torch.float64)
+    got = draft_gain(prefix, nxt, drafted, max_k, costs, torch.full((3,), rate, dtype=torch.float64))
+    assert got.shape == (3, max_k - drafted + 1)
+    for r, h in enumerate(history):
+        stop_now = brute_tokens(h[:drafted]) - rate * costs.round_cost(drafted)
+        for m in range(max_k - drafted + 1):
+            plan = h[:drafted] + [float(nxt[r])] * m
+            want = brute_tokens(plan) - rate * costs.round_cost(drafted + m) - stop_now
+            assert float(got[r, m]) == pytest.approx(want, abs=1e-9)
+
+
+@pytest.mark.parametrize("costs", COSTS, ids=["toy", "cheap", "dear", "parallel"])
+def test_best_length_is_the_argmax_over_all_lengths(costs):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        accept = torch.rand(6, generator=g).tolist()
+        k = best_length(accept, costs)
+        values = [brute_tokens(accept[:j]) - costs.round_cost(j) for j in range(7)]
+        assert values[k] == pytest.approx(max(values), abs=1e-9)
+
+
+def test_floor_threshold_is_where_one_draft_pays():
+    """Before a round (nothing drafted), drafting pays iff some m >= 1 has a positive gain; for
+    m = 1 that is acceptance > c + verify_per_token + round_overhead (at rate 1)."""
+    costs = DraftCosts(c=0.4, verify_per_token=0.05, round_overhead=0.15)
+    edge = 0.6
+    low, high = torch.tensor([edge - 0.01]), torch.tensor([edge + 0.01])
+    one = torch.ones(1)
+    assert float(draft_gain(one, low, 0, 1, costs, one)[0, 1]) < 0
+    assert float(draft_gain(one, high, 0, 1, costs, one)[0, 1]) > 0
+
+
+def test_calibration_learns_from_history():
+    cal = Calibration(bins=10, prior=4)
+    assert float(cal(torch.tensor([0.95]))) == pytest.approx(0.95)
+    for _ in range(40):  # a drafter that is over-confident: 0.9 confidence, 30% accepted
+        cal.update(torch.tensor([0.91, 0.92, 0.93]), torch.tensor([1.0, 0.0, 0.0]))
+    assert float(cal(torch.tensor([0.92]))) == pytest.approx((0.95 * 4 + 40) / 124)
+    assert float(cal(torch.tensor([0.1]))) == pytest.approx(0.15)  # other bins untouched
+
+
+def test_compiled_shapes_stay_few():
+    assert verify_widths(8) == [1, 2, 3, 5, 9]
+    assert verify_widths(6) == [1, 2, 3, 5, 7]
+    assert chunk_widths(11) == [8, 2, 1] and chunk_widths(40) == [16, 16, 8]
+
+
+def test_verify_sampling_lengths_cut_rows():
+    """A row that proposed fewer drafts tests only those; with all accepted its next token is
+    sampled from p at that position (the bonus), never from a residual."""
+    v = 4
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.4]]).repeat(2, 3, 1)
+    q = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).repeat(2, 2, 1)
+    draft = torch.tensor([[3, 3], [3, 3]])  # p/q = 4 at token 3: always accepted
+    u = torch.zeros(2, 2)
+    lengths = torch.tensor([1, 2])
+    counts = torch.zeros(v)
+    for i in range(2000):
+        us = torch.tensor([i / 2000, 0.5])
+        n, nxt = verify_sampling(draft, p, q, u, us, lengths=lengths)
+        assert n.tolist() == [1, 2]
+        counts[nxt[0]] += 1
+    assert torch.allclose(counts / 2000, p[0, 1], atol=1e-3)  # the bonus follows p
+
+
+# ---------------------------------------------------------------- the decoder, lossless
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0)
+    return target, truncated_copy(target)
+
+
+CHEAP = DraftCosts(c=0.2, verify_per_token=0.02, round_overhead=0.05)
+DEAR = DraftCosts(c=0.9, verify_per_token=0.1, round_overhead=0.3)  # the floor engages
+
+
+@pytest.mark.parametrize("policy", ["confidence", "heuristic"])
+@pytest.mark.parametrize("costs", [CHEAP, DEAR], ids=["cheap", "dear"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_adaptive_greedy_is_token_identical_batch1(pair, policy, costs, cache):
+    target, drafter = pair
+    cfg = DecoderConfig(
+        max_new_tokens=24,
+        draft_length=policy,
+        max_draft=6,
+        probe_every=3,
+        draft_costs=costs,
+        cache=cache,
+    )
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    lengths = [0] * 7
+    for prompt in prompts(4, 64, seed=3):
+        out = dec.generate(torch.tensor([prompt]))
+        assert out.tokens[0] == greedy_reference(target, prompt, 24)
+        lengths = [a + b for a, b in zip(lengths, out.draft_lengths)]
+    assert sum(1 for n in lengths if n) >= 2  # lengths really varied
+    if costs is DEAR:  # plain target steps, and probes among them
+        assert lengths[0] > 0 and sum(lengths[1:]) > 0
+
+
+@pytest.mark.parametrize("policy", ["confidence", "heuristic"])
+@pytest.mark.parametrize("scope", ["batch", "row"])
+@pytest.mark.parametrize("costs", [CHEAP, DEAR], ids=["cheap", "dear"])
+def test_adaptive_greedy_batched_uneven_prompts(pair, policy, scope, costs):
+    target, drafter = pair
+    cfg = DecoderConfig(
+        max_new_tokens=20,
+        draft_length=policy,
+        draft_scope=scope,
+        max_draft=5,
+        probe_every=2,
+        draft_costs=costs,
+        cache="static",
+    )
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    rows = prompts(5, 64, seed=4)
+    ids, mask = left_pad(rows)
+    out = dec.generate(ids, mask)
+    for r, prompt in enumerate(rows):
+        assert out.tokens[r] == greedy_reference(target, prompt, 20)
+    assert sum(out.draft_lengths) == out.row_rounds
+
+
+def test_useless_drafter_decodes_with_the_target_alone(pair):
+    """A random drafter never pays: after the first rounds, plain target steps and periodic
+    probes only (the floor), at measured costs."""
+    target, _ = pair
+    drafter = tiny_llama(vocab=64, layers=1, hidden=32, seed=7)
+    cfg = DecoderConfig(max_new_tokens=48, draft_length="confidence", probe_every=8)
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    prompt = prompts(1, 64, seed=5)[0]
+    dec.generate(torch.tensor([prompt]))  # measures the costs, learns the acceptance
+    out = dec.generate(torch.tensor([prompt]))
+    assert out.tokens[0] == greedy_reference(target, prompt, 48)
+    assert out.draft_lengths[0] >= 0.75 * out.row_rounds
+    assert out.drafter_forwards <= 48 // 8 + 2
+
+
+# ---------------------------------------------------------------- sampling, by chi-square
+
+
+def _sample(dec, rows: int, calls: int, seed: int) -> dict[tuple[int, ...], int]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([PROMPT] * rows)
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(calls):
+        for row in dec.generate(ids, torch.ones_like(ids), generator=gen).tokens:
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize(
+    ("policy", "scope", "rows", "calls"),
+    [
+        ("confidence", "batch", 1, 1024),
+        ("confidence", "row", 512, 16),
+        ("confidence", "batch", 512, 16),
+        ("heuristic", "row", 512, 16),
+    ],
+)
+def test_adaptive_sampling_matches_target_distribution(models, policy, scope, rows, calls):  # noqa: F811
+    """The exact 3-token sequence law of target-only sampling against the adaptive decoder's
+    samples, batch 1 and batched (row scope: rows verify different lengths)."""
+    target, drafter = models
+    s = Sampling(1.0)
+    cfg = DecoderConfig(
+        max_new_tokens=3,
+        sampling=s,
+        draft_length=policy,
+        draft_scope=scope,
+        max_draft=3,
+        probe_every=1,
+        draft_costs=DraftCosts(c=0.3, verify_per_token=0.05, round_overhead=0.1),
+    )
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    counts = _sample(dec, rows, calls, seed=21)
+    n = rows * calls
+    assert chi2_pvalue(exact_sequence_probs(target, s), counts, n) > 1e-3
+    probe = dec.generate(
+        torch.tensor([PROMPT] * 256),
+        torch.ones(256, len(PROMPT), dtype=torch.long),
+        generator=torch.Generator().manual_seed(1),
+    )
+    assert sum(1 for x in probe.draft_lengths if x) >= 2  # lengths really varied
+
+
+# ---------------------------------------------------------------- settings
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"draft_length": "auto"}, "decoder.draft_length"),
+        ({"max_draft": 0}, "decoder.max_draft"),
+        ({"max_draft": 16}, "decoder.max_draft"),
+        ({"draft_scope": "rows"}, "decoder.draft_scope"),
+        ({"draft_floor": "yes"}, "decoder.draft_floor"),
+        ({"probe_every": 0}, "decoder.probe_every"),
+        ({"draft_costs": DraftCosts(c=-1.0)}, "decoder.draft_c"),
+    ],
+)
+def test_bad_draft_length_settings_name_the_field(kwargs, field):
+    target = tiny_llama(vocab=64, layers=1)
+    with pytest.raises(ConfigError, match=rf"^{field}="):
+        SpeculativeDecoder(target, target, DecoderConfig(**kwargs))
