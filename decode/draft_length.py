@@ -165,6 +165,12 @@ class Calibration:
             self._new = 0
             self.fit()
 
+    def set_prior(self, w0: torch.Tensor) -> None:
+        """Move the prior's centre (refits at the next update; taken as is without data)."""
+        self.w0 = w0.clone()
+        if not self.x.numel():
+            self.w = self.w0.clone()
+
     def fit(self, steps: int = 4) -> None:
         """Newton steps on the penalised log-likelihood (prior: N(w0, 1/prior) per weight)."""
         x = torch.stack([torch.ones_like(self.x), self.x], 1)
@@ -249,10 +255,15 @@ class DraftLengthPolicy:
         return bool((g.amax(1) > 1e-12)[on].any())
 
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
-        """Before drafting: this round's most drafts (<= budget), 0 for a plain target step."""
+        """Before drafting: this round's most drafts (<= budget), 0 for a plain target step.
+        Once the floor engages it holds for `probe_every` steps (nothing new is learnt during
+        them), then a probe round drafts."""
         if not self.floor:
             return RoundPlan(self._k(budget))
-        if self._pays(active) or self.skipped >= self.probe_every:
+        if 0 < self.skipped < self.probe_every:
+            self.skipped += 1
+            return RoundPlan(0)
+        if self.skipped >= self.probe_every or self._pays(active):
             probe = self.skipped >= self.probe_every
             self.skipped = 0
             return RoundPlan(self._k(budget), probe)
@@ -261,6 +272,12 @@ class DraftLengthPolicy:
 
     def _k(self, budget: int) -> int:
         return min(self.gamma, budget)
+
+    def observe_step(self, active: list[bool]) -> None:
+        """After a plain target step: one token for one target step per active row."""
+        on = torch.tensor(active, dtype=torch.float64)
+        self.tokens += on
+        self.cost += on
 
     def keep_drafting(self, drafted: int, conf: torch.Tensor) -> bool:
         return True
@@ -339,7 +356,8 @@ class ConfidenceLength(DraftLengthPolicy):
     Two calibrations, both of q only and learned from earlier rounds: `accept` maps a draft's
     confidence to its acceptance (given the drafts before it were accepted), `follow` maps it to
     the acceptance of the *next* draft (given this one was accepted), which is what the decision
-    to spend another drafter step needs before that step runs.
+    to spend another drafter step needs before that step runs; `follow`'s prior is `accept`'s
+    fit (the next draft predicted like this one until the history says otherwise).
     """
 
     reads_q = True
@@ -387,6 +405,8 @@ class ConfidenceLength(DraftLengthPolicy):
                 fc.append(conf[r, :f])
                 fok.append((torch.arange(1, f + 1) < n).double())
             self.accept.update(torch.cat(cs), torch.cat(oks))
+            # without evidence of its own, the next draft is predicted like this one
+            self.follow_cal.set_prior(self.accept.w)
             self.follow_cal.update(torch.cat(fc), torch.cat(fok))
         super().observe(lengths, accepted, active, conf)
 

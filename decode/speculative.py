@@ -443,6 +443,12 @@ class SpeculativeDecoder:
             k = policy.plan(budget, active).k if adaptive else budget
             if not dense:
                 mask[:, length : length + k + 1] = True
+            if k == 0:  # the floor: a plain target step, as lean as `baseline`'s
+                lag.append(t)  # the target sees t now, the drafter in its next drafting round
+                t = self._target_step(tgt, mask, t, pos, dense, out, active, done, generator)
+                pos = pos + 1
+                policy.observe_step(active)
+                continue
             # Draft up to k tokens with q (the first step also catches the drafter up).
             draft, q_probs, confs = [], [], []
             if k:
@@ -549,6 +555,36 @@ class SpeculativeDecoder:
             pos = pos + 1 + n
             t = nxt
         return out
+
+    def _target_step(self, tgt, mask, t, pos, dense, out, active, done, generator):
+        """One target-only step inside a speculative decode (the floor); returns the next token."""
+        s, b = self.cfg.sampling, t.shape[0]
+        attn = None if dense else self._attn(tgt, mask, tgt.length + 1)
+        xpos = None if dense else pos[:, None]
+        logits = tgt.forward(t[:, None], attn, xpos, keep=1)[:, -1, : self.vocab]
+        if s.greedy:
+            nxt = logits.argmax(-1)
+        else:
+            nxt = sample_from(probs_from_logits(logits, s), uniforms((b,), generator, self.device))
+        out.target_forwards += 1
+        if self.cfg.record_probs:
+            out.rounds.append(
+                RoundRecord(
+                    start=[len(tk) for tk in out.tokens],
+                    draft=t[:, None][:, :0],
+                    accepted=torch.zeros_like(nxt),
+                    next_token=nxt,
+                    active=active,
+                    target_probs=torch.softmax(logits.float(), -1)[:, None],
+                )
+            )
+        for r, tok in enumerate(nxt.tolist()):
+            if active[r]:
+                out.row_rounds += 1
+                out.block_tokens += 1
+                out.draft_lengths[0] += 1
+                done[r] = self._emit(out.tokens[r], [tok])
+        return nxt
 
     def _catch_up(self, dft: ModelRunner, mask, x, xpos, dense: bool):
         """Feed the drafter all but the last chunk of x (tokens it lags behind, then t) in
