@@ -171,15 +171,34 @@ class Calibration:
         if not self.x.numel():
             self.w = self.w0.clone()
 
-    def fit(self, steps: int = 4) -> None:
-        """Newton steps on the penalised log-likelihood (prior: N(w0, 1/prior) per weight)."""
+    def fit(self, steps: int = 8) -> None:
+        """Damped Newton steps on the penalised log-likelihood (prior: N(w0, 1/prior) per
+        weight); a step is halved until the objective falls (plain Newton overshoots when the
+        confidences span a narrow range)."""
         x = torch.stack([torch.ones_like(self.x), self.x], 1)
-        w = self.w
+        y, eye = self.y, torch.eye(2, dtype=x.dtype)
+
+        def loss(w: torch.Tensor) -> float:
+            z = x @ w
+            nll = torch.nn.functional.softplus(z) - y * z
+            return float(nll.sum() + 0.5 * self.prior * ((w - self.w0) ** 2).sum())
+
+        w, cur = self.w, loss(self.w)
         for _ in range(steps):
             p = torch.sigmoid(x @ w)
-            grad = x.T @ (p - self.y) + self.prior * (w - self.w0)
-            hess = (x * (p * (1 - p))[:, None]).T @ x + self.prior * torch.eye(2, dtype=x.dtype)
-            w = w - torch.linalg.solve(hess, grad)
+            grad = x.T @ (p - y) + self.prior * (w - self.w0)
+            hess = (x * (p * (1 - p))[:, None]).T @ x + self.prior * eye
+            step = torch.linalg.solve(hess, grad)
+            for _ in range(20):
+                new = loss(w - step)
+                if new <= cur:
+                    break
+                step = step / 2
+            else:
+                break
+            w, cur = w - step, new
+            if float(step.abs().max()) < 1e-6:
+                break
         self.w = w
 
 
