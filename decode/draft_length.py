@@ -130,35 +130,43 @@ def best_length(accept: Sequence[float], costs: DraftCosts, rate: float = 1.0) -
     return best
 
 
-class Calibration:
-    """P(draft accepted | drafter confidence), learned from the acceptance history (q only).
+def _logit(x: torch.Tensor) -> torch.Tensor:
+    c = x.double().clamp(1e-6, 1 - 1e-6)
+    return torch.log(c) - torch.log1p(-c)
 
-    A logistic model sigmoid(w0 + w1 logit(conf)) fitted by Newton steps to the last `window`
-    observations, with a Gaussian prior of weight `prior` centred on (0, 1): before any history
-    the confidence is taken at face value; drafters are rarely calibrated (a weak one's
-    probabilities are flat, so its 0.05 may mean 70% acceptance), and the fit learns the map.
+
+class Calibration:
+    """P(draft accepted | drafter confidence, recent acceptance), learned from the history.
+
+    A logistic model sigmoid(w0 + w1 logit(conf) + w2 logit(recent)): conf is the drafter's
+    probability of its draft (q only), recent the row's moving average of acceptance over earlier
+    rounds. Fitted by damped Newton steps to the last `window` observations, with a Gaussian
+    prior of weight `prior` centred on (0, 1/2, 1/2). Drafters are rarely calibrated (the toy
+    drafters' probabilities are flat: a distilled one's 0.05 means ~80% acceptance) and a
+    sequence's acceptance comes in runs, so the fit learns how much each signal says.
     """
 
     def __init__(self, prior: float = 4.0, window: int = 2048, refit_every: int = 16) -> None:
         self.prior, self.window, self.refit_every = prior, window, refit_every
-        self.w0 = torch.tensor([0.0, 1.0], dtype=torch.float64)
+        self.w0 = torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64)
         self.w = self.w0.clone()
-        self.x = torch.zeros(0, dtype=torch.float64)
+        self.x = torch.zeros(0, 3, dtype=torch.float64)
         self.y = torch.zeros(0, dtype=torch.float64)
         self._new = 0
 
     @staticmethod
-    def _feature(conf: torch.Tensor) -> torch.Tensor:
-        c = conf.double().clamp(1e-6, 1 - 1e-6)
-        return torch.log(c) - torch.log1p(-c)
+    def _features(conf: torch.Tensor, recent: torch.Tensor) -> torch.Tensor:
+        return torch.stack(
+            [torch.ones_like(conf, dtype=torch.float64), _logit(conf), _logit(recent)], -1
+        )
 
-    def __call__(self, conf: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.w[0] + self.w[1] * self._feature(conf))
+    def __call__(self, conf: torch.Tensor, recent: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self._features(conf, recent) @ self.w)
 
-    def update(self, conf: torch.Tensor, accepted: torch.Tensor) -> None:
+    def update(self, conf: torch.Tensor, recent: torch.Tensor, accepted: torch.Tensor) -> None:
         if not conf.numel():
             return
-        self.x = torch.cat([self.x, self._feature(conf)])[-self.window :]
+        self.x = torch.cat([self.x, self._features(conf, recent)])[-self.window :]
         self.y = torch.cat([self.y, accepted.double()])[-self.window :]
         self._new += conf.numel()
         if self._new >= self.refit_every:
@@ -175,8 +183,8 @@ class Calibration:
         """Damped Newton steps on the penalised log-likelihood (prior: N(w0, 1/prior) per
         weight); a step is halved until the objective falls (plain Newton overshoots when the
         confidences span a narrow range)."""
-        x = torch.stack([torch.ones_like(self.x), self.x], 1)
-        y, eye = self.y, torch.eye(2, dtype=x.dtype)
+        x, y = self.x, self.y
+        eye = torch.eye(x.shape[1], dtype=x.dtype)
 
         def loss(w: torch.Tensor) -> float:
             z = x @ w
@@ -236,7 +244,7 @@ class DraftLengthPolicy:
         self.gamma, self.max_k, self.costs = gamma, max_k, costs
         self.scope, self.floor, self.probe_every = scope, floor, probe_every
         # lifetime counts (accepted, tested) of first and later drafts: the next call's prior
-        self._life = {"first": [0.0, 0.0], "follow": [0.0, 0.0]}
+        self._life = {"first": [0.0, 0.0], "follow": [0.0, 0.0], "all": [0.0, 0.0]}
 
     def _prior(self, key: str) -> float:
         hits, seen = self._life[key]
@@ -247,6 +255,7 @@ class DraftLengthPolicy:
         self.b = batch
         self.first = torch.full((batch,), self._prior("first"), dtype=torch.float64)
         self.follow = torch.full((batch,), self._prior("follow"), dtype=torch.float64)
+        self.recent = torch.full((batch,), self._prior("all"), dtype=torch.float64)
         self.tokens = torch.ones(batch, dtype=torch.float64)
         self.cost = torch.ones(batch, dtype=torch.float64)
         self.skipped = 0  # consecutive plain target steps (floor)
@@ -328,8 +337,10 @@ class DraftLengthPolicy:
                 key = "first" if j == 0 else "follow"
                 avg = self.first if j == 0 else self.follow
                 avg[r] = (1 - e) * avg[r] + e * ok
-                self._life[key][0] += ok
-                self._life[key][1] += 1
+                self.recent[r] = (1 - e) * self.recent[r] + e * ok
+                for name in (key, "all"):
+                    self._life[name][0] += ok
+                    self._life[name][1] += 1
         self.row_k = None
 
 
@@ -388,6 +399,7 @@ class ConfidenceLength(DraftLengthPolicy):
 
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
         self.prefix = torch.ones(self.b, dtype=torch.float64)
+        self.r0 = self.recent.clone()  # the history this round's predictions read
         self.going = torch.tensor(active)  # rows still drafting (finished rows never are)
         self.row_k = [budget] * self.b if self.scope == "row" else None
         return super().plan(budget, active)
@@ -397,8 +409,8 @@ class ConfidenceLength(DraftLengthPolicy):
 
     def keep_drafting(self, drafted: int, conf: torch.Tensor) -> bool:
         """After `drafted` drafts, the latest with confidence conf (B,): draft another?"""
-        self.prefix = self.prefix * self.accept(conf)
-        nxt = self.follow_cal(conf)
+        self.prefix = self.prefix * self.accept(conf, self.r0)
+        nxt = self.follow_cal(conf, self.r0)
         gain = draft_gain(self.prefix, nxt, drafted, self.max_k, self.costs, self.rate()).amax(1)
         more = gain > 1e-12
         if self.scope == "batch":
@@ -412,21 +424,24 @@ class ConfidenceLength(DraftLengthPolicy):
 
     def observe(self, lengths, accepted, active, conf) -> None:
         if conf is not None and conf.numel():
-            cs, oks, fc, fok = [], [], [], []
+            cs, rs, oks, fc, fr, fok = [], [], [], [], [], []
             for r, a in enumerate(active):
                 if not a:
                     continue
                 n, t = accepted[r], min(accepted[r] + 1, lengths[r])
                 cs.append(conf[r, :t])
+                rs.append(self.r0[r].repeat(t))
                 oks.append((torch.arange(t) < n).double())
                 # pairs (confidence of an accepted draft, was the next one accepted?)
-                f = min(n, lengths[r] - 1)
+                f = max(min(n, lengths[r] - 1), 0)
                 fc.append(conf[r, :f])
+                fr.append(self.r0[r].repeat(f))
                 fok.append((torch.arange(1, f + 1) < n).double())
-            self.accept.update(torch.cat(cs), torch.cat(oks))
-            # without evidence of its own, the next draft is predicted like this one
-            self.follow_cal.set_prior(self.accept.w)
-            self.follow_cal.update(torch.cat(fc), torch.cat(fok))
+            if cs:
+                self.accept.update(torch.cat(cs), torch.cat(rs), torch.cat(oks))
+                # without evidence of its own, the next draft is predicted like this one
+                self.follow_cal.set_prior(self.accept.w)
+                self.follow_cal.update(torch.cat(fc), torch.cat(fr), torch.cat(fok))
         super().observe(lengths, accepted, active, conf)
 
 

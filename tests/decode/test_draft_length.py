@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -72,7 +73,9 @@ def test_draft_gain_matches_enumeration(costs, drafted, rate):
     nxt = torch.tensor([0.8, 0.35, 0.99], dtype=torch.float64)
     max_k = 6
     prefix = torch.tensor([math.prod(h[:drafted]) for h in history], dtype=torch.float64)
-    got = draft_gain(prefix, nxt, drafted, max_k, costs, torch.full((3,), rate, dtype=torch.float64))
+    got = draft_gain(
+        prefix, nxt, drafted, max_k, costs, torch.full((3,), rate, dtype=torch.float64)
+    )
     assert got.shape == (3, max_k - drafted + 1)
     for r, h in enumerate(history):
         stop_now = brute_tokens(h[:drafted]) - rate * costs.round_cost(drafted)
@@ -103,13 +106,30 @@ def test_floor_threshold_is_where_one_draft_pays():
     assert float(draft_gain(one, high, 0, 1, costs, one)[0, 1]) > 0
 
 
-def test_calibration_learns_from_history():
-    cal = Calibration(bins=10, prior=4)
-    assert float(cal(torch.tensor([0.95]))) == pytest.approx(0.95)
-    for _ in range(40):  # a drafter that is over-confident: 0.9 confidence, 30% accepted
-        cal.update(torch.tensor([0.91, 0.92, 0.93]), torch.tensor([1.0, 0.0, 0.0]))
-    assert float(cal(torch.tensor([0.92]))) == pytest.approx((0.95 * 4 + 40) / 124)
-    assert float(cal(torch.tensor([0.1]))) == pytest.approx(0.15)  # other bins untouched
+def test_calibration_fit_is_the_penalised_maximum_likelihood():
+    """The damped Newton fit against a general-purpose minimiser of the same objective, on a
+    drafter whose flat probabilities mean high acceptance (what the toy drafters look like)."""
+    from scipy.optimize import minimize
+
+    g = torch.Generator().manual_seed(0)
+    conf = 0.02 + 0.06 * torch.rand(400, generator=g, dtype=torch.float64)
+    recent = 0.3 + 0.6 * torch.rand(400, generator=g, dtype=torch.float64)
+    truth = torch.sigmoid(3.0 + 0.8 * torch.logit(conf) + 1.0 * torch.logit(recent))
+    accepted = (torch.rand(400, generator=g, dtype=torch.float64) < truth).double()
+    cal = Calibration(prior=4.0, refit_every=10**9)
+    assert float(cal(torch.tensor([0.9]), torch.tensor([0.9]))) == pytest.approx(0.9)  # prior
+    cal.update(conf, recent, accepted)
+    cal.fit(steps=50)
+    x, y, w0 = cal.x.numpy(), accepted.numpy(), cal.w0.numpy()
+
+    def objective(w):
+        z = x @ w
+        return float((np.logaddexp(0, z) - y * z).sum() + 2.0 * ((w - w0) ** 2).sum())
+
+    best = minimize(objective, w0, method="BFGS", options={"gtol": 1e-10})
+    assert cal.w.numpy() == pytest.approx(best.x, abs=1e-4)
+    assert objective(cal.w.numpy()) <= best.fun + 1e-8
+    assert float(cal(torch.tensor([0.05]), torch.tensor([0.8]))) > 0.6  # learnt: flat != poor
 
 
 def test_compiled_shapes_stay_few():
