@@ -8,7 +8,7 @@ the measured c, as `decoder.gamma=auto`), or an adaptive policy of `decode.draft
 (`heuristic`, `confidence`) with optional suffixes `-row` (per-row lengths, `draft_scope=row`)
 and `-nofloor` (no plain target steps). Every timed repeat decodes the prompts with the target p
 alone once, then with every entry in turn (same prompts, same seed), so load drifts on a shared
-machine hit all entries alike; a speedup is the median of an entry's tokens/s over the median of
+machine hit all entries alike (interleaved prompt by prompt); a speedup is the median of an entry's tokens/s over the median of
 the target-only passes. Both serving modes (the decoder's, then the other one at
 `other_sampling`) unless `both_modes=false`, and `transformers` assisted generation on the same
 prompts per mode. Writes OUT/draft.json and OUT/draft.md. p = target, q = drafter.
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
@@ -131,14 +132,15 @@ def _measure_mode(cfg, st, dcfg, entries, seed: int, reps: int, iters: int) -> d
     rates: dict[str, list[float]] = {label: [] for label in decs}
     first: dict[str, DecodeOutput] = {}
     base_out = None
+    fns = {"": probe.baseline} | {label: dec.generate for label, dec in decs.items()}
     for rep in range(reps):
-        tb, bo = run_all(probe.baseline, st.batches, seed + rep)
-        base_rates.append(sum(len(t) for o in bo for t in o.tokens) / tb)
-        base_out = base_out or merge(bo)
-        for label, dec in decs.items():
-            ts, so = run_all(dec.generate, st.batches, seed + rep)
-            rates[label].append(sum(len(t) for o in so for t in o.tokens) / ts)
-            first.setdefault(label, merge(so))
+        # interleaved per batch, not per pass: on a shared machine load changes within seconds
+        secs, outs = interleaved(fns, st.batches, seed + rep)
+        base_rates.append(_tokens(outs[""]) / secs[""])
+        base_out = base_out or merge(outs[""])
+        for label in decs:
+            rates[label].append(_tokens(outs[label]) / secs[label])
+            first.setdefault(label, merge(outs[label]))
     assert base_out is not None
     base = statistics.median(base_rates)
     greedy = probe.cfg.sampling.greedy
@@ -177,6 +179,24 @@ def _measure_mode(cfg, st, dcfg, entries, seed: int, reps: int, iters: int) -> d
         "seconds": round(time.perf_counter() - t0, 1),
         "notes": notes,
     }
+
+
+def _tokens(outs: list[DecodeOutput]) -> int:
+    return sum(len(t) for o in outs for t in o.tokens)
+
+
+def interleaved(fns: dict[str, Any], batches, seed: int):
+    """Run every function on each batch in turn (one generator per function, seeded alike), so
+    all of them meet the same load; returns (seconds per function, outputs per function)."""
+    gens = {k: torch.Generator(device="cpu").manual_seed(seed) for k in fns}
+    secs = dict.fromkeys(fns, 0.0)
+    outs: dict[str, list[DecodeOutput]] = {k: [] for k in fns}
+    for ids, mask in batches:
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            outs[k].append(fn(ids, mask, generator=gens[k]))
+            secs[k] += time.perf_counter() - t0
+    return secs, outs
 
 
 def draft_markdown(report: dict[str, Any]) -> str:

@@ -230,6 +230,7 @@ class DraftLengthPolicy:
     """
 
     reads_q = False
+    max_backoff = 8  # a floor's probe interval grows to at most this many probe_every
     ema = 0.3  # weight of the newest outcome in the moving averages
 
     def __init__(
@@ -259,6 +260,7 @@ class DraftLengthPolicy:
         self.tokens = torch.ones(batch, dtype=torch.float64)
         self.cost = torch.ones(batch, dtype=torch.float64)
         self.skipped = 0  # consecutive plain target steps (floor)
+        self.interval, self.probing = self.probe_every, False
         self.row_k: list[int] | None = None
 
     def rate(self) -> torch.Tensor:
@@ -284,18 +286,25 @@ class DraftLengthPolicy:
 
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
         """Before drafting: this round's most drafts (<= budget), 0 for a plain target step.
-        Once the floor engages it holds for `probe_every` steps (nothing new is learnt during
-        them), then a probe round drafts."""
+        Once the floor engages it holds for `interval` steps (nothing new is learnt during
+        them), then a probe round drafts; a probe after which drafting still does not pay
+        doubles the interval (up to `max_backoff` probe_every), one after which it pays resets it."""
         if not self.floor:
             return RoundPlan(self._k(budget))
-        if 0 < self.skipped < self.probe_every:
+        if 0 < self.skipped < self.interval:
             self.skipped += 1
             return RoundPlan(0)
-        if self.skipped >= self.probe_every or self._pays(active):
-            probe = self.skipped >= self.probe_every
-            self.skipped = 0
-            return RoundPlan(self._k(budget), probe)
-        self.skipped += 1
+        if self.skipped:  # a probe is due
+            self.skipped, self.probing = 0, True
+            return RoundPlan(self._k(budget), probe=True)
+        pays = self._pays(active)
+        if self.probing:
+            self.probing = False
+            backoff = min(2 * self.interval, self.max_backoff * self.probe_every)
+            self.interval = self.probe_every if pays else backoff
+        if pays:
+            return RoundPlan(self._k(budget))
+        self.skipped = 1
         return RoundPlan(0)
 
     def _k(self, budget: int) -> int:
