@@ -490,7 +490,7 @@ ROUND_GLUE = 0.1
 
 
 @torch.inference_mode()
-def measure_costs(dec, ids: torch.Tensor, iters: int = 6) -> DraftCosts:
+def measure_costs(dec, ids: torch.Tensor, iters: int = 12) -> DraftCosts:
     """The pair's `DraftCosts` on this device, timed with the decoder's own caches (p = target,
     q = drafter): medians over blocks of steps, the models interleaved so load drifts hit both
     alike. ids: one prompt (1, P), dense."""
