@@ -47,6 +47,7 @@ the proposals to verify from their known confidences.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -130,9 +131,34 @@ def best_length(accept: Sequence[float], costs: DraftCosts, rate: float = 1.0) -
     return best
 
 
-def _logit(x: torch.Tensor) -> torch.Tensor:
-    c = x.double().clamp(1e-6, 1 - 1e-6)
-    return torch.log(c) - torch.log1p(-c)
+def _logit(x: float) -> float:
+    c = min(max(x, 1e-6), 1 - 1e-6)
+    return math.log(c / (1 - c))
+
+
+def _sigmoid(z: float) -> float:
+    return 1 / (1 + math.exp(-z)) if z >= 0 else math.exp(z) / (1 + math.exp(z))
+
+
+def best_more(
+    prefix: float,
+    first: float,
+    nxt: float,
+    increments: Sequence[float],
+    rate: float,
+) -> tuple[int, float]:
+    """`draft_gain` for one row in plain floats (the decoder calls it per drafter step, where
+    tensor ops on a few numbers would cost more than the arithmetic): the best number of further
+    drafts m and its net gain; increments[i] = cost(drafted + i + 1) - cost(drafted)."""
+    best, best_g, reach, tokens = 0, 0.0, prefix * first, 0.0
+    for i, inc in enumerate(increments):
+        if i:
+            reach *= nxt
+        tokens += reach
+        g = tokens - rate * inc
+        if g > best_g + 1e-12:
+            best, best_g = i + 1, g
+    return best, best_g
 
 
 class Calibration:
@@ -140,50 +166,56 @@ class Calibration:
 
     A logistic model sigmoid(w0 + w1 logit(conf) + w2 logit(recent)): conf is the drafter's
     probability of its draft (q only), recent the row's moving average of acceptance over earlier
-    rounds. Fitted by damped Newton steps to the last `window` observations, with a Gaussian
-    prior of weight `prior` centred on (0, 1/2, 1/2). Drafters are rarely calibrated (the toy
-    drafters' probabilities are flat: a distilled one's 0.05 means ~80% acceptance) and a
-    sequence's acceptance comes in runs, so the fit learns how much each signal says.
+    rounds. Fitted by damped Newton steps to the last `window` observations every `refit_every`
+    new ones, with a Gaussian prior of weight `prior` centred on (0, 1/2, 1/2). Drafters are
+    rarely calibrated (the toy drafters' probabilities are flat: a distilled one's 0.05 means ~80%
+    acceptance) and a sequence's acceptance comes in runs, so the fit learns what each says.
     """
 
-    def __init__(self, prior: float = 4.0, window: int = 2048, refit_every: int = 16) -> None:
+    def __init__(self, prior: float = 4.0, window: int = 2048, refit_every: int = 128) -> None:
         self.prior, self.window, self.refit_every = prior, window, refit_every
         self.w0 = torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64)
         self.w = self.w0.clone()
-        self.x = torch.zeros(0, 3, dtype=torch.float64)
-        self.y = torch.zeros(0, dtype=torch.float64)
+        self._wf = self.w.tolist()
+        # observations as flat float64 arrays (the fit views them as tensors without a copy)
+        self.lc, self.lr, self.y = array("d"), array("d"), array("d")
         self._new = 0
 
-    @staticmethod
-    def _features(conf: torch.Tensor, recent: torch.Tensor) -> torch.Tensor:
-        return torch.stack(
-            [torch.ones_like(conf, dtype=torch.float64), _logit(conf), _logit(recent)], -1
-        )
+    def __call__(self, conf: float, recent: float) -> float:
+        w = self._wf
+        return _sigmoid(w[0] + w[1] * _logit(conf) + w[2] * _logit(recent))
 
-    def __call__(self, conf: torch.Tensor, recent: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self._features(conf, recent) @ self.w)
-
-    def update(self, conf: torch.Tensor, recent: torch.Tensor, accepted: torch.Tensor) -> None:
-        if not conf.numel():
-            return
-        self.x = torch.cat([self.x, self._features(conf, recent)])[-self.window :]
-        self.y = torch.cat([self.y, accepted.double()])[-self.window :]
-        self._new += conf.numel()
-        if self._new >= self.refit_every:
+    def update(self, conf: Sequence[float], recent: Sequence[float], accepted: Sequence[float]):
+        self.lc.extend(_logit(c) for c in conf)
+        self.lr.extend(_logit(r) for r in recent)
+        self.y.extend(float(a) for a in accepted)
+        self._new += len(conf)
+        if len(self.y) > 2 * self.window:
+            for buf in (self.lc, self.lr, self.y):
+                del buf[: -self.window]
+        # refit often while the history is short, every `refit_every` observations later
+        if self._new >= min(self.refit_every, max(16, len(self.y) // 2)):
             self._new = 0
             self.fit()
 
     def set_prior(self, w0: torch.Tensor) -> None:
-        """Move the prior's centre (refits at the next update; taken as is without data)."""
+        """Move the prior's centre (used at the next fit; taken as is without data)."""
         self.w0 = w0.clone()
-        if not self.x.numel():
+        if not self.y:
             self.w = self.w0.clone()
+            self._wf = self.w.tolist()
 
     def fit(self, steps: int = 8) -> None:
         """Damped Newton steps on the penalised log-likelihood (prior: N(w0, 1/prior) per
         weight); a step is halved until the objective falls (plain Newton overshoots when the
         confidences span a narrow range)."""
-        x, y = self.x, self.y
+        if not self.y:
+            return
+        cols = [
+            torch.frombuffer(b, dtype=torch.float64)[-self.window :] for b in (self.lc, self.lr)
+        ]
+        x = torch.stack([torch.ones_like(cols[0]), *cols], 1)
+        y = torch.frombuffer(self.y, dtype=torch.float64)[-self.window :].clone()
         eye = torch.eye(x.shape[1], dtype=x.dtype)
 
         def loss(w: torch.Tensor) -> float:
@@ -208,6 +240,7 @@ class Calibration:
             if float(step.abs().max()) < 1e-6:
                 break
         self.w = w
+        self._wf = w.tolist()
 
 
 @dataclass
@@ -222,16 +255,20 @@ class RoundPlan:
 class DraftLengthPolicy:
     """Base: a fixed gamma. Subclasses choose k per round; the decoder calls, per generate:
     `start(B)`, then per round `plan(budget, active)`, `keep_drafting(j, conf)` after each draft
-    (only when `reads_q`), `lengths(k)`, and `observe(...)` after the verify.
+    (only when `reads_q`), `lengths(k)`, then `observe(...)` after a verify or `observe_step`
+    after a plain target step. Plain Python on a few floats per row: these run every drafter
+    step, where tensor ops on tiny tensors would cost a sizeable share of a step.
 
     What the floor knows (per row, from earlier rounds only): `first` and `follow`, moving
     averages of the acceptance of a round's first draft and of the drafts after it, and the
-    realized throughput `rate` (tokens per modeled cost, at least 1).
+    realized throughput (tokens per modeled cost, at least 1).
     """
 
     reads_q = False
     max_backoff = 8  # a floor's probe interval grows to at most this many probe_every
-    ema = 0.3  # weight of the newest outcome in the moving averages
+    ema = 0.3  # `recent`, the calibration's history feature
+    floor_ema = 0.1  # `first` / `follow`, what the floor decides on: slower, a few misses
+    # at a sequence's start should not switch a good drafter off
 
     def __init__(
         self,
@@ -244,7 +281,12 @@ class DraftLengthPolicy:
     ) -> None:
         self.gamma, self.max_k, self.costs = gamma, max_k, costs
         self.scope, self.floor, self.probe_every = scope, floor, probe_every
-        # lifetime counts (accepted, tested) of first and later drafts: the next call's prior
+        # increments[d][i] = cost(d + i + 1) - cost(d): the extra cost of i + 1 more drafts
+        self.increments = [
+            [costs.round_cost(d + i) - costs.round_cost(d) for i in range(1, max_k - d + 1)]
+            for d in range(max_k + 1)
+        ]
+        # lifetime counts (accepted, tested): the next call's starting averages
         self._life = {"first": [0.0, 0.0], "follow": [0.0, 0.0], "all": [0.0, 0.0]}
 
     def _prior(self, key: str) -> float:
@@ -254,35 +296,39 @@ class DraftLengthPolicy:
     # -- per generate call
     def start(self, batch: int) -> None:
         self.b = batch
-        self.first = torch.full((batch,), self._prior("first"), dtype=torch.float64)
-        self.follow = torch.full((batch,), self._prior("follow"), dtype=torch.float64)
-        self.recent = torch.full((batch,), self._prior("all"), dtype=torch.float64)
-        self.tokens = torch.ones(batch, dtype=torch.float64)
-        self.cost = torch.ones(batch, dtype=torch.float64)
+        self.first = [self._prior("first")] * batch
+        self.follow = [self._prior("follow")] * batch
+        self.recent = [self._prior("all")] * batch
+        self.tokens = [1.0] * batch  # realized tokens and modeled cost (a prior of one step)
+        self.cost = [1.0] * batch
         self.skipped = 0  # consecutive plain target steps (floor)
         self.interval, self.probing = self.probe_every, False
         self.row_k: list[int] | None = None
 
-    def rate(self) -> torch.Tensor:
-        """Throughput to beat, per row: realized tokens per modeled cost so far, at least 1."""
-        return (self.tokens / self.cost).clamp_min(1.0)
+    def rate(self, r: int) -> float:
+        """Throughput to beat for row r: realized tokens per modeled cost so far, at least 1."""
+        return max(1.0, self.tokens[r] / self.cost[r])
 
     def _pays(self, active: list[bool]) -> bool:
         """Does drafting (some m >= 1 drafts at the rows' recent acceptance) beat a target step?
-        Batch scope: summed over the active rows; row scope: for any active row."""
-        g = draft_gain(
-            torch.ones(self.b, dtype=torch.float64),
-            self.follow,
-            0,
-            self.max_k,
-            self.costs,
-            self.rate(),
-            first_accept=self.first,
-        )
-        on = torch.tensor(active)
-        if self.scope == "batch":
-            return bool((g * on[:, None]).sum(0).amax() > 1e-12)
-        return bool((g.amax(1) > 1e-12)[on].any())
+        Batch scope: gains summed over the active rows; row scope: for any active row."""
+        inc = self.increments[0]
+        if self.scope == "row":
+            return any(
+                best_more(1.0, self.first[r], self.follow[r], inc, self.rate(r))[0] > 0
+                for r in range(self.b)
+                if active[r]
+            )
+        total = [0.0] * len(inc)
+        for r in range(self.b):
+            if active[r]:
+                reach, tokens, rate = self.first[r], 0.0, self.rate(r)
+                for i, c in enumerate(inc):
+                    if i:
+                        reach *= self.follow[r]
+                    tokens += reach
+                    total[i] += tokens - rate * c
+        return max(total, default=0.0) > 1e-12
 
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
         """Before drafting: this round's most drafts (<= budget), 0 for a plain target step.
@@ -312,11 +358,12 @@ class DraftLengthPolicy:
 
     def observe_step(self, active: list[bool]) -> None:
         """After a plain target step: one token for one target step per active row."""
-        on = torch.tensor(active, dtype=torch.float64)
-        self.tokens += on
-        self.cost += on
+        for r, a in enumerate(active):
+            if a:
+                self.tokens[r] += 1.0
+                self.cost[r] += 1.0
 
-    def keep_drafting(self, drafted: int, conf: torch.Tensor) -> bool:
+    def keep_drafting(self, drafted: int, conf: list[float]) -> bool:
         return True
 
     def lengths(self, k: int) -> list[int]:
@@ -328,13 +375,14 @@ class DraftLengthPolicy:
         lengths: list[int],
         accepted: list[int],
         active: list[bool],
-        conf: torch.Tensor | None,
+        conf: list[list[float]] | None,
     ) -> None:
         """After the verify: row r verified lengths[r] drafts and accepted accepted[r]; conf
-        (B, K): the drafter's confidence per draft (confidence policy)."""
+        (B lists of K): the drafter's confidence per draft (confidence policy)."""
         k = max(lengths) if lengths else 0
         cost = self.costs.round_cost(k)
-        e = self.ema
+        e, fe = self.ema, self.floor_ema
+        life = self._life
         for r, a in enumerate(active):
             if not a:
                 continue
@@ -342,14 +390,18 @@ class DraftLengthPolicy:
             self.tokens[r] += n + 1
             self.cost[r] += cost
             for j in range(min(n + 1, kr)):  # positions put to the test
-                ok = float(j < n)
-                key = "first" if j == 0 else "follow"
-                avg = self.first if j == 0 else self.follow
-                avg[r] = (1 - e) * avg[r] + e * ok
+                ok = 1.0 if j < n else 0.0
+                if j == 0:
+                    self.first[r] = (1 - fe) * self.first[r] + fe * ok
+                    key = "first"
+                else:
+                    self.follow[r] = (1 - fe) * self.follow[r] + fe * ok
+                    key = "follow"
                 self.recent[r] = (1 - e) * self.recent[r] + e * ok
-                for name in (key, "all"):
-                    self._life[name][0] += ok
-                    self._life[name][1] += 1
+                life[key][0] += ok
+                life[key][1] += 1
+                life["all"][0] += ok
+                life["all"][1] += 1
         self.row_k = None
 
 
@@ -392,11 +444,11 @@ class HeuristicLength(DraftLengthPolicy):
 class ConfidenceLength(DraftLengthPolicy):
     """The expected-gain rule on the drafter's calibrated confidence (see the module docstring).
 
-    Two calibrations, both of q only and learned from earlier rounds: `accept` maps a draft's
-    confidence to its acceptance (given the drafts before it were accepted), `follow` maps it to
-    the acceptance of the *next* draft (given this one was accepted), which is what the decision
-    to spend another drafter step needs before that step runs; `follow`'s prior is `accept`'s
-    fit (the next draft predicted like this one until the history says otherwise).
+    Two calibrations, of q and earlier rounds only: `accept` maps a draft's confidence (and the
+    row's recent acceptance) to its acceptance given the drafts before it were accepted, `follow`
+    maps them to the acceptance of the *next* draft given this one was accepted, which is what
+    the decision to spend another drafter step needs before that step runs; `follow`'s prior is
+    `accept`'s fit (the next draft predicted like this one until the history says otherwise).
     """
 
     reads_q = True
@@ -407,50 +459,54 @@ class ConfidenceLength(DraftLengthPolicy):
         self.follow_cal = Calibration()
 
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
-        self.prefix = torch.ones(self.b, dtype=torch.float64)
-        self.r0 = self.recent.clone()  # the history this round's predictions read
-        self.going = torch.tensor(active)  # rows still drafting (finished rows never are)
+        self.prefix = [1.0] * self.b
+        self.r0 = list(self.recent)  # the history this round's predictions read
+        self.going = list(active)  # rows still drafting (finished rows never are)
         self.row_k = [budget] * self.b if self.scope == "row" else None
         return super().plan(budget, active)
 
     def _k(self, budget: int) -> int:
         return min(self.max_k, budget)
 
-    def keep_drafting(self, drafted: int, conf: torch.Tensor) -> bool:
-        """After `drafted` drafts, the latest with confidence conf (B,): draft another?"""
-        self.prefix = self.prefix * self.accept(conf, self.r0)
-        nxt = self.follow_cal(conf, self.r0)
-        gain = draft_gain(self.prefix, nxt, drafted, self.max_k, self.costs, self.rate()).amax(1)
-        more = gain > 1e-12
-        if self.scope == "batch":
-            return bool((gain * self.going).sum() > 1e-12)
-        assert self.row_k is not None
+    def keep_drafting(self, drafted: int, conf: list[float]) -> bool:
+        """After `drafted` drafts, the latest with confidence conf[r] per row: draft another?"""
+        inc = self.increments[drafted]
+        total, going = 0.0, False
         for r in range(self.b):
-            if self.going[r] and not more[r]:
+            if not self.going[r]:
+                continue
+            self.prefix[r] *= self.accept(conf[r], self.r0[r])
+            a = self.follow_cal(conf[r], self.r0[r])
+            m, g = best_more(self.prefix[r], a, a, inc, self.rate(r))
+            if self.scope == "batch":
+                total += g  # the batch goes on while the rows' summed gain is positive
+            elif m:
+                going = True
+            else:
+                assert self.row_k is not None
                 self.row_k[r] = drafted
-        self.going &= more
-        return bool(self.going.any())
+                self.going[r] = False
+        return total > 1e-12 if self.scope == "batch" else going
 
     def observe(self, lengths, accepted, active, conf) -> None:
-        if conf is not None and conf.numel():
+        if conf:
             cs, rs, oks, fc, fr, fok = [], [], [], [], [], []
             for r, a in enumerate(active):
                 if not a:
                     continue
                 n, t = accepted[r], min(accepted[r] + 1, lengths[r])
-                cs.append(conf[r, :t])
-                rs.append(self.r0[r].repeat(t))
-                oks.append((torch.arange(t) < n).double())
+                cs += conf[r][:t]
+                rs += [self.r0[r]] * t
+                oks += [1.0 if j < n else 0.0 for j in range(t)]
                 # pairs (confidence of an accepted draft, was the next one accepted?)
                 f = max(min(n, lengths[r] - 1), 0)
-                fc.append(conf[r, :f])
-                fr.append(self.r0[r].repeat(f))
-                fok.append((torch.arange(1, f + 1) < n).double())
-            if cs:
-                self.accept.update(torch.cat(cs), torch.cat(rs), torch.cat(oks))
-                # without evidence of its own, the next draft is predicted like this one
-                self.follow_cal.set_prior(self.accept.w)
-                self.follow_cal.update(torch.cat(fc), torch.cat(fr), torch.cat(fok))
+                fc += conf[r][:f]
+                fr += [self.r0[r]] * f
+                fok += [1.0 if j < n else 0.0 for j in range(1, f + 1)]
+            self.accept.update(cs, rs, oks)
+            # without evidence of its own, the next draft is predicted like this one
+            self.follow_cal.set_prior(self.accept.w)
+            self.follow_cal.update(fc, fr, fok)
         super().observe(lengths, accepted, active, conf)
 
 

@@ -468,7 +468,7 @@ class SpeculativeDecoder:
                     q_probs.append(qd)
                 draft.append(d)
                 if policy.reads_q:  # the drafter's probability of its own draft (q only)
-                    conf = qd.gather(-1, d[:, None])[:, 0].float().cpu()
+                    conf = qd.gather(-1, d[:, None])[:, 0].tolist()
                     confs.append(conf)
                     if i + 1 < k and not policy.keep_drafting(i + 1, conf):
                         break
@@ -524,7 +524,7 @@ class SpeculativeDecoder:
             n_list = [row[kd] for row in host]
             self._record(out, host, active, kd, lengths)
             if adaptive:
-                policy.observe(lengths, n_list, active, torch.stack(confs, 1) if confs else None)
+                policy.observe(lengths, n_list, active, [list(c) for c in zip(*confs)] or None)
             if cfg.record_probs:
                 out.rounds.append(
                     RoundRecord(

@@ -20,6 +20,7 @@ from specdistill.decode.draft_length import (
     Calibration,
     DraftCosts,
     best_length,
+    best_more,
     chunk_widths,
     draft_gain,
     expected_tokens,
@@ -66,23 +67,55 @@ COSTS = [
 @pytest.mark.parametrize("costs", COSTS, ids=["toy", "cheap", "dear", "parallel"])
 @pytest.mark.parametrize("drafted", [0, 1, 3])
 @pytest.mark.parametrize("rate", [1.0, 1.7])
-def test_draft_gain_matches_enumeration(costs, drafted, rate):
+@pytest.mark.parametrize("first", [None, [0.4, 0.9, 0.05]])
+def test_draft_gain_matches_enumeration(costs, drafted, rate, first):
     """Net gain of m more drafts (tokens - rate * extra cost) for rows of known history: the
-    closed form against enumerating every outcome of the whole round."""
+    closed form against enumerating every outcome of the whole round (the next draft accepted
+    with probability `first`, each later one with `nxt`)."""
     history = [[0.9, 0.6, 0.7], [0.3, 0.95, 0.5], [1.0, 1.0, 0.2]]
     nxt = torch.tensor([0.8, 0.35, 0.99], dtype=torch.float64)
     max_k = 6
     prefix = torch.tensor([math.prod(h[:drafted]) for h in history], dtype=torch.float64)
     got = draft_gain(
-        prefix, nxt, drafted, max_k, costs, torch.full((3,), rate, dtype=torch.float64)
+        prefix,
+        nxt,
+        drafted,
+        max_k,
+        costs,
+        torch.full((3,), rate, dtype=torch.float64),
+        first_accept=None if first is None else torch.tensor(first, dtype=torch.float64),
     )
     assert got.shape == (3, max_k - drafted + 1)
     for r, h in enumerate(history):
         stop_now = brute_tokens(h[:drafted]) - rate * costs.round_cost(drafted)
         for m in range(max_k - drafted + 1):
-            plan = h[:drafted] + [float(nxt[r])] * m
+            a1 = float(nxt[r]) if first is None else first[r]
+            plan = h[:drafted] + ([a1] + [float(nxt[r])] * (m - 1) if m else [])
             want = brute_tokens(plan) - rate * costs.round_cost(drafted + m) - stop_now
             assert float(got[r, m]) == pytest.approx(want, abs=1e-9)
+
+
+@pytest.mark.parametrize("costs", COSTS, ids=["toy", "cheap", "dear", "parallel"])
+def test_scalar_rule_agrees_with_draft_gain(costs):
+    """`best_more` (plain floats, what the decoder runs per drafter step) picks draft_gain's
+    argmax and value."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(100):
+        prefix, first, nxt, rate = torch.rand(4, generator=g, dtype=torch.float64).tolist()
+        rate, drafted = 1 + rate, int(torch.randint(0, 5, (1,), generator=g))
+        inc = [costs.round_cost(drafted + i) - costs.round_cost(drafted) for i in range(1, 7)]
+        m, v = best_more(prefix, first, nxt, inc, rate)
+        gains = draft_gain(
+            torch.tensor([prefix], dtype=torch.float64),
+            torch.tensor([nxt], dtype=torch.float64),
+            drafted,
+            drafted + 6,
+            costs,
+            torch.tensor([rate], dtype=torch.float64),
+            first_accept=torch.tensor([first], dtype=torch.float64),
+        )[0]
+        assert v == pytest.approx(float(gains.max()), abs=1e-9)
+        assert float(gains[m]) == pytest.approx(float(gains.max()), abs=1e-9)
 
 
 @pytest.mark.parametrize("costs", COSTS, ids=["toy", "cheap", "dear", "parallel"])
@@ -117,10 +150,11 @@ def test_calibration_fit_is_the_penalised_maximum_likelihood():
     truth = torch.sigmoid(3.0 + 0.8 * torch.logit(conf) + 1.0 * torch.logit(recent))
     accepted = (torch.rand(400, generator=g, dtype=torch.float64) < truth).double()
     cal = Calibration(prior=4.0, refit_every=10**9)
-    assert float(cal(torch.tensor([0.9]), torch.tensor([0.9]))) == pytest.approx(0.9)  # prior
-    cal.update(conf, recent, accepted)
+    assert cal(0.9, 0.9) == pytest.approx(0.9)  # the prior
+    cal.update(conf.tolist(), recent.tolist(), accepted.tolist())
     cal.fit(steps=50)
-    x, y, w0 = cal.x.numpy(), accepted.numpy(), cal.w0.numpy()
+    x = np.stack([np.ones(400), np.array(cal.lc), np.array(cal.lr)], 1)
+    y, w0 = accepted.numpy(), cal.w0.numpy()
 
     def objective(w):
         z = x @ w
@@ -129,7 +163,7 @@ def test_calibration_fit_is_the_penalised_maximum_likelihood():
     best = minimize(objective, w0, method="BFGS", options={"gtol": 1e-10})
     assert cal.w.numpy() == pytest.approx(best.x, abs=1e-4)
     assert objective(cal.w.numpy()) <= best.fun + 1e-8
-    assert float(cal(torch.tensor([0.05]), torch.tensor([0.8]))) > 0.6  # learnt: flat != poor
+    assert cal(0.05, 0.8) > 0.6  # learnt: flat != poor
 
 
 def test_compiled_shapes_stay_few():
