@@ -118,15 +118,19 @@ def _measure_mode(cfg, st, dcfg, entries, seed: int, reps: int, iters: int) -> d
     c, verify = measure_c(probe, st.warm[0][0], iters, 4)
     decs: dict[str, SpeculativeDecoder] = {}
     notes = []
+    shared: dict[str, float] | None = None  # the adaptive policies' step costs
     for label, over in entries:
         if over is None:  # gamma=auto: a pilot on a quarter of the prompts measures alpha
             _, pilot = run_all(probe.generate, st.batches[: max(1, len(st.batches) // 4)], seed)
             g = best_gamma(merge(pilot).alpha, c, int(dcfg.get("max_gamma", 12)))
             notes.append(f"gamma=auto picked {g} (pilot alpha {merge(pilot).alpha:.3f}, c {c:.3f})")
             over = {"draft_length": "fixed", "gamma": g}
+        if over["draft_length"] != "fixed" and shared is not None:
+            over = over | {"draft_costs": shared}  # one measurement for all: like for like
         dec = decs[label] = make(over)
-        if dec.cfg.draft_length != "fixed":
-            dec.draft_costs(st.warm[0][0])  # measured once, untimed
+        if dec.cfg.draft_length != "fixed" and shared is None:
+            costs = dec.draft_costs(st.warm[0][0])  # measured once, untimed
+            shared = {k: getattr(costs, k) for k in ("c", "verify_per_token", "round_overhead")}
         warm_up(dec, st.batches, st.warm, seed)
     base_rates: list[float] = []
     rates: dict[str, list[float]] = {label: [] for label in decs}

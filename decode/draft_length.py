@@ -546,7 +546,7 @@ ROUND_GLUE = 0.1
 
 
 @torch.inference_mode()
-def measure_costs(dec, ids: torch.Tensor, iters: int = 12) -> DraftCosts:
+def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
     """The pair's `DraftCosts` on this device, timed with the decoder's own caches (p = target,
     q = drafter): medians over blocks of steps, the models interleaved so load drifts hit both
     alike. ids: one prompt (1, P), dense."""
@@ -576,23 +576,25 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 12) -> DraftCosts:
         runner.rollback(base)
         return (time.perf_counter() - t0) / reps
 
-    samples: dict[str, list[float]] = {"t": [], "d": [], "v1": [], "vk": []}
+    # ratios per sample (each against the target step timed beside it), then medians: robust
+    # to load that drifts between samples on a shared machine
+    ratios: dict[str, list[float]] = {"d": [], "v1": [], "vk": []}
     for i in range(iters + 1):  # the first round is warm-up
+        tt = timed(runners[0], 1)
         got = {
-            "t": timed(runners[0], 1),
             "d": timed(runners[1], 1),
             "v1": timed(runners[0], 2),
             "vk": timed(runners[0], k + 1),
         }
+        tt = (tt + timed(runners[0], 1)) / 2
         if i:
             for key, v in got.items():
-                samples[key].append(v)
-    med = {key: statistics.median(v) for key, v in samples.items()}
-    tt = med["t"]
-    v1, vk = med["v1"] / tt, med["vk"] / tt
+                ratios[key].append(v / tt)
+    med = {key: statistics.median(v) for key, v in ratios.items()}
+    v1, vk = med["v1"], med["vk"]
     per_token = max(0.0, (vk - v1) / (k - 1)) if k > 1 else 0.0
     return DraftCosts(
-        c=round(med["d"] / tt, 4),
+        c=round(med["d"], 4),
         verify_per_token=round(per_token, 4),
         round_overhead=round(max(0.0, v1 - 1.0 - per_token) + ROUND_GLUE, 4),
     )
