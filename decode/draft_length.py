@@ -265,10 +265,10 @@ class DraftLengthPolicy:
     """
 
     reads_q = False
-    max_backoff = 8  # a floor's probe interval grows to at most this many probe_every
+    max_backoff = 4  # a floor's probe interval grows to at most this many probe_every
     ema = 0.3  # `recent`, the calibration's history feature
-    floor_ema = 0.1  # `first` / `follow`, what the floor decides on: slower, a few misses
-    # at a sequence's start should not switch a good drafter off
+    floor_ema = 0.1  # `first` / `follow`, what the floor decides on: slower, a few misses at a
+    # sequence's start should not switch a good drafter off (measured: 0.3 did, on the toy pair)
 
     def __init__(
         self,
@@ -286,6 +286,7 @@ class DraftLengthPolicy:
             [costs.round_cost(d + i) - costs.round_cost(d) for i in range(1, max_k - d + 1)]
             for d in range(max_k + 1)
         ]
+        self.interval = probe_every  # plain target steps between floor probes (backs off)
         # lifetime counts (accepted, tested): the next call's starting averages
         self._life = {"first": [0.0, 0.0], "follow": [0.0, 0.0], "all": [0.0, 0.0]}
 
@@ -302,7 +303,7 @@ class DraftLengthPolicy:
         self.tokens = [1.0] * batch  # realized tokens and modeled cost (a prior of one step)
         self.cost = [1.0] * batch
         self.skipped = 0  # consecutive plain target steps (floor)
-        self.interval, self.probing = self.probe_every, False
+        self.probing = False  # `interval` carries over from the last call: the pair's
         self.row_k: list[int] | None = None
 
     def rate(self, r: int) -> float:
@@ -333,8 +334,8 @@ class DraftLengthPolicy:
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
         """Before drafting: this round's most drafts (<= budget), 0 for a plain target step.
         Once the floor engages it holds for `interval` steps (nothing new is learnt during
-        them), then a probe round drafts; a probe after which drafting still does not pay
-        doubles the interval (up to `max_backoff` probe_every), one after which it pays resets it."""
+        them), then a probe round drafts; a probe that did not pay for itself doubles the
+        interval (up to `max_backoff` probe_every), one that did resets it."""
         if not self.floor:
             return RoundPlan(self._k(budget))
         if 0 < self.skipped < self.interval:
@@ -343,12 +344,7 @@ class DraftLengthPolicy:
         if self.skipped:  # a probe is due
             self.skipped, self.probing = 0, True
             return RoundPlan(self._k(budget), probe=True)
-        pays = self._pays(active)
-        if self.probing:
-            self.probing = False
-            backoff = min(2 * self.interval, self.max_backoff * self.probe_every)
-            self.interval = self.probe_every if pays else backoff
-        if pays:
+        if self._pays(active):
             return RoundPlan(self._k(budget))
         self.skipped = 1
         return RoundPlan(0)
@@ -383,6 +379,12 @@ class DraftLengthPolicy:
         cost = self.costs.round_cost(k)
         e, fe = self.ema, self.floor_ema
         life = self._life
+        if self.probing:  # did the probe pay for itself (tokens >= cost in target steps)?
+            self.probing = False
+            got = sum(n + 1 for n, a in zip(accepted, active) if a)
+            paid = got >= cost * sum(active)
+            backoff = min(2 * self.interval, self.max_backoff * self.probe_every)
+            self.interval = self.probe_every if paid else backoff
         for r, a in enumerate(active):
             if not a:
                 continue
