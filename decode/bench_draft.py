@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.pairs import ConfigError
 from specdistill.decode.acceptance import best_gamma
+from specdistill.decode.draft_length import draft_figures
 from specdistill.decode.modes import merge, mode_name, other_decoder, run_all
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
 from specdistill.decode.timing import hf_assisted_speed, measure_c
@@ -62,22 +63,6 @@ def parse_entries(entries: list[Any]) -> list[tuple[str, dict[str, Any] | None]]
                 "confidence (suffixes -row, -nofloor), e.g. [1,2,4,8,auto,heuristic,confidence]"
             )
     return out
-
-
-def draft_figures(out: DecodeOutput) -> dict[str, Any]:
-    """Draft-length figures of one decode: mean drafts per row-round (plain target steps count
-    as 0), the share of plain target steps, and the histogram by drafts verified."""
-    rounds = max(out.row_rounds, 1)
-    return {
-        "alpha": round(out.alpha, 4),
-        "tau": round(out.tau, 3),
-        "mean_draft_length": round(out.mean_draft_length, 3),
-        "target_step_share": round(out.draft_lengths[0] / rounds, 3) if out.draft_lengths else 0.0,
-        "draft_lengths": list(out.draft_lengths),
-        "drafter_forwards_per_token": round(
-            out.drafter_forwards / max(sum(len(t) for t in out.tokens), 1), 3
-        ),
-    }
 
 
 def run_draft(cfg: DictConfig) -> dict[str, Any]:
@@ -153,15 +138,14 @@ def _measure_mode(cfg, st, dcfg, entries, seed: int, reps: int, iters: int) -> d
         spec = statistics.median(rates[label])
         # paired: each repeat's entry over the same repeat's target-only pass
         ratios = [r / b for r, b in zip(rates[label], base_rates)]
-        row = {"entry": label, "gamma": dec.max_draft, **draft_figures(first[label])}
+        row = {"entry": label, "gamma": dec.max_draft, "alpha": round(first[label].alpha, 4)}
+        row |= {"tau": round(first[label].tau, 3), **draft_figures(first[label])}
         row |= {
             "speedup": round(statistics.median(ratios), 3),
             "speedup_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
             "tokens_per_s": round(spec, 2),
             "lossless": first[label].tokens == base_out.tokens if greedy else None,
         }
-        if dec.cfg.draft_length != "fixed":
-            row["draft_costs"] = dec.draft_costs().__dict__
         rows.append(row)
     hf = None
     if cfg.get("hf_assisted", True):

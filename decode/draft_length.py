@@ -625,3 +625,25 @@ def draft_length_settings(dcfg) -> dict:
         "probe_every": dcfg.get("probe_every", 8),
         "draft_costs": costs,
     }
+
+
+def draft_figures(out, costs: DraftCosts | None = None) -> dict:
+    """Draft-length figures of a decode (`DecodeOutput`): mean drafts per row-round (plain
+    target steps count as 0), the share of plain target steps, the histogram by drafts verified,
+    drafter forwards per emitted token, and the step costs an adaptive policy planned with."""
+    rounds = max(out.row_rounds, 1)
+    figures = {
+        "mean_draft_length": round(out.mean_draft_length, 3),
+        "target_step_share": round(out.draft_lengths[0] / rounds, 3) if out.draft_lengths else 0.0,
+        "draft_lengths": list(out.draft_lengths),
+        "drafter_forwards_per_token": round(
+            out.drafter_forwards / max(sum(len(t) for t in out.tokens), 1), 3
+        ),
+    }
+    if costs is not None:
+        figures["draft_costs"] = {
+            "c": costs.c,
+            "verify_per_token": costs.verify_per_token,
+            "round_overhead": costs.round_overhead,
+        }
+    return figures

@@ -38,7 +38,7 @@ from specdistill.data.pairs import (
 from specdistill.data.prompts import load_prompts
 from specdistill.decode.acceptance import Sampling, best_gamma, expected_tau, theoretical_speedup
 from specdistill.decode.cache import check_rollback_config
-from specdistill.decode.draft_length import draft_length_settings
+from specdistill.decode.draft_length import draft_figures, draft_length_settings
 from specdistill.decode.modes import measure_other_mode, mode_figures, mode_name, timed_repeats
 from specdistill.decode.modes import merge as _merge
 from specdistill.decode.modes import run_all as _run_all
@@ -104,6 +104,12 @@ class ValidateResult:
     wall_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
+    # Per-round draft length (decode.draft_length): the policy, its figures (mean drafts per
+    # round, share of plain target steps, histogram, step costs) and, for an adaptive policy,
+    # fixed gamma measured beside it on the same prompts.
+    draft_length: str = "fixed"
+    draft_figures: dict[str, Any] | None = None
+    fixed_gamma_speedup: float | None = None
 
 
 def decoder_config(
@@ -242,7 +248,7 @@ def run(cfg: DictConfig) -> ValidateResult:
     out_dir = Path(str(cfg.output_dir)).expanduser().absolute()
     dcfg = cfg.decoder
     fixed_gamma, max_gamma = _gamma_setting(dcfg)
-    st = setup(cfg, fixed_gamma or max_gamma)
+    st = setup(cfg, max(fixed_gamma or max_gamma, int(dcfg.get("max_draft", 8))))
     spec, target, drafter, tok, device, dtype = (
         st.spec,
         st.target,
@@ -275,6 +281,9 @@ def run(cfg: DictConfig) -> ValidateResult:
             f"gamma=auto picked {gamma} (pilot alpha {_merge(pilot).alpha:.3f}, c {c:.3f})"
         )
     dec = make(gamma)
+    adaptive = dec.cfg.draft_length != "fixed"
+    if adaptive:
+        dec.draft_costs(warm[0][0])  # the policy's step costs, measured once (untimed)
     if fixed_gamma is None:  # the verify cost depends on gamma: measure it for the one picked
         c, verify_cost = measure_c(dec, warm[0][0], int(cfg.step_time_iters), gamma)
     # Warm-up (untimed), then interleaved timed repeats.
@@ -312,6 +321,13 @@ def run(cfg: DictConfig) -> ValidateResult:
         modes[name] = figures
     alpha_s = (modes.get("sampling") or {}).get("alpha")
     tau_s = (modes.get("sampling") or {}).get("tau")
+
+    fixed_speedup = None
+    if adaptive:  # the policy beside fixed gamma, same prompts, same interleaved repeats
+        fdec = make(gamma, OmegaConf.merge(dcfg, {"draft_length": "fixed"}))
+        warm_up(fdec, batches, warm, seed)
+        fb, fs, _, _ = timed_repeats(fdec, batches, seed, int(cfg.repeats))
+        fixed_speedup = round(statistics.median(fs) / statistics.median(fb), 3)
 
     hf = None
     if cfg.get("hf_assisted", True):
@@ -362,6 +378,10 @@ def run(cfg: DictConfig) -> ValidateResult:
         warmup_seconds=round(warmup_seconds, 1),
         notes=notes,
         config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+        draft_length=dec.cfg.draft_length,
+        draft_figures=draft_figures(spec_out, dec.draft_costs() if adaptive else None)
+        | {"max_draft": dec.max_draft},
+        fixed_gamma_speedup=fixed_speedup,
     )
     result.wall_seconds = round(time.perf_counter() - t_start, 1)
     atomic_write_json(out_dir / "report.json", result)
