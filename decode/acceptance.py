@@ -130,6 +130,7 @@ def verify_sampling(
     u_accept: torch.Tensor,
     u_sample: torch.Tensor,
     lenience: float = 1.0,
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al. / Chen et al.) for rows that accept different lengths.
 
@@ -137,13 +138,19 @@ def verify_sampling(
     bonus slot); q: (B, G, V) drafter probs; u_accept: (B, G) and u_sample: (B,) uniforms.
     Accept draft[j] iff u_accept[j] < min(1, p/q); at the first rejection j resample from
     residual(p_j, q_j); with all G accepted, sample the bonus token from p_G.
+    `lengths` (B,): row r proposed only its first lengths[r] drafts (the rest are not tested, and
+    with all of them accepted the bonus token comes from p at position lengths[r]).
     Returns (n_accepted (B,), next_token (B,)).
     """
     b, g = draft.shape
     ok = u_accept < acceptance_probs(p[:, :g], q, draft, lenience)
+    if lengths is not None:
+        proposed = torch.arange(g, device=draft.device)[None, :] < lengths[:, None]
+        ok &= proposed
+        q = q * proposed[..., None]
     n = torch.cumprod(ok.int(), dim=-1).sum(-1)
     # Distribution for the next token: residual at the rejected position, p at the bonus slot.
-    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # q = 0 at the bonus slot
+    q_pad = torch.cat([q, q.new_zeros(b, 1, q.shape[-1])], dim=1)  # q = 0 at the bonus slot
     rows = torch.arange(b, device=draft.device)
     dist = residual(p[rows, n], q_pad[rows, n], lenience)
     return n, sample_from(dist, u_sample)

@@ -36,6 +36,15 @@ from specdistill.decode.cache import (
     check_rollback,
     padded_positions,
 )
+from specdistill.decode.draft_length import (
+    POLICIES,
+    SCOPES,
+    DraftCosts,
+    chunk_widths,
+    make_policy,
+    measure_costs,
+    verify_widths,
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,17 @@ class DecoderConfig:
     # auto: on CPU, verify and catch-up steps (2-16 tokens) run linears as weight @ x.T, which
     # costs about one 1-token step (decode.cpu_matmul); linear: F.linear everywhere
     cpu_matmul: str = "auto"
+    # Per-round draft length (decode.draft_length): fixed (gamma every round) | heuristic
+    # (transformers' +2/-1 schedule from gamma) | confidence (expected gain of the drafter's
+    # calibrated confidence); the adaptive ones draft at most `max_draft` per round, fall back to
+    # plain target steps when drafting does not pay (`draft_floor`), and probe every `probe_every`
+    # such steps. `draft_scope`: batch (one length for all rows) | row (each row its own).
+    draft_length: str = "fixed"
+    max_draft: int = 8
+    draft_scope: str = "batch"
+    draft_floor: bool = True
+    probe_every: int = 8
+    draft_costs: DraftCosts | None = None  # None: measured on the pair at first use
 
     @property
     def lossy(self) -> bool:
@@ -79,6 +99,7 @@ class RoundRecord:
     next_token: torch.Tensor
     active: list[bool]
     target_probs: torch.Tensor | None = None
+    lengths: list[int] | None = None  # drafts row r verified, when rows differ (draft_scope=row)
 
 
 @dataclass
@@ -96,6 +117,12 @@ class DecodeOutput:
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # by draft position
     trials_at: list[int] = field(default_factory=list)
+    # row-rounds by drafts verified (index 0: plain target steps of the draft-length floor)
+    draft_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def mean_draft_length(self) -> float:
+        return sum(k * n for k, n in enumerate(self.draft_lengths)) / max(self.row_rounds, 1)
 
     @property
     def tau(self) -> float:
@@ -136,6 +163,30 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         raise ConfigError(f"decoder.cpu_matmul={cfg.cpu_matmul!r}: use auto or linear")
     if cfg.compile not in ("auto", True, False, "drafter"):
         raise ConfigError(f"decoder.compile={cfg.compile!r}: use auto, true, false or drafter")
+    if cfg.draft_length not in POLICIES:
+        raise ConfigError(f"decoder.draft_length={cfg.draft_length!r}: use {', '.join(POLICIES)}")
+    if (
+        isinstance(cfg.max_draft, bool)
+        or not isinstance(cfg.max_draft, int)
+        or not (1 <= cfg.max_draft <= 15)
+    ):
+        raise ConfigError(f"decoder.max_draft={cfg.max_draft!r} must be an integer in 1..15")
+    if cfg.draft_scope not in SCOPES:
+        raise ConfigError(f"decoder.draft_scope={cfg.draft_scope!r}: use {' or '.join(SCOPES)}")
+    if not isinstance(cfg.draft_floor, bool):
+        raise ConfigError(f"decoder.draft_floor={cfg.draft_floor!r} must be true or false")
+    if (
+        isinstance(cfg.probe_every, bool)
+        or not isinstance(cfg.probe_every, int)
+        or not (1 <= cfg.probe_every <= 64)
+    ):
+        raise ConfigError(f"decoder.probe_every={cfg.probe_every!r} must be an integer in 1..64")
+    if cfg.draft_costs is not None:
+        dc = cfg.draft_costs
+        for name in ("c", "verify_per_token", "round_overhead"):
+            v = getattr(dc, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 100:
+                raise ConfigError(f"decoder.draft_{name}={v!r} must be a number >= 0 (or auto)")
     if cfg.compile is True and cfg.cache == "dynamic":
         raise ConfigError(
             "decoder.compile=true compiles fixed-shape steps over a static cache: "
@@ -190,6 +241,43 @@ class SpeculativeDecoder:
         # steps past an EOS would only cost time
         self.sync_every = cfg.host_sync_every or (8 if cuda else 1)
         self.weight_major = cfg.cpu_matmul == "auto" and self.device.type == "cpu"
+        # most drafts a round may verify: gamma, or max_draft for the adaptive policies
+        self.max_draft = cfg.gamma if cfg.draft_length == "fixed" else cfg.max_draft
+        fixed = cfg.draft_length == "fixed"
+        self.verify_widths = [self.max_draft + 1] if fixed else verify_widths(self.max_draft)
+        self._costs = cfg.draft_costs
+        self._policy = None
+
+    def get_policy(self, input_ids: torch.Tensor | None = None):
+        """The draft-length policy (decode.draft_length); its calibration lives as long as the
+        decoder. The adaptive ones plan with the pair's step costs: unless configured, measured
+        once here on the first row of `input_ids` (untimed callers pass a warm-up prompt)."""
+        if self._policy is None:
+            cfg = self.cfg
+            if cfg.draft_length != "fixed" and self._costs is None:
+                if input_ids is None:
+                    raise ValueError("measuring the draft costs needs a prompt")
+                ids, _ = self._prepare(input_ids[:1], None)
+                self._costs = measure_costs(self, ids)
+            costs = self._costs or DraftCosts()
+            self._policy = make_policy(
+                cfg.draft_length,
+                cfg.gamma,
+                self.max_draft,
+                costs,
+                scope=cfg.draft_scope,
+                floor=cfg.draft_floor,
+                probe_every=cfg.probe_every,
+            )
+        return self._policy
+
+    def draft_costs(self, input_ids: torch.Tensor | None = None) -> DraftCosts:
+        """The step costs the adaptive policies plan with (measured once when not configured)."""
+        self.get_policy(input_ids)
+        return self._costs or DraftCosts()
+
+    def _arange(self, n: int) -> torch.Tensor:
+        return torch.arange(n, device=self.device)
 
     # ---------------------------------------------------------------- shared setup
     def _prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
@@ -225,8 +313,8 @@ class SpeculativeDecoder:
     def spec_slots(self, batch: int, plen: int) -> int:
         """Slots a speculative decode may use: rows that reject early leave holes, so a batched
         layout can outgrow the tokens emitted."""
-        g, new = self.cfg.gamma, self.cfg.max_new_tokens
-        return plen + (g + 1) * (1 if batch == 1 else new) + new + 2
+        w, new = self.verify_widths[-1], self.cfg.max_new_tokens
+        return plen + w * (1 if batch == 1 else new) + new + 2
 
     def spec_capacity(self, batch: int, plen: int) -> int:
         """`spec_slots` as the shared mask's width (bucketed when any step is compiled)."""
@@ -237,11 +325,14 @@ class SpeculativeDecoder:
         """Run every decode-step shape once for this batch-1 prompt's capacity (compiled steps
         compile here, untimed): target 1-token and (gamma+1)-token, drafter 1- and 2-token."""
         ids, _ = self._prepare(input_ids, None)
-        plen, g = ids.shape[1], self.cfg.gamma
+        plen = ids.shape[1]
+        fixed = self.cfg.draft_length == "fixed"
+        # drafter catch-up widths: 2 after a fully accepted round, powers of two after the floor
+        catch = (2,) if fixed else (2, 4, 8, 16)
         for model, cap, steps in (  # (tokens fed, logits kept) exactly as the loops call them
             (self.target, plen + self.cfg.max_new_tokens + 1, ((1, 1),)),
-            (self.target, self.spec_slots(1, plen), ((g + 1, g + 1),)),
-            (self.drafter, self.spec_slots(1, plen), ((1, 1), (2, 1))),
+            (self.target, self.spec_slots(1, plen), tuple((w, w) for w in self.verify_widths)),
+            (self.drafter, self.spec_slots(1, plen), ((1, 1), *((w, 1) for w in catch))),
         ):
             runner = self._runner(model, cap)
             self._prefill([runner], ids, torch.ones_like(ids, dtype=torch.bool), True)
@@ -322,8 +413,10 @@ class SpeculativeDecoder:
         generator: torch.Generator | None = None,
     ) -> DecodeOutput:
         """Speculative decoding of left-padded `input_ids` (B, P); see the module docstring."""
-        cfg, s, g = self.cfg, self.cfg.sampling, self.cfg.gamma
+        cfg, s, kmax = self.cfg, self.cfg.sampling, self.max_draft
+        adaptive = cfg.draft_length != "fixed"
         ids, mask0 = self._prepare(input_ids, attention_mask)
+        policy = self.get_policy(ids[:, mask0[0]][:1] if adaptive else None)
         b, plen = ids.shape
         dense = b == 1
         slots = self.spec_slots(b, plen)
@@ -332,63 +425,107 @@ class SpeculativeDecoder:
         mask = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
         mask[:, :plen] = mask0
         t, pos = self._prefill([tgt, dft], ids, mask0, dense)
-        out = DecodeOutput(tokens=[[] for _ in range(b)], accepted_at=[0] * g, trials_at=[0] * g)
+        out = DecodeOutput(
+            tokens=[[] for _ in range(b)],
+            accepted_at=[0] * kmax,
+            trials_at=[0] * kmax,
+            draft_lengths=[0] * (kmax + 1),
+        )
         done = [False] * b
-        catch: torch.Tensor | None = None  # last draft, when the drafter's cache lacks it
-        steps = torch.arange(g + 1, device=self.device)
+        # Tokens in the target's cache the drafter has not seen yet, oldest first: the last draft
+        # of a round some row accepted whole, and the tokens of plain target steps (floor).
+        lag: list[torch.Tensor] = []
+        steps = torch.arange(self.verify_widths[-1], device=self.device)
+        policy.start(b)
         while not all(done):
             length = tgt.length
-            k = self._draft_width(out.tokens, done)
+            active = [not d for d in done]
+            budget = self._draft_width(out.tokens, done)
+            k = policy.plan(budget, active).k if adaptive else budget
             if not dense:
                 mask[:, length : length + k + 1] = True
-            # Draft k tokens with q (the first step also catches the drafter up).
-            draft, q_probs = [], []
-            x = t[:, None] if catch is None else torch.stack([catch, t], 1)
-            xpos = None if dense else (pos[:, None] - x.shape[1] + 1 + steps[: x.shape[1]])
+            if k == 0:  # the floor: a plain target step, as lean as `baseline`'s
+                lag.append(t)  # the target sees t now, the drafter in its next drafting round
+                t = self._target_step(tgt, mask, t, pos, dense, out, active, done, generator)
+                pos = pos + 1
+                policy.observe_step(active)
+                continue
+            # Draft up to k tokens with q (the first step also catches the drafter up).
+            draft, q_probs, confs = [], [], []
+            if k:
+                x = torch.stack([*lag, t], 1)
+                lag = []
+                xpos = None if dense else pos[:, None] - x.shape[1] + 1 + self._arange(x.shape[1])
+                x, xpos = self._catch_up(dft, mask, x, xpos, dense)
             for i in range(k):
                 attn = None if dense else self._attn(dft, mask, dft.length + x.shape[1])
                 logits = match_vocab(dft.forward(x, attn, xpos, keep=1)[:, -1], self.vocab)
                 if s.greedy:
                     d = logits.argmax(-1)
+                    qd = torch.softmax(logits.float(), -1) if policy.reads_q else None
                 else:
-                    qp = probs_from_logits(logits, s)
-                    d = sample_from(qp, uniforms((b,), generator, self.device))
-                    q_probs.append(qp)
+                    qd = probs_from_logits(logits, s)
+                    d = sample_from(qd, uniforms((b,), generator, self.device))
+                    q_probs.append(qd)
                 draft.append(d)
+                if policy.reads_q:  # the drafter's probability of its own draft (q only)
+                    conf = qd.gather(-1, d[:, None])[:, 0].tolist()
+                    confs.append(conf)
+                    if i + 1 < k and not policy.keep_drafting(i + 1, conf):
+                        break
                 if i + 1 < k:
                     x = d[:, None]
                     xpos = None if dense else pos[:, None] + i + 1
-            out.drafter_forwards += k
-            draft_t = torch.stack(draft, 1)  # (B, K)
-            # Verify [t, d_1..d_K] with p in one forward.
+            kd = len(draft)
+            out.drafter_forwards += kd
+            if not dense and kd < k:  # slots planned for drafts that were not drafted
+                mask[:, length + kd + 1 : length + k + 1] = False
+            lengths = policy.lengths(kd) if adaptive else [kd] * b
+            row_cut = adaptive and any(n < kd for n in lengths)
+            draft_t = (
+                torch.stack(draft, 1)
+                if draft
+                else torch.zeros(b, 0, dtype=t.dtype, device=t.device)
+            )
+            # Verify [t, d_1..d_K] with p in one forward (a compiled target pads to a few widths).
             vin = torch.cat([t[:, None], draft_t], 1)
-            attn = None if dense else self._attn(tgt, mask, length + k + 1)
-            vpos = None if dense else pos[:, None] + steps[: k + 1]
-            t_logits = tgt.forward(vin, attn, vpos, keep=k + 1)[..., : self.vocab]
+            width = self._verify_width(kd)
+            if width > kd + 1:
+                vin = torch.cat([vin, t[:, None].expand(b, width - kd - 1)], 1)
+                if not dense:
+                    mask[:, length + kd + 1 : length + width] = True
+            attn = None if dense else self._attn(tgt, mask, length + width)
+            vpos = None if dense else pos[:, None] + steps[:width]
+            t_logits = tgt.forward(vin, attn, vpos, keep=width)[:, : kd + 1, : self.vocab]
             out.target_forwards += 1
+            len_t = torch.tensor(lengths, device=self.device) if row_cut else None
             if s.greedy:  # one argmax serves the verdict and the per-position agreement
                 ok, target_tok = greedy_agreement(draft_t, t_logits)
+                if len_t is not None:
+                    ok &= steps[None, :kd] < len_t[:, None]
                 n, nxt = accept_prefix(ok, target_tok)
                 alpha_pos = ok.float()
             else:
                 p = probs_from_logits(t_logits, s)
-                q = torch.stack(q_probs, 1)
+                q = torch.stack(q_probs, 1) if q_probs else torch.zeros_like(p[:, :0])
                 n, nxt = verify_sampling(
                     draft_t,
                     p,
                     q,
-                    uniforms((b, k), generator, self.device),
+                    uniforms((b, kd), generator, self.device),
                     uniforms((b,), generator, self.device),
                     cfg.lenience,
+                    lengths=len_t,
                 )
-                alpha_pos = expected_alpha(p[:, :k], q)
+                alpha_pos = expected_alpha(p[:, :kd], q)
             # The round's one host sync: drafts, accepted counts, next tokens, per-position alpha
             # (token ids < 2^24 are exact in fp32).
             host = torch.cat([draft_t, n[:, None], nxt[:, None], alpha_pos], 1).float().tolist()
-            host = [[int(v) for v in row[: k + 2]] + row[k + 2 :] for row in host]
-            n_list = [row[k] for row in host]
-            active = [not d for d in done]
-            self._record(out, host, active, k)
+            host = [[int(v) for v in row[: kd + 2]] + row[kd + 2 :] for row in host]
+            n_list = [row[kd] for row in host]
+            self._record(out, host, active, kd, lengths)
+            if adaptive:
+                policy.observe(lengths, n_list, active, [list(c) for c in zip(*confs)] or None)
             if cfg.record_probs:
                 out.rounds.append(
                     RoundRecord(
@@ -398,33 +535,87 @@ class SpeculativeDecoder:
                         next_token=nxt,
                         active=active,
                         target_probs=torch.softmax(t_logits.float(), -1),
+                        lengths=lengths if row_cut else None,
                     )
                 )
             for r, row in enumerate(host):
                 if not done[r]:
-                    done[r] = self._emit(out.tokens[r], [*row[: row[k]], row[k + 1]])
+                    done[r] = self._emit(out.tokens[r], [*row[: row[kd]], row[kd + 1]])
             # Roll back to the longest accepted prefix; shorter rows keep masked holes.
             maxn = max(n_list)
             new_len = length + 1 + maxn
             if not dense:
-                mask[:, length + 1 : length + 1 + k] &= steps[None, :k] < n[:, None]
+                mask[:, length + 1 : length + width] &= steps[None, : width - 1] < n[:, None]
             tgt.rollback(new_len)
-            if maxn == k:  # the drafter never saw d_K: feed it first next round
-                catch = draft_t[:, -1]
+            if kd == 0:  # a plain target step: the drafter has not seen t
+                lag.append(t)
+            elif maxn == kd:  # the drafter never saw d_K: feed it first next round
+                lag = [draft_t[:, -1]]
             else:
                 dft.rollback(new_len)
-                catch = None
             pos = pos + 1 + n
             t = nxt
         return out
+
+    def _target_step(self, tgt, mask, t, pos, dense, out, active, done, generator):
+        """One target-only step inside a speculative decode (the floor); returns the next token."""
+        s, b = self.cfg.sampling, t.shape[0]
+        attn = None if dense else self._attn(tgt, mask, tgt.length + 1)
+        xpos = None if dense else pos[:, None]
+        logits = tgt.forward(t[:, None], attn, xpos, keep=1)[:, -1, : self.vocab]
+        if s.greedy:
+            nxt = logits.argmax(-1)
+        else:
+            nxt = sample_from(probs_from_logits(logits, s), uniforms((b,), generator, self.device))
+        out.target_forwards += 1
+        if self.cfg.record_probs:
+            out.rounds.append(
+                RoundRecord(
+                    start=[len(tk) for tk in out.tokens],
+                    draft=t[:, None][:, :0],
+                    accepted=torch.zeros_like(nxt),
+                    next_token=nxt,
+                    active=active,
+                    target_probs=torch.softmax(logits.float(), -1)[:, None],
+                )
+            )
+        for r, tok in enumerate(nxt.tolist()):
+            if active[r]:
+                out.row_rounds += 1
+                out.block_tokens += 1
+                out.draft_lengths[0] += 1
+                done[r] = self._emit(out.tokens[r], [tok])
+        return nxt
+
+    def _catch_up(self, dft: ModelRunner, mask, x, xpos, dense: bool):
+        """Feed the drafter all but the last chunk of x (tokens it lags behind, then t) in
+        chunks of a few widths (compiled steps: powers of two); returns the last chunk."""
+        if x.shape[1] <= 2 or not (self.compile and dft.static):
+            return x, xpos
+        widths = chunk_widths(x.shape[1])
+        start = 0
+        for w in widths[:-1]:
+            cx = x[:, start : start + w]
+            cpos = None if dense else xpos[:, start : start + w]
+            attn = None if dense else self._attn(dft, mask, dft.length + w)
+            dft.forward(cx, attn, cpos, keep=1)
+            start += w
+        return x[:, start:], None if dense else xpos[:, start:]
+
+    def _verify_width(self, k: int) -> int:
+        """Tokens the verify step feeds: k + 1, or the next of a few widths when the target's
+        steps are compiled (padding past the drafts is verified and rolled back unread)."""
+        if not self.compile_target or self.cfg.draft_length == "fixed":
+            return k + 1
+        return next(w for w in self.verify_widths if w >= k + 1)
 
     def _draft_width(self, tokens: list[list[int]], done: list[bool]) -> int:
         """Drafts this round: gamma, or fewer when no unfinished row has the budget left to use
         them (a round emits at most drafts + 1 tokens), so a decode's last round drafts and
         verifies no token past `max_new_tokens`. A compiled target keeps gamma: one verify shape
         (drafter steps are 1 or 2 tokens either way)."""
-        g = self.cfg.gamma
-        if self.compile_target:
+        g = self.max_draft
+        if self.compile_target and self.cfg.draft_length == "fixed":
             return g
         left = max(self.cfg.max_new_tokens - len(row) for row, d in zip(tokens, done) if not d)
         return max(1, min(g, left - 1))
@@ -439,16 +630,20 @@ class SpeculativeDecoder:
         return False
 
     @staticmethod
-    def _record(out: DecodeOutput, host: list[list], active: list[bool], g: int) -> None:
-        """Acceptance counters over the rows still decoding (trials stop at the first reject)."""
-        for row, a in zip(host, active):
+    def _record(
+        out: DecodeOutput, host: list[list], active: list[bool], g: int, lengths: list[int]
+    ) -> None:
+        """Acceptance counters over the rows still decoding (trials stop at the first reject);
+        row r verified lengths[r] <= g of the round's g drafts."""
+        for row, a, kr in zip(host, active, lengths):
             if not a:
                 continue
             n = row[g]
             out.row_rounds += 1
             out.block_tokens += n + 1
             out.accepted += n
-            for j in range(min(n + 1, g)):  # positions that were put to the test
+            out.draft_lengths[kr] += 1
+            for j in range(min(n + 1, kr)):  # positions that were put to the test
                 out.trials_at[j] += 1
                 out.accepted_at[j] += int(j < n)
                 out.alpha_sum += row[g + 2 + j]

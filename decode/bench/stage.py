@@ -8,7 +8,9 @@ Target-only vs speculative vs `transformers` assisted generation, measured in on
 reported as ratios (report.json / report.md). The stage itself is `specdistill.decode.validate.stage`;
 this entry point exists so speed goals live under a benchmark name, as the project's
 conventions ask, without a second copy of the measurement. `compare_modes` runs it once per
-decoder step mode (`specdistill.decode.bench.modes`) and prints the modes side by side.
+decoder step mode (`specdistill.decode.bench.modes`) and prints the modes side by side;
+`compare_draft` runs fixed gammas and the draft-length policies side by side
+(`specdistill.decode.bench.draft`), e.g. 'compare_draft=[1,2,4,8,auto,heuristic,confidence]'.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hydra
 from omegaconf import DictConfig
 
 from specdistill.data.runtime import run_or_exit
+from specdistill.decode.bench.draft import run_draft
 from specdistill.decode.bench.modes import run_modes
 from specdistill.decode.validate.stage import main as validate_main
 
@@ -31,11 +34,21 @@ def _modes_main(cfg: DictConfig) -> None:
     print(out)
 
 
+@hydra.main(config_path="pkg://specdistill.conf", config_name="validate", version_base="1.3")
+def _draft_main(cfg: DictConfig) -> None:
+    run_or_exit(run_draft, cfg)
+    out = Path(str(cfg.output_dir)).expanduser().absolute() / "draft.md"
+    print(out.read_text(), end="")
+    print(out)
+
+
 def main() -> None:
     import sys
 
     if any(a.startswith("compare_modes=") and not a.endswith("=null") for a in sys.argv[1:]):
         _modes_main()
+    elif any(a.startswith("compare_draft=") and not a.endswith("=null") for a in sys.argv[1:]):
+        _draft_main()
     else:
         validate_main()
 

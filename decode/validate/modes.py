@@ -38,6 +38,11 @@ def merge(outs: list[DecodeOutput]) -> DecodeOutput:
         total.accepted += o.accepted
         total.target_forwards += o.target_forwards
         total.drafter_forwards += o.drafter_forwards
+        if o.draft_lengths:
+            total.draft_lengths = [
+                a + b
+                for a, b in zip(total.draft_lengths or [0] * len(o.draft_lengths), o.draft_lengths)
+            ]
         if o.trials_at:
             total.trials_at = [
                 a + b for a, b in zip(total.trials_at or [0] * len(o.trials_at), o.trials_at)

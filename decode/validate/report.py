@@ -33,6 +33,18 @@ def report_markdown(r: ValidateResult) -> str:
         ("lossless", f"{r.lossless}{' (LOSSY lenience)' if r.lossy else ''}"),
         ("untimed warm-up (compile included)", f"{r.warmup_seconds} s"),
     ]
+    if r.draft_figures and r.draft_length != "fixed":
+        f = r.draft_figures
+        rows.append(("draft length policy", f"{r.draft_length} (at most {f['max_draft']} drafts)"))
+        rows.append(
+            (
+                "draft lengths",
+                f"mean {f['mean_draft_length']}, plain target steps {f['target_step_share']}, "
+                f"rounds by drafts 0..: {f['draft_lengths']}",
+            )
+        )
+        if r.fixed_gamma_speedup is not None:
+            rows.append((f"fixed gamma={r.gamma} beside it", f"{r.fixed_gamma_speedup}x"))
     if r.hf_assisted:
         h = r.hf_assisted
         rows.append(

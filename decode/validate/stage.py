@@ -41,6 +41,7 @@ from specdistill.data.runtime import (
 from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import best_gamma, expected_tau, theoretical_speedup
 from specdistill.decode.cache import check_rollback_config
+from specdistill.decode.draft_length import draft_figures, draft_length_settings
 from specdistill.decode.speculative import (
     DecoderConfig,
     SpeculativeDecoder,
@@ -112,6 +113,12 @@ class ValidateResult:
     wall_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
+    # Per-round draft length (decode.draft_length): the policy, its figures (mean drafts per
+    # round, share of plain target steps, histogram, step costs) and, for an adaptive policy,
+    # fixed gamma measured beside it on the same prompts.
+    draft_length: str = "fixed"
+    draft_figures: dict[str, Any] | None = None
+    fixed_gamma_speedup: float | None = None
 
 
 def decoder_config(
@@ -130,6 +137,7 @@ def decoder_config(
         record_probs=bool(dcfg.get("record_probs", False)),
         host_sync_every=int(dcfg.get("host_sync_every", 0)),
         cpu_matmul=str(dcfg.get("cpu_matmul", "auto")),
+        **draft_length_settings(dcfg),
     )
 
 
@@ -228,7 +236,7 @@ def run(cfg: DictConfig) -> ValidateResult:
     out_dir = Path(str(cfg.output_dir)).expanduser().absolute()
     dcfg = cfg.decoder
     fixed_gamma, max_gamma = _gamma_setting(dcfg)
-    st = setup(cfg, fixed_gamma or max_gamma)
+    st = setup(cfg, max(fixed_gamma or max_gamma, int(dcfg.get("max_draft", 8))))
     spec, target, drafter, tok, device, dtype = (
         st.spec,
         st.target,
@@ -261,6 +269,9 @@ def run(cfg: DictConfig) -> ValidateResult:
             f"gamma=auto picked {gamma} (pilot alpha {_merge(pilot).alpha:.3f}, c {c:.3f})"
         )
     dec = make(gamma)
+    adaptive = dec.cfg.draft_length != "fixed"
+    if adaptive:
+        dec.draft_costs(warm[0][0])  # the policy's step costs, measured once (untimed)
     if fixed_gamma is None:  # the verify cost depends on gamma: measure it for the one picked
         c, verify_cost = measure_c(dec, warm[0][0], int(cfg.step_time_iters), gamma)
     # Warm-up (untimed), then interleaved timed repeats.
@@ -298,6 +309,13 @@ def run(cfg: DictConfig) -> ValidateResult:
         modes[name] = figures
     alpha_s = (modes.get("sampling") or {}).get("alpha")
     tau_s = (modes.get("sampling") or {}).get("tau")
+
+    fixed_speedup = None
+    if adaptive:  # the policy beside fixed gamma, same prompts, same interleaved repeats
+        fdec = make(gamma, OmegaConf.merge(dcfg, {"draft_length": "fixed"}))
+        warm_up(fdec, batches, warm, seed)
+        fb, fs, _, _ = timed_repeats(fdec, batches, seed, int(cfg.repeats))
+        fixed_speedup = round(statistics.median(fs) / statistics.median(fb), 3)
 
     hf = None
     if cfg.get("hf_assisted", True):
@@ -348,6 +366,10 @@ def run(cfg: DictConfig) -> ValidateResult:
         warmup_seconds=round(warmup_seconds, 1),
         notes=notes,
         config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+        draft_length=dec.cfg.draft_length,
+        draft_figures=draft_figures(spec_out, dec.draft_costs() if adaptive else None)
+        | {"max_draft": dec.max_draft},
+        fixed_gamma_speedup=fixed_speedup,
     )
     result.wall_seconds = round(time.perf_counter() - t_start, 1)
     atomic_write_json(out_dir / "report.json", result)

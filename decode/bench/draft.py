@@ -1,0 +1,212 @@
+"""Draft-length policies side by side, interleaved in one process on one loaded pair.
+
+    python -m specdistill.decode.bench pair=toy output_dir=OUT \\
+        'compare_draft=[1,2,4,8,auto,heuristic,confidence]'
+
+Entries: an integer g (fixed gamma g), `auto` (one fixed gamma per run from a pilot's alpha and
+the measured c, as `decoder.gamma=auto`), or an adaptive policy of `decode.draft_length`
+(`heuristic`, `confidence`) with optional suffixes `-row` (per-row lengths, `draft_scope=row`)
+and `-nofloor` (no plain target steps). Every timed repeat decodes the prompts with the target p
+alone once, then with every entry in turn (same prompts, same seed), so load drifts on a shared
+machine hit all entries alike (interleaved prompt by prompt); a speedup is the median over
+repeats of an entry's tokens/s over the same repeat's target-only tokens/s. Both serving modes (the decoder's, then the other one at
+`other_sampling`) unless `both_modes=false`, and `transformers` assisted generation on the same
+prompts per mode. Writes OUT/draft.json and OUT/draft.md. p = target, q = drafter.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from specdistill.data.io import atomic_write_json, atomic_write_text
+from specdistill.data.runtime import ConfigError
+from specdistill.data.sampling import Sampling
+from specdistill.decode.acceptance import best_gamma
+from specdistill.decode.draft_length import draft_figures
+from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
+from specdistill.decode.validate.modes import merge, mode_name, other_decoder, run_all
+from specdistill.decode.validate.stage import decoder_config, setup, warm_up
+from specdistill.decode.validate.timing import hf_assisted_speed, measure_c
+
+POLICY_SUFFIXES = {"row": {"draft_scope": "row"}, "nofloor": {"draft_floor": False}}
+
+
+def parse_entries(entries: list[Any]) -> list[tuple[str, dict[str, Any] | None]]:
+    """(label, decoder overrides) per entry; `auto`'s overrides are resolved after a pilot."""
+    if not entries:
+        raise ConfigError(
+            "compare_draft=[]: name entries, e.g. [1,2,4,8,auto,heuristic,confidence]"
+        )
+    out: list[tuple[str, dict[str, Any] | None]] = []
+    for e in entries:
+        text = str(e)
+        if text.isdigit() and not isinstance(e, bool) and 1 <= int(text) <= 15:
+            out.append((f"gamma={int(text)}", {"draft_length": "fixed", "gamma": int(text)}))
+        elif text == "auto":
+            out.append(("gamma=auto", None))
+        elif text.split("-")[0] in ("heuristic", "confidence") and all(
+            s in POLICY_SUFFIXES for s in text.split("-")[1:]
+        ):
+            name, *suffixes = text.split("-")
+            over: dict[str, Any] = {"draft_length": name}
+            for s in suffixes:
+                over |= POLICY_SUFFIXES[s]
+            out.append((text, over))
+        else:
+            raise ConfigError(
+                f"compare_draft entry {e!r}: use a fixed gamma 1..15, auto, heuristic or "
+                "confidence (suffixes -row, -nofloor), e.g. [1,2,4,8,auto,heuristic,confidence]"
+            )
+    return out
+
+
+def run_draft(cfg: DictConfig) -> dict[str, Any]:
+    """Measure every entry of `compare_draft` in each serving mode; writes draft.json/.md."""
+    entries = parse_entries(list(cfg.compare_draft or []))
+    gammas = [o["gamma"] for _, o in entries if o and "gamma" in o]
+    room = max(
+        [*gammas, int(cfg.decoder.get("max_draft", 8)), int(cfg.decoder.get("max_gamma", 12))]
+    )
+    out_dir = Path(str(cfg.output_dir)).expanduser().absolute()
+    st = setup(cfg, room)
+    seed, reps, iters = int(cfg.get("seed", 0)), int(cfg.repeats), int(cfg.step_time_iters)
+    modes = [cfg.decoder]
+    if cfg.get("both_modes", True):
+        modes.append(other_decoder(cfg.decoder, cfg.get("other_sampling")))
+    report: dict[str, Any] = {"modes": {}, "entries": [label for label, _ in entries]}
+    for dcfg in modes:
+        name = mode_name(Sampling.from_parent(dcfg, "decoder.sampling").temperature)
+        report["modes"][name] = _measure_mode(cfg, st, dcfg, entries, seed, reps, iters)
+        atomic_write_json(out_dir / "draft.json", report)  # a run cut short keeps its modes
+    atomic_write_text(out_dir / "draft.md", draft_markdown(report))
+    return report
+
+
+def _measure_mode(cfg, st, dcfg, entries, seed: int, reps: int, iters: int) -> dict[str, Any]:
+    def make(over: dict[str, Any]) -> SpeculativeDecoder:
+        node = OmegaConf.merge(dcfg, over)
+        gamma = int(over.get("gamma", dcfg.get("gamma", 4) if dcfg.get("gamma") != "auto" else 4))
+        return SpeculativeDecoder(
+            st.target,
+            st.drafter,
+            decoder_config(node, int(cfg.max_new_tokens), st.eos, gamma),
+            tokenizer_len=len(st.tok),
+        )
+
+    t0 = time.perf_counter()
+    probe = make({"draft_length": "fixed", "gamma": 4})
+    c, verify = measure_c(probe, st.warm[0][0], iters, 4)
+    decs: dict[str, SpeculativeDecoder] = {}
+    notes = []
+    shared: dict[str, float] | None = None  # the adaptive policies' step costs
+    for label, over in entries:
+        if over is None:  # gamma=auto: a pilot on a quarter of the prompts measures alpha
+            _, pilot = run_all(probe.generate, st.batches[: max(1, len(st.batches) // 4)], seed)
+            g = best_gamma(merge(pilot).alpha, c, int(dcfg.get("max_gamma", 12)))
+            notes.append(f"gamma=auto picked {g} (pilot alpha {merge(pilot).alpha:.3f}, c {c:.3f})")
+            over = {"draft_length": "fixed", "gamma": g}
+        if over["draft_length"] != "fixed" and shared is not None:
+            over = over | {"draft_costs": shared}  # one measurement for all: like for like
+        dec = decs[label] = make(over)
+        if dec.cfg.draft_length != "fixed" and shared is None:
+            costs = dec.draft_costs(st.warm[0][0])  # measured once, untimed
+            shared = {k: getattr(costs, k) for k in ("c", "verify_per_token", "round_overhead")}
+        warm_up(dec, st.batches, st.warm, seed)
+    base_rates: list[float] = []
+    rates: dict[str, list[float]] = {label: [] for label in decs}
+    first: dict[str, DecodeOutput] = {}
+    base_out = None
+    fns = {"": probe.baseline} | {label: dec.generate for label, dec in decs.items()}
+    for rep in range(reps):
+        # interleaved per batch, not per pass: on a shared machine load changes within seconds
+        secs, outs = interleaved(fns, st.batches, seed + rep)
+        base_rates.append(_tokens(outs[""]) / secs[""])
+        base_out = base_out or merge(outs[""])
+        for label in decs:
+            rates[label].append(_tokens(outs[label]) / secs[label])
+            first.setdefault(label, merge(outs[label]))
+    assert base_out is not None
+    base = statistics.median(base_rates)
+    greedy = probe.cfg.sampling.greedy
+    rows = []
+    for label, dec in decs.items():
+        spec = statistics.median(rates[label])
+        # paired: each repeat's entry over the same repeat's target-only pass
+        ratios = [r / b for r, b in zip(rates[label], base_rates)]
+        row = {"entry": label, "gamma": dec.max_draft, "alpha": round(first[label].alpha, 4)}
+        row |= {"tau": round(first[label].tau, 3), **draft_figures(first[label])}
+        row |= {
+            "speedup": round(statistics.median(ratios), 3),
+            "speedup_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+            "tokens_per_s": round(spec, 2),
+            "lossless": first[label].tokens == base_out.tokens if greedy else None,
+        }
+        rows.append(row)
+    hf = None
+    if cfg.get("hf_assisted", True):
+        hf = hf_assisted_speed(
+            st.target, st.drafter, st.tok, st.warm, st.batches, probe.cfg, reps, base_out
+        )
+    s = probe.cfg.sampling
+    return {
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "c": round(c, 4),
+        "verify_cost_gamma4": round(verify, 3),
+        "baseline_tokens_per_s": round(base, 2),
+        "baseline_spread": [round(min(base_rates), 2), round(max(base_rates), 2)],
+        "rows": rows,
+        "hf_assisted": hf,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "notes": notes,
+    }
+
+
+def _tokens(outs: list[DecodeOutput]) -> int:
+    return sum(len(t) for o in outs for t in o.tokens)
+
+
+def interleaved(fns: dict[str, Any], batches, seed: int):
+    """Run every function on each batch in turn (one generator per function, seeded alike), so
+    all of them meet the same load; returns (seconds per function, outputs per function)."""
+    gens = {k: torch.Generator(device="cpu").manual_seed(seed) for k in fns}
+    secs = dict.fromkeys(fns, 0.0)
+    outs: dict[str, list[DecodeOutput]] = {k: [] for k in fns}
+    for ids, mask in batches:
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            outs[k].append(fn(ids, mask, generator=gens[k]))
+            secs[k] += time.perf_counter() - t0
+    return secs, outs
+
+
+def draft_markdown(report: dict[str, Any]) -> str:
+    """One table per serving mode: entries as rows (p = target, q = drafter)."""
+    lines = ["# Draft-length policies side by side", ""]
+    for name, m in report["modes"].items():
+        lines += [
+            f"## {name} (temperature {m['temperature']}): target-only "
+            f"{m['baseline_tokens_per_s']} tokens/s, c {m['c']}",
+            "",
+            "| entry | alpha | tau | mean draft length | target-step share | speedup (min-max) "
+            "| lossless |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in m["rows"]:
+            lo, hi = r["speedup_min_max"]
+            lines.append(
+                f"| {r['entry']} | {r['alpha']} | {r['tau']} | {r['mean_draft_length']} | "
+                f"{r['target_step_share']} | {r['speedup']}x ({lo}-{hi}) | {r['lossless']} |"
+            )
+        hf = m.get("hf_assisted")
+        if hf:
+            lines.append(f"| HF assisted (transformers default) | | | | | {hf['speedup']}x | |")
+        lines += ["", *[f"- {n}" for n in m["notes"]], ""]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,85 @@
+"""The draft-length policies through the validate stage and `decode.bench compare_draft`, on the
+toy-tiny pair (p = target, q = drafter): reports carry the draft-length figures, greedy stays
+token-identical, and bad settings are one `error:` line naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdistill.data.pairs import ConfigError
+from tests.decode.test_errors_and_cli import _cli
+
+
+def _cfg(tmp_path, *extra: str):
+    from hydra import compose, initialize_config_module
+
+    overrides = ["pair=toy-tiny", f"output_dir={tmp_path}", "num_prompts=2", "max_new_tokens=12"]
+    overrides += ["repeats=1", "hf_assisted=false", "step_time_iters=2", "plot=false", *extra]
+    with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+        return compose(config_name="validate", overrides=overrides)
+
+
+def test_validate_reports_the_policy_beside_fixed_gamma(tmp_path, toy_tiny):
+    from specdistill.decode.validate import run
+
+    r = run(_cfg(tmp_path, "decoder.draft_length=confidence", "decoder.max_draft=6"))
+    assert r.lossless is True and r.draft_length == "confidence"
+    f = r.draft_figures
+    assert f is not None and f["max_draft"] == 6 and len(f["draft_lengths"]) == 7
+    assert sum(f["draft_lengths"]) > 0 and set(f["draft_costs"]) == {
+        "c",
+        "verify_per_token",
+        "round_overhead",
+    }
+    assert r.fixed_gamma_speedup is not None and r.fixed_gamma_speedup > 0
+    md = (tmp_path / "report.md").read_text()
+    assert "draft length policy | confidence" in md and "fixed gamma=4 beside it" in md
+
+
+def test_bench_compare_draft_side_by_side(tmp_path, toy_tiny):
+    from specdistill.decode.bench.draft import run_draft
+
+    report = run_draft(_cfg(tmp_path, "compare_draft=[1,auto,heuristic,confidence-row]"))
+    assert set(report["modes"]) == {"greedy", "sampling"}
+    for name, mode in report["modes"].items():
+        rows = {r["entry"]: r for r in mode["rows"]}
+        assert list(rows) == ["gamma=1", "gamma=auto", "heuristic", "confidence-row"]
+        for r in rows.values():
+            assert r["speedup"] > 0 and sum(r["draft_lengths"]) > 0
+            assert r["lossless"] is (True if name == "greedy" else None)
+        assert rows["gamma=1"]["mean_draft_length"] <= 1.0
+    saved = json.loads((tmp_path / "draft.json").read_text())
+    assert saved["entries"] == report["entries"]
+    assert "| confidence-row |" in (tmp_path / "draft.md").read_text()
+
+
+def test_bad_compare_draft_entry_names_the_field(tmp_path):
+    from specdistill.decode.bench.draft import parse_entries
+
+    with pytest.raises(ConfigError, match=r"^compare_draft entry 'fast'"):
+        parse_entries(["fast"])
+    with pytest.raises(ConfigError, match=r"^compare_draft entry 'confidence-rows'"):
+        parse_entries(["confidence-rows"])
+    assert parse_entries([2, "confidence-row-nofloor"])[1][1] == {
+        "draft_length": "confidence",
+        "draft_scope": "row",
+        "draft_floor": False,
+    }
+
+
+@pytest.mark.parametrize(
+    ("arg", "field"),
+    [
+        ("decoder.draft_length=auto", "decoder.draft_length"),
+        ("decoder.max_draft=0", "decoder.max_draft"),
+        ("decoder.draft_scope=rows", "decoder.draft_scope"),
+        ("decoder.probe_every=0", "decoder.probe_every"),
+        ("decoder.draft_costs=fast", "decoder.draft_costs"),
+    ],
+)
+def test_cli_bad_draft_length_setting_is_one_line(tmp_path, toy_tiny, arg, field):
+    r = _cli("pair=toy-tiny", f"output_dir={tmp_path}", arg)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {field}="), r.stderr[-500:]
