@@ -22,7 +22,7 @@ def _cfg(tmp_path, *extra: str):
 
 
 def test_validate_reports_the_policy_beside_fixed_gamma(tmp_path, toy_tiny):
-    from specdistill.decode.validate import run
+    from specdistill.decode.validate.stage import run
 
     r = run(_cfg(tmp_path, "decoder.draft_length=confidence", "decoder.max_draft=6"))
     assert r.lossless is True and r.draft_length == "confidence"
