@@ -230,143 +230,157 @@ def warm_up(dec: SpeculativeDecoder, batches, warm, seed: int) -> None:
     _run_all(dec.generate, warm, seed)
 
 
-def run(cfg: DictConfig) -> ValidateResult:
-    """Validate one pair; see the module docstring. Writes report.json and report.md."""
-    t_start = time.perf_counter()
-    out_dir = Path(str(cfg.output_dir)).expanduser().absolute()
-    dcfg = cfg.decoder
-    fixed_gamma, max_gamma = _gamma_setting(dcfg)
-    st = setup(cfg, max(fixed_gamma or max_gamma, int(dcfg.get("max_draft", 8))))
-    spec, target, drafter, tok, device, dtype = (
-        st.spec,
-        st.target,
-        st.drafter,
-        st.tok,
-        st.device,
-        st.dtype,
-    )
-    eos, texts, batches, warm = st.eos, st.texts, st.batches, st.warm
-    seed = int(cfg.get("seed", 0))
-    notes: list[str] = []
-
-    def make(gamma: int, dc: Any = dcfg) -> SpeculativeDecoder:
-        return SpeculativeDecoder(
-            target,
-            drafter,
-            decoder_config(dc, int(cfg.max_new_tokens), eos, gamma),
-            tokenizer_len=len(tok),
-        )
-
-    # c: drafter vs target single-token step time, measured with the decoder's own caches.
-    t_warm = time.perf_counter()
-    probe_dec = make(fixed_gamma or 4)
-    c, verify_cost = measure_c(probe_dec, warm[0][0], int(cfg.step_time_iters), fixed_gamma or 4)
+def choose_gamma(cfg: DictConfig, st: Setup, make, notes: list[str]):
+    """(gamma, decoder, c, verify cost): c and the verify cost measured with the decoder's own
+    caches; gamma=auto picks gamma from a pilot run's alpha and c with the speedup model."""
+    fixed_gamma, max_gamma = _gamma_setting(cfg.decoder)
+    seed, iters, probe = int(cfg.get("seed", 0)), int(cfg.step_time_iters), st.warm[0][0]
+    c, verify_cost = measure_c(make(fixed_gamma or 4), probe, iters, fixed_gamma or 4)
     gamma = fixed_gamma
-    if gamma is None:  # gamma=auto: a pilot run measures alpha, the speedup model picks gamma
-        _, pilot = _run_all(make(4).generate, batches[: max(1, len(batches) // 4)], seed)
+    if gamma is None:
+        _, pilot = _run_all(make(4).generate, st.batches[: max(1, len(st.batches) // 4)], seed)
         gamma = best_gamma(_merge(pilot).alpha, c, max_gamma)
         notes.append(
             f"gamma=auto picked {gamma} (pilot alpha {_merge(pilot).alpha:.3f}, c {c:.3f})"
         )
     dec = make(gamma)
-    adaptive = dec.cfg.draft_length != "fixed"
-    if adaptive:
-        dec.draft_costs(warm[0][0])  # the policy's step costs, measured once (untimed)
+    if dec.cfg.draft_length != "fixed":
+        dec.draft_costs(probe)  # the policy's step costs, measured once (untimed)
     if fixed_gamma is None:  # the verify cost depends on gamma: measure it for the one picked
-        c, verify_cost = measure_c(dec, warm[0][0], int(cfg.step_time_iters), gamma)
-    # Warm-up (untimed), then interleaved timed repeats.
-    warm_up(dec, batches, warm, seed)
-    warmup_seconds = time.perf_counter() - t_warm
-    base_rates, spec_rates, base_out, spec_out = timed_repeats(dec, batches, seed, int(cfg.repeats))
+        c, verify_cost = measure_c(dec, probe, iters, gamma)
+    return gamma, dec, c, verify_cost
+
+
+def lossless_check(dec: SpeculativeDecoder, base_out, spec_out, dtype, notes: list[str]):
+    """(lossless or None when sampling, mismatched sequences): greedy must be token-identical."""
     greedy = dec.cfg.sampling.greedy
     mismatched = sum(a != b for a, b in zip(base_out.tokens, spec_out.tokens))
-    lossless = (mismatched == 0 and not dec.cfg.lossy) if greedy else None
     if not greedy:
         notes.append("sampling: lossless is distributional (checked by tests), not per token")
     if dec.cfg.lossy:
         notes.append(f"LOSSY: lenience={dec.cfg.lenience} < 1 changes the output distribution")
     if greedy and mismatched and dtype != torch.float32:
         notes.append(f"{mismatched} sequences differ in {dtype}: near-ties, rerun with dtype=fp32")
-    alpha = spec_out.alpha
+    return ((mismatched == 0 and not dec.cfg.lossy) if greedy else None), mismatched
+
+
+def headline(spec_out, base_rates, spec_rates, gamma: int, c: float, verify_cost: float) -> dict:
+    """The serving mode's figures: alpha, tau, c, tokens/s, measured and theoretical speedup."""
+    alpha = min(max(spec_out.alpha, 0.0), 1.0)
     speedup = statistics.median(spec_rates) / statistics.median(base_rates)
-    theory = theoretical_speedup(min(max(alpha, 0.0), 1.0), gamma, c)
+    theory = theoretical_speedup(alpha, gamma, c)
     by_pos = [a / t if t else 0.0 for a, t in zip(spec_out.accepted_at, spec_out.trials_at)]
+    return {
+        "alpha": round(spec_out.alpha, 4),
+        "acceptance_rate": round(spec_out.accepted / max(spec_out.trials, 1), 4),
+        "tau": round(spec_out.tau, 3),
+        "c": round(c, 4),
+        "verify_cost": round(verify_cost, 3),
+        "baseline_tokens_per_s": spread(base_rates),
+        "speculative_tokens_per_s": spread(spec_rates),
+        "speedup": round(speedup, 3),
+        "theoretical_speedup": round(theory, 3),
+        "decoder_efficiency": round(speedup / theory, 3),
+        "theoretical_speedup_measured_verify": round(
+            expected_tau(alpha, gamma) / (gamma * c + verify_cost), 3
+        ),
+        "acceptance_by_position": [round(x, 4) for x in by_pos],
+    }
+
+
+def settings(cfg: DictConfig, st: Setup, dec: SpeculativeDecoder, gamma: int) -> dict:
+    """What was validated and how: the pair, device, decoder settings, prompt budget."""
+    s = dec.cfg.sampling
+    return {
+        "target": st.spec.target,
+        "drafter": st.spec.drafter,
+        "device": str(st.device),
+        "dtype": str(st.dtype).removeprefix("torch."),
+        "gamma": gamma,
+        "gamma_auto": _gamma_setting(cfg.decoder)[0] is None,
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "lenience": dec.cfg.lenience,
+        "lossy": dec.cfg.lossy,
+        "batch_size": int(cfg.batch_size),
+        "prompts": len(st.texts),
+        "max_new_tokens": int(cfg.max_new_tokens),
+        "repeats": int(cfg.repeats),
+        "cache": "static" if dec.static else "dynamic",
+        "compiled": dec.compile,
+        "draft_length": dec.cfg.draft_length,
+    }
+
+
+def run(cfg: DictConfig) -> ValidateResult:
+    """Validate one pair; see the module docstring. Writes report.json and report.md.
+
+    Steps: set up the pair and prompts, choose gamma (measuring c), time target-only against
+    speculative decoding, check losslessness, then the side measurements (the other serving
+    mode, fixed gamma beside an adaptive policy, `transformers` assisted generation).
+    """
+    t_start = time.perf_counter()
+    out_dir = Path(str(cfg.output_dir)).expanduser().absolute()
+    dcfg = cfg.decoder
+    fixed_gamma, max_gamma = _gamma_setting(dcfg)
+    st = setup(cfg, max(fixed_gamma or max_gamma, int(dcfg.get("max_draft", 8))))
+    seed, repeats = int(cfg.get("seed", 0)), int(cfg.repeats)
+    notes: list[str] = []
+
+    def make(gamma: int, dc: Any = dcfg) -> SpeculativeDecoder:
+        return SpeculativeDecoder(
+            st.target,
+            st.drafter,
+            decoder_config(dc, int(cfg.max_new_tokens), st.eos, gamma),
+            tokenizer_len=len(st.tok),
+        )
+
+    t_warm = time.perf_counter()
+    gamma, dec, c, verify_cost = choose_gamma(cfg, st, make, notes)
+    warm_up(dec, st.batches, st.warm, seed)  # untimed, then interleaved timed repeats
+    warmup_seconds = time.perf_counter() - t_warm
+    base_rates, spec_rates, base_out, spec_out = timed_repeats(dec, st.batches, seed, repeats)
+    lossless, mismatched = lossless_check(dec, base_out, spec_out, st.dtype, notes)
+    figures = headline(spec_out, base_rates, spec_rates, gamma, c, verify_cost)
 
     # Both serving modes, always (unless turned off): the other one decoded and timed too.
     modes = {
         mode_name(dec.cfg.sampling.temperature): mode_figures(dec, base_rates, spec_rates, spec_out)
     }
     if both_modes(cfg):
-        name, figures = measure_other_mode(
-            lambda dc: make(gamma, dc),
-            dcfg,
-            cfg.get("other_sampling"),
-            batches,
-            warm,
-            seed,
-            int(cfg.repeats),
-        )
-        modes[name] = figures
-    alpha_s = (modes.get("sampling") or {}).get("alpha")
-    tau_s = (modes.get("sampling") or {}).get("tau")
-
+        name, other = measure_other_mode(
+            lambda dc: make(gamma, dc), dcfg, cfg.get("other_sampling"), st.batches, st.warm,
+            seed, repeats,
+        )  # fmt: skip
+        modes[name] = other
+    adaptive = dec.cfg.draft_length != "fixed"
     fixed_speedup = None
     if adaptive:  # the policy beside fixed gamma, same prompts, same interleaved repeats
         fdec = make(gamma, OmegaConf.merge(dcfg, {"draft_length": "fixed"}))
-        warm_up(fdec, batches, warm, seed)
-        fb, fs, _, _ = timed_repeats(fdec, batches, seed, int(cfg.repeats))
+        warm_up(fdec, st.batches, st.warm, seed)
+        fb, fs, _, _ = timed_repeats(fdec, st.batches, seed, repeats)
         fixed_speedup = round(statistics.median(fs) / statistics.median(fb), 3)
-
     hf = None
     if cfg.get("hf_assisted", True):
         hf = hf_assisted_speed(
-            target, drafter, tok, warm, batches, dec.cfg, int(cfg.repeats), base_out
+            st.target, st.drafter, st.tok, st.warm, st.batches, dec.cfg, repeats, base_out
         )
-        hf["ours_over_hf"] = round(speedup / hf["speedup"], 3)
+        hf["ours_over_hf"] = round(figures["speedup"] / hf["speedup"], 3)
 
     result = ValidateResult(
         output_dir=str(out_dir),
-        target=spec.target,
-        drafter=spec.drafter,
-        device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
-        gamma=gamma,
-        gamma_auto=fixed_gamma is None,
-        temperature=dec.cfg.sampling.temperature,
-        top_k=dec.cfg.sampling.top_k,
-        top_p=dec.cfg.sampling.top_p,
-        lenience=dec.cfg.lenience,
-        lossy=dec.cfg.lossy,
-        batch_size=int(cfg.batch_size),
-        prompts=len(texts),
-        max_new_tokens=int(cfg.max_new_tokens),
-        repeats=int(cfg.repeats),
-        alpha=round(alpha, 4),
-        acceptance_rate=round(spec_out.accepted / max(spec_out.trials, 1), 4),
-        tau=round(spec_out.tau, 3),
-        c=round(c, 4),
-        verify_cost=round(verify_cost, 3),
-        baseline_tokens_per_s=spread(base_rates),
-        speculative_tokens_per_s=spread(spec_rates),
-        speedup=round(speedup, 3),
-        theoretical_speedup=round(theory, 3),
-        decoder_efficiency=round(speedup / theory, 3),
-        theoretical_speedup_measured_verify=round(
-            expected_tau(min(max(alpha, 0.0), 1.0), gamma) / (gamma * c + verify_cost), 3
-        ),
+        **settings(cfg, st, dec, gamma),
+        **figures,
         lossless=lossless,
         mismatched_sequences=mismatched,
-        acceptance_by_position=[round(x, 4) for x in by_pos],
-        alpha_sampled=alpha_s,
-        tau_sampled=tau_s,
+        alpha_sampled=(modes.get("sampling") or {}).get("alpha"),
+        tau_sampled=(modes.get("sampling") or {}).get("tau"),
         modes=modes,
         hf_assisted=hf,
-        cache="static" if dec.static else "dynamic",
-        compiled=dec.compile,
         warmup_seconds=round(warmup_seconds, 1),
         notes=notes,
         config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
-        draft_length=dec.cfg.draft_length,
         draft_figures=draft_figures(spec_out, dec.draft_costs() if adaptive else None)
         | {"max_draft": dec.max_draft},
         fixed_gamma_speedup=fixed_speedup,
@@ -375,7 +389,7 @@ def run(cfg: DictConfig) -> ValidateResult:
     atomic_write_json(out_dir / "report.json", result)
     atomic_write_text(out_dir / "report.md", report_markdown(result))
     if cfg.get("plot", True):
-        plot_acceptance(by_pos, out_dir / "report.png", notes)
+        plot_acceptance(figures["acceptance_by_position"], out_dir / "report.png", notes)
     return result
 
 
