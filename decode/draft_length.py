@@ -265,7 +265,7 @@ class DraftLengthPolicy:
     """
 
     reads_q = False
-    max_backoff = 4  # a floor's probe interval grows to at most this many probe_every
+    max_backoff = 8  # a floor's probe interval grows to at most this many probe_every
     ema = 0.3  # `recent`, the calibration's history feature
     floor_ema = 0.1  # `first` / `follow`, what the floor decides on: slower, a few misses at a
     # sequence's start should not switch a good drafter off (measured: 0.3 did, on the toy pair)
