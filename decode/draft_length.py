@@ -25,15 +25,20 @@ R (cost(j+m) - cost(j)): draft on while some m >= 1 has a positive net gain. Bef
 
 Policies (`decoder.draft_length`):
 - `fixed`: gamma drafts every round (the decoder's classic behaviour).
-- `confidence`: the expected-gain rule on the drafter's confidence (its probability of the token
-  it drafted), calibrated into an acceptance probability from the acceptance history (binned,
-  with the confidence itself as the prior); the next draft's acceptance is predicted from the
-  latest one's, the first draft's from this row's recent acceptance.
+- `confidence`: the expected-gain rule, with acceptance predicted by `Calibration`, a logistic
+  model of the drafter's confidence (its probability of the token it drafted: q only) and the
+  row's recent acceptance, fitted to the acceptance history of the decoder's lifetime: `accept`
+  (this draft, given the ones before were accepted) gives P_j, `follow` (the next draft, given
+  this one was accepted) the a of the drafts not yet run. Drafters are rarely calibrated: the
+  toy drafters' probabilities are flat (a distilled one's 0.03 means ~80% acceptance).
 - `heuristic`: `transformers`' assisted-generation schedule: start at gamma, +2 after a round
   whose drafts were all accepted, -1 (at least 1) otherwise.
-Both adaptive policies have the floor (`draft_floor`): when the rule says even one draft does not
-pay, rounds are plain target steps; every `probe_every` of them a probe round drafts again to see
-whether it pays now (the drafter catches up on the skipped tokens in one forward).
+Both adaptive policies draft at most `max_draft` per round and have the floor (`draft_floor`):
+before each round the rule above, with the row's moving averages of first-draft and later-draft
+acceptance, decides between drafting and a plain target step; once a target step wins, the next
+`interval` rounds are target steps, then a probe round drafts (the drafter catches up on the
+skipped tokens in one forward). A probe that does not pay for itself doubles the interval (up to
+8 probe_every, carried from call to call), one that does resets it to `probe_every`.
 
 Batches (`draft_scope`): `batch` picks one length for all rows from their summed gains (a batched
 drafter step costs the same however many rows use it); `row` lets each row stop on its own
@@ -265,7 +270,7 @@ class DraftLengthPolicy:
     """
 
     reads_q = False
-    max_backoff = 4  # a floor's probe interval grows to at most this many probe_every
+    max_backoff = 8  # a floor's probe interval grows to at most this many probe_every
     ema = 0.3  # `recent`, the calibration's history feature
     floor_ema = 0.1  # `first` / `follow`, what the floor decides on: slower, a few misses at a
     # sequence's start should not switch a good drafter off (measured: 0.3 did, on the toy pair)

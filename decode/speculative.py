@@ -10,6 +10,12 @@ draft and catches it up in its next step. A round drafts fewer than gamma tokens
 unfinished row could emit more before `max_new_tokens` (eager target steps; a compiled target
 keeps one verify shape). `baseline` decodes with the target alone through the same machinery, so
 a speedup compares like with like.
+
+`decoder.draft_length` other than `fixed` picks each round's length with a policy of
+`specdistill.decode.draft_length` (it reads q and earlier rounds only, so the rule stays
+lossless); a round of 0 drafts is a plain target step, after which the drafter lags and catches
+up on those tokens in the first step of its next round. A compiled target pads verifies to a few
+widths (`verify_widths`), a compiled drafter feeds a long catch-up in power-of-two chunks.
 """
 
 from __future__ import annotations

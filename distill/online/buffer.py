@@ -71,12 +71,13 @@ def entries_from_output(
             raise ValueError("the decoder did not record target probabilities (record_probs)")
         lp, ids = rec.target_probs.topk(k, dim=-1)  # (B, G+1, K)
         lp = lp.clamp_min(torch.finfo(torch.float32).tiny).log()
-        gamma = rec.draft.shape[1]
         accepted = rec.accepted.tolist()
         for r, active in enumerate(rec.active):
             if not active:
                 continue
             n = accepted[r]
+            # drafts row r verified (rows differ under draft_scope=row); n == gamma: a bonus
+            gamma = rec.lengths[r] if rec.lengths is not None else rec.draft.shape[1]
             js = range(n + 1) if record == "all" else ([n] if n < gamma else [])
             for j in js:
                 idx = rec.start[r] + j  # index of the predicted token among the emitted ones

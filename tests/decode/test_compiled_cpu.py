@@ -65,3 +65,30 @@ def test_cpu_compiled_greedy_is_lossless(make, compile):
     want = [greedy_reference(target, r, 20) for r in rows]
     assert dec.generate(ids, mask).tokens == want
     assert dec.baseline(ids, mask).tokens == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["confidence", "heuristic"])
+def test_cpu_compiled_adaptive_draft_length_is_lossless(policy):
+    """Adaptive lengths with compiled steps: verifies padded to a few widths, plain target steps
+    (the floor) and power-of-two drafter catch-ups, batch 1 and batched."""
+    from specdistill.decode.draft_length import DraftCosts
+
+    target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0)
+    drafter = first_layers(target, 2)
+    for costs in (DraftCosts(0.2, 0.02, 0.05), DraftCosts(0.9, 0.1, 0.3)):  # drafts / floor
+        cfg = DecoderConfig(
+            max_new_tokens=20,
+            compile=True,
+            draft_length=policy,
+            max_draft=4,
+            probe_every=3,
+            draft_costs=costs,
+        )
+        dec = SpeculativeDecoder(target, drafter, cfg)
+        for prompt in prompts(3, 64, seed=2):
+            ids = torch.tensor([prompt])
+            assert dec.generate(ids).tokens[0] == greedy_reference(target, prompt, 20)
+        rows = prompts(4, 64, seed=8)
+        ids, mask = left_pad(rows)
+        assert dec.generate(ids, mask).tokens == [greedy_reference(target, r, 20) for r in rows]
