@@ -151,12 +151,7 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         raise ConfigError(f"decoder.gamma={cfg.gamma!r} must be an integer >= 1 (or auto)")
     if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={cfg.max_new_tokens!r} must be an integer >= 1")
-    if not s.temperature >= 0:
-        raise ConfigError(f"decoder.temperature={s.temperature} must be >= 0 (0 = greedy)")
-    if not isinstance(s.top_k, int) or s.top_k < 0:
-        raise ConfigError(f"decoder.top_k={s.top_k!r} must be an integer >= 0 (0 = off)")
-    if not 0.0 < s.top_p <= 1.0:
-        raise ConfigError(f"decoder.top_p={s.top_p} must lie in (0, 1] (1 = off)")
+    s.check("decoder.sampling")
     if not 0.0 < cfg.lenience <= 1.0:
         raise ConfigError(f"decoder.lenience={cfg.lenience} must lie in (0, 1] (1 = lossless)")
     if cfg.cache not in ("auto", "static", "dynamic"):

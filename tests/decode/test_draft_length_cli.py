@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from specdistill.data.pairs import ConfigError
+from specdistill.data.runtime import ConfigError
 from tests.decode.test_errors_and_cli import _cli
 
 
