@@ -36,6 +36,15 @@ def toy_tiny_pair(toy_tiny):
     return load_pair(resolve_pair({"toy": "toy-tiny"}))
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on the shared 2-core CI box, 2 threads under load run 10-50x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny_llama(vocab: int = 64, layers: int = 2, hidden: int = 32, seed: int = 0, heads: int = 4):
     """A random-init Llama small enough for exhaustive tests."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -76,15 +76,6 @@ def build_fixtures(root: Path, world) -> Path:
     return root
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread (shared CPU cores), restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def fx(tmp_path_factory, toy_tiny) -> Path:
     return build_fixtures(tmp_path_factory.mktemp("bad_inputs"), toy_tiny)

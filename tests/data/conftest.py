@@ -6,7 +6,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
@@ -36,12 +35,3 @@ def generate_cfg(toy_tiny, tmp_path) -> Callable[..., DictConfig]:
         return compose_generate(out or tmp_path / "gen", *overrides)
 
     return make
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: on the shared 2-core CI box, 2 threads under load run 10-50x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
