@@ -283,7 +283,7 @@ def run(cfg: DictConfig) -> ValidateResult:
     dec = make(gamma)
     adaptive = dec.cfg.draft_length != "fixed"
     if adaptive:
-        dec.draft_costs(warm[0][0])  # the policy's step costs, measured once (untimed)
+        dec.draft_costs(warm[0][0], int(cfg.batch_size))  # step costs, measured (untimed)
     if fixed_gamma is None:  # the verify cost depends on gamma: measure it for the one picked
         c, verify_cost = measure_c(dec, warm[0][0], int(cfg.step_time_iters), gamma)
     # Warm-up (untimed), then interleaved timed repeats.
@@ -379,7 +379,9 @@ def run(cfg: DictConfig) -> ValidateResult:
         notes=notes,
         config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
         draft_length=dec.cfg.draft_length,
-        draft_figures=draft_figures(spec_out, dec.draft_costs() if adaptive else None)
+        draft_figures=draft_figures(
+            spec_out, dec.draft_costs(warm[0][0], int(cfg.batch_size)) if adaptive else None
+        )
         | {"max_draft": dec.max_draft},
         fixed_gamma_speedup=fixed_speedup,
     )
