@@ -284,16 +284,23 @@ class DraftLengthPolicy:
         floor: bool = True,
         probe_every: int = 8,
     ) -> None:
-        self.gamma, self.max_k, self.costs = gamma, max_k, costs
+        self.gamma, self.max_k = gamma, max_k
         self.scope, self.floor, self.probe_every = scope, floor, probe_every
-        # increments[d][i] = cost(d + i + 1) - cost(d): the extra cost of i + 1 more drafts
-        self.increments = [
-            [costs.round_cost(d + i) - costs.round_cost(d) for i in range(1, max_k - d + 1)]
-            for d in range(max_k + 1)
-        ]
+        self.set_costs(costs)
         self.interval = probe_every  # plain target steps between floor probes (backs off)
         # lifetime counts (accepted, tested): the next call's starting averages
         self._life = {"first": [0.0, 0.0], "follow": [0.0, 0.0], "all": [0.0, 0.0]}
+
+    def set_costs(self, costs: DraftCosts) -> None:
+        """Plan with these step costs (the decoder sets them per batch size)."""
+        if getattr(self, "costs", None) == costs:
+            return
+        self.costs = costs
+        # increments[d][i] = cost(d + i + 1) - cost(d): the extra cost of i + 1 more drafts
+        self.increments = [
+            [costs.round_cost(d + i) - costs.round_cost(d) for i in range(1, self.max_k - d + 1)]
+            for d in range(self.max_k + 1)
+        ]
 
     def _prior(self, key: str) -> float:
         hits, seen = self._life[key]

@@ -247,20 +247,17 @@ class SpeculativeDecoder:
         fixed = cfg.draft_length == "fixed"
         self.verify_widths = [self.max_draft + 1] if fixed else verify_widths(self.max_draft)
         self._costs = cfg.draft_costs
+        self._measured: dict[int, DraftCosts] = {}  # by batch size
         self._policy = None
 
     def get_policy(self, input_ids: torch.Tensor | None = None):
         """The draft-length policy (decode.draft_length); its calibration lives as long as the
         decoder. The adaptive ones plan with the pair's step costs: unless configured, measured
-        once here on the first row of `input_ids` (untimed callers pass a warm-up prompt)."""
+        here on the first row of `input_ids` (untimed callers pass a warm-up prompt)."""
         if self._policy is None:
             cfg = self.cfg
-            if cfg.draft_length != "fixed" and self._costs is None:
-                if input_ids is None:
-                    raise ValueError("measuring the draft costs needs a prompt")
-                ids, _ = self._prepare(input_ids[:1], None)
-                self._costs = measure_costs(self, ids)
-            costs = self._costs or DraftCosts()
+            adaptive = cfg.draft_length != "fixed"
+            costs = self.draft_costs(input_ids) if adaptive else DraftCosts()
             self._policy = make_policy(
                 cfg.draft_length,
                 cfg.gamma,
@@ -272,10 +269,18 @@ class SpeculativeDecoder:
             )
         return self._policy
 
-    def draft_costs(self, input_ids: torch.Tensor | None = None) -> DraftCosts:
-        """The step costs the adaptive policies plan with (measured once when not configured)."""
-        self.get_policy(input_ids)
-        return self._costs or DraftCosts()
+    def draft_costs(self, input_ids: torch.Tensor | None = None, batch: int = 1) -> DraftCosts:
+        """The step costs the adaptive policies plan with at this batch size: configured, or
+        measured once per batch size on the first row of `input_ids` repeated (batched steps
+        cost differently: a 4-row 5-token verify is 20 rows, past the few-row CPU linears)."""
+        if self._costs is not None:
+            return self._costs
+        if batch not in self._measured:
+            if input_ids is None:
+                raise ValueError("measuring the draft costs needs a prompt")
+            ids, _ = self._prepare(input_ids[:1], None)
+            self._measured[batch] = measure_costs(self, ids.repeat(batch, 1))
+        return self._measured[batch]
 
     def _arange(self, n: int) -> torch.Tensor:
         return torch.arange(n, device=self.device)
@@ -418,6 +423,8 @@ class SpeculativeDecoder:
         adaptive = cfg.draft_length != "fixed"
         ids, mask0 = self._prepare(input_ids, attention_mask)
         policy = self.get_policy(ids[:, mask0[0]][:1] if adaptive else None)
+        if adaptive:
+            policy.set_costs(self.draft_costs(ids[:, mask0[0]][:1], ids.shape[0]))
         b, plen = ids.shape
         dense = b == 1
         slots = self.spec_slots(b, plen)
@@ -425,7 +432,10 @@ class SpeculativeDecoder:
         tgt, dft = self._runner(self.target, slots), self._runner(self.drafter, slots)
         mask = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
         mask[:, :plen] = mask0
-        t, pos = self._prefill([tgt, dft], ids, mask0, dense)
+        # With the floor, the drafter reads the prompt only when a round first drafts: a decode
+        # that never drafts costs what target-only decoding does (no drafter prefill).
+        drafter_ready = not (adaptive and cfg.draft_floor)
+        t, pos = self._prefill([tgt, dft] if drafter_ready else [tgt], ids, mask0, dense)
         out = DecodeOutput(
             tokens=[[] for _ in range(b)],
             accepted_at=[0] * kmax,
@@ -454,6 +464,9 @@ class SpeculativeDecoder:
             # Draft up to k tokens with q (the first step also catches the drafter up).
             draft, q_probs, confs = [], [], []
             if k:
+                if not drafter_ready:
+                    self._prefill([dft], ids, mask0, dense)
+                    drafter_ready = True
                 x = torch.stack([*lag, t], 1)
                 lag = []
                 xpos = None if dense else pos[:, None] - x.shape[1] + 1 + self._arange(x.shape[1])

@@ -115,7 +115,7 @@ def _measure_mode(cfg, st, dcfg, entries, seed: int, reps: int, iters: int) -> d
             over = over | {"draft_costs": shared}  # one measurement for all: like for like
         dec = decs[label] = make(over)
         if dec.cfg.draft_length != "fixed" and shared is None:
-            costs = dec.draft_costs(st.warm[0][0])  # measured once, untimed
+            costs = dec.draft_costs(st.warm[0][0], int(cfg.batch_size))  # once, untimed
             shared = {k: getattr(costs, k) for k in ("c", "verify_per_token", "round_overhead")}
         warm_up(dec, st.batches, st.warm, seed)
     base_rates: list[float] = []

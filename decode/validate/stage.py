@@ -244,8 +244,8 @@ def choose_gamma(cfg: DictConfig, st: Setup, make, notes: list[str]):
             f"gamma=auto picked {gamma} (pilot alpha {_merge(pilot).alpha:.3f}, c {c:.3f})"
         )
     dec = make(gamma)
-    if dec.cfg.draft_length != "fixed":
-        dec.draft_costs(probe)  # the policy's step costs, measured once (untimed)
+    if dec.cfg.draft_length != "fixed":  # the policy's step costs at this batch size (untimed)
+        dec.draft_costs(probe, int(cfg.batch_size))
     if fixed_gamma is None:  # the verify cost depends on gamma: measure it for the one picked
         c, verify_cost = measure_c(dec, probe, iters, gamma)
     return gamma, dec, c, verify_cost
@@ -381,7 +381,9 @@ def run(cfg: DictConfig) -> ValidateResult:
         warmup_seconds=round(warmup_seconds, 1),
         notes=notes,
         config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
-        draft_figures=draft_figures(spec_out, dec.draft_costs() if adaptive else None)
+        draft_figures=draft_figures(
+            spec_out, dec.draft_costs(st.warm[0][0], int(cfg.batch_size)) if adaptive else None
+        )
         | {"max_draft": dec.max_draft},
         fixed_gamma_speedup=fixed_speedup,
     )
