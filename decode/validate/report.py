@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from specdistill.decode.validate.stage import ValidateResult
@@ -65,8 +65,60 @@ def report_markdown(r: ValidateResult) -> str:
         *[f"| {k} | {v} |" for k, v in rows],
         "",
     ]
+    if r.vllm:
+        lines += two_engine_table(r.vllm)
     lines += [f"- {n}" for n in r.notes]
     return "\n".join(lines) + "\n"
+
+
+def _rate(d: dict | None) -> str:
+    return "n/a" if not d else f"{d['median']} ({d['min']}-{d['max']})"
+
+
+def two_engine_table(v: dict[str, Any]) -> list[str]:
+    """Our decoder and vLLM side by side, one column pair per serving mode."""
+    modes = list(v["modes"])
+    head = " | ".join(f"ours, {m} | vLLM, {m}" for m in modes)
+    rows: list[tuple[str, list[str]]] = []
+
+    def add(label: str, ours_key, vllm_key, fmt=str) -> None:
+        cells = []
+        for m in modes:
+            row, mine = v["modes"][m], v["modes"][m].get("ours") or {}
+            cells += [fmt(mine.get(ours_key)) if ours_key else "", fmt(row.get(vllm_key))]
+        rows.append((label, cells))
+
+    add("acceptance rate (accepted / drafts tested)", "acceptance_rate", "acceptance_rate")
+    add("mean acceptance length (1 + accepted per round)", "mean_acceptance_length", "mean_acceptance_length")  # fmt: skip
+    add("accepted by draft position (share of rounds)", "accepted_by_position", "accepted_by_position")  # fmt: skip
+    add("rounds with drafts / accepted (of drafted)", "rounds_accepted", "counters",
+        lambda x: x if not isinstance(x, dict) else f"{x['drafts']} / {x['accepted_tokens']} (of {x['draft_tokens']})")  # fmt: skip
+    add("target-only tokens/s, median (min-max)", "target_only_tokens_per_s", "plain_tokens_per_s", _rate)  # fmt: skip
+    add("speculative tokens/s, median (min-max)", "speculative_tokens_per_s", "speculative_tokens_per_s", _rate)  # fmt: skip
+    add("speedup (measured)", "speedup", "speedup", lambda x: f"{x}x")
+    add("latency per call, target-only ms", None, "plain_latency_ms", _rate)
+    add("latency per call, speculative ms", None, "speculative_latency_ms", _rate)
+    add("speculative greedy output = plain greedy output", None, "identical_to_plain",
+        lambda x: "" if x is None else str(x))  # fmt: skip
+    cells = []
+    for m in modes:
+        a = v["modes"][m].get("agreement")
+        text = "n/a" if not a else (
+            f"{a['difference']:+.3f} +- {a['noise']:.3f} (z {a['z']}): "
+            + ("BEYOND noise" if a["beyond_noise"] else "within noise")
+        )  # fmt: skip
+        cells += ["", text]
+    rows.append(("vLLM - ours, mean acceptance length", cells))
+    return [
+        "",
+        f"## Two engines: our decoder and vLLM {v['version']} (`{v['method']}`, "
+        f"{v['num_speculative_tokens']} speculative tokens, {v['dtype']})",
+        "",
+        f"| figure | {head} |",
+        "|---|" + "---|" * (2 * len(modes)),
+        *[f"| {k} | {' | '.join(str(c) for c in cells)} |" for k, cells in rows],
+        "",
+    ]
 
 
 def plot_acceptance(by_pos: list[float], path: Path, notes: list[str]) -> None:

@@ -22,6 +22,7 @@ from specdistill.decode.validate.vllm_engine import (
     engines,
     measure_mode,
     model_len,
+    sampled_speculation_defect,
 )
 
 
@@ -63,8 +64,12 @@ def validate_in_vllm(
     notes: list[str] = []
     modes: dict[str, dict[str, Any]] = {}
     with engines(spec, settings, kwargs, gamma) as (plain, speculative):
+        defect = sampled_speculation_defect()  # after the engines: their kernels are registered
         for mode, s in samplings.items():
             row = measure_mode(plain, speculative, prompts, s, max_new_tokens, eos, seed, repeats)
+            if defect and not s.greedy:
+                row["engine_defect"] = defect
+                notes.append(f"{mode}: {defect}")
             plain_tokens = row.pop("plain_tokens")
             mine = ours.get(mode) or {}
             if mine.get("trials_at") is not None:
@@ -72,6 +77,7 @@ def validate_in_vllm(
                 vacc = Acceptance.from_vllm(row["counters"]["drafts"], row["counters"]["per_pos"])
                 agree = agreement(acc, vacc)
                 row["ours"] = acc.figures() | {
+                    "rounds_accepted": f"{acc.rounds} / {acc.accepted}",
                     "tau": mine.get("tau"),
                     "alpha": mine.get("alpha"),
                     "speedup": mine.get("speedup"),

