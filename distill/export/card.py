@@ -46,6 +46,41 @@ def _figures(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _vllm_section(v: dict[str, Any] | None) -> list[str]:
+    """vLLM's own figures for this folder, beside our decoder's (when `vllm.enabled`)."""
+    if not v:
+        return []
+    lines = [
+        "## Measured in vLLM",
+        "",
+        f"This folder was served by vLLM {v.get('version')} as a draft model (`draft_model`, "
+        f"{v.get('num_speculative_tokens')} speculative tokens, {v.get('dtype')} on "
+        f"{v.get('device')}) on {v.get('prompts')} held-out prompts x {v.get('max_new_tokens')} "
+        f"new tokens, median of {v.get('repeats')} timed repeats; acceptance from vLLM's own "
+        "`vllm:spec_decode_*` counters, next to our decoder's on the same prompts. Mean "
+        "acceptance length = 1 + accepted drafts per round.",
+        "",
+        "| mode | acceptance rate, vLLM / ours | mean acceptance length, vLLM / ours | "
+        "speedup in vLLM | our decoder's speedup |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for mode, m in (v.get("modes") or {}).items():
+        flag = " (differ beyond noise)" if m.get("beyond_noise") else ""
+        lines.append(
+            f"| {mode} (T={_fmt(m.get('temperature'))}) | {_fmt(m.get('acceptance_rate'))} / "
+            f"{_fmt(m.get('ours_acceptance_rate'))}{flag} | "
+            f"{_fmt(m.get('mean_acceptance_length'))} / {_fmt(m.get('ours_mean_acceptance_length'))} "
+            f"| {_fmt(m.get('speedup'))}x | {_fmt(m.get('ours_speedup'))}x |"
+        )
+    lines += [
+        "",
+        f"- vLLM's greedy output with this drafter equals its plain greedy output: "
+        f"{_fmt(v.get('greedy_identical_to_plain'))}",
+    ]
+    lines += [f"- {mode}: {m['engine_defect']}" for mode, m in (v.get("modes") or {}).items() if m.get("engine_defect")]  # fmt: skip
+    return [*lines, ""]
+
+
 def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, Any] | None) -> str:
     """README.md for the exported folder (result: an ExportResult)."""
     name = Path(result.output_dir).name
@@ -106,6 +141,7 @@ def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, An
         lines.append("No validate report was given to the export: no figures.")
     lines += [
         "",
+        *_vllm_section(result.vllm),
         "## Use",
         "",
         "`transformers`:",

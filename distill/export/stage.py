@@ -40,6 +40,7 @@ from specdistill.data.pairs import (
 from specdistill.data.runtime import ConfigError, parse_dtype, resolve_device, run_or_exit
 from specdistill.data.tokenizer_identity import check_drafter_tokenizer
 from specdistill.distill.export.card import model_card, usage_command
+from specdistill.distill.export.in_vllm import check_vllm_settings, validate_exported
 
 log = logging.getLogger("specdistill.export")
 
@@ -64,6 +65,7 @@ class ExportResult:
     usage: str
     wall_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    vllm: dict[str, Any] | None = None  # vllm.enabled: the folder validated in vLLM (in_vllm.py)
 
 
 def check_destination(out: Path, overwrite: bool) -> None:
@@ -177,6 +179,7 @@ def run(cfg: DictConfig) -> ExportResult:
     overwrite = bool(cfg.get("overwrite", False))
     check_destination(out, overwrite)
     report = load_report(cfg.get("report"))
+    use_vllm = check_vllm_settings(cfg)
     raw_dtype = str(cfg.get("dtype", "auto"))
     dtype = None if raw_dtype == "auto" else parse_dtype(raw_dtype, "cpu")
     min_pos = cfg.get("min_positions", "auto")
@@ -261,6 +264,8 @@ def run(cfg: DictConfig) -> ExportResult:
             probe=probe,
         )
         base = spec.drafter if cfg.get("drafter") else source
+        # The folder about to be published, in the engine users deploy (both engines' report).
+        vllm_figures = validate_exported(cfg, report, tmp) if use_vllm else None
         result = ExportResult(
             output_dir=str(out),
             drafter=source,
@@ -275,6 +280,7 @@ def run(cfg: DictConfig) -> ExportResult:
             report=str(cfg.report) if report else None,
             usage=usage_command(str(out), spec.target, report),
             notes=notes,
+            vllm=vllm_figures,
         )
         distill = _distill_result(source)
         (tmp / "README.md").write_text(model_card(result, report, distill), encoding="utf-8")

@@ -246,6 +246,8 @@ def build_plan(cfg: DictConfig) -> list[Step]:
                 extra.append(format_override("drafter", drafter_path))
             if report:
                 extra.append(format_override("report", str(Path(report.result_path))))
+            if cfg.get("vllm", False):  # validate the exported folder in vLLM before publishing
+                extra.append("vllm.enabled=true")
             ecfg = compose_stage("export", cfg, extra)  # no serving keys, no seed: a copy
             add("export", "export", out, ecfg, [*reads, *([report] if report else [])])
 

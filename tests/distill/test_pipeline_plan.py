@@ -91,3 +91,16 @@ def test_step_files_round_trip(tmp_path):
     files = write_plan(steps)
     assert [f.name for f in files] == [f"{s.name}.yaml" for s in steps]
     assert [load_step(f) for f in files] == steps
+
+
+def test_vllm_flag_validates_the_exported_drafter_in_vllm(tmp_path):
+    """`specdistill vllm=true`: the export step checks its folder in vLLM; a changed flag re-runs
+    the export only."""
+    run = tmp_path / "run"
+    plain = {s.name: s for s in build_plan(_cfg(run))}
+    steps = {s.name: s for s in build_plan(_cfg(run, "vllm=true"))}
+    exp = steps["export"].config
+    assert exp["vllm"]["enabled"] is True and not plain["export"].config["vllm"]["enabled"]
+    assert exp["vllm"]["output_dir"] == str(run / "export" / "drafter") + "_vllm"
+    changed = [n for n in steps if n != "report" and steps[n].fingerprint != plain[n].fingerprint]
+    assert changed == ["export"]
