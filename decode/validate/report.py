@@ -112,7 +112,8 @@ def two_engine_table(v: dict[str, Any]) -> list[str]:
     return [
         "",
         f"## Two engines: our decoder and vLLM {v['version']} (`{v['method']}`, "
-        f"{v['num_speculative_tokens']} speculative tokens, {v['dtype']})",
+        f"{v['num_speculative_tokens']} speculative tokens, {v['dtype']}, draft sampling: "
+        f"{v.get('draft_sample_method', 'n/a')})",
         "",
         f"| figure | {head} |",
         "|---|" + "---|" * (2 * len(modes)),

@@ -59,7 +59,7 @@ from specdistill.decode.validate.modes import merge as _merge
 from specdistill.decode.validate.modes import run_all as _run_all
 from specdistill.decode.validate.report import plot_acceptance, report_markdown
 from specdistill.decode.validate.timing import hf_assisted_speed, measure_c
-from specdistill.decode.validate.vllm_engine import parse_engines, preflight
+from specdistill.decode.validate.vllm_engine import draft_sample_method, parse_engines, preflight
 
 log = logging.getLogger(__name__)
 
@@ -432,6 +432,7 @@ def in_vllm(
         base_out.tokens if dec.cfg.sampling.greedy else None,
         gamma=gamma, max_new_tokens=int(cfg.max_new_tokens), repeats=int(cfg.repeats),
         seed=int(cfg.get("seed", 0)), dtype=st.dtype, eos=st.eos,
+        draft_sample_method=draft_sample_method(cfg.vllm),
     )  # fmt: skip
     notes.extend(more)
     return figures

@@ -50,6 +50,7 @@ def validate_in_vllm(
     seed: int,
     dtype: torch.dtype,
     eos: Sequence[int],
+    draft_sample_method: str | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """(report.json's `vllm` section, notes): both engines of vLLM in every mode of `samplings`.
 
@@ -63,7 +64,7 @@ def validate_in_vllm(
     )  # fmt: skip
     notes: list[str] = []
     modes: dict[str, dict[str, Any]] = {}
-    with engines(spec, settings, kwargs, gamma) as (plain, speculative):
+    with engines(spec, settings, kwargs, gamma, draft_sample_method) as (plain, speculative):
         defect = sampled_speculation_defect()  # after the engines: their kernels are registered
         for mode, s in samplings.items():
             row = measure_mode(plain, speculative, prompts, s, max_new_tokens, eos, seed, repeats)
@@ -104,6 +105,7 @@ def validate_in_vllm(
         "version": getattr(vllm, "__version__", "unknown"),
         "method": "draft_model",
         "num_speculative_tokens": gamma,
+        "draft_sample_method": draft_sample_method or "vLLM's default (greedy)",
         "dtype": str(dtype).removeprefix("torch."),
         "settings": {
             "tensor_parallel_size": settings.tensor_parallel_size,

@@ -47,6 +47,10 @@ COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
 }
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# vLLM's speculative_config.draft_sample_method (null: its default, 'greedy'): 'greedy' drafts
+# q's argmax and, when sampling, accepts it with probability p(x) (q taken as one-hot);
+# 'probabilistic' samples drafts from q and accepts with min(1, p/q), as our decoder does.
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
 def parse_engines(cfg: Any) -> tuple[str, ...]:
@@ -102,11 +106,23 @@ def check_servable(target: Any, drafter: Any, on_cpu: bool, archs: Sequence[str]
             )
 
 
+def draft_sample_method(node: Any) -> str | None:
+    """`vllm.draft_sample_method`: null (vLLM's default) or one of DRAFT_SAMPLE_METHODS."""
+    method = node.get("draft_sample_method")
+    if method is not None and method not in DRAFT_SAMPLE_METHODS:
+        raise ConfigError(
+            f"vllm.draft_sample_method={method!r}: use null (vLLM's default), "
+            + " or ".join(DRAFT_SAMPLE_METHODS)
+        )
+    return method
+
+
 def preflight(cfg: Any, spec: PairSpec) -> EngineSettings:
     """Every check that needs no weights, before anything loads: settings, configs, vLLM."""
     from transformers import AutoConfig
 
     settings = check_engine_settings(cfg.vllm)
+    draft_sample_method(cfg.vllm)
 
     def config(name: str, rev: str | None) -> Any:
         return AutoConfig.from_pretrained(
@@ -151,12 +167,14 @@ def engine_kwargs(
     }
 
 
-def speculative_config(spec: PairSpec, gamma: int) -> dict[str, Any]:
+def speculative_config(spec: PairSpec, gamma: int, method: str | None = None) -> dict[str, Any]:
     conf: dict[str, Any] = {
         "model": spec.drafter,
         "method": "draft_model",
         "num_speculative_tokens": gamma,
     }
+    if method:
+        conf["draft_sample_method"] = method
     if spec.drafter_revision:
         conf["revision"] = spec.drafter_revision
     return conf
@@ -170,7 +188,11 @@ def _shutdown(engine: Any) -> None:
 
 @contextmanager
 def engines(
-    spec: PairSpec, settings: EngineSettings, kwargs: dict[str, Any], gamma: int
+    spec: PairSpec,
+    settings: EngineSettings,
+    kwargs: dict[str, Any],
+    gamma: int,
+    method: str | None = None,
 ) -> Iterator[tuple[Any, Any]]:
     """(plain engine, engine with the drafter), shut down on exit.
 
@@ -192,7 +214,7 @@ def engines(
         with engine_environment(settings, None, in_process):
             for which, extra in (
                 ("the target", {}),
-                ("the target with the drafter", {"speculative_config": speculative_config(spec, gamma)}),
+                ("the target with the drafter", {"speculative_config": speculative_config(spec, gamma, method)}),
             ):  # fmt: skip
                 try:
                     built.append(vllm.LLM(**kwargs, **extra))
@@ -256,7 +278,7 @@ def sampled_speculation_defect() -> str | None:
         f"vLLM {getattr(__import__('vllm'), '__version__', '?')} on this platform cannot sample "
         f"speculatively: expand_batch_to_tokens([0.5, 2.0] over 2+1 tokens) returned {got} "
         "instead of [0.5, 0.5, 2.0], so its rejection sampler divides the logits by garbage "
-        "temperatures; sampled figures below are what this engine does, not lossless sampling"
+        "temperatures; its sampled figures are what this engine does, not lossless sampling"
     )
 
 

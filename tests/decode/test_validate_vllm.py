@@ -111,6 +111,13 @@ def test_engines_setting_is_checked():
             ve.parse_engines({"engines": bad})
 
 
+def test_draft_sample_method_is_checked():
+    assert ve.draft_sample_method({"draft_sample_method": None}) is None
+    assert ve.draft_sample_method({"draft_sample_method": "probabilistic"}) == "probabilistic"
+    with pytest.raises(ConfigError, match=r"vllm\.draft_sample_method='beam': use null"):
+        ve.draft_sample_method({"draft_sample_method": "beam"})
+
+
 def _config(archs, vocab, hidden=128, heads=2):
     return SimpleNamespace(
         architectures=archs,
