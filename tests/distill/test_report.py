@@ -100,3 +100,32 @@ def test_cli_rebuilds_summary_and_plot_from_a_run_folder(tmp_path, capsys):
     assert text == capsys.readouterr().out.rstrip("\n") + "\n"
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not report.plot_acceptance({"validate": {}}, tmp_path / "none.png")
+
+
+def test_summary_shows_the_exported_drafter_in_vllm():
+    """`specdistill vllm=true`: the export's vLLM figures, vLLM beside ours, in summary.md."""
+    vllm = {
+        "version": "0.32.0",
+        "num_speculative_tokens": 4,
+        "device": "cpu",
+        "report": "/run/export/drafter_vllm/report.json",
+        "greedy_identical_to_plain": True,
+        "modes": {
+            "greedy": {"acceptance_rate": 0.833, "ours_acceptance_rate": 0.809,
+                       "mean_acceptance_length": 3.469, "ours_mean_acceptance_length": 3.357,
+                       "speedup": 1.189, "ours_speedup": 0.989, "beyond_noise": False},
+            "sampling": {"acceptance_rate": 0.003, "ours_acceptance_rate": 0.573,
+                         "mean_acceptance_length": 1.003, "ours_mean_acceptance_length": 2.211,
+                         "speedup": 0.251, "ours_speedup": 0.81, "beyond_noise": True},
+        },
+        "notes": ["sampling: vLLM 0.32.0 on this platform cannot sample speculatively"],
+    }  # fmt: skip
+    export = {"output_dir": "/run/export/drafter", "usage": "generate(...)", "vllm": vllm}
+    text = report.summary_markdown("/run", {"export": export}, None)
+    assert "| greedy | 0.833 / 0.809 | 3.47 / 3.36 | 1.19x / 0.989x |" in text
+    assert "| sampling | 0.003 / 0.573 (beyond noise) |" in text
+    assert "cannot sample speculatively" in text
+    assert report.summarize({"export": export})["export.vllm"] == vllm
+    assert "In vLLM" not in report.summary_markdown(
+        "/run", {"export": {**export, "vllm": None}}, None
+    )
