@@ -100,3 +100,21 @@ def test_cli_rebuilds_summary_and_plot_from_a_run_folder(tmp_path, capsys):
     assert text == capsys.readouterr().out.rstrip("\n") + "\n"
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not report.plot_acceptance({"validate": {}}, tmp_path / "none.png")
+
+
+def test_summary_carries_the_heldout_prediction():
+    from specdistill.distill.pipeline.report import prediction_lines
+
+    pred = {
+        "exact": True,
+        "rows": 32,
+        "costs": {"c": 0.39, "source": "measured"},
+        "figures": {
+            "gamma=4": {"tau": 3.53, "speedup": 1.21},
+            "heuristic": {"tau": 3.76, "speedup": 1.33},
+        },
+    }
+    text = "\n".join(prediction_lines(pred))
+    assert "exact replay, 32 rows" in text and "c 0.39" in text
+    assert "gamma=4 1.21x (tau 3.53)" in text and "heuristic 1.33x (tau 3.76)" in text
+    assert prediction_lines(None) == []
