@@ -51,6 +51,7 @@ the proposals to verify from their known confidences.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from array import array
 from collections.abc import Sequence
@@ -694,11 +695,42 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
     med = {key: statistics.median(v) for key, v in ratios.items()}
     v1, vk = med["v1"], med["vk"]
     per_token = max(0.0, (vk - v1) / (k - 1)) if k > 1 else 0.0
-    return DraftCosts(
+    costs = DraftCosts(
         c=round(med["d"], 4),
         verify_per_token=round(per_token, 4),
         round_overhead=round(max(0.0, v1 - 1.0 - per_token) + ROUND_GLUE, 4),
     )
+    if not dense:  # a batched round's host-side glue grows with the batch: time real rounds
+        glue = realized_overhead(dec, ids, costs)
+        if glue > costs.round_overhead:
+            costs = dataclasses.replace(costs, round_overhead=round(glue, 4))
+    return costs
+
+
+def realized_overhead(dec, ids: torch.Tensor, costs: DraftCosts, k: int = 2, tokens: int = 32):
+    """A speculative round's overhead beyond its forwards, from whole decodes: fixed-gamma k
+    rounds against target-only steps on `ids` (B rows), each decoded twice (the first warms),
+    interleaved. Forward timings alone miss the per-row bookkeeping of batched rounds, which on
+    CPU made adaptive lengths at batch 4 draft as if rounds were cheap."""
+    import statistics
+    import time
+
+    cfg = dataclasses.replace(
+        dec.cfg, draft_length="fixed", gamma=k, max_new_tokens=tokens, eos_token_id=()
+    )
+    fixed = type(dec)(dec.target, dec.drafter, cfg, tokenizer_len=dec.vocab)
+    ratios = []
+    for i in range(6):
+        t0 = time.perf_counter()
+        base = fixed.baseline(ids)
+        t1 = time.perf_counter()
+        spec = fixed.generate(ids)
+        t2 = time.perf_counter()
+        if i:
+            step = (t1 - t0) / max(base.target_forwards, 1)
+            ratios.append((t2 - t1) / max(spec.target_forwards, 1) / step)
+    forwards = costs.round_cost(k) - costs.round_overhead  # drafts + verify, no glue
+    return max(0.0, statistics.median(ratios) - forwards)
 
 
 def draft_length_settings(dcfg) -> dict:
