@@ -51,6 +51,7 @@ the proposals to verify from their known confidences.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from array import array
 from collections.abc import Sequence
@@ -537,6 +538,79 @@ def make_policy(
     return cls(gamma, max_k, costs, scope=scope, floor=floor, probe_every=probe_every)
 
 
+@dataclass
+class Replay:
+    """A policy replayed over known acceptance outcomes (`replay`): tokens emitted, modeled cost
+    in target steps, rounds that drafted, drafts verified, plain target steps."""
+
+    tokens: int = 0
+    cost: float = 0.0
+    rounds: int = 0
+    drafts: int = 0
+    target_steps: int = 0
+
+    def add(self, other: Replay) -> Replay:
+        return Replay(*(getattr(self, f) + getattr(other, f) for f in Replay.__dataclass_fields__))
+
+    def figures(self) -> dict[str, float]:
+        """tau (tokens per target forward), mean drafts per round (target steps count 0) and
+        the speedup the cost model gives (target-only decoding costs 1 per token)."""
+        forwards = max(self.rounds + self.target_steps, 1)
+        return {
+            "tau": round(self.tokens / forwards, 3),
+            "mean_draft_length": round(self.drafts / forwards, 3),
+            "target_step_share": round(self.target_steps / forwards, 3),
+            "speedup": round(self.tokens / max(self.cost, 1e-9), 3),
+        }
+
+
+def replay(
+    accepted: Sequence[bool], conf: Sequence[float] | None, policy: DraftLengthPolicy
+) -> Replay:
+    """Run `policy` over one greedy decode whose per-position outcomes are known: accepted[t]
+    is whether the drafter's argmax at t matches the target's token there (teacher-forced on the
+    target's own greedy continuation), conf[t] the drafter's probability of its argmax.
+
+    Exact for greedy decoding up to the first rejection of every round, which is all that
+    fixed and heuristic lengths read: while drafts are accepted the drafter's context *is* the
+    target's continuation. A confidence policy may also read confidences after a rejected draft,
+    where the real drafter saw its own wrong token: those are the teacher-forced ones here.
+    This is how the distill stage predicts the adaptive speedup from its held-out set."""
+    n = len(accepted)
+    if conf is not None and len(conf) != n:
+        raise ValueError(f"conf has {len(conf)} positions, accepted {n}")
+    out = Replay()
+    policy.start(1)
+    pos = 0
+    while pos < n:
+        budget = max(1, min(policy.max_k, n - pos - 1))
+        k = policy.plan(budget, [True]).k
+        if k == 0:
+            policy.observe_step([True])
+            out.target_steps += 1
+            out.tokens += 1
+            out.cost += 1.0
+            pos += 1
+            continue
+        kd = k
+        if policy.reads_q and conf is not None:
+            for i in range(k - 1):
+                if not policy.keep_drafting(i + 1, [conf[min(pos + i, n - 1)]]):
+                    kd = i + 1
+                    break
+        got = 0
+        while got < kd and pos + got < n and accepted[pos + got]:
+            got += 1
+        out.rounds += 1
+        out.drafts += kd
+        out.tokens += min(got + 1, n - pos)
+        out.cost += policy.costs.round_cost(kd)
+        window = [list(conf[pos : pos + kd])] if conf is not None else None
+        policy.observe([kd], [got], [True], window)
+        pos += got + 1
+    return out
+
+
 def verify_widths(max_k: int) -> list[int]:
     """Verify widths (drafts + 1) a compiled target is given: k in {0, 1, 2, 4, 8, ...} and
     max_k, so CUDA graphs / inductor see a few shapes; a round's drafts are padded up."""
@@ -563,17 +637,31 @@ ROUND_GLUE = 0.1
 def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
     """The pair's `DraftCosts` on this device, timed with the decoder's own caches (p = target,
     q = drafter): medians over blocks of steps, the models interleaved so load drifts hit both
-    alike. ids: one prompt (1, P), dense."""
+    alike. ids: (B, P), one prompt repeated; B > 1 is timed on the masked, batched path."""
     import statistics
     import time
 
     k = dec.max_draft
-    plen = ids.shape[1]
+    b, plen = ids.shape
     width = max(dec.verify_widths[-1], k + 1)
     runners = [dec._runner(m, plen + width + 2) for m in (dec.target, dec.drafter)]
+    # Batched decodes run masked steps with explicit positions (rows have holes), which cost
+    # more than dense ones on CPU: time the path the decoder will take at this batch size.
+    dense = b == 1
+    mask = torch.ones(b, max(r.capacity for r in runners), dtype=torch.bool, device=dec.device)
+
+    def step(runner, x: torch.Tensor, keep: int, prefill: bool = False) -> None:
+        if dense:
+            runner.forward(x, keep=keep, prefill=prefill)
+            return
+        n = x.shape[1]
+        attn = mask[:, :n] if prefill else dec._attn(runner, mask, runner.length + n)
+        pos = (runner.length + torch.arange(n, device=dec.device)).expand(b, n)
+        runner.forward(x, attn, pos, keep=keep, prefill=prefill)
+
     for r in runners:
         if plen > 1:
-            r.forward(ids[:, :-1], keep=1, prefill=True)
+            step(r, ids[:, :-1], 1, prefill=True)
     cuda = dec.device.type == "cuda"
 
     def timed(runner, w: int, reps: int = 4) -> float:
@@ -582,7 +670,7 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
             torch.cuda.synchronize(dec.device)
         t0 = time.perf_counter()
         for _ in range(reps):
-            runner.forward(x, keep=1 if w == 1 else w)
+            step(runner, x, 1 if w == 1 else w)
             if w > 1:
                 runner.rollback(base)
         if cuda:
@@ -607,11 +695,42 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
     med = {key: statistics.median(v) for key, v in ratios.items()}
     v1, vk = med["v1"], med["vk"]
     per_token = max(0.0, (vk - v1) / (k - 1)) if k > 1 else 0.0
-    return DraftCosts(
+    costs = DraftCosts(
         c=round(med["d"], 4),
         verify_per_token=round(per_token, 4),
         round_overhead=round(max(0.0, v1 - 1.0 - per_token) + ROUND_GLUE, 4),
     )
+    if not dense:  # a batched round's host-side glue grows with the batch: time real rounds
+        glue = realized_overhead(dec, ids, costs)
+        if glue > costs.round_overhead:
+            costs = dataclasses.replace(costs, round_overhead=round(glue, 4))
+    return costs
+
+
+def realized_overhead(dec, ids: torch.Tensor, costs: DraftCosts, k: int = 2, tokens: int = 32):
+    """A speculative round's overhead beyond its forwards, from whole decodes: fixed-gamma k
+    rounds against target-only steps on `ids` (B rows), each decoded twice (the first warms),
+    interleaved. Forward timings alone miss the per-row bookkeeping of batched rounds, which on
+    CPU made adaptive lengths at batch 4 draft as if rounds were cheap."""
+    import statistics
+    import time
+
+    cfg = dataclasses.replace(
+        dec.cfg, draft_length="fixed", gamma=k, max_new_tokens=tokens, eos_token_id=()
+    )
+    fixed = type(dec)(dec.target, dec.drafter, cfg, tokenizer_len=dec.vocab)
+    ratios = []
+    for i in range(6):
+        t0 = time.perf_counter()
+        base = fixed.baseline(ids)
+        t1 = time.perf_counter()
+        spec = fixed.generate(ids)
+        t2 = time.perf_counter()
+        if i:
+            step = (t1 - t0) / max(base.target_forwards, 1)
+            ratios.append((t2 - t1) / max(spec.target_forwards, 1) / step)
+    forwards = costs.round_cost(k) - costs.round_overhead  # drafts + verify, no glue
+    return max(0.0, statistics.median(ratios) - forwards)
 
 
 def draft_length_settings(dcfg) -> dict:

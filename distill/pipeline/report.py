@@ -180,6 +180,7 @@ def summary_markdown(
             f"Distilled with loss {loss}, lmbda {d.get('lmbda')}, {d.get('steps')} steps "
             f"(best held-out alpha at step {d.get('best_step')}): `{d.get('drafter_path')}`.",
         ]
+        lines += prediction_lines(d.get("heldout_prediction"))
     if serving:
         how = serving.get("mode", "?")
         if how == "sampling":
@@ -225,6 +226,22 @@ def vllm_lines(v: dict[str, Any] | None) -> list[str]:
     same = v.get("greedy_identical_to_plain")
     lines += ["", f"vLLM greedy output with the drafter = its plain greedy output: {_shown(same)}"]
     return lines + [f"- {n}" for n in v.get("notes") or []]
+
+
+def prediction_lines(pred: dict[str, Any] | None) -> list[str]:
+    """The distill stage's held-out replay of the decoder (greedy serving), when it ran."""
+    if not pred:
+        return []
+    how = "exact replay" if pred.get("exact") else "estimate (reference completions)"
+    c = pred.get("costs") or {}
+    figs = ", ".join(
+        f"{name} {f['speedup']}x (tau {f['tau']})" for name, f in pred.get("figures", {}).items()
+    )
+    return [
+        "",
+        f"Predicted from the held-out set ({how}, {pred.get('rows')} rows, costs "
+        f"{c.get('source')}: c {c.get('c')}): {figs}.",
+    ]
 
 
 def plot_acceptance(stages: dict[str, dict], path: Path) -> bool:

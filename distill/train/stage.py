@@ -42,6 +42,7 @@ from specdistill.distill.train.data import (
     sample_onpolicy,
 )
 from specdistill.distill.train.evaluate import evaluate
+from specdistill.distill.train.predict import heldout_prediction
 
 log = logging.getLogger("specdistill.distill")
 
@@ -73,6 +74,8 @@ class DistillResult:
     world_size: int
     history: list[dict[str, float]] = field(default_factory=list)
     switch: dict[str, Any] | None = None  # the second phase, when the run had one
+    # decode figures of best/ predicted from the held-out set (distill/train/predict.py)
+    heldout_prediction: dict[str, Any] | None = None
 
 
 def _schedule(cfg: DictConfig) -> Callable[[int], float]:
@@ -348,6 +351,15 @@ def evaluate_and_save(
     return t_train
 
 
+def _best_drafter(tr: Trainer, state: dict[str, Any], step: int):
+    """best/ as a model: the one in memory when the last step was the best, else from disk."""
+    if state["best_step"] == step and zero.zero_stage(tr.cfg) != 3:  # ZeRO-3: params sharded
+        return tr.accelerator.unwrap_model(tr.model)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tr.out / "best").to(tr.device)
+
+
 def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
     """final/, the result (written by the main process) and the sweep summary if any."""
     cfg, out = tr.cfg, tr.out
@@ -387,6 +399,7 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
         switch=OmegaConf.to_container(cfg.switch) if OmegaConf.select(cfg, "switch.at") else None,  # type: ignore[arg-type]
     )
     if tr.accelerator.is_main_process:
+        result.heldout_prediction = heldout_prediction(tr, _best_drafter(tr, state, step), cfg)
         atomic_write_json(out / "result.json", result)
         if OmegaConf.select(cfg, "sweep_dir"):
             from specdistill.distill.pipeline.sweep_summary import write_summary

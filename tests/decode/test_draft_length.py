@@ -25,6 +25,8 @@ from specdistill.decode.draft_length import (
     chunk_widths,
     draft_gain,
     expected_tokens,
+    make_policy,
+    replay,
     verify_widths,
 )
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
@@ -332,3 +334,61 @@ def test_bad_draft_length_settings_name_the_field(kwargs, field):
     target = tiny_llama(vocab=64, layers=1)
     with pytest.raises(ConfigError, match=rf"^{field}="):
         SpeculativeDecoder(target, target, DecoderConfig(**kwargs))
+
+
+# ---------------------------------------------------------------- replay (held-out prediction)
+
+
+def _outcomes(target, drafter, prompt: list[int], n: int) -> tuple[list[bool], list[float]]:
+    """Teacher-forced on the target's greedy continuation: does q's argmax match it, and q's
+    probability of its argmax, at each of the n continuation positions."""
+    ref = greedy_reference(target, prompt, n)
+    with torch.no_grad():
+        logits = drafter(torch.tensor([prompt + ref])).logits[0, len(prompt) - 1 : -1].float()
+    q = torch.softmax(logits, -1)
+    return (logits.argmax(-1) == torch.tensor(ref)).tolist(), q.max(-1).values.tolist()
+
+
+@pytest.mark.parametrize("policy", ["fixed", "heuristic", "confidence"])
+@pytest.mark.parametrize("costs", [CHEAP, DEAR], ids=["cheap", "dear"])
+def test_replay_predicts_the_decoders_rounds(pair, policy, costs):
+    """`replay` over teacher-forced outcomes is the greedy decoder's own run: the same rounds,
+    draft lengths and target forwards (fixed, heuristic: exactly); the confidence policy reads
+    confidences past a rejection that the decoder computed on its own draft, so only close."""
+    target, drafter = pair
+    n = 32
+    cfg = dict(max_new_tokens=n, draft_length=policy, gamma=3, max_draft=6, probe_every=3)
+    got_forwards = want_forwards = 0
+    got_drafts = want_drafts = 0
+    for prompt in prompts(4, 64, seed=11):
+        dec = SpeculativeDecoder(target, drafter, DecoderConfig(**cfg, draft_costs=costs))
+        out = dec.generate(torch.tensor([prompt]))
+        accepted, conf = _outcomes(target, drafter, prompt, n)
+        rep = replay(accepted, conf, make_policy(policy, 3, 6 if policy != "fixed" else 3,
+                                                 costs, probe_every=3))  # fmt: skip
+        assert rep.tokens == len(out.tokens[0]) == n
+        if policy != "confidence":
+            assert rep.rounds + rep.target_steps == out.target_forwards
+            assert rep.target_steps == out.draft_lengths[0]
+            assert rep.drafts == sum(k * c for k, c in enumerate(out.draft_lengths))
+        got_forwards += rep.rounds + rep.target_steps
+        want_forwards += out.target_forwards
+        got_drafts += rep.drafts
+        want_drafts += sum(k * c for k, c in enumerate(out.draft_lengths))
+    assert got_forwards == pytest.approx(want_forwards, rel=0.15)
+    assert got_drafts == pytest.approx(want_drafts, rel=0.2, abs=2)
+
+
+def test_replay_cost_model_by_hand():
+    """Fixed gamma 2 over a known outcome string: rounds, tokens and modeled cost by hand."""
+    costs = DraftCosts(c=0.5, verify_per_token=0.1, round_overhead=0.2)
+    # rounds: [1,1] all accepted -> 3 tokens; [0] -> 1 token; [1,0] -> 2 tokens; last: 1 left
+    rep = replay(
+        [True, True, True, False, True, False, True], None, make_policy("fixed", 2, 2, costs)
+    )
+    assert (rep.rounds, rep.tokens, rep.target_steps) == (4, 7, 0)
+    per_round = costs.round_cost(2)
+    # budget shrinks at the end: the last round (1 token left) drafts max(1, 0) = 1
+    assert rep.drafts == 2 + 2 + 2 + 1
+    assert rep.cost == pytest.approx(3 * per_round + costs.round_cost(1))
+    assert rep.figures()["speedup"] == pytest.approx(round(7 / rep.cost, 3))

@@ -129,3 +129,21 @@ def test_summary_shows_the_exported_drafter_in_vllm():
     assert "In vLLM" not in report.summary_markdown(
         "/run", {"export": {**export, "vllm": None}}, None
     )
+
+
+def test_summary_carries_the_heldout_prediction():
+    from specdistill.distill.pipeline.report import prediction_lines
+
+    pred = {
+        "exact": True,
+        "rows": 32,
+        "costs": {"c": 0.39, "source": "measured"},
+        "figures": {
+            "gamma=4": {"tau": 3.53, "speedup": 1.21},
+            "heuristic": {"tau": 3.76, "speedup": 1.33},
+        },
+    }
+    text = "\n".join(prediction_lines(pred))
+    assert "exact replay, 32 rows" in text and "c 0.39" in text
+    assert "gamma=4 1.21x (tau 3.53)" in text and "heuristic 1.33x (tau 3.76)" in text
+    assert prediction_lines(None) == []

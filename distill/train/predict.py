@@ -1,0 +1,114 @@
+"""The decode figures a drafter will get, predicted from the distill stage's held-out set.
+
+p = target, q = drafter. Greedy serving: along the target's own greedy continuation (eval
+source `target`), a round's drafts are accepted exactly as long as q's argmax matches the next
+token, and while they are, q's context *is* that continuation. So the teacher-forced agreement
+string of each held-out row fixes every round of a fixed-gamma or heuristic-length decode, and
+`decode.draft_length.replay` runs the decoder's own policy objects over it: tau, mean draft
+length, plain target steps and, under a cost model (`DraftCosts`, measured on the pair when the
+target is loaded), the speedup. On reference completions (eval source `reference`) the same
+replay is an estimate: the decode would follow the target's text, not the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from specdistill.decode.draft_length import DraftCosts, Replay, make_policy, replay
+
+POLICIES = ("fixed", "heuristic", "confidence")
+
+
+@torch.no_grad()
+def heldout_outcomes(
+    drafter, target, batches: list[dict[str, torch.Tensor]], *, vocab: int, device
+) -> list[tuple[list[bool], list[float]]]:
+    """Per held-out row, in order over its masked positions: does q's argmax match p's (the
+    target's logits, or its stored top-1 when `target` is None), and q's probability of it."""
+    was_training = drafter.training
+    drafter.eval()
+    rows: list[tuple[list[bool], list[float]]] = []
+    for batch in batches:
+        ids = batch["input_ids"].to(device)
+        att = batch["attention_mask"].to(device)
+        mask = batch["loss_mask"].to(device).bool()
+        q = torch.softmax(
+            drafter(input_ids=ids, attention_mask=att).logits[..., :vocab].float(), -1
+        )
+        q_conf, q_top = q.max(-1)
+        if target is not None:
+            p_top = target(input_ids=ids, attention_mask=att).logits[..., :vocab].argmax(-1)
+        else:
+            p_top = batch["topk_ids"].to(device)[..., 0]
+        agree = q_top == p_top
+        for r in range(ids.shape[0]):
+            m = mask[r]
+            if bool(m.any()):
+                rows.append((agree[r][m].tolist(), q_conf[r][m].tolist()))
+    drafter.train(was_training)
+    return rows
+
+
+def predict(
+    rows: list[tuple[list[bool], list[float]]],
+    *,
+    gamma: int,
+    max_draft: int,
+    costs: DraftCosts,
+    policies: tuple[str, ...] = POLICIES,
+) -> dict[str, dict[str, float]]:
+    """Replayed figures per policy over all rows (one policy object per policy, kept across
+    rows like the decoder's: the floor's averages and the calibration carry over)."""
+    figures: dict[str, dict[str, float]] = {}
+    for name in policies:
+        policy = make_policy(name, gamma, gamma if name == "fixed" else max_draft, costs)
+        total = Replay()
+        for accepted, conf in rows:
+            total = total.add(replay(accepted, conf, policy))
+        label = f"gamma={gamma}" if name == "fixed" else name
+        figures[label] = total.figures()
+    return figures
+
+
+def heldout_prediction(tr: Any, drafter, cfg) -> dict[str, Any] | None:
+    """The prediction for the distill result (greedy serving only; None otherwise): the policies
+    replayed with the costs from `eval.predict.costs` (`auto`: measured on the pair when the
+    target is loaded, else the cost model's defaults, said so)."""
+    pcfg = cfg.eval.get("predict", {}) or {}
+    if not pcfg.get("enabled", True) or not tr.eval_sampling.greedy or not tr.eval_batches:
+        return None
+    gamma, max_draft = int(pcfg.get("gamma", 4)), int(pcfg.get("max_draft", 8))
+    raw = pcfg.get("costs", "auto")
+    source = "configured"
+    if raw not in (None, "auto"):
+        costs = DraftCosts(**{k: float(v) for k, v in dict(raw).items()})
+    elif tr.target is not None:
+        costs, source = measured_costs(tr, drafter, max_draft), "measured"
+    else:
+        costs, source = DraftCosts(), "default (no target loaded: set eval.predict.costs)"
+    rows = heldout_outcomes(drafter, tr.target, tr.eval_batches, vocab=tr.vocab, device=tr.device)
+    return {
+        "eval_source": str(cfg.eval.source),
+        "exact": str(cfg.eval.source) == "target",
+        "costs": dataclasses.asdict(costs) | {"source": source},
+        "rows": len(rows),
+        "figures": predict(rows, gamma=gamma, max_draft=max_draft, costs=costs),
+    }
+
+
+def measured_costs(tr: Any, drafter, max_draft: int) -> DraftCosts:
+    """The pair's step costs, timed with the decoder's own caches on one held-out prompt."""
+    from specdistill.decode.draft_length import measure_costs
+    from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
+
+    batch = tr.eval_batches[0]
+    first = batch["loss_mask"][0].nonzero()
+    end = int(first[0]) + 1 if len(first) else batch["input_ids"].shape[1]
+    ids = batch["input_ids"][:1, :end][:, batch["attention_mask"][0, :end].bool()]
+    dec = SpeculativeDecoder(
+        tr.target, drafter, DecoderConfig(max_new_tokens=8, max_draft=max_draft, gamma=max_draft)
+    )
+    return measure_costs(dec, ids.to(tr.device))
