@@ -151,6 +151,10 @@ def run(cfg: DictConfig) -> PipelineResult:
     """The local executor: every step of the plan in-process, in order, then the report."""
     t0 = time.perf_counter()
     steps = build_plan(cfg)  # every config composed and checked before any step runs
+    if cfg.get("vllm", False) and any(s.stage == "export" for s in steps):
+        from specdistill.data.generate.vllm_engine import require_vllm
+
+        require_vllm("vllm=true")  # the export's vLLM check would fail only after every stage
     write_plan(steps)
     stages = {step.name: run_step(step) for step in steps[:-1]}
     if not _main_process():  # under a launcher, rank 0 alone writes the run's report

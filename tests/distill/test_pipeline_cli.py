@@ -228,3 +228,16 @@ def test_console_script_plan_writes_nothing(tmp_path):
     (p,) = plans(proc.stdout)
     assert p["distill"]["config"]["lmbda"] == 1.0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_vllm_true_without_vllm_stops_before_any_step(cli, monkeypatch, tmp_path):
+    """`specdistill vllm=true` where vLLM is missing: one error line, no step has run (the
+    export's check would otherwise come after generate, distill and validate)."""
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    code, _, err = cli(f"run_dir={tmp_path / 'run'}", "pair=toy-tiny", "vllm=true", plan=False)
+    assert code == 2
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: vllm=true but vLLM cannot be imported")
+    assert not (tmp_path / "run" / "generate").exists()
+    code, runs, err = cli(f"run_dir={tmp_path / 'run'}", "pair=toy-tiny", "vllm=true")
+    assert code == 0 and runs[0]["export"]["config"]["vllm"]["enabled"] is True  # plan: no vLLM
