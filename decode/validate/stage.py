@@ -137,6 +137,8 @@ def decoder_config(
         record_probs=bool(dcfg.get("record_probs", False)),
         host_sync_every=int(dcfg.get("host_sync_every", 0)),
         cpu_matmul=str(dcfg.get("cpu_matmul", "auto")),
+        drafting=str(dcfg.get("drafting", "autoregressive")),
+        mask_token_id=dcfg.get("mask_token_id"),
         **draft_length_settings(dcfg),
     )
 
