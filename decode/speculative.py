@@ -354,7 +354,7 @@ class SpeculativeDecoder:
         for model, cap, steps in (  # (tokens fed, logits kept) exactly as the loops call them
             (self.target, plen + self.cfg.max_new_tokens + 1, ((1, 1),)),
             (self.target, self.spec_slots(1, plen), tuple((w, w) for w in self.verify_widths)),
-            (self.drafter, self.spec_slots(1, plen), ((1, 1), *((w, 1) for w in catch))),
+            (self.drafter, self.spec_slots(1, plen), self._drafter_shapes(catch)),
         ):
             runner = self._runner(model, cap)
             self._prefill([runner], ids, torch.ones_like(ids, dtype=torch.bool), True)
@@ -362,6 +362,14 @@ class SpeculativeDecoder:
                 for _ in range(2):
                     runner.forward(ids[:, -1:].repeat(1, width), keep=keep)
                     runner.rollback(runner.length - width)
+
+    def _drafter_shapes(self, catch: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """(tokens fed, logits kept) of the drafter's decode steps: 1-token drafts and catch-ups,
+        or a parallel round's one forward over lag + t + gamma-1 masks (lag 0..gamma)."""
+        g = self.max_draft
+        if self.parallel:
+            return tuple((g + lag, g) for lag in range(g + 1))
+        return ((1, 1), *((w, 1) for w in catch))
 
     @staticmethod
     def _attn(runner: ModelRunner, mask: torch.Tensor, width: int) -> torch.Tensor:
