@@ -131,3 +131,30 @@ def test_accepted_length_brute_force():
     a = [0.9, 0.5, 0.2]
     want = 0.9 + 0.9 * 0.5 + 0.9 * 0.5 * 0.2
     assert accepted_length(a) == pytest.approx(want)
+
+
+@pytest.mark.slow  # ~1 min on 2 shared CPU cores (Seq-KD set, training, per-depth evaluation)
+def test_parallel_conversion_raises_acceptance_past_depth1(distill_cfg, tmp_path, seqkd_dir):
+    """The distill stage with drafting=parallel: mask depths learn (held-out acceptance at
+    depths >= 2 rises), best/ is picked by accepted length and carries its mask token."""
+    import json
+
+    from transformers import AutoConfig
+
+    from specdistill.distill.train import stage as train
+
+    cfg = distill_cfg(
+        tmp_path / "run", f"data.path={seqkd_dir}", "drafting=parallel", "parallel.depth=4",
+        "max_steps=12", "eval_every=6", "eval.source=target", "eval.sampling.temperature=0",
+    )  # fmt: skip
+    res = train.run(cfg)
+    par = res.parallel
+    assert par is not None and par["depth"] == 4 and len(par["alpha_at_best"]) == 4
+    assert sum(par["alpha_at_best"][1:]) > sum(par["alpha_at_before"][1:]) + 0.05, par
+    assert par["accepted_length_best"] > par["accepted_length_before"]
+    saved = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert saved["parallel"]["mask_token_id"] == par["mask_token_id"]
+    config = AutoConfig.from_pretrained(res.drafter_path)
+    assert config.mask_token_id == par["mask_token_id"]
+    with pytest.raises(ConfigError, match="parallel.depth=1"):
+        train.run(distill_cfg(tmp_path / "bad", "drafting=parallel", "parallel.depth=1"))
