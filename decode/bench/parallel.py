@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
@@ -36,7 +35,7 @@ from specdistill.decode.bench.draft import interleaved
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
 from specdistill.decode.validate.modes import merge, mode_name, other_decoder
 from specdistill.decode.validate.stage import decoder_config, setup, warm_up
-from specdistill.decode.validate.timing import _sync, hf_assisted_speed, measure_c
+from specdistill.decode.validate.timing import forward_cost, hf_assisted_speed, measure_c
 
 
 def parse_gammas(raw: Any) -> list[int]:
@@ -64,34 +63,6 @@ def load_parallel_drafter(cfg: DictConfig, st) -> Any:
             "parallel drafter (train one with distill drafting=parallel)"
         )
     return model
-
-
-@torch.inference_mode()
-def forward_cost(dec: SpeculativeDecoder, input_ids: torch.Tensor, width: int, iters: int) -> float:
-    """One drafter forward of `width` tokens in target 1-token steps (median of blocks of
-    alternating timings, both caches at the prompt's length, as `measure_c` does)."""
-    ids = input_ids.to(dec.device)
-    plen = ids.shape[1]
-    tgt = dec._runner(dec.target, plen + width + 2)
-    dft = dec._runner(dec.drafter, plen + width + 2)
-    for r in (tgt, dft):
-        r.forward(ids[:, :-1], keep=1, prefill=True)
-    ratios = []
-    for i in range(iters + 2):
-        times = []
-        for runner, w in ((tgt, 1), (dft, width)):
-            x = ids[:, -1:].repeat(1, w)
-            base = runner.length
-            _sync(dec.device)
-            t0 = time.perf_counter()
-            for _ in range(4):
-                runner.forward(x, keep=w)
-                runner.rollback(base)
-            _sync(dec.device)
-            times.append(time.perf_counter() - t0)
-        if i >= 2:
-            ratios.append(times[1] / times[0])
-    return statistics.median(ratios)
 
 
 def run_parallel(cfg: DictConfig) -> dict[str, Any]:

@@ -58,7 +58,7 @@ from specdistill.decode.validate.modes import (
 from specdistill.decode.validate.modes import merge as _merge
 from specdistill.decode.validate.modes import run_all as _run_all
 from specdistill.decode.validate.report import plot_acceptance, report_markdown
-from specdistill.decode.validate.timing import hf_assisted_speed, measure_c
+from specdistill.decode.validate.timing import forward_cost, hf_assisted_speed, measure_c
 
 log = logging.getLogger(__name__)
 
@@ -340,6 +340,12 @@ def run(cfg: DictConfig) -> ValidateResult:
 
     t_warm = time.perf_counter()
     gamma, dec, c, verify_cost = choose_gamma(cfg, st, make, notes)
+    if dec.parallel:  # one drafter forward per round: the formula's gamma c is its cost
+        c = forward_cost(dec, st.warm[0][0], gamma + 1, int(cfg.step_time_iters)) / gamma
+        notes.append(
+            f"parallel drafting: c = one drafter forward of gamma+1 tokens / gamma = {c:.3f} "
+            "(the theoretical speedup's gamma c is one forward per round)"
+        )
     warm_up(dec, st.batches, st.warm, seed)  # untimed, then interleaved timed repeats
     warmup_seconds = time.perf_counter() - t_warm
     base_rates, spec_rates, base_out, spec_out = timed_repeats(dec, st.batches, seed, repeats)
