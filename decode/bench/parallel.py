@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
@@ -63,6 +64,26 @@ def load_parallel_drafter(cfg: DictConfig, st) -> Any:
             "parallel drafter (train one with distill drafting=parallel)"
         )
     return model
+
+
+@torch.inference_mode()
+def first_draft_agreement(target, drafter, batches, continuations: list[list[int]]) -> float:
+    """Greedy alpha at draft position 1 over *every* position of the target's continuations:
+    the share the drafter's argmax (q) predicts from the true prefix. The decoder's position-1
+    alpha is measured at round starts only, which depend on the drafter (each drafting mode
+    starts rounds after its own rejections), so this is the like-for-like figure."""
+    rows = [ids[j, mask[j].bool()] for ids, mask in batches for j in range(ids.shape[0])]
+    hits = total = 0
+    for prompt, cont in zip(rows, continuations):
+        if not cont:
+            continue
+        seq = torch.cat([prompt, torch.tensor(cont, device=prompt.device)])[None]
+        span = slice(prompt.shape[0] - 1, prompt.shape[0] - 1 + len(cont))
+        p_logits = target(seq).logits[0, span]
+        q_logits = drafter(seq).logits[0, span, : p_logits.shape[-1]]  # padding rows cut
+        hits += int((q_logits.argmax(-1) == p_logits.argmax(-1)).sum())
+        total += len(cont)
+    return hits / max(total, 1)
 
 
 def run_parallel(cfg: DictConfig) -> dict[str, Any]:
@@ -162,8 +183,15 @@ def _measure_mode(cfg, st, par, dcfg, gammas: list[int]) -> dict[str, Any]:
             hf[label] = hf_assisted_speed(
                 st.target, drafter, st.tok, st.warm, st.batches, probe.cfg, reps, base
             )
+    agreement = None
+    if greedy:
+        agreement = {
+            label: round(first_draft_agreement(st.target, d, st.batches, base.tokens), 4)
+            for label, d in (("autoregressive", st.drafter), ("parallel", par))
+        }
     s = probe.cfg.sampling
     return {
+        "first_draft_agreement": agreement,
         "temperature": s.temperature,
         "top_k": s.top_k,
         "top_p": s.top_p,
@@ -214,8 +242,18 @@ def parallel_markdown(report: dict[str, Any]) -> str:
                 f"{hf['speedup']}x | {hf['same_tokens']} |"
             )
         b = m["best_gamma"]
+        agree = m.get("first_draft_agreement")
         lines += [
             "",
+            *(
+                [
+                    f"- greedy alpha at draft position 1 over every continuation position "
+                    f"(not only round starts): autoregressive {agree['autoregressive']}, "
+                    f"parallel {agree['parallel']}"
+                ]
+                if agree
+                else []
+            ),
             f"- best gamma by measured speedup: autoregressive {b['autoregressive']}, "
             f"parallel {b['parallel']}",
             "",

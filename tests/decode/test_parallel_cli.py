@@ -51,6 +51,11 @@ def test_bench_compare_parallel_side_by_side(tmp_path, parallel_drafter):
             if r["drafting"] == "parallel":
                 assert r["drafter_forwards_per_round"] == 1.0
         assert set(mode["best_gamma"]) == {"autoregressive", "parallel"}
+        agree = mode["first_draft_agreement"]
+        if name == "greedy":  # one drafter weights file: the same depth-1 predictions
+            assert 0 < agree["autoregressive"] == agree["parallel"] <= 1
+        else:
+            assert agree is None
     saved = json.loads((tmp_path / "parallel.json").read_text())
     assert saved["mask_token_id"] == report["mask_token_id"]
     assert "| parallel | 3 |" in (tmp_path / "parallel.md").read_text()
