@@ -51,6 +51,7 @@ from specdistill.decode.draft_length import (
     measure_costs,
     verify_widths,
 )
+from specdistill.decode.parallel import DRAFTING, generate_parallel, resolve_mask_token
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ class DecoderConfig:
     draft_floor: bool = True
     probe_every: int = 8
     draft_costs: DraftCosts | None = None  # None: measured on the pair at first use
+    # autoregressive: gamma drafter steps per round | parallel: one drafter forward over the
+    # new tokens + gamma-1 mask tokens proposes all gamma (decode.parallel; a PARD drafter)
+    drafting: str = "autoregressive"
+    mask_token_id: int | None = None  # parallel: None reads the drafter's config.mask_token_id
 
     @property
     def lossy(self) -> bool:
@@ -188,6 +193,13 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
             v = getattr(dc, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 100:
                 raise ConfigError(f"decoder.draft_{name}={v!r} must be a number >= 0 (or auto)")
+    if cfg.drafting not in DRAFTING:
+        raise ConfigError(f"decoder.drafting={cfg.drafting!r}: use {' or '.join(DRAFTING)}")
+    if cfg.drafting == "parallel" and cfg.draft_length != "fixed":
+        raise ConfigError(
+            f"decoder.draft_length={cfg.draft_length!r} with decoder.drafting=parallel: "
+            "parallel drafting drafts a fixed gamma per round; set decoder.draft_length=fixed"
+        )
     if cfg.compile is True and cfg.cache == "dynamic":
         raise ConfigError(
             "decoder.compile=true compiles fixed-shape steps over a static cache: "
@@ -249,6 +261,10 @@ class SpeculativeDecoder:
         self._costs = cfg.draft_costs
         self._measured: dict[int, DraftCosts] = {}  # by batch size
         self._policy = None
+        self.parallel = cfg.drafting == "parallel"
+        self.mask_token_id = (
+            resolve_mask_token(drafter, cfg.mask_token_id, self.vocab) if self.parallel else None
+        )
 
     def get_policy(self, input_ids: torch.Tensor | None = None):
         """The draft-length policy (decode.draft_length); its calibration lives as long as the
@@ -338,7 +354,7 @@ class SpeculativeDecoder:
         for model, cap, steps in (  # (tokens fed, logits kept) exactly as the loops call them
             (self.target, plen + self.cfg.max_new_tokens + 1, ((1, 1),)),
             (self.target, self.spec_slots(1, plen), tuple((w, w) for w in self.verify_widths)),
-            (self.drafter, self.spec_slots(1, plen), ((1, 1), *((w, 1) for w in catch))),
+            (self.drafter, self.spec_slots(1, plen), self._drafter_shapes(catch)),
         ):
             runner = self._runner(model, cap)
             self._prefill([runner], ids, torch.ones_like(ids, dtype=torch.bool), True)
@@ -346,6 +362,14 @@ class SpeculativeDecoder:
                 for _ in range(2):
                     runner.forward(ids[:, -1:].repeat(1, width), keep=keep)
                     runner.rollback(runner.length - width)
+
+    def _drafter_shapes(self, catch: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """(tokens fed, logits kept) of the drafter's decode steps: 1-token drafts and catch-ups,
+        or a parallel round's one forward over lag + t + gamma-1 masks (lag 0..gamma)."""
+        g = self.max_draft
+        if self.parallel:
+            return tuple((g + lag, g) for lag in range(g + 1))
+        return ((1, 1), *((w, 1) for w in catch))
 
     @staticmethod
     def _attn(runner: ModelRunner, mask: torch.Tensor, width: int) -> torch.Tensor:
@@ -419,6 +443,8 @@ class SpeculativeDecoder:
         generator: torch.Generator | None = None,
     ) -> DecodeOutput:
         """Speculative decoding of left-padded `input_ids` (B, P); see the module docstring."""
+        if self.parallel:
+            return generate_parallel(self, input_ids, attention_mask, generator)
         cfg, s, kmax = self.cfg, self.cfg.sampling, self.max_draft
         adaptive = cfg.draft_length != "fixed"
         ids, mask0 = self._prepare(input_ids, attention_mask)

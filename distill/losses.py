@@ -207,6 +207,7 @@ def distill_loss(
     temperature: float = 1.0,
     num_tokens: float | torch.Tensor | None = None,
     chunk_size: int | None = 256,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_{masked positions} D(p_t || q_t) / num_tokens, gradient w.r.t. the drafter logits only.
 
@@ -214,7 +215,8 @@ def distill_loss(
     a completion token). The target is either `target_logits` [b, n, V] (no grad) or the stored
     `topk_ids`/`topk_lp` [b, n, K]. `num_tokens` is the token count of the whole accumulation
     window across ranks (default: this mask's count). `chunk_size=None` computes unchunked with
-    plain autograd (the reference the chunked path is tested against).
+    plain autograd (the reference the chunked path is tested against). `weights` [b, n] scales
+    each masked position's term (parallel drafting weighs draft depths, distill.parallel).
     """
     if (target_logits is None) == (topk_ids is None):
         raise ValueError("pass exactly one of target_logits or topk_ids/topk_lp")
@@ -225,11 +227,12 @@ def distill_loss(
     mask = mask.bool()
     if num_tokens is None:
         num_tokens = mask.sum().clamp(min=1)
+    weight = mask if weights is None else mask * weights.detach().float()
     if chunk_size is None or not student_logits.requires_grad:
         per_token = fn(student_logits, *targets)
-        total = (per_token * mask.to(per_token.dtype)).sum()
+        total = (per_token * weight.to(per_token.dtype)).sum()
     else:
-        total = _ChunkedLoss.apply(student_logits, mask, fn, int(chunk_size), *targets)
+        total = _ChunkedLoss.apply(student_logits, weight, fn, int(chunk_size), *targets)
     return total / num_tokens
 
 

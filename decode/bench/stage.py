@@ -10,7 +10,9 @@ this entry point exists so speed goals live under a benchmark name, as the proje
 conventions ask, without a second copy of the measurement. `compare_modes` runs it once per
 decoder step mode (`specdistill.decode.bench.modes`) and prints the modes side by side;
 `compare_draft` runs fixed gammas and the draft-length policies side by side
-(`specdistill.decode.bench.draft`), e.g. 'compare_draft=[1,2,4,8,auto,heuristic,confidence]'.
+(`specdistill.decode.bench.draft`), e.g. 'compare_draft=[1,2,4,8,auto,heuristic,confidence]';
+`compare_parallel=DIR` measures a parallel (PARD) drafter beside pair.drafter at each of
+`parallel_gammas` (`specdistill.decode.bench.parallel`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from omegaconf import DictConfig
 from specdistill.data.runtime import run_or_exit
 from specdistill.decode.bench.draft import run_draft
 from specdistill.decode.bench.modes import run_modes
+from specdistill.decode.bench.parallel import run_parallel
 from specdistill.decode.validate.stage import main as validate_main
 
 
@@ -42,6 +45,14 @@ def _draft_main(cfg: DictConfig) -> None:
     print(out)
 
 
+@hydra.main(config_path="pkg://specdistill.conf", config_name="validate", version_base="1.3")
+def _parallel_main(cfg: DictConfig) -> None:
+    run_or_exit(run_parallel, cfg)
+    out = Path(str(cfg.output_dir)).expanduser().absolute() / "parallel.md"
+    print(out.read_text(), end="")
+    print(out)
+
+
 def main() -> None:
     import sys
 
@@ -49,6 +60,8 @@ def main() -> None:
         _modes_main()
     elif any(a.startswith("compare_draft=") and not a.endswith("=null") for a in sys.argv[1:]):
         _draft_main()
+    elif any(a.startswith("compare_parallel=") and not a.endswith("=null") for a in sys.argv[1:]):
+        _parallel_main()
     else:
         validate_main()
 

@@ -58,7 +58,7 @@ from specdistill.decode.validate.modes import (
 from specdistill.decode.validate.modes import merge as _merge
 from specdistill.decode.validate.modes import run_all as _run_all
 from specdistill.decode.validate.report import plot_acceptance, report_markdown
-from specdistill.decode.validate.timing import hf_assisted_speed, measure_c
+from specdistill.decode.validate.timing import forward_cost, hf_assisted_speed, measure_c
 from specdistill.decode.validate.vllm_engine import draft_sample_method, parse_engines, preflight
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,8 @@ def decoder_config(
         record_probs=bool(dcfg.get("record_probs", False)),
         host_sync_every=int(dcfg.get("host_sync_every", 0)),
         cpu_matmul=str(dcfg.get("cpu_matmul", "auto")),
+        drafting=str(dcfg.get("drafting", "autoregressive")),
+        mask_token_id=dcfg.get("mask_token_id"),
         **draft_length_settings(dcfg),
     )
 
@@ -348,6 +350,12 @@ def run(cfg: DictConfig) -> ValidateResult:
 
     t_warm = time.perf_counter()
     gamma, dec, c, verify_cost = choose_gamma(cfg, st, make, notes)
+    if dec.parallel:  # one drafter forward per round: the formula's gamma c is its cost
+        c = forward_cost(dec, st.warm[0][0], gamma + 1, int(cfg.step_time_iters)) / gamma
+        notes.append(
+            f"parallel drafting: c = one drafter forward of gamma+1 tokens / gamma = {c:.3f} "
+            "(the theoretical speedup's gamma c is one forward per round)"
+        )
     warm_up(dec, st.batches, st.warm, seed)  # untimed, then interleaved timed repeats
     warmup_seconds = time.perf_counter() - t_warm
     base_rates, spec_rates, base_out, spec_out = timed_repeats(dec, st.batches, seed, repeats)

@@ -76,6 +76,34 @@ def measure_c(
     ) / t_target
 
 
+@torch.inference_mode()
+def forward_cost(dec: SpeculativeDecoder, input_ids: torch.Tensor, width: int, iters: int) -> float:
+    """One drafter forward of `width` tokens in target 1-token steps (median of blocks of
+    alternating timings, both caches at the prompt's length, as `measure_c` does)."""
+    ids = input_ids.to(dec.device)
+    plen = ids.shape[1]
+    tgt = dec._runner(dec.target, plen + width + 2)
+    dft = dec._runner(dec.drafter, plen + width + 2)
+    for r in (tgt, dft):
+        r.forward(ids[:, :-1], keep=1, prefill=True)
+    ratios = []
+    for i in range(iters + 2):
+        times = []
+        for runner, w in ((tgt, 1), (dft, width)):
+            x = ids[:, -1:].repeat(1, w)
+            base = runner.length
+            _sync(dec.device)
+            t0 = time.perf_counter()
+            for _ in range(4):
+                runner.forward(x, keep=w)
+                runner.rollback(base)
+            _sync(dec.device)
+            times.append(time.perf_counter() - t0)
+        if i >= 2:
+            ratios.append(times[1] / times[0])
+    return statistics.median(ratios)
+
+
 def _rate(tokens: int, seconds: float) -> float:
     return tokens / max(seconds, 1e-9)
 

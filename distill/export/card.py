@@ -81,6 +81,37 @@ def _vllm_section(v: dict[str, Any] | None) -> list[str]:
     return [*lines, ""]
 
 
+def parallel_section(result: Any, target: str, gamma: int) -> list[str]:
+    """How to serve a parallel (PARD) drafter, and its mask token; empty for other drafters."""
+    mask_id = (result.check or {}).get("mask_token_id")
+    if mask_id is None:
+        return []
+    return [
+        "## Parallel drafting (PARD)",
+        "",
+        f"This drafter was trained to draft a whole round in one forward: it reads the context "
+        f"followed by gamma-1 copies of the mask token **id {mask_id}** (the tokenizer's pad "
+        "token, a reserved id: the vocabulary size is the target's) and predicts the next gamma "
+        "tokens at once. config.json carries the id as `mask_token_id` and `pard_token`. Used "
+        "as an ordinary `assistant_model` it drafts autoregressively and works as well (checked "
+        "at export).",
+        "",
+        "vLLM:",
+        "",
+        "```python",
+        f'llm = LLM(model="{target}", speculative_config={{"model": "{result.output_dir}", '
+        f'"method": "draft_model", "parallel_drafting": True, "num_speculative_tokens": {gamma}}})',
+        "```",
+        "",
+        "TensorRT-LLM: `PARDDecodingConfig(speculative_model=..., max_draft_len="
+        f"{gamma}, mask_token_id={mask_id})`.",
+        "",
+        "specdistill: `python -m specdistill.decode.validate pair=... pair.drafter="
+        f"{result.output_dir} decoder.drafting=parallel decoder.gamma={gamma}`.",
+        "",
+    ]
+
+
 def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, Any] | None) -> str:
     """README.md for the exported folder (result: an ExportResult)."""
     name = Path(result.output_dir).name
@@ -171,6 +202,7 @@ def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, An
         f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}",
         "```",
         "",
+        *parallel_section(result, target, gamma),
         "## Self-check at export",
         "",
         *[f"- {k}: {v}" for k, v in result.check.items()],

@@ -83,6 +83,7 @@ def self_check(
     min_positions: int | None,
     reference_logits: torch.Tensor,
     probe: torch.Tensor,
+    mask_token_id: int | None = None,
 ) -> dict[str, Any]:
     """Reload the export and check it; returns the findings recorded in export.json."""
     from transformers import AutoModelForCausalLM
@@ -129,6 +130,11 @@ def self_check(
                 f"{plain[:12]}... on prompt {text[:40]!r}"
             )
         same_tokens += len(plain)
+    parallel = {}
+    if mask_token_id is not None:
+        parallel = check_parallel(
+            drafter, target, target_tok, prompts, max_new_tokens, mask_token_id
+        )
     return {
         "reloaded": True,
         "tokenizer_matches_target": True,
@@ -138,4 +144,40 @@ def self_check(
         "max_position_embeddings": int(getattr(drafter.config, "max_position_embeddings", 0)),
         "min_positions": min_positions,
         "device": str(device),
+        **parallel,
+    }
+
+
+def check_parallel(
+    drafter, target, target_tok, prompts: list[str], max_new_tokens: int, mask_token_id: int
+) -> dict[str, Any]:
+    """A parallel drafter as reloaded: the mask token where engines read it, and our parallel
+    decoder (one drafter forward per round over new tokens + masks) reproducing the target's
+    greedy output on every prompt."""
+    from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
+
+    cfg = drafter.config
+    if getattr(cfg, "mask_token_id", None) != mask_token_id:
+        _fail(f"config.json mask_token_id {getattr(cfg, 'mask_token_id', None)} != {mask_token_id}")
+    if getattr(cfg, "pard_token", None) != mask_token_id:
+        _fail(f"config.json pard_token {getattr(cfg, 'pard_token', None)} != {mask_token_id}")
+    eos = () if target_tok.eos_token_id is None else (int(target_tok.eos_token_id),)
+    dec_cfg = DecoderConfig(
+        gamma=4, max_new_tokens=max_new_tokens, drafting="parallel", eos_token_id=eos
+    )
+    dec = SpeculativeDecoder(target, drafter, dec_cfg, tokenizer_len=len(target_tok))
+    accepted = trials = 0
+    for text in prompts:
+        ids = torch.tensor([target_tok(text, add_special_tokens=False).input_ids])
+        ids = ids.to(next(target.parameters()).device)
+        out = dec.generate(ids)
+        plain = _greedy(target, ids, max_new_tokens, target_tok.pad_token_id)
+        if out.tokens[0] != plain:
+            _fail(f"parallel drafting gave {out.tokens[0][:12]}... but the target {plain[:12]}...")
+        accepted += out.accepted
+        trials += out.trials
+    return {
+        "mask_token_id": mask_token_id,
+        "parallel_drafting_equals_target_greedy": f"{len(prompts)} prompts, gamma 4",
+        "parallel_alpha_greedy": round(accepted / max(trials, 1), 3),
     }

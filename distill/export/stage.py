@@ -149,6 +149,25 @@ def align_with_target(model, target_config, target_generation) -> None:
     model.generation_config = target_generation
 
 
+def mark_parallel(model, vocab: int, field_name: str, source: str) -> int | None:
+    """A parallel (PARD) drafter's mask token, written where serving engines look for it:
+    `mask_token_id` (ours; TensorRT-LLM's PARDDecodingConfig takes it), `pard_token` (what
+    vLLM's draft_model method reads for `parallel_drafting`) and `parallel_drafting`. None for
+    an autoregressive drafter (its config has no mask_token_id)."""
+    mask_id = getattr(model.config, "mask_token_id", None)
+    if mask_id is None:
+        return None
+    if not isinstance(mask_id, int) or not 0 <= mask_id < vocab:
+        raise ConfigError(
+            f"{field_name}={source!r}: config.json mask_token_id={mask_id!r} is not a token id "
+            f"of the target's vocabulary (0..{vocab - 1})"
+        )
+    info = dict(getattr(model.config, "parallel_drafting", None) or {})
+    model.config.pard_token = mask_id
+    model.config.parallel_drafting = info | {"mask_token_id": mask_id}
+    return mask_id
+
+
 def _target_generation(spec: PairSpec, target_config):
     from transformers import GenerationConfig
 
@@ -235,6 +254,7 @@ def run(cfg: DictConfig) -> ExportResult:
         before = model(probe).logits[0, :, : len(tok)].float()
     resize_vocab_rows(model, target_vocab)
     align_with_target(model, target_config, _target_generation(spec, target_config))
+    mask_id = mark_parallel(model, target_vocab, field_name, source)
     model.config.dtype = model.dtype
     notes: list[str] = []
     if source_vocab != target_vocab:
@@ -262,6 +282,7 @@ def run(cfg: DictConfig) -> ExportResult:
             min_positions=needed,
             reference_logits=before,
             probe=probe,
+            mask_token_id=mask_id,
         )
         base = spec.drafter if cfg.get("drafter") else source
         # The folder about to be published, in the engine users deploy (both engines' report).

@@ -113,6 +113,11 @@ def check_config(cfg: DictConfig) -> list[Segment]:
         raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: use cosine, linear or constant")
     if cfg.decoder.get("gamma") == "auto":
         raise ConfigError("decoder.gamma=auto is not supported online: set an integer gamma")
+    if cfg.decoder.get("drafting", "autoregressive") != "autoregressive":
+        raise ConfigError(
+            f"decoder.drafting={cfg.decoder.drafting} is not supported online: online updates "
+            "train autoregressive drafts only; set decoder.drafting=autoregressive"
+        )
     check_decoder_config(decoder_config(cfg.decoder, int(cfg.max_new_tokens), (), 1))
     check_decoder_config(
         decoder_config(cfg.decoder, int(cfg.max_new_tokens), (), int(cfg.decoder.gamma))

@@ -29,7 +29,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.runtime import ConfigError
-from specdistill.distill.pipeline.serving import check_recipe, check_serving, stage_overrides
+from specdistill.distill.pipeline.serving import (
+    check_recipe,
+    check_serving,
+    drafting_overrides,
+    stage_overrides,
+)
 
 STAGES = ("generate", "distill", "online", "validate", "export")
 MODULES = {  # each stage's own entry point: `python -m MODULE KEY=VALUE ...`
@@ -150,12 +155,19 @@ def compose_stage(stage: str, cfg: DictConfig, overrides: list[str]) -> DictConf
 
 
 def serving_overrides(cfg: DictConfig) -> dict[str, list[str]]:
-    """Each stage's overrides from the `serving` mode and `recipe` (none when absent)."""
-    if cfg.get("serving") is None:
-        return {}
-    if cfg.get("recipe") is None:
-        raise ConfigError("serving is set but recipe is not: add `recipe: ${serving}` to defaults")
-    return stage_overrides(check_serving(cfg.serving), check_recipe(cfg.recipe))
+    """Each stage's overrides from the `serving` mode and `recipe` (none when absent), then the
+    `drafting` mode's."""
+    out: dict[str, list[str]] = {}
+    if cfg.get("serving") is not None:
+        if cfg.get("recipe") is None:
+            raise ConfigError(
+                "serving is set but recipe is not: add `recipe: ${serving}` to defaults"
+            )
+        out = stage_overrides(check_serving(cfg.serving), check_recipe(cfg.recipe))
+    stages = list(cfg.get("stages") or [])
+    for stage, extra in drafting_overrides(cfg.get("drafting", "autoregressive"), stages).items():
+        out[stage] = [*out.get(stage, []), *extra]
+    return out
 
 
 def fingerprint(config: dict[str, Any], after: str = "") -> str:
@@ -228,7 +240,9 @@ def build_plan(cfg: DictConfig) -> list[Step]:
         if "validate" in stages:
             if drafter_path and cfg.get("validate_base", True):  # the undistilled drafter
                 out = run_dir / "validate_base"
-                add("validate_base", "validate", out, compose("validate", out_dir(out)), [])
+                # an autoregressive base drafter: validated as one, whatever `drafting` is
+                base = compose("validate", out_dir(out), "decoder.drafting=autoregressive")
+                add("validate_base", "validate", out, base, [])
             sets = [None, *(cfg.get("validate_sets") or [])]  # more prompt distributions
             for name in sets:
                 out = run_dir / ("validate" if name is None else f"validate_{name}")

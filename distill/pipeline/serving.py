@@ -28,6 +28,7 @@ from specdistill.data.sampling import Sampling
 from specdistill.distill.losses import DIVERGENCES
 
 MODES = ("greedy", "sampling")
+DRAFTING = ("autoregressive", "parallel")
 SEQKD = ("greedy", "sampled")
 
 
@@ -153,3 +154,20 @@ def stage_overrides(serving: Serving, recipe: dict[str, Any]) -> dict[str, list[
         "validate": validate,
         "online": decoder,
     }
+
+
+def drafting_overrides(drafting: Any, stages: list[str]) -> dict[str, list[str]]:
+    """Stage overrides for the pipeline's `drafting` (autoregressive | parallel, like the
+    serving mode a setting of every stage): parallel trains a PARD drafter (distill
+    `drafting=parallel`) and validates it with one drafter forward per round
+    (`decoder.drafting=parallel`); export reads the mask token from the checkpoint."""
+    if drafting not in DRAFTING:
+        raise ConfigError(f"drafting={drafting!r}: use drafting=autoregressive or parallel")
+    if drafting == "autoregressive":
+        return {}
+    if "online" in stages:
+        raise ConfigError(
+            "drafting=parallel with the online stage: online adaptation trains autoregressive "
+            "drafts only; drop online from stages"
+        )
+    return {"distill": ["drafting=parallel"], "validate": ["decoder.drafting=parallel"]}

@@ -87,3 +87,63 @@ def evaluate(
     if count == 0:
         return {"alpha": float("nan"), "greedy_agreement": float("nan"), "tokens": 0}
     return {"alpha": acc_sum / count, "greedy_agreement": agree / count, "tokens": count}
+
+
+@torch.no_grad()
+def evaluate_parallel(
+    drafter,
+    target,
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    vocab: int,
+    sampling: Sampling,
+    depth: int,
+    mask_token_id: int,
+    device: torch.device | str = "cpu",
+) -> dict:
+    """`evaluate` for a parallel drafter: acceptance at every draft depth 1..depth, with a mask
+    chain at every completion anchor (distill.parallel), and the expected accepted drafts per
+    round those imply (`accepted_length`, what best/ follows). Needs the target in the loop."""
+    from specdistill.distill.parallel import (
+        acceptance_by_depth,
+        accepted_length,
+        choose_anchors,
+        gather_positions,
+        pack_parallel,
+        packed_forward,
+    )
+
+    if target is None:
+        raise ConfigError(
+            "drafting=parallel evaluates every draft depth with the target: use eval.source="
+            "reference or target (not stored top-k only)"
+        )
+    was_training = drafter.training
+    drafter.eval()
+    sums, counts = [0.0] * depth, [0] * depth
+    agree = 0
+    for batch in batches:
+        b = {k: v.to(device) for k, v in batch.items()}
+        anchors = choose_anchors(b["loss_mask"].cpu(), b["loss_mask"].shape[1]).to(device)
+        packed = pack_parallel(
+            b["input_ids"], b["attention_mask"], b["loss_mask"], anchors, depth, mask_token_id, 1.0
+        )
+        q = packed_forward(drafter, packed)[..., :vocab].float()
+        p_real = target(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        p = gather_positions(p_real[..., :vocab].float(), packed["label_pos"])
+        acc = serving_acceptance(p, q, sampling)
+        means, n = acceptance_by_depth(acc, packed, depth)
+        for d in range(depth):
+            sums[d] += means[d] * n[d]
+            counts[d] += n[d]
+        real = (packed["weight"] > 0) & (packed["depth"] == 1)
+        agree += int((q.argmax(-1) == p.argmax(-1))[real].sum())
+    drafter.train(was_training)
+    alpha_at = [s / max(c, 1) for s, c in zip(sums, counts)]
+    return {
+        "alpha": alpha_at[0],
+        "greedy_agreement": agree / max(counts[0], 1),
+        "tokens": counts[0],
+        "alpha_at": [round(a, 4) for a in alpha_at],
+        "accepted_length": accepted_length(alpha_at),
+    }

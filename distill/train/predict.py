@@ -74,12 +74,15 @@ def predict(
 
 
 def heldout_prediction(tr: Any, drafter, cfg) -> dict[str, Any] | None:
-    """The prediction for the distill result (greedy serving only; None otherwise): the policies
+    """The prediction for the distill result (greedy serving, autoregressive drafting; None
+    otherwise): the policies
     replayed with the costs from `eval.predict.costs` (`auto`: measured on the pair when the
     target is loaded, else the cost model's defaults, said so)."""
     pcfg = cfg.eval.get("predict", {}) or {}
     if not pcfg.get("enabled", True) or not tr.eval_sampling.greedy or not tr.eval_batches:
         return None
+    if str(cfg.get("drafting", "autoregressive")) != "autoregressive":
+        return None  # a parallel round's drafts do not read their predecessors: no AR replay
     gamma, max_draft = int(pcfg.get("gamma", 4)), int(pcfg.get("max_draft", 8))
     raw = pcfg.get("costs", "auto")
     source = "configured"

@@ -56,6 +56,13 @@ def check_config(cfg: DictConfig) -> None:
     onpolicy_sampling(cfg)
     check_switch(cfg)
     zero.check_deepspeed(cfg, use_cuda(cfg))
+    drafting = cfg.get("drafting", "autoregressive")
+    if drafting not in ("autoregressive", "parallel"):
+        raise ConfigError(f"drafting={drafting!r}: use autoregressive or parallel")
+    if drafting == "parallel":
+        from specdistill.distill.parallel import check_parallel_config
+
+        check_parallel_config(cfg.parallel)
     if cfg.optim.schedule not in ("cosine", "linear", "constant"):
         raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: use cosine, linear or constant")
 

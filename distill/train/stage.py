@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from specdistill.data.io import atomic_write_json
 from specdistill.data.pairs import load_role, load_tokenizer, resolve_pair
 from specdistill.data.runtime import ConfigError, run_or_exit
+from specdistill.distill import parallel
 from specdistill.distill.losses import distill_loss
 from specdistill.distill.train import checkpoint as ckpt
 from specdistill.distill.train import setup, zero
@@ -41,7 +42,7 @@ from specdistill.distill.train.data import (
     micro_seed,
     sample_onpolicy,
 )
-from specdistill.distill.train.evaluate import evaluate
+from specdistill.distill.train.evaluate import evaluate, evaluate_parallel
 from specdistill.distill.train.predict import heldout_prediction
 
 log = logging.getLogger("specdistill.distill")
@@ -76,6 +77,8 @@ class DistillResult:
     switch: dict[str, Any] | None = None  # the second phase, when the run had one
     # decode figures of best/ predicted from the held-out set (distill/train/predict.py)
     heldout_prediction: dict[str, Any] | None = None
+    # drafting=parallel: mask token, depth, per-depth held-out acceptance before/after
+    parallel: dict[str, Any] | None = None
 
 
 def _schedule(cfg: DictConfig) -> Callable[[int], float]:
@@ -122,12 +125,24 @@ class Trainer:
     stream: StreamSpec
     vocab: int
     t_start: float
+    mask_token_id: int | None = None  # drafting=parallel (distill.parallel)
 
     @property
     def device(self) -> torch.device:
         return self.accelerator.device
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, Any]:
+        if self.mask_token_id is not None:
+            return evaluate_parallel(
+                self.accelerator.unwrap_model(self.model),
+                self.target,
+                self.eval_batches,
+                vocab=self.vocab,
+                sampling=self.eval_sampling,
+                depth=int(self.cfg.parallel.depth),
+                mask_token_id=self.mask_token_id,
+                device=self.device,
+            )
         return evaluate(
             self.accelerator.unwrap_model(self.model),
             self.target,
@@ -154,6 +169,11 @@ def prepare(cfg: DictConfig) -> Trainer:
     train_examples, topk = setup.build_train_examples(cfg, tok, accelerator)
     eval_examples = setup.build_eval_examples(cfg, tok, accelerator)
     eval_has_topk = all(e.topk_ids is not None for e in eval_examples)
+    mask_id = None
+    if cfg.drafting == "parallel":
+        mask_id = parallel.resolve_train_mask_token(cfg.parallel.mask_token_id, tok)
+        parallel.prepare_drafter(drafter, mask_id, int(cfg.parallel.depth))
+        eval_has_topk = False  # every depth is evaluated against the target in the loop
     target = None
     if not topk or not eval_has_topk:
         target = setup.load_target(spec, cfg, device, drafter, tok)
@@ -193,6 +213,7 @@ def prepare(cfg: DictConfig) -> Trainer:
         # both models' logits are cut to the real tokens (padding rows dropped)
         vocab=len(tok),
         t_start=t_start,
+        mask_token_id=mask_id,
     )
 
 
@@ -221,6 +242,7 @@ def start_or_resume(tr: Trainer) -> dict[str, Any]:
         "history": [],
         "before": before,
         "best_alpha": before["alpha"],
+        "best_score": score(before),
         "best_step": 0,
     }
     ckpt.export_pretrained(accelerator, tr.model, tr.tok, tr.out / "best")
@@ -254,7 +276,10 @@ def micro_batches(tr: Trainer, step: int, lmbda: float) -> list[tuple[dict, bool
                 synced_gpus=zero3,
             )
             exs = sampled if onp else exs
-        window.append((collate(exs, tr.tok.pad_token_id, int(cfg.max_seq_len)), onp))
+        batch = collate(exs, tr.tok.pad_token_id, int(cfg.max_seq_len))
+        if tr.mask_token_id is not None:  # mask chains appended, anchors drawn per micro-batch
+            batch["packed"] = parallel.pack_batch(batch, cfg.parallel, tr.mask_token_id, seed, g)
+        window.append((batch, onp))
     return window
 
 
@@ -265,13 +290,19 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
     window = micro_batches(tr, step, lmbda)
     A, world, ds_on = int(cfg.grad_accum), accelerator.num_processes, bool(cfg.deepspeed.enabled)
     n_local = sum(int(b["loss_mask"].sum()) for b, _ in window)
-    n_window = int(accelerator.reduce(torch.tensor(n_local, device=device), "sum"))
+    n_tokens = n_window = int(accelerator.reduce(torch.tensor(n_local, device=device), "sum"))
+    if tr.mask_token_id is not None:  # the normaliser: the summed depth weights of all positions
+        w_local = sum(float(b["packed"]["weight"].sum()) for b, _ in window)
+        n_window = float(accelerator.reduce(torch.tensor(w_local, device=device), "sum"))
     # DDP averages gradients over processes and DeepSpeed divides by its accumulation steps:
     # undo both so the gradient is exactly sum(token losses) / n_window.
     scale = world * (A if ds_on else 1)
     loss_sum = torch.zeros((), device=device)
     for a, (batch, onp) in enumerate(window):
+        packed = batch.pop("packed", None)
         batch = {k: v.to(device) for k, v in batch.items()}
+        if packed is not None:
+            packed = {k: v.to(device) for k, v in packed.items()}
         if ds_on:  # the engine's accumulation boundary comes from accelerate's counter
             boundary = accelerator.accumulate(model)
         else:
@@ -281,9 +312,12 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
             if ds_on and accelerator.sync_gradients != (a == A - 1):
                 raise RuntimeError(f"DeepSpeed accumulation boundary out of step at {step}/{a}")
             with accelerator.autocast():
-                logits = model(
-                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-                ).logits[..., : tr.vocab]
+                if packed is None:
+                    logits = model(
+                        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                    ).logits[..., : tr.vocab]
+                else:
+                    logits = parallel.packed_forward(model, packed)[..., : tr.vocab]
             kwargs: dict[str, Any] = {}
             if tr.topk and not onp:
                 kwargs = {"topk_ids": batch["topk_ids"], "topk_lp": batch["topk_lp"]}
@@ -292,9 +326,16 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
                     kwargs["target_logits"] = tr.target(  # type: ignore[misc]
                         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
                     ).logits[..., : tr.vocab]
+            loss_mask = batch["loss_mask"]
+            if packed is not None:  # the target's figures at each packed position's label
+                kwargs = {
+                    k: parallel.gather_positions(v, packed["label_pos"]) for k, v in kwargs.items()
+                }
+                kwargs["weights"] = packed["weight"]
+                loss_mask = packed["weight"] > 0
             loss = distill_loss(
                 logits,
-                batch["loss_mask"],
+                loss_mask,
                 divergence=loss_name,
                 beta=beta,
                 temperature=float(cfg.loss.temperature),
@@ -316,11 +357,17 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
         "step": step + 1,
         "loss": float(accelerator.reduce(loss_sum, "sum")),
         "lr": tr.sched.get_last_lr()[0],
-        "tokens": n_window,
+        "tokens": n_tokens,
     }
     if grad_norm is not None:
         rec["grad_norm"] = float(grad_norm)
     return rec
+
+
+def score(ev: dict[str, Any]) -> float:
+    """What best/ follows: held-out alpha, or for a parallel drafter the expected accepted drafts
+    per round over all its depths (depth 1 alone would favour the autoregressive start)."""
+    return float(ev.get("accepted_length", ev["alpha"]))
 
 
 def evaluate_and_save(
@@ -335,8 +382,11 @@ def evaluate_and_save(
     if step % int(cfg.eval_every) == 0 or last:
         ev = tr.evaluate()
         rec |= {"alpha": ev["alpha"], "greedy_agreement": ev["greedy_agreement"]}
-        if ev["alpha"] > state["best_alpha"]:
+        if "alpha_at" in ev:
+            rec |= {"alpha_at": ev["alpha_at"], "accepted_length": ev["accepted_length"]}
+        if score(ev) > state.get("best_score", state["best_alpha"]):
             state["best_alpha"], state["best_step"] = ev["alpha"], step
+            state["best_score"] = score(ev)
             ckpt.export_pretrained(tr.accelerator, tr.model, tr.tok, tr.out / "best")
     state["history"].append(rec)
     tr.accelerator.log({f"train/{k}" if k != "step" else k: v for k, v in rec.items()}, step=step)
@@ -397,6 +447,7 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
         world_size=tr.accelerator.num_processes,
         history=state["history"],
         switch=OmegaConf.to_container(cfg.switch) if OmegaConf.select(cfg, "switch.at") else None,  # type: ignore[arg-type]
+        parallel=None if tr.mask_token_id is None else parallel_summary(tr, state, after),
     )
     if tr.accelerator.is_main_process:
         result.heldout_prediction = heldout_prediction(tr, _best_drafter(tr, state, step), cfg)
@@ -407,6 +458,23 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
             write_summary(Path(str(cfg.sweep_dir)))
     tr.accelerator.end_training()
     return result
+
+
+def parallel_summary(tr: Trainer, state: dict[str, Any], after: dict | None) -> dict[str, Any]:
+    """result.json's `parallel` section: mask token, depth, per-depth acceptance before/after."""
+    before = state["before"]
+    best = next((h for h in state["history"] if h["step"] == state["best_step"]), before)
+    return {
+        "mask_token_id": tr.mask_token_id,
+        "depth": int(tr.cfg.parallel.depth),
+        "anchors": int(tr.cfg.parallel.anchors),
+        "decay": float(tr.cfg.parallel.decay),
+        "alpha_at_before": before["alpha_at"],
+        "alpha_at_after": (after or before)["alpha_at"],
+        "alpha_at_best": best.get("alpha_at", before["alpha_at"]),
+        "accepted_length_before": before["accepted_length"],
+        "accepted_length_best": state["best_score"],
+    }
 
 
 def run(cfg: DictConfig) -> DistillResult:

@@ -281,3 +281,36 @@ def test_card_and_export_json_carry_vllms_figures(tmp_path, toy_tiny, monkeypatc
     assert "| greedy (T=0) | 0.89 / 0.86 | 3.92 / 3.71 | 1.32x | 1.1x |" in card
     assert json.loads((out / "export.json").read_text())["vllm"]["version"] == "0.32.0"
     assert res.vllm is not None
+
+
+def test_parallel_drafter_export_names_its_mask_token(tmp_path, toy_tiny):
+    """A parallel drafter (config mask_token_id) exports with pard_token / mask_token_id for the
+    engines, keeps the target's vocab_size, passes as an ordinary assistant_model, and its
+    self-check decodes with parallel drafting; the card documents the mask id."""
+    from specdistill.distill.parallel import prepare_drafter
+
+    src = tmp_path / "parallel"
+    model = AutoModelForCausalLM.from_pretrained(str(toy_tiny.drafter_dir))
+    tok = AutoTokenizer.from_pretrained(str(toy_tiny.drafter_dir))
+    prepare_drafter(model, tok.pad_token_id, 6)
+    model.save_pretrained(str(src))
+    tok.save_pretrained(str(src))
+    out = tmp_path / "drafter"
+    result = export.run(_cfg(out, f"drafter={src}"))
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["mask_token_id"] == saved["pard_token"] == tok.pad_token_id
+    assert saved["parallel_drafting"] == {"mask_token_id": tok.pad_token_id, "max_drafts": 6}
+    assert saved["vocab_size"] == result.vocab_size
+    assert result.check["mask_token_id"] == tok.pad_token_id
+    assert "parallel_drafting_equals_target_greedy" in result.check
+    assert "assisted_equals_target_greedy" in result.check
+    card = (out / "README.md").read_text()
+    assert f"mask token **id {tok.pad_token_id}**" in card and '"parallel_drafting": True' in card
+
+
+def test_autoregressive_export_has_no_mask_token(tmp_path, toy_tiny):
+    out = tmp_path / "drafter"
+    result = export.run(_cfg(out))
+    saved = json.loads((out / "config.json").read_text())
+    assert "pard_token" not in saved and "mask_token_id" not in result.check
+    assert "Parallel drafting" not in (out / "README.md").read_text()

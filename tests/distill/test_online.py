@@ -295,3 +295,10 @@ def test_cli_bad_input_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: update_every=0")
     assert not (tmp_path / "online_state.pt").exists()
+
+
+def test_online_refuses_parallel_drafting(tmp_path):
+    from specdistill.distill.online.config import check_config
+
+    with pytest.raises(ConfigError, match="decoder.drafting=parallel is not supported online"):
+        check_config(online_cfg(tmp_path, "decoder.drafting=parallel"))

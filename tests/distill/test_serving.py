@@ -240,3 +240,23 @@ def test_a_schedule_recipe_reaches_the_distill_stage():
     dis = _stage("distill", cfg)
     assert (dis.loss.name, dis.lmbda) == ("fkl", 0.0)
     assert (dis.switch.at, dis.switch.loss, dis.switch.lmbda) == (0.5, "tvd", 1.0)
+
+
+def test_parallel_drafting_reaches_distill_and_validate():
+    cfg = _pipeline_cfg("drafting=parallel")
+    dis, val, gen = (_stage(s, cfg) for s in ("distill", "validate", "generate"))
+    assert dis.drafting == "parallel" and val.decoder.drafting == "parallel"
+    assert val.decoder.sampling.temperature == 0.0  # the serving mode still applies
+    assert "drafting" not in gen
+    plain = _pipeline_cfg()
+    assert _stage("distill", plain).drafting == "autoregressive"
+    assert _stage("validate", plain).decoder.drafting == "autoregressive"
+
+
+def test_parallel_drafting_errors_name_the_setting():
+    with pytest.raises(ConfigError, match="drafting='pard'"):
+        pipeline.serving_overrides(_pipeline_cfg("drafting=pard"))
+    with pytest.raises(ConfigError, match="online"):
+        pipeline.serving_overrides(
+            _pipeline_cfg("drafting=parallel", "stages=[generate,distill,online,validate]")
+        )

@@ -1,0 +1,215 @@
+"""Training a parallel (PARD) drafter: mask chains packed into one forward per sequence.
+
+p = target, q = drafter. A parallel drafter reads a context x_1..x_j followed by k-1 mask tokens
+and predicts x_{j+1} at x_j and x_{j+d} at the (d-1)-th mask (`specdistill.decode.parallel`).
+To train depth 2..K on a Seq-KD / on-policy sequence x_1..x_T without one forward per anchor,
+mask chains are appended to the real tokens and a 4-D attention mask keeps them apart (PARD):
+the chain of anchor j holds K-1 masks; its mask of depth d (d = 2..K) has position id j+d-1,
+attends the real tokens x_1..x_j and the masks of its own chain up to itself, and is labelled
+with the target's distribution at real position j+d-1 (the one that predicts x_{j+d}). Real
+tokens attend causally among themselves only, so their logits are exactly the autoregressive
+ones (depth 1). The target's distributions come from its one forward over the real sequence
+(or the stored top-k log-probs): masks add no target cost.
+
+Loss weights: depth d counts decay^(d-1) (depth 1: 1). A draft at depth d only matters when the
+d-1 before it were accepted, which a drafter's acceptance makes roughly geometric in d; the
+decay puts the capacity where acceptance length is made. Anchors are subsampled (`anchors` per
+sequence, at random among completion positions) to bound the packed length T + anchors (K-1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdistill.data.runtime import ConfigError
+
+
+def resolve_train_mask_token(configured, tokenizer) -> int:
+    """`parallel.mask_token_id`: auto = the tokenizer's pad id, a reserved id of the target's
+    vocabulary that never occurs in text (the checkpoint keeps the target's vocab_size)."""
+    if configured in (None, "auto"):
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is None:
+            raise ConfigError(
+                "parallel.mask_token_id=auto needs a tokenizer with a pad token: set "
+                "parallel.mask_token_id to a reserved token id of the vocabulary"
+            )
+        return int(pad)
+    if isinstance(configured, bool) or not isinstance(configured, int) or configured < 0:
+        raise ConfigError(
+            f"parallel.mask_token_id={configured!r} must be a token id >= 0 or auto (pad id)"
+        )
+    if configured >= len(tokenizer):
+        raise ConfigError(
+            f"parallel.mask_token_id={configured} is past the tokenizer's {len(tokenizer)} tokens"
+        )
+    return configured
+
+
+def check_parallel_config(node) -> None:
+    """One line naming the field for bad `parallel.*` settings."""
+    depth, anchors, decay = node.get("depth"), node.get("anchors"), node.get("decay")
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 2 <= depth <= 16:
+        raise ConfigError(f"parallel.depth={depth!r} must be an integer in 2..16 (drafts/forward)")
+    if isinstance(anchors, bool) or not isinstance(anchors, int) or anchors < 1:
+        raise ConfigError(f"parallel.anchors={anchors!r} must be an integer >= 1 (chains/seq)")
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
+        raise ConfigError(f"parallel.decay={decay!r} must be a number in (0, 1]")
+
+
+def choose_anchors(
+    loss_mask: torch.Tensor, count: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """(B, A) anchor positions j per row, -1 for none: `count` at random among positions whose
+    next two tokens are completion tokens (so depth 2 has a label), all of them when fewer."""
+    b = loss_mask.shape[0]
+    ok = torch.zeros_like(loss_mask, dtype=torch.bool)
+    ok[:, :-1] = loss_mask[:, :-1].bool() & loss_mask[:, 1:].bool()
+    cols = []
+    for r in range(b):
+        idx = ok[r].nonzero().flatten()
+        if len(idx) > count:
+            pick = torch.randperm(len(idx), generator=generator)[:count]
+            idx = idx[pick.sort().values]
+        cols.append(idx)
+    width = max(1, max(len(c) for c in cols))
+    out = torch.full((b, width), -1, dtype=torch.long)
+    for r, c in enumerate(cols):
+        out[r, : len(c)] = c
+    return out
+
+
+def pack_parallel(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    depth: int,
+    mask_token_id: int,
+    decay: float,
+) -> dict[str, torch.Tensor]:
+    """Real tokens (right-padded, as `collate` makes them) + one chain of depth-1 masks per anchor.
+
+    Returns input_ids, position_ids (B, N), allowed (B, N, N) bool (query attends key),
+    label_pos (B, N) (the real position whose target distribution labels each packed position),
+    depth (B, N) (1 for real tokens) and weight (B, N) fp32 (0 where there is no loss).
+    N = T + A (depth - 1).
+    """
+    b, t = input_ids.shape
+    a, m = anchors.shape[1], depth - 1
+    n = t + a * m
+    dev = input_ids.device
+    d = torch.arange(2, depth + 1, device=dev).repeat(a)  # (A m,) depth of each chain slot
+    chain = torch.arange(a, device=dev).repeat_interleave(m)  # (A m,)
+    j = anchors[:, chain]  # (B, A m) anchor of each chain slot
+    valid = j >= 0
+    real_pos = torch.arange(t, device=dev).expand(b, t)
+    label = torch.cat([real_pos, (j + d - 1).clamp(min=0, max=t - 1)], 1)
+    position_ids = torch.cat([real_pos, (j.clamp(min=0) + d - 1)], 1)
+    ids = torch.cat([input_ids, torch.full((b, a * m), mask_token_id, dtype=input_ids.dtype)], 1)
+    depth_all = torch.cat([torch.ones(b, t, dtype=torch.long), d.expand(b, -1)], 1)
+    # what each query may see: real keys up to ctx_end, chain keys of its chain up to its depth
+    ctx_end = torch.cat([real_pos, j], 1)  # (B, N); -1 for unused chains: no real key
+    chain_all = torch.cat([torch.full((t,), -1, device=dev), chain]).expand(b, n)
+    is_real = torch.arange(n, device=dev) < t
+    keys_real = (torch.arange(t, device=dev)[None, None, :] <= ctx_end[:, :, None]) & (
+        attention_mask.bool()[:, None, :]
+    )
+    same_chain = (chain_all[:, :, None] == chain_all[:, None, t:]) & ~is_real[None, :, None]
+    keys_chain = same_chain & (depth_all[:, None, t:] <= depth_all[:, :, None])
+    allowed = torch.cat([keys_real, keys_chain], 2)
+    allowed |= torch.eye(n, dtype=torch.bool, device=dev)[None]  # unused chains see themselves
+    in_range = valid & (j + d - 1 < t)
+    chain_w = torch.where(
+        in_range,
+        loss_mask.gather(1, label[:, t:]).float() * decay ** (d - 1).float(),
+        torch.zeros((), device=dev),
+    )
+    weight = torch.cat([loss_mask.float(), chain_w], 1)
+    return {
+        "input_ids": ids,
+        "position_ids": position_ids,
+        "allowed": allowed,
+        "label_pos": label,
+        "depth": depth_all,
+        "weight": weight,
+    }
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, N, N) float mask for the model: 0 where allowed, the dtype's min elsewhere."""
+    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return out.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def gather_positions(x: torch.Tensor, label_pos: torch.Tensor) -> torch.Tensor:
+    """x (B, T, ...) read at label_pos (B, N): the target's figures at each packed position."""
+    idx = label_pos.reshape(*label_pos.shape, *([1] * (x.dim() - 2)))
+    return x.gather(1, idx.expand(-1, -1, *x.shape[2:]))
+
+
+def packed_forward(model, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The drafter's logits over a packed batch (one forward, 4-D mask, explicit positions)."""
+    dtype = next(model.parameters()).dtype
+    return model(
+        input_ids=packed["input_ids"],
+        attention_mask=additive_mask(packed["allowed"], dtype),
+        position_ids=packed["position_ids"],
+    ).logits
+
+
+def acceptance_by_depth(
+    accept: torch.Tensor, packed: dict[str, torch.Tensor], depth: int
+) -> tuple[list[float], list[int]]:
+    """Mean per-position acceptance (B, N) at each depth 1..depth over positions with a loss,
+    and how many positions each mean is over."""
+    has = packed["weight"] > 0
+    means, counts = [], []
+    for d in range(1, depth + 1):
+        sel = has & (packed["depth"] == d)
+        counts.append(int(sel.sum()))
+        means.append(float(accept[sel].double().sum()) / max(counts[-1], 1))
+    return means, counts
+
+
+def accepted_length(alpha_at: Sequence[float]) -> float:
+    """Expected accepted drafts per round when draft d is accepted with alpha_at[d-1] given the
+    earlier ones were: sum_d prod_{i<=d} alpha_i (the eval figure best/ follows)."""
+    total, prefix = 0.0, 1.0
+    for a in alpha_at:
+        prefix *= a
+        total += prefix
+    return total
+
+
+def prepare_drafter(drafter, mask_token_id: int, depth: int) -> None:
+    """Make the drafter trainable as a parallel drafter and self-describing once saved.
+
+    The mask token is the pad id, which `nn.Embedding(padding_idx=...)` would keep frozen: its
+    row must learn (it is the mask's only signal), so the padding index is dropped here. A
+    reloaded checkpoint rebuilds the padding index but loads the trained row. `mask_token_id`
+    and `parallel_drafting` land in config.json, where the decoder and the exporter read them.
+    """
+    emb = drafter.get_input_embeddings()
+    if getattr(emb, "padding_idx", None) == mask_token_id:
+        emb.padding_idx = None
+    drafter.config.mask_token_id = mask_token_id
+    drafter.config.parallel_drafting = {"mask_token_id": mask_token_id, "max_drafts": depth}
+
+
+def pack_batch(batch: dict, node, mask_token_id: int, seed: int, micro: int) -> dict:
+    """`pack_parallel` for one collated micro-batch; anchors drawn from (seed, micro-batch
+    index), so a resumed run packs exactly the batches an uninterrupted one would."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + micro)
+    anchors = choose_anchors(batch["loss_mask"], int(node.anchors), gen)
+    return pack_parallel(
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["loss_mask"],
+        anchors,
+        int(node.depth),
+        mask_token_id,
+        float(node.decay),
+    )

@@ -1,0 +1,70 @@
+"""Parallel drafting through the validate stage and `decode.bench compare_parallel`, on the
+toy-tiny pair with its drafter made a (not yet trained) parallel drafter: reports carry both
+drafting modes per gamma, greedy stays token-identical, bad settings name the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdistill.data.runtime import ConfigError
+from tests.decode.test_draft_length_cli import _cfg
+
+
+@pytest.fixture(scope="module")
+def parallel_drafter(tmp_path_factory, toy_tiny):
+    from specdistill.distill.parallel import prepare_drafter
+
+    out = tmp_path_factory.mktemp("parallel") / "drafter"
+    model = AutoModelForCausalLM.from_pretrained(str(toy_tiny.drafter_dir))
+    tok = AutoTokenizer.from_pretrained(str(toy_tiny.drafter_dir))
+    prepare_drafter(model, tok.pad_token_id, 4)
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out
+
+
+def test_validate_with_parallel_drafting(tmp_path, parallel_drafter):
+    from specdistill.decode.validate.stage import run
+
+    r = run(_cfg(tmp_path, f"pair.drafter={parallel_drafter}", "decoder.drafting=parallel"))
+    assert r.lossless is True
+    assert any("parallel drafting: c =" in n for n in r.notes)
+
+
+def test_bench_compare_parallel_side_by_side(tmp_path, parallel_drafter):
+    from specdistill.decode.bench.parallel import run_parallel
+
+    report = run_parallel(
+        _cfg(tmp_path, f"compare_parallel={parallel_drafter}", "parallel_gammas=[2,3]")
+    )
+    assert set(report["modes"]) == {"greedy", "sampling"}
+    for name, mode in report["modes"].items():
+        rows = [(r["drafting"], r["gamma"]) for r in mode["rows"]]
+        assert rows == [("autoregressive", 2), ("parallel", 2), ("autoregressive", 3),
+                        ("parallel", 3)]  # fmt: skip
+        for r in mode["rows"]:
+            assert r["lossless"] is (True if name == "greedy" else None)
+            assert len(r["alpha_at"]) == r["gamma"] and r["speedup"] > 0
+            if r["drafting"] == "parallel":
+                assert r["drafter_forwards_per_round"] == 1.0
+        assert set(mode["best_gamma"]) == {"autoregressive", "parallel"}
+        agree = mode["first_draft_agreement"]
+        if name == "greedy":  # one drafter weights file: the same depth-1 predictions
+            assert 0 < agree["autoregressive"] == agree["parallel"] <= 1
+        else:
+            assert agree is None
+    saved = json.loads((tmp_path / "parallel.json").read_text())
+    assert saved["mask_token_id"] == report["mask_token_id"]
+    assert "| parallel | 3 |" in (tmp_path / "parallel.md").read_text()
+
+
+def test_compare_parallel_needs_a_parallel_drafter(tmp_path, toy_tiny):
+    from specdistill.decode.bench.parallel import run_parallel
+
+    with pytest.raises(ConfigError, match="compare_parallel="):
+        run_parallel(_cfg(tmp_path, f"compare_parallel={tmp_path / 'nowhere'}"))
+    with pytest.raises(ConfigError, match="no mask_token_id"):
+        run_parallel(_cfg(tmp_path, f"compare_parallel={toy_tiny.drafter_dir}"))

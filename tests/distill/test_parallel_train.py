@@ -1,0 +1,160 @@
+"""Parallel-drafter training (distill.parallel): the packed forward equals separate forwards, and
+the masked-position loss equals its brute-force per-position computation.
+
+p = target, q = drafter. Brute force: for every anchor j and depth d, a separate cache-free
+drafter forward over x_1..x_j + (d-1) masks, compared with the target's distribution at real
+position j+d-1 from a forward over the real sequence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdistill.data.runtime import ConfigError
+from specdistill.distill.losses import distill_loss, token_divergence
+from specdistill.distill.parallel import (
+    accepted_length,
+    check_parallel_config,
+    choose_anchors,
+    gather_positions,
+    pack_parallel,
+    packed_forward,
+)
+from tests.conftest import tiny_llama
+
+MASK, K = 1, 4
+
+
+def batch():
+    """Two right-padded rows (prompt 3 / 5 tokens, completions 7 / 4 tokens)."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(2, 64, (10,), generator=g), torch.randint(2, 64, (9,), generator=g)]
+    starts = [3, 5]
+    t = max(len(r) for r in rows)
+    ids = torch.zeros(2, t, dtype=torch.long)
+    att = torch.zeros(2, t, dtype=torch.long)
+    lm = torch.zeros(2, t, dtype=torch.bool)
+    for i, (r, s) in enumerate(zip(rows, starts)):
+        ids[i, : len(r)] = r
+        att[i, : len(r)] = 1
+        lm[i, s - 1 : len(r) - 1] = True
+    return ids, att, lm
+
+
+def test_anchors_are_completion_positions_with_a_depth2_label():
+    _, _, lm = batch()
+    a = choose_anchors(lm, 100)
+    for r in range(2):
+        got = [int(j) for j in a[r] if j >= 0]
+        assert got == [j for j in range(lm.shape[1] - 1) if lm[r, j] and lm[r, j + 1]]
+    few = choose_anchors(lm, 2, torch.Generator().manual_seed(1))
+    assert few.shape == (2, 2) and bool((few >= 0).all())
+    assert all(bool(lm[r, few[r]].all()) for r in range(2))
+
+
+@torch.inference_mode()
+def test_packed_forward_equals_separate_forwards():
+    model = tiny_llama(vocab=64, layers=2, hidden=32, seed=3)
+    ids, att, lm = batch()
+    anchors = choose_anchors(lm, 100)
+    packed = pack_parallel(ids, att, lm, anchors, K, MASK, 0.5)
+    logits = packed_forward(model, packed)
+    t = ids.shape[1]
+    ar = model(input_ids=ids, attention_mask=att).logits
+    real = att.bool()
+    torch.testing.assert_close(logits[:, :t][real], ar[real], atol=1e-5, rtol=1e-4)
+    checked = 0
+    for r in range(2):
+        for n in range(t, packed["input_ids"].shape[1]):
+            a, d = (n - t) // (K - 1), int(packed["depth"][r, n])
+            j = int(anchors[r, a])
+            if j < 0:
+                continue
+            x = torch.tensor([[*ids[r, : j + 1].tolist(), *[MASK] * (d - 1)]])
+            want = model(x).logits[0, -1]
+            torch.testing.assert_close(logits[r, n], want, atol=1e-5, rtol=1e-4)
+            assert int(packed["position_ids"][r, n]) == j + d - 1
+            checked += 1
+    assert checked > 10
+
+
+@pytest.mark.parametrize("divergence", ["fkl", "rkl", "tvd", "jsd"])
+def test_masked_position_loss_matches_brute_force(divergence):
+    drafter = tiny_llama(vocab=64, layers=1, hidden=32, seed=4)
+    target = tiny_llama(vocab=64, layers=2, hidden=32, seed=5)
+    ids, att, lm = batch()
+    anchors = choose_anchors(lm, 100)
+    decay = 0.7
+    packed = pack_parallel(ids, att, lm, anchors, K, MASK, decay)
+    q = packed_forward(drafter, packed)
+    p = target(input_ids=ids, attention_mask=att).logits.detach()
+    loss = distill_loss(
+        q,
+        packed["weight"] > 0,
+        weights=packed["weight"],
+        target_logits=gather_positions(p, packed["label_pos"]),
+        divergence=divergence,
+        beta=0.3,
+        num_tokens=packed["weight"].sum(),
+        chunk_size=5,
+    )
+    # brute force: one separate forward per (row, anchor or real position, depth)
+    total = weight = 0.0
+    with torch.no_grad():
+        for r in range(2):
+            chains = [(j, 1) for j in range(ids.shape[1]) if lm[r, j]]
+            chains += [(int(j), d) for j in anchors[r] if j >= 0 for d in range(2, K + 1)]
+            for j, d in chains:
+                if j + d - 1 >= ids.shape[1] or not lm[r, j + d - 1]:
+                    continue
+                x = torch.tensor([[*ids[r, : j + 1].tolist(), *[MASK] * (d - 1)]])
+                lq = torch.log_softmax(drafter(x).logits[0, -1].float(), -1)
+                lp = torch.log_softmax(p[r, j + d - 1].float(), -1)
+                w = decay ** (d - 1)
+                total += w * float(token_divergence(divergence, lp, lq, 0.3))
+                weight += w
+    assert float(loss.detach()) == pytest.approx(total / weight, rel=1e-4)
+    loss.backward()  # gradients reach the drafter through the packed forward
+    assert drafter.model.embed_tokens.weight.grad is not None
+
+
+def test_parallel_config_errors_name_the_field():
+    ok = {"depth": 8, "anchors": 16, "decay": 0.8}
+    check_parallel_config(ok)
+    for key, bad in (("depth", 1), ("anchors", 0), ("decay", 1.5), ("depth", True)):
+        with pytest.raises(ConfigError, match=f"parallel.{key}="):
+            check_parallel_config(ok | {key: bad})
+
+
+def test_accepted_length_brute_force():
+    a = [0.9, 0.5, 0.2]
+    want = 0.9 + 0.9 * 0.5 + 0.9 * 0.5 * 0.2
+    assert accepted_length(a) == pytest.approx(want)
+
+
+@pytest.mark.slow  # ~1 min on 2 shared CPU cores (Seq-KD set, training, per-depth evaluation)
+def test_parallel_conversion_raises_acceptance_past_depth1(distill_cfg, tmp_path, seqkd_dir):
+    """The distill stage with drafting=parallel: mask depths learn (held-out acceptance at
+    depths >= 2 rises), best/ is picked by accepted length and carries its mask token."""
+    import json
+
+    from transformers import AutoConfig
+
+    from specdistill.distill.train import stage as train
+
+    cfg = distill_cfg(
+        tmp_path / "run", f"data.path={seqkd_dir}", "drafting=parallel", "parallel.depth=4",
+        "max_steps=12", "eval_every=6", "eval.source=target", "eval.sampling.temperature=0",
+    )  # fmt: skip
+    res = train.run(cfg)
+    par = res.parallel
+    assert par is not None and par["depth"] == 4 and len(par["alpha_at_best"]) == 4
+    assert sum(par["alpha_at_best"][1:]) > sum(par["alpha_at_before"][1:]) + 0.05, par
+    assert par["accepted_length_best"] > par["accepted_length_before"]
+    saved = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert saved["parallel"]["mask_token_id"] == par["mask_token_id"]
+    config = AutoConfig.from_pretrained(res.drafter_path)
+    assert config.mask_token_id == par["mask_token_id"]
+    with pytest.raises(ConfigError, match="parallel.depth=1"):
+        train.run(distill_cfg(tmp_path / "bad", "drafting=parallel", "parallel.depth=1"))
