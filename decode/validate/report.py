@@ -111,7 +111,8 @@ def two_engine_table(v: dict[str, Any]) -> list[str]:
     rows.append(("vLLM - ours, mean acceptance length", cells))
     return [
         "",
-        f"## Two engines: our decoder and vLLM {v['version']} (`{v['method']}`, "
+        f"## Two engines: our decoder and vLLM {v['version']} (`{v['method']}`"
+        f"{', parallel drafting' if v.get('parallel_drafting') else ''}, "
         f"{v['num_speculative_tokens']} speculative tokens, {v['dtype']}, draft sampling: "
         f"{v.get('draft_sample_method', 'n/a')})",
         "",

@@ -441,6 +441,7 @@ def in_vllm(
         gamma=gamma, max_new_tokens=int(cfg.max_new_tokens), repeats=int(cfg.repeats),
         seed=int(cfg.get("seed", 0)), dtype=st.dtype, eos=st.eos,
         draft_sample_method=draft_sample_method(cfg.vllm),
+        parallel_drafting=dec.cfg.drafting == "parallel",
     )  # fmt: skip
     notes.extend(more)
     return figures

@@ -51,6 +51,7 @@ def validate_in_vllm(
     dtype: torch.dtype,
     eos: Sequence[int],
     draft_sample_method: str | None = None,
+    parallel_drafting: bool = False,
 ) -> tuple[dict[str, Any], list[str]]:
     """(report.json's `vllm` section, notes): both engines of vLLM in every mode of `samplings`.
 
@@ -64,7 +65,10 @@ def validate_in_vllm(
     )  # fmt: skip
     notes: list[str] = []
     modes: dict[str, dict[str, Any]] = {}
-    with engines(spec, settings, kwargs, gamma, draft_sample_method) as (plain, speculative):
+    with engines(spec, settings, kwargs, gamma, draft_sample_method, parallel_drafting) as (
+        plain,
+        speculative,
+    ):
         defect = sampled_speculation_defect()  # after the engines: their kernels are registered
         for mode, s in samplings.items():
             row = measure_mode(plain, speculative, prompts, s, max_new_tokens, eos, seed, repeats)
@@ -104,6 +108,7 @@ def validate_in_vllm(
     result = {
         "version": getattr(vllm, "__version__", "unknown"),
         "method": "draft_model",
+        "parallel_drafting": parallel_drafting,
         "num_speculative_tokens": gamma,
         "draft_sample_method": draft_sample_method or "vLLM's default (greedy)",
         "dtype": str(dtype).removeprefix("torch."),

@@ -167,12 +167,18 @@ def engine_kwargs(
     }
 
 
-def speculative_config(spec: PairSpec, gamma: int, method: str | None = None) -> dict[str, Any]:
+def speculative_config(
+    spec: PairSpec, gamma: int, method: str | None = None, parallel: bool = False
+) -> dict[str, Any]:
+    """vLLM's draft-model speculation; `parallel`: PARD drafting (one drafter forward per round,
+    the mask id read from the drafter's config: `mask_token_id` / `pard_token`)."""
     conf: dict[str, Any] = {
         "model": spec.drafter,
         "method": "draft_model",
         "num_speculative_tokens": gamma,
     }
+    if parallel:
+        conf["parallel_drafting"] = True
     if method:
         conf["draft_sample_method"] = method
     if spec.drafter_revision:
@@ -193,6 +199,7 @@ def engines(
     kwargs: dict[str, Any],
     gamma: int,
     method: str | None = None,
+    parallel: bool = False,
 ) -> Iterator[tuple[Any, Any]]:
     """(plain engine, engine with the drafter), shut down on exit.
 
@@ -214,7 +221,7 @@ def engines(
         with engine_environment(settings, None, in_process):
             for which, extra in (
                 ("the target", {}),
-                ("the target with the drafter", {"speculative_config": speculative_config(spec, gamma, method)}),
+                ("the target with the drafter", {"speculative_config": speculative_config(spec, gamma, method, parallel)}),
             ):  # fmt: skip
                 try:
                     built.append(vllm.LLM(**kwargs, **extra))

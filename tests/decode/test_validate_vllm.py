@@ -229,9 +229,10 @@ def served_pair(toy_tiny, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _run_in_vllm(pair: dict[str, Path], drafter: str, out: Path):
+def _run_in_vllm(pair: dict[str, Path], drafter: str, out: Path, *more: str):
     cfg = compose_validate(
         out,
+        *more,
         "pair.toy=null",
         f"pair.target={pair['target']}",
         f"pair.tokenizer={pair['target']}",
@@ -261,6 +262,24 @@ def test_vllm_greedy_is_lossless_and_ranks_the_drafters(served_pair, tmp_path):
     assert set(results["base"].vllm["modes"]) == {"greedy", "sampling"}
     report = (tmp_path / "target" / "report.md").read_text()
     assert "## Two engines: our decoder and vLLM" in report
+
+
+@pytest.mark.vllm
+def test_vllm_parallel_drafting_is_lossless_and_reads_the_context(served_pair, tmp_path):
+    """PARD in vLLM (`parallel_drafting`, mask id from the drafter's config): the target itself
+    as parallel drafter. Its first draft reads the real context, so both engines accept it in
+    every round; the masked drafts are what they are; greedy output stays the plain one."""
+    data = json.loads((served_pair["target"] / "config.json").read_text())
+    pair = {**served_pair, "parallel": _drafter_with(tmp_path, served_pair["target"],
+                                                      mask_token_id=data["pad_token_id"])}  # fmt: skip
+    res = _run_in_vllm(pair, "parallel", tmp_path / "run", "decoder.drafting=parallel")
+    assert res.vllm["parallel_drafting"] is True and res.lossless is True
+    row = res.vllm["modes"]["greedy"]
+    assert row["identical_to_plain"] is True, row["mismatched_sequences"]
+    drafts, per_pos = row["counters"]["drafts"], row["counters"]["per_pos"]
+    assert drafts > 0 and per_pos[0] == drafts  # position 1: q is p on the real context
+    assert row["ours"]["accepted_by_position"][0] == 1.0
+    assert "parallel drafting" in (tmp_path / "run" / "report.md").read_text()
 
 
 @pytest.mark.vllm
