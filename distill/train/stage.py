@@ -42,6 +42,7 @@ from specdistill.distill.train.data import (
     sample_onpolicy,
 )
 from specdistill.distill.train.evaluate import evaluate
+from specdistill.distill.train.logits import masked_logits
 
 log = logging.getLogger("specdistill.distill")
 
@@ -119,6 +120,7 @@ class Trainer:
     stream: StreamSpec
     vocab: int
     t_start: float
+    frozen_params: int = 0
 
     @property
     def device(self) -> torch.device:
@@ -149,7 +151,8 @@ def prepare(cfg: DictConfig) -> Trainer:
     tok = load_tokenizer(spec)
     drafter = load_role(spec, "drafter", device=device)
     train_examples, topk = setup.build_train_examples(cfg, tok, accelerator)
-    eval_examples = setup.build_eval_examples(cfg, tok, accelerator)
+    eval_k = setup.eval_topk(cfg, train_examples, topk)
+    eval_examples = setup.build_eval_examples(cfg, tok, accelerator, eval_k)
     eval_has_topk = all(e.topk_ids is not None for e in eval_examples)
     target = None
     if not topk or not eval_has_topk:
@@ -162,7 +165,9 @@ def prepare(cfg: DictConfig) -> Trainer:
     ]
 
     drafter.train()
-    opt = hydra.utils.instantiate(cfg.optim.optimizer)(drafter.parameters())
+    frozen = setup.freeze_embeddings(cfg, drafter)
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    opt = hydra.utils.instantiate(cfg.optim.optimizer)(trainable)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(cfg))
     # The scheduler is not prepared: accelerate would step it once per process per step (for
     # split data), so 2 processes would decay the LR twice as fast as 1 with 2x accumulation.
@@ -190,6 +195,7 @@ def prepare(cfg: DictConfig) -> Trainer:
         # both models' logits are cut to the real tokens (padding rows dropped)
         vocab=len(tok),
         t_start=t_start,
+        frozen_params=frozen,
     )
 
 
@@ -255,6 +261,38 @@ def micro_batches(tr: Trainer, step: int, lmbda: float) -> list[tuple[dict, bool
     return window
 
 
+def _logits_and_targets(
+    tr: Trainer, batch: dict[str, torch.Tensor], onp: bool, masked: bool
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """(drafter logits, loss mask, the target's keywords for `distill_loss`) of one micro-batch.
+
+    `masked`: logits of the loss positions only, as one [1, N, V] row (`logits.masked_logits`),
+    and the target's logits or stored top-k gathered at the same positions; else the padded
+    [b, n, V] grid. The loss is a sum over positions, so both give the same value.
+    """
+    ids, att, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    use_topk = tr.topk and not onp
+    with tr.accelerator.autocast():
+        if masked:
+            logits = masked_logits(tr.model, ids, att, mask, tr.vocab)[None]
+        else:
+            logits = tr.model(input_ids=ids, attention_mask=att).logits[..., : tr.vocab]
+    if use_topk:
+        kwargs: dict[str, Any] = {"topk_ids": batch["topk_ids"], "topk_lp": batch["topk_lp"]}
+        if masked:
+            kwargs = {k: v[mask][None] for k, v in kwargs.items()}
+    else:
+        with torch.no_grad():
+            if masked:
+                target = masked_logits(tr.target, ids, att, mask, tr.vocab)[None]
+            else:
+                target = tr.target(input_ids=ids, attention_mask=att).logits[..., : tr.vocab]
+        kwargs = {"target_logits": target}
+    if masked:
+        mask = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)
+    return logits, mask, kwargs
+
+
 def train_step(tr: Trainer, step: int) -> dict[str, Any]:
     """One optimizer step over the accumulation window; its log record (without eval)."""
     cfg, accelerator, model, device = tr.cfg, tr.accelerator, tr.model, tr.device
@@ -267,6 +305,9 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
     # undo both so the gradient is exactly sum(token losses) / n_window.
     scale = world * (A if ds_on else 1)
     loss_sum = torch.zeros((), device=device)
+    # The head only at loss positions needs the bare model (a DDP/DeepSpeed wrapper must run
+    # its own forward to sync gradients): one plain process.
+    masked = bool(cfg.masked_head) and accelerator.unwrap_model(model) is model and not ds_on
     for a, (batch, onp) in enumerate(window):
         batch = {k: v.to(device) for k, v in batch.items()}
         if ds_on:  # the engine's accumulation boundary comes from accelerate's counter
@@ -277,21 +318,10 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
         with boundary:
             if ds_on and accelerator.sync_gradients != (a == A - 1):
                 raise RuntimeError(f"DeepSpeed accumulation boundary out of step at {step}/{a}")
-            with accelerator.autocast():
-                logits = model(
-                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-                ).logits[..., : tr.vocab]
-            kwargs: dict[str, Any] = {}
-            if tr.topk and not onp:
-                kwargs = {"topk_ids": batch["topk_ids"], "topk_lp": batch["topk_lp"]}
-            else:
-                with torch.no_grad():
-                    kwargs["target_logits"] = tr.target(  # type: ignore[misc]
-                        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-                    ).logits[..., : tr.vocab]
+            logits, mask, kwargs = _logits_and_targets(tr, batch, onp, masked)
             loss = distill_loss(
                 logits,
-                batch["loss_mask"],
+                mask,
                 divergence=loss_name,
                 beta=beta,
                 temperature=float(cfg.loss.temperature),
@@ -377,6 +407,7 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
             "path": str(cfg.data.path or (out / "seqkd" if cfg.data.seq_kd else "")),
             "reference": bool(cfg.data.reference),
             "topk": tr.topk,
+            "frozen_params": tr.frozen_params,
             "train_examples": len(tr.train_examples),
             "eval_tokens": before["tokens"],
             "eval_source": cfg.eval.source,
