@@ -60,7 +60,7 @@ def test_real_pair_pipeline_distils_and_stays_lossless(tmp_path, monkeypatch):
     result = pipeline.run(cfg)
     distill = result.stages["distill"]
     assert distill["data"]["topk"] is True and distill["data"]["frozen_params"] > 28_000_000
-    before, after = distill["greedy_agreement_before"], distill["best_alpha"]
+    before, after = distill["alpha_before"], distill["best_alpha"]
     assert after > before + 0.05, (before, after)
     report = read_json(run_dir / "validate" / "report.json")
     assert report["lossless"] is True
