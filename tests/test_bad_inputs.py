@@ -123,6 +123,13 @@ CASES = [
         ("dataset.path='{fx}/bad.jsonl'",),
     ),
     Case("generate-batch-0", "generate", ("batch_size=0",), ("batch_size=0",)),
+    Case("generate-threads-0", "generate", ("threads=0",), ("threads=0",)),
+    Case(
+        "distill-freeze",
+        "distill",
+        ("freeze_embeddings=sometimes", "logger=none"),
+        ("freeze_embeddings='sometimes'",),
+    ),
     Case("generate-truncated", "generate", ("pair.target={fx}/truncated-target",), TRUNCATED_T),
     Case("lmbda-1.5", "distill", ("lmbda=1.5", "logger=none"), ("lmbda=1.5",)),
     Case("distill-truncated", "distill", ("pair.drafter={fx}/truncated-drafter",), TRUNCATED_D),

@@ -52,7 +52,13 @@ from specdistill.data.generate.shards import (
 from specdistill.data.io import read_json
 from specdistill.data.pairs import PairSpec, load_role, load_tokenizer, resolve_pair
 from specdistill.data.prompts import Prompt, load_prompts
-from specdistill.data.runtime import ConfigError, parse_dtype, resolve_device, run_or_exit
+from specdistill.data.runtime import (
+    ConfigError,
+    parse_dtype,
+    resolve_device,
+    run_or_exit,
+    set_threads,
+)
 from specdistill.data.sampling import Sampling
 
 log = logging.getLogger(__name__)
@@ -239,6 +245,7 @@ def run(cfg: DictConfig) -> GenerateResult:
     index, count = resolve_shard(cfg.shard.index, cfg.shard.count)
     spec = resolve_pair(cfg.pair)
     device = _device_for_rank(str(cfg.device))
+    set_threads(cfg.get("threads", "default"), device)  # after the per-rank split: it wins
     dtype = parse_dtype(str(cfg.dtype), device)
     tokenizer = load_tokenizer(spec)
     from transformers import AutoConfig

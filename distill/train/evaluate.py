@@ -18,6 +18,7 @@ import torch
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import expected_alpha, probs_from_logits
+from specdistill.distill.train.logits import masked_logits
 
 
 def serving_acceptance(
@@ -67,21 +68,22 @@ def evaluate(
         ids = batch["input_ids"].to(device)
         att = batch["attention_mask"].to(device)
         mask = batch["loss_mask"].to(device)
-        q_logits = drafter(input_ids=ids, attention_mask=att).logits[..., :vocab].float()
+        # [N, V] rows of the masked positions only (the head skips prompt and padding)
+        q_logits = masked_logits(drafter, ids, att, mask, vocab).float()
         if target is not None:
-            p_logits = target(input_ids=ids, attention_mask=att).logits[..., :vocab].float()
+            p_logits = masked_logits(target, ids, att, mask, vocab).float()
             acc = serving_acceptance(p_logits, q_logits, sampling)
             p_top = p_logits.argmax(-1)
         else:
-            tk_ids = batch["topk_ids"].to(device)
+            tk_ids = batch["topk_ids"].to(device)[mask]
             p_top = tk_ids[..., 0]
             if sampling.greedy:
                 acc = (q_logits.argmax(-1) == p_top).float()
             else:
                 lq = torch.log_softmax(q_logits, -1).gather(-1, tk_ids)
-                acc = torch.minimum(batch["topk_lp"].to(device), lq).exp().sum(-1)
-        acc_sum += float(acc[mask].double().sum())
-        agree += int((q_logits.argmax(-1) == p_top)[mask].sum())
+                acc = torch.minimum(batch["topk_lp"].to(device)[mask], lq).exp().sum(-1)
+        acc_sum += float(acc.double().sum())
+        agree += int((q_logits.argmax(-1) == p_top).sum())
         count += int(mask.sum())
     drafter.train(was_training)
     if count == 0:

@@ -50,6 +50,8 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"loss_chunk_size={cfg.loss_chunk_size} must be positive or null")
     if cfg.mixed_precision not in ("auto", "no", "bf16", "fp16"):
         raise ConfigError(f"mixed_precision={cfg.mixed_precision!r}: use auto, no, bf16 or fp16")
+    if cfg.freeze_embeddings not in ("auto", True, False):
+        raise ConfigError(f"freeze_embeddings={cfg.freeze_embeddings!r}: use auto, true or false")
     if cfg.eval.source not in ("reference", "path", "target"):
         raise ConfigError(f"eval.source={cfg.eval.source!r}: use reference, path or target")
     eval_sampling(cfg)
@@ -107,6 +109,33 @@ def eval_sampling(cfg: DictConfig) -> Sampling:
 def onpolicy_sampling(cfg: DictConfig) -> Sampling:
     """How the drafter samples its on-policy batches (temperature 0 = its greedy output)."""
     return Sampling.from_parent(cfg.onpolicy, "onpolicy.sampling")
+
+
+def freeze_embeddings(cfg: DictConfig, model) -> int:
+    """Freeze the drafter's input embeddings and LM head (`freeze_embeddings`); the number of
+    parameters frozen.
+
+    A drafter built from the target's layers starts with the target's own embeddings and head;
+    the layers are what has to learn. With a vocabulary of 49k and hidden 576 the (tied) head
+    is 28M of SmolLM2 first:4's 42.5M parameters, so training it costs a [V, H] weight gradient
+    per micro-batch and 2 x 28M AdamW moments per step for little gain. `auto`: on exactly
+    when `pair.drafter_layers` builds the drafter, and off for `drafting=parallel` (the mask
+    token's embedding row is what a parallel drafter learns first).
+    """
+    mode = cfg.freeze_embeddings
+    if mode == "auto":
+        parallel = str(cfg.get("drafting", "autoregressive")) == "parallel"
+        mode = OmegaConf.select(cfg, "pair.drafter_layers") is not None and not parallel
+    if not mode:
+        return 0
+    frozen: dict[int, torch.nn.Parameter] = {}
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if module is None:
+            continue
+        for param in module.parameters():
+            param.requires_grad_(False)
+            frozen[id(param)] = param  # a tied head is the embedding's tensor: counted once
+    return sum(p.numel() for p in frozen.values())
 
 
 def use_cuda(cfg: DictConfig) -> bool:
@@ -260,18 +289,39 @@ def build_train_examples(cfg: DictConfig, tokenizer, accelerator) -> tuple[list[
     return examples, topk
 
 
-def build_eval_examples(cfg: DictConfig, tokenizer, accelerator) -> list[Example]:
+def eval_topk(cfg: DictConfig, train_examples: list[Example], train_topk: bool) -> int:
+    """K of the top-k log-probs stored with the target's held-out continuations (0: none).
+
+    `eval.topk_logprobs: auto` stores the training rows' K when training reads stored top-k
+    and the serving mode is one stored log-probs measure exactly (greedy: the stored top-1 is
+    argmax p) or as the documented lower bound (T = 1, nothing cut): then the distill stage
+    never loads the target. Otherwise 0 (the target is loaded for the held-out figure).
+    """
+    k = cfg.eval.get("topk_logprobs", "auto")
+    if k != "auto":
+        if int(k) < 0:
+            raise ConfigError(f"eval.topk_logprobs={k} must be >= 0 or auto")
+        return int(k)
+    s = eval_sampling(cfg)
+    stored_ok = s.greedy or (s.temperature == 1.0 and s.top_k == 0 and s.top_p == 1.0)
+    if not (train_topk and stored_ok):
+        return 0
+    return len(train_examples[0].topk_ids[0]) if train_examples[0].topk_ids else 0  # type: ignore[index]
+
+
+def build_eval_examples(cfg: DictConfig, tokenizer, accelerator, topk: int = 0) -> list[Example]:
     """Held-out rows: reference completions, a given generate run, or (`target`) the target's
-    own continuations in the serving mode (greedy, or sampled at eval.sampling)."""
+    own continuations in the serving mode (greedy, or sampled at eval.sampling), with the
+    target's top-`topk` log-probs stored when `topk` > 0 (see `eval_topk`)."""
     if cfg.eval.source == "target":
         settings = {
             "max_new_tokens": int(cfg.eval.max_new_tokens),
             "sampling": eval_sampling(cfg).as_dict(),
-            "topk_logprobs": 0,
+            "topk_logprobs": int(topk),
         }
         path = Path(str(cfg.eval.path or Path(str(cfg.output_dir)) / "eval_continuations"))
         run_generate(cfg, accelerator, path, str(cfg.eval.split), settings)
-        return load_seqkd(path, limit=cfg.eval.limit, use_topk=False)
+        return load_seqkd(path, limit=cfg.eval.limit, use_topk=topk > 0)
     if cfg.eval.source == "path":
         if cfg.eval.path is None:
             raise ConfigError("eval.source=path needs eval.path (a generate-stage dataset)")

@@ -43,6 +43,7 @@ from specdistill.distill.train.data import (
     sample_onpolicy,
 )
 from specdistill.distill.train.evaluate import evaluate, evaluate_parallel
+from specdistill.distill.train.logits import masked_logits
 from specdistill.distill.train.predict import heldout_prediction
 
 log = logging.getLogger("specdistill.distill")
@@ -126,6 +127,7 @@ class Trainer:
     vocab: int
     t_start: float
     mask_token_id: int | None = None  # drafting=parallel (distill.parallel)
+    frozen_params: int = 0
 
     @property
     def device(self) -> torch.device:
@@ -167,7 +169,8 @@ def prepare(cfg: DictConfig) -> Trainer:
     tok = load_tokenizer(spec)
     drafter = load_role(spec, "drafter", device=device)
     train_examples, topk = setup.build_train_examples(cfg, tok, accelerator)
-    eval_examples = setup.build_eval_examples(cfg, tok, accelerator)
+    eval_k = setup.eval_topk(cfg, train_examples, topk)
+    eval_examples = setup.build_eval_examples(cfg, tok, accelerator, eval_k)
     eval_has_topk = all(e.topk_ids is not None for e in eval_examples)
     mask_id = None
     if cfg.drafting == "parallel":
@@ -185,7 +188,9 @@ def prepare(cfg: DictConfig) -> Trainer:
     ]
 
     drafter.train()
-    opt = hydra.utils.instantiate(cfg.optim.optimizer)(drafter.parameters())
+    frozen = setup.freeze_embeddings(cfg, drafter)
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    opt = hydra.utils.instantiate(cfg.optim.optimizer)(trainable)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(cfg))
     # The scheduler is not prepared: accelerate would step it once per process per step (for
     # split data), so 2 processes would decay the LR twice as fast as 1 with 2x accumulation.
@@ -214,6 +219,7 @@ def prepare(cfg: DictConfig) -> Trainer:
         vocab=len(tok),
         t_start=t_start,
         mask_token_id=mask_id,
+        frozen_params=frozen,
     )
 
 
@@ -283,6 +289,59 @@ def micro_batches(tr: Trainer, step: int, lmbda: float) -> list[tuple[dict, bool
     return window
 
 
+def _logits_and_targets(
+    tr: Trainer, batch: dict[str, torch.Tensor], onp: bool, masked: bool
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """(drafter logits, loss mask, the target's keywords for `distill_loss`) of one micro-batch.
+
+    `masked`: logits of the loss positions only, as one [1, N, V] row (`logits.masked_logits`),
+    and the target's logits or stored top-k gathered at the same positions; else the padded
+    [b, n, V] grid. The loss is a sum over positions, so both give the same value.
+    """
+    ids, att, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    use_topk = tr.topk and not onp
+    with tr.accelerator.autocast():
+        if masked:
+            logits = masked_logits(tr.model, ids, att, mask, tr.vocab)[None]
+        else:
+            logits = tr.model(input_ids=ids, attention_mask=att).logits[..., : tr.vocab]
+    if use_topk:
+        kwargs: dict[str, Any] = {"topk_ids": batch["topk_ids"], "topk_lp": batch["topk_lp"]}
+        if masked:
+            kwargs = {k: v[mask][None] for k, v in kwargs.items()}
+    else:
+        with torch.no_grad():
+            if masked:
+                target = masked_logits(tr.target, ids, att, mask, tr.vocab)[None]
+            else:
+                target = tr.target(input_ids=ids, attention_mask=att).logits[..., : tr.vocab]
+        kwargs = {"target_logits": target}
+    if masked:
+        mask = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)
+    return logits, mask, kwargs
+
+
+def _packed_logits_and_targets(
+    tr: Trainer, batch: dict[str, torch.Tensor], packed: dict[str, torch.Tensor], onp: bool
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """drafting=parallel: the drafter's logits over the packed sequence (real tokens + mask
+    chains), the target's figures gathered at each packed position's label, depth weights."""
+    with tr.accelerator.autocast():
+        logits = parallel.packed_forward(tr.model, packed)[..., : tr.vocab]
+    if tr.topk and not onp:
+        kwargs: dict[str, Any] = {"topk_ids": batch["topk_ids"], "topk_lp": batch["topk_lp"]}
+    else:
+        with torch.no_grad():
+            kwargs = {
+                "target_logits": tr.target(  # type: ignore[misc]
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                ).logits[..., : tr.vocab]
+            }
+    kwargs = {k: parallel.gather_positions(v, packed["label_pos"]) for k, v in kwargs.items()}
+    kwargs["weights"] = packed["weight"]
+    return logits, packed["weight"] > 0, kwargs
+
+
 def train_step(tr: Trainer, step: int) -> dict[str, Any]:
     """One optimizer step over the accumulation window; its log record (without eval)."""
     cfg, accelerator, model, device = tr.cfg, tr.accelerator, tr.model, tr.device
@@ -298,6 +357,9 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
     # undo both so the gradient is exactly sum(token losses) / n_window.
     scale = world * (A if ds_on else 1)
     loss_sum = torch.zeros((), device=device)
+    # The head only at loss positions needs the bare model (a DDP/DeepSpeed wrapper must run
+    # its own forward to sync gradients): one plain process.
+    masked = bool(cfg.masked_head) and accelerator.unwrap_model(model) is model and not ds_on
     for a, (batch, onp) in enumerate(window):
         packed = batch.pop("packed", None)
         batch = {k: v.to(device) for k, v in batch.items()}
@@ -311,31 +373,13 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
         with boundary:
             if ds_on and accelerator.sync_gradients != (a == A - 1):
                 raise RuntimeError(f"DeepSpeed accumulation boundary out of step at {step}/{a}")
-            with accelerator.autocast():
-                if packed is None:
-                    logits = model(
-                        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-                    ).logits[..., : tr.vocab]
-                else:
-                    logits = parallel.packed_forward(model, packed)[..., : tr.vocab]
-            kwargs: dict[str, Any] = {}
-            if tr.topk and not onp:
-                kwargs = {"topk_ids": batch["topk_ids"], "topk_lp": batch["topk_lp"]}
+            if packed is None:
+                logits, mask, kwargs = _logits_and_targets(tr, batch, onp, masked)
             else:
-                with torch.no_grad():
-                    kwargs["target_logits"] = tr.target(  # type: ignore[misc]
-                        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-                    ).logits[..., : tr.vocab]
-            loss_mask = batch["loss_mask"]
-            if packed is not None:  # the target's figures at each packed position's label
-                kwargs = {
-                    k: parallel.gather_positions(v, packed["label_pos"]) for k, v in kwargs.items()
-                }
-                kwargs["weights"] = packed["weight"]
-                loss_mask = packed["weight"] > 0
+                logits, mask, kwargs = _packed_logits_and_targets(tr, batch, packed, onp)
             loss = distill_loss(
                 logits,
-                loss_mask,
+                mask,
                 divergence=loss_name,
                 beta=beta,
                 temperature=float(cfg.loss.temperature),
@@ -439,6 +483,7 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
             "path": str(cfg.data.path or (out / "seqkd" if cfg.data.seq_kd else "")),
             "reference": bool(cfg.data.reference),
             "topk": tr.topk,
+            "frozen_params": tr.frozen_params,
             "train_examples": len(tr.train_examples),
             "eval_tokens": before["tokens"],
             "eval_source": cfg.eval.source,

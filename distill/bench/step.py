@@ -1,0 +1,101 @@
+"""Benchmark: distill-stage training throughput and peak RSS, variant by variant.
+
+    python -m specdistill.distill.bench.step --data SEQKD_DIR pair=smollm2 \\
+        --variant live:data.use_topk=false,freeze_embeddings=false \\
+        --variant topk:freeze_embeddings=false --variant topk+freeze:
+
+Each variant is the distill stage's own `prepare` + `train_step` (the code a run executes),
+composed from conf/distill.yaml with the shared overrides and the variant's own, in a fresh
+process (so peak RSS is the variant's): one warm-up step, then `--steps` timed optimizer steps.
+tokens/s counts the completion tokens trained on (the loss's tokens), as the stage reports it.
+The held-out set is one row of the same data (no target is loaded for it when the rows carry
+stored top-k), so only training is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+
+def measure(data: str, steps: int, threads: int, overrides: list[str]) -> dict:
+    """Time `steps` optimizer steps of the distill stage after one warm-up step."""
+    import torch
+    from hydra import compose, initialize_config_module
+
+    from specdistill.distill.train import stage
+
+    torch.set_num_threads(threads)
+    base = [
+        f"data.path={data}",
+        "eval.source=path",
+        f"eval.path={data}",
+        "eval.limit=1",
+        "logger=none",
+        "device=cpu",
+        f"output_dir={data}-bench-step",
+    ]
+    with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+        cfg = compose(config_name="distill", overrides=[*base, *overrides])
+    tr = stage.prepare(cfg)
+    stage.train_step(tr, 0)
+    tokens, t0 = 0, time.perf_counter()
+    for step in range(1, steps + 1):
+        tokens += stage.train_step(tr, step)["tokens"]
+    seconds = time.perf_counter() - t0
+    return {
+        "tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "target_loaded": tr.target is not None,
+        "topk": tr.topk,
+        "frozen_params": tr.frozen_params,
+        "threads": threads,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", required=True, help="a generate-stage dataset (with top-k rows)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME:KEY=VALUE,KEY=VALUE (distill overrides of that variant)",
+    )
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant, print JSON
+    ap.add_argument("overrides", nargs="*", help="distill overrides shared by every variant")
+    args = ap.parse_args(argv)
+    if args.one is not None:
+        own = [o for o in args.one.split(",") if o]
+        print(json.dumps(measure(args.data, args.steps, args.threads, args.overrides + own)))
+        return
+    rows = []
+    for spec in args.variant or ["default:"]:
+        name, _, own = spec.partition(":")
+        cmd = [sys.executable, "-m", __spec__.name, "--data", args.data, "--one", own]
+        cmd += ["--steps", str(args.steps), "--threads", str(args.threads), *args.overrides]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"error: variant {name} failed:\n{out.stderr[-2000:]}")
+        row = {"variant": name, **json.loads(out.stdout.strip().splitlines()[-1])}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("| variant | tokens/s | peak RSS MB | target loaded | frozen params |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['variant']} | {r['tokens_per_s']} | {r['peak_rss_mb']} | "
+            f"{r['target_loaded']} | {r['frozen_params']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Logits only where the loss reads them: the LM head applied to the masked positions.
+
+A distill batch is prompt + completion, right-padded to its longest row; the loss reads the
+logits of completion positions only. On SmolLM2 (vocabulary 49k, hidden 576) the head is most
+of a 4-layer drafter's arithmetic (its [positions, V] logits, their fp32 log-softmax and the
+gradient back through the head), and with toy prompts (mean 54 tokens, up to 156) plus 64
+completion tokens the padded [b, n] grid is ~3x the completion tokens. So the decoder body
+runs on the padded batch as before, and the head runs on the rows of `mask` only.
+
+Exact up to matmul blocking: each kept row is the same `lm_head(hidden)` product the full
+forward computes (tested against the full logits). Only for architectures whose causal-LM
+forward is exactly `lm_head(decoder(...).last_hidden_state)` (no logit scaling or soft-capping);
+other models take the full forward and a gather, which is the same result at the full cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Causal-LM classes whose logits are exactly lm_head(last_hidden_state) (transformers 5.x).
+PLAIN_HEAD = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def has_plain_head(model: Any) -> bool:
+    """True when `masked_logits` may call the decoder and the head separately on `model`."""
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None) in PLAIN_HEAD and hasattr(model, "get_decoder")
+
+
+def masked_logits(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    mask: torch.Tensor,
+    vocab: int,
+) -> torch.Tensor:
+    """The logits of the positions where `mask` [b, n] is True, as [N, vocab] in row order.
+
+    `model` is an unwrapped `*ForCausalLM` (a DDP/DeepSpeed wrapper must see its own forward;
+    the caller passes those through the full path).
+    """
+    mask = mask.bool()
+    if not has_plain_head(model):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return logits[..., :vocab][mask]
+    hidden = model.get_decoder()(
+        input_ids=input_ids, attention_mask=attention_mask
+    ).last_hidden_state
+    return model.get_output_embeddings()(hidden[mask])[..., :vocab]
