@@ -525,17 +525,18 @@ class ConfidenceLength(DraftLengthPolicy):
         super().observe(lengths, accepted, active, conf)
 
 
+POLICIES: dict[str, type[DraftLengthPolicy]] = {
+    "fixed": FixedLength,
+    "heuristic": HeuristicLength,
+    "confidence": ConfidenceLength,
+}
+
+
 def make_policy(
-    name: str,
-    gamma: int,
-    max_k: int,
-    costs: DraftCosts,
-    scope: str = "batch",
-    floor: bool = True,
-    probe_every: int = 8,
+    name: str, gamma: int, max_k: int, costs: DraftCosts, **options
 ) -> DraftLengthPolicy:
-    cls = {"fixed": FixedLength, "heuristic": HeuristicLength, "confidence": ConfidenceLength}[name]
-    return cls(gamma, max_k, costs, scope=scope, floor=floor, probe_every=probe_every)
+    """`decoder.draft_length` -> its policy; options: scope, floor, probe_every."""
+    return POLICIES[name](gamma, max_k, costs, **options)
 
 
 @dataclass

@@ -74,7 +74,7 @@ def draft_parallel(dec, dft, mask, lag, lag_pos, t, pos, k: int, dense: bool, ge
 @torch.inference_mode()
 def generate_parallel(dec, input_ids, attention_mask=None, generator=None):
     """`SpeculativeDecoder.generate` for `decoder.drafting=parallel` (fixed gamma)."""
-    from specdistill.decode.speculative import DecodeOutput, RoundRecord
+    from specdistill.decode.speculative import DecodeOutput
 
     cfg, s, g = dec.cfg, dec.cfg.sampling, dec.max_draft
     ids, mask0 = dec._prepare(input_ids, attention_mask)
@@ -124,23 +124,7 @@ def generate_parallel(dec, input_ids, attention_mask=None, generator=None):
                 cfg.lenience,
             )
             alpha_pos = expected_alpha(p[:, :k], q)
-        host = torch.cat([draft_t, n[:, None], nxt[:, None], alpha_pos], 1).float().tolist()
-        host = [[int(v) for v in row[: k + 2]] + row[k + 2 :] for row in host]
-        dec._record(out, host, active, k, [k] * b)
-        if cfg.record_probs:
-            out.rounds.append(
-                RoundRecord(
-                    start=[len(tk) for tk in out.tokens],
-                    draft=draft_t,
-                    accepted=n,
-                    next_token=nxt,
-                    active=active,
-                    target_probs=torch.softmax(t_logits.float(), -1),
-                )
-            )
-        for r, row in enumerate(host):
-            if not done[r]:
-                done[r] = dec._emit(out.tokens[r], [*row[: row[k]], row[k + 1]])
+        host = dec._settle(out, done, active, (draft_t, n, nxt, alpha_pos), t_logits, [k] * b)
         maxn = max(row[k] for row in host)
         if not dense:  # rows that accepted less than the longest keep masked holes
             mask[:, length + 1 : length + k + 1] &= steps[None, :k] < n[:, None]

@@ -558,29 +558,12 @@ class SpeculativeDecoder:
                     lengths=len_t,
                 )
                 alpha_pos = expected_alpha(p[:, :kd], q)
-            # The round's one host sync: drafts, accepted counts, next tokens, per-position alpha
-            # (token ids < 2^24 are exact in fp32).
-            host = torch.cat([draft_t, n[:, None], nxt[:, None], alpha_pos], 1).float().tolist()
-            host = [[int(v) for v in row[: kd + 2]] + row[kd + 2 :] for row in host]
+            host = self._settle(
+                out, done, active, (draft_t, n, nxt, alpha_pos), t_logits, lengths, row_cut
+            )
             n_list = [row[kd] for row in host]
-            self._record(out, host, active, kd, lengths)
             if adaptive:
                 policy.observe(lengths, n_list, active, [list(c) for c in zip(*confs)] or None)
-            if cfg.record_probs:
-                out.rounds.append(
-                    RoundRecord(
-                        start=[len(tk) for tk in out.tokens],
-                        draft=draft_t,
-                        accepted=n,
-                        next_token=nxt,
-                        active=active,
-                        target_probs=torch.softmax(t_logits.float(), -1),
-                        lengths=lengths if row_cut else None,
-                    )
-                )
-            for r, row in enumerate(host):
-                if not done[r]:
-                    done[r] = self._emit(out.tokens[r], [*row[: row[kd]], row[kd + 1]])
             # Roll back to the longest accepted prefix; shorter rows keep masked holes.
             maxn = max(n_list)
             new_len = length + 1 + maxn
@@ -659,6 +642,41 @@ class SpeculativeDecoder:
             return g
         left = max(self.cfg.max_new_tokens - len(row) for row, d in zip(tokens, done) if not d)
         return max(1, min(g, left - 1))
+
+    def _settle(
+        self,
+        out: DecodeOutput,
+        done: list[bool],
+        active: list[bool],
+        verdict: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        t_logits: torch.Tensor,
+        lengths: list[int],
+        row_cut: bool = False,
+    ) -> list[list]:
+        """The round's one host sync (drafts, accepted counts, next tokens, per-position alpha;
+        token ids < 2^24 are exact in fp32), then its counters, its record and its tokens, the
+        same for every drafting mode. Marks finished rows in `done`; returns the host rows."""
+        draft_t, n, nxt, alpha_pos = verdict
+        k = draft_t.shape[1]
+        host = torch.cat([draft_t, n[:, None], nxt[:, None], alpha_pos], 1).float().tolist()
+        host = [[int(v) for v in row[: k + 2]] + row[k + 2 :] for row in host]
+        self._record(out, host, active, k, lengths)
+        if self.cfg.record_probs:
+            out.rounds.append(
+                RoundRecord(
+                    start=[len(tk) for tk in out.tokens],
+                    draft=draft_t,
+                    accepted=n,
+                    next_token=nxt,
+                    active=active,
+                    target_probs=torch.softmax(t_logits.float(), -1),
+                    lengths=lengths if row_cut else None,
+                )
+            )
+        for r, row in enumerate(host):
+            if not done[r]:
+                done[r] = self._emit(out.tokens[r], [*row[: row[k]], row[k + 1]])
+        return host
 
     def _emit(self, row: list[int], tokens: list[int]) -> bool:
         """Append up to the budget, stopping after an EOS; True when the row is finished."""
