@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import sysconfig
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +99,15 @@ def load_sources(segments: list[Segment], toy: str | None, tokenizer) -> dict[st
         else:
             prompts = load_prompts(ds, tokenizer, default_split="train")
         if not prompts:
-            raise ConfigError(f"stream[{i}].dataset={seg.label!r} yields no prompts")
+            hint = ""
+            if isinstance(ds, str) and ds.startswith("stdlib-"):
+                hint = (
+                    f": this Python's standard library ({sysconfig.get_paths()['stdlib']}) lacks the files it "
+                    "reads (Debian/Ubuntu split test/, idlelib/ and turtledemo/ into packages: "
+                    "install idle-python3.X and libpython3.X-testsuite, or use a python.org / "
+                    "pyenv build)"
+                )
+            raise ConfigError(f"stream[{i}].dataset={seg.label!r} yields no prompts{hint}")
         out[seg.label] = prompts
     return out
 
