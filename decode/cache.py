@@ -141,7 +141,7 @@ class ModelRunner:
         fn = self._eager if prefill or not self._allocated else self._step
         if fn is not self._eager:  # compiled graphs guard on strides: views of a prompt recompile
             ids, position_ids = _fresh(ids), _fresh(position_ids)
-        with weight_major_linear(self.weight_major and not prefill and n > 1):
+        with weight_major_linear(self.weight_major and not prefill):
             out = fn(
                 input_ids=ids,
                 attention_mask=attention_mask,

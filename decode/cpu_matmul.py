@@ -9,9 +9,15 @@ that the other model's step just evicted, so that is the case that counts. In a 
 target's 5-token verify fell from 1.5-1.8 to about 1.1 of its 1-token steps, which is what the
 speedup formula assumes.
 
+One-row steps have the mirror problem with tall, narrow weights: MKL's 1-row GEMV on a
+[49152, 576] LM head (SmolLM2's tied head, 113 MB, out of cache) took 12.8 ms against 6.4 ms for
+`W @ [x, x].T` (the row twice, one column kept); Qwen2-0.5B's [151936, 896] 46 vs 30 ms. So a
+1-token step over such a weight (`ONE_ROW_MIN`, `ONE_ROW_MAX_IN`) takes the 2-column product.
+Other weights keep `F.linear` for one row (the toy models' are all below the threshold).
+
 The switch is scoped: `weight_major_linear()` swaps `torch.nn.Linear.forward` for the duration of
-one decode step (the decoder is single-threaded), and only for inputs of 2-16 rows; one-row steps,
-prefill and everything outside the decoder keep `F.linear`. Results agree with `F.linear` to
+one decode step (the decoder is single-threaded), and only for inputs of 2-16 rows or one row over
+a large weight; prefill and everything outside the decoder keep `F.linear`. Results agree with `F.linear` to
 float rounding (a different summation order), like any other change of GEMM kernel.
 """
 
@@ -24,11 +30,21 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 16  # above this a GEMM is compute-bound and MKL's own choice is the better one
+# One row goes as two columns over a weight of >= ONE_ROW_MIN elements with <= ONE_ROW_MAX_IN
+# inputs: a tall, narrow weight (a large vocabulary over a small hidden size) is where the GEMV
+# loses; from 2048 inputs on it wins (measured: [32000, 4096] 27 vs 54 ms, [8192, 2048] 4 vs 6).
+ONE_ROW_MIN = 1 << 22
+ONE_ROW_MAX_IN = 1024
 
 
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """`F.linear(x, weight, bias)`, computed as `weight @ x.T` when x has 2..MAX_ROWS rows."""
     rows = x.numel() // max(x.shape[-1], 1)
+    if rows == 1 and weight.numel() >= ONE_ROW_MIN and weight.shape[1] <= ONE_ROW_MAX_IN:
+        y = torch.mm(weight, x.reshape(1, -1).repeat(2, 1).t())[:, :1].t().contiguous()
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], weight.shape[0])
     if not 2 <= rows <= MAX_ROWS:
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()

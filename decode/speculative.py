@@ -191,8 +191,9 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         dc = cfg.draft_costs
         for name in ("c", "verify_per_token", "round_overhead"):
             v = getattr(dc, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 100:
-                raise ConfigError(f"decoder.draft_{name}={v!r} must be a number >= 0 (or auto)")
+            low = -0.5 if name == "round_overhead" else 0  # a verify may undercut a 1-token step
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v < 100:
+                raise ConfigError(f"decoder.draft_{name}={v!r} must be a number >= {low} (or auto)")
     if cfg.drafting not in DRAFTING:
         raise ConfigError(f"decoder.drafting={cfg.drafting!r}: use {' or '.join(DRAFTING)}")
     if cfg.drafting == "parallel" and cfg.draft_length != "fixed":

@@ -201,31 +201,33 @@ def test_cli_bad_input_is_one_line_and_exit_2(toy_tiny, tmp_path, monkeypatch, c
 
 @pytest.mark.slow
 def test_sigkill_midway_then_restart_finishes_each_prompt_once(toy_tiny, tmp_path):
-    out = tmp_path / "killed"
+    # 32 small chunks, so the kill lands midway even when the machine is quick or the poll slow
+    # (with 6 chunks of 8, a busy CI machine once saw all 6 written before the kill)
+    out, chunks = tmp_path / "killed", 32
     args = (
         "pair=toy-tiny",
         f"output_dir={out}",
-        "max_new_tokens=16",
-        "batch_size=8",
-        "chunk_size=8",
-        "dataset.limit=48",
+        "max_new_tokens=32",
+        "batch_size=2",
+        "chunk_size=2",
+        f"dataset.limit={2 * chunks}",
         "progress=false",
     )
     proc = _cli(*args, start_new_session=True)
     shard = out / "chunks"
     deadline = time.time() + 240
     while not any(shard.glob("*/*/chunk-00001.parquet")) and time.time() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     done_before = sorted(p.name for p in shard.glob("*/*/chunk-*.parquet"))
-    assert 2 <= len(done_before) < 6 and not (out / "state.json").exists()
+    assert 2 <= len(done_before) < chunks and not (out / "state.json").exists()
     proc = _cli(*args)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     result = json.loads((out / "result.json").read_text())
-    assert result["shards"][0]["chunks_generated"] == 6 - len(done_before)
-    assert [r[0] for r in _rows(out)] == list(range(48))
+    assert result["shards"][0]["chunks_generated"] == chunks - len(done_before)
+    assert [r[0] for r in _rows(out)] == list(range(2 * chunks))
 
 
 @pytest.mark.slow

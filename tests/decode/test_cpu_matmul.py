@@ -29,6 +29,30 @@ def test_few_row_linear_equals_f_linear(shape, bias):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_over_a_tall_narrow_weight_takes_two_columns(monkeypatch, bias):
+    """A 1-row input over a weight of >= ONE_ROW_MIN elements and <= ONE_ROW_MAX_IN inputs (an
+    LM head over a small hidden size) goes as a 2-column product: the same values as F.linear;
+    a wide weight of the same size, and a small one, keep F.linear itself."""
+    monkeypatch.setattr(cpu_matmul, "ONE_ROW_MIN", 48 * 24)
+    monkeypatch.setattr(cpu_matmul, "ONE_ROW_MAX_IN", 24)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 1, 24, generator=g)
+    w, b = torch.randn(48, 24, generator=g), torch.randn(48, generator=g) if bias else None
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, c: calls.append(c.shape) or real_mm(a, c))
+    got = few_row_linear(x, w, b)
+    assert calls == [(24, 2)] and got.shape == (1, 1, 48) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    calls.clear()
+    wide = torch.randn(24, 48, generator=g)  # same size, 48 inputs > ONE_ROW_MAX_IN
+    xw = torch.randn(1, 48, generator=g)
+    assert torch.equal(few_row_linear(xw, wide, None), F.linear(xw, wide)) and calls == []
+    small = w[:40]  # below ONE_ROW_MIN
+    assert torch.equal(few_row_linear(x, small, None), F.linear(x, small)) and calls == []
+
+
 def test_switch_is_scoped_and_restored_on_error():
     original = torch.nn.Linear.forward
     with weight_major_linear(False):
@@ -55,8 +79,8 @@ def _count_calls(monkeypatch) -> dict[int, int]:
 
 @pytest.mark.parametrize("setting", ["auto", "linear"])
 def test_verify_steps_take_the_few_row_path_only_when_asked(monkeypatch, setting):
-    """auto on CPU: the (gamma+1)-token verify goes through few_row_linear, 1-token steps and
-    prefill never do; linear: nothing does. Output stays the target's greedy output."""
+    """auto on CPU: decode steps (the (gamma+1)-token verify, 1-token steps) go through
+    few_row_linear, the prefill never does; linear: nothing does. Output stays the target's greedy output."""
     target = tiny_llama(vocab=64, layers=2, seed=0)
     drafter = tiny_llama(vocab=64, layers=1, seed=1)
     original = torch.nn.Linear.forward
@@ -71,8 +95,8 @@ def test_verify_steps_take_the_few_row_path_only_when_asked(monkeypatch, setting
         assert seen == {}
     else:
         assert seen.get(5, 0) > 0  # verify steps: gamma + 1 rows
-        assert all(rows >= 2 for rows in seen)  # the patch never sees 1-row steps
-        assert max(seen) < len(prompt)  # nor the prefill
+        assert seen.get(1, 0) > 0  # 1-token steps reach it too (and keep F.linear: small weights)
+        assert max(seen) < len(prompt)  # never the prefill
     assert torch.nn.Linear.forward is original  # restored after every step
 
 

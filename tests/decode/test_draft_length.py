@@ -7,6 +7,7 @@ that whatever length it picks, greedy output is the target's and sampled output 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -328,12 +329,25 @@ def test_adaptive_sampling_matches_target_distribution(models, policy, scope, ro
         ({"draft_floor": "yes"}, "decoder.draft_floor"),
         ({"probe_every": 0}, "decoder.probe_every"),
         ({"draft_costs": DraftCosts(c=-1.0)}, "decoder.draft_c"),
+        ({"draft_costs": DraftCosts(round_overhead=-0.6)}, "decoder.draft_round_overhead"),
     ],
 )
 def test_bad_draft_length_settings_name_the_field(kwargs, field):
     target = tiny_llama(vocab=64, layers=1)
     with pytest.raises(ConfigError, match=rf"^{field}="):
         SpeculativeDecoder(target, target, DecoderConfig(**kwargs))
+
+
+def test_a_verify_cheaper_than_a_target_step_lowers_the_floor():
+    """round_overhead < 0 (a 2-token verify that undercuts a 1-token step: CPU GEMM vs GEMV) is
+    accepted, and one draft then pays from acceptance c + verify_per_token + round_overhead."""
+    target = tiny_llama(vocab=64, layers=1)
+    cheap = DraftCosts(c=0.17, verify_per_token=0.0, round_overhead=-0.12)  # edge 0.05
+    SpeculativeDecoder(target, target, DecoderConfig(draft_length="confidence", draft_costs=cheap))
+    one, a = torch.ones(1), torch.tensor([0.2])  # the real pair at T=1
+    assert float(draft_gain(one, a, 0, 1, cheap, one)[0, 1]) > 0
+    clamped = dataclasses.replace(cheap, round_overhead=0.1)  # the verify priced at >= 1 step
+    assert float(draft_gain(one, a, 0, 1, clamped, one)[0, 1]) < 0
 
 
 # ---------------------------------------------------------------- replay (held-out prediction)
