@@ -16,9 +16,10 @@ One-row steps have the mirror problem with tall, narrow weights: MKL's 1-row GEM
 Other weights keep `F.linear` for one row (the toy models' are all below the threshold).
 
 The switch is scoped: `weight_major_linear()` swaps `torch.nn.Linear.forward` for the duration of
-one decode step (the decoder is single-threaded), and only for inputs of 2-16 rows or one row over
-a large weight; prefill and everything outside the decoder keep `F.linear`. Results agree with `F.linear` to
-float rounding (a different summation order), like any other change of GEMM kernel.
+one decode step (the decoder is single-threaded), and only for inputs of 2-16 rows or one row
+over a tall, narrow weight; prefill and everything outside the decoder keep `F.linear`. Results
+agree with `F.linear` to float rounding (a different summation order), like any other change of
+GEMM kernel.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ ONE_ROW_MAX_IN = 1024
 
 
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """`F.linear(x, weight, bias)`, computed as `weight @ x.T` when x has 2..MAX_ROWS rows."""
+    """`F.linear(x, weight, bias)`, computed as `weight @ x.T` when x has 2..MAX_ROWS rows, or
+    one row over a tall, narrow weight (as two equal columns, one kept)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if rows == 1 and weight.numel() >= ONE_ROW_MIN and weight.shape[1] <= ONE_ROW_MAX_IN:
         y = torch.mm(weight, x.reshape(1, -1).repeat(2, 1).t())[:, :1].t().contiguous()

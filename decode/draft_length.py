@@ -527,7 +527,7 @@ class ConfidenceLength(DraftLengthPolicy):
         super().observe(lengths, accepted, active, conf)
 
 
-POLICIES: dict[str, type[DraftLengthPolicy]] = {
+POLICY_CLASSES: dict[str, type[DraftLengthPolicy]] = {
     "fixed": FixedLength,
     "heuristic": HeuristicLength,
     "confidence": ConfidenceLength,
@@ -538,7 +538,7 @@ def make_policy(
     name: str, gamma: int, max_k: int, costs: DraftCosts, **options
 ) -> DraftLengthPolicy:
     """`decoder.draft_length` -> its policy; options: scope, floor, probe_every."""
-    return POLICIES[name](gamma, max_k, costs, **options)
+    return POLICY_CLASSES[name](gamma, max_k, costs, **options)
 
 
 @dataclass

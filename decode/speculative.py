@@ -43,6 +43,7 @@ from specdistill.decode.cache import (
     padded_positions,
 )
 from specdistill.decode.draft_length import (
+    MIN_OVERHEAD,
     POLICIES,
     SCOPES,
     DraftCosts,
@@ -191,7 +192,7 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         dc = cfg.draft_costs
         for name in ("c", "verify_per_token", "round_overhead"):
             v = getattr(dc, name)
-            low = -0.5 if name == "round_overhead" else 0  # a verify may undercut a 1-token step
+            low = MIN_OVERHEAD if name == "round_overhead" else 0  # a verify may undercut a step
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v < 100:
                 raise ConfigError(f"decoder.draft_{name}={v!r} must be a number >= {low} (or auto)")
     if cfg.drafting not in DRAFTING:
