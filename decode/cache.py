@@ -27,7 +27,7 @@ import weakref
 import torch
 
 from specdistill.data.runtime import ConfigError
-from specdistill.decode.cpu_matmul import weight_major_linear
+from specdistill.decode.cpu_matmul import has_two_column_weight, weight_major_linear
 
 ROLLBACK_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
 
@@ -107,6 +107,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.weight_major = weight_major  # few-row steps as weight @ x.T (decode.cpu_matmul)
+        self._one_row = weight_major and has_two_column_weight(model)  # 1-token steps too
         self.static = static
         self.capacity = capacity
         self.length = 0
@@ -141,7 +142,7 @@ class ModelRunner:
         fn = self._eager if prefill or not self._allocated else self._step
         if fn is not self._eager:  # compiled graphs guard on strides: views of a prompt recompile
             ids, position_ids = _fresh(ids), _fresh(position_ids)
-        with weight_major_linear(self.weight_major and not prefill):
+        with weight_major_linear(self.weight_major and not prefill and (n > 1 or self._one_row)):
             out = fn(
                 input_ids=ids,
                 attention_mask=attention_mask,

@@ -38,18 +38,28 @@ ONE_ROW_MIN = 1 << 22
 ONE_ROW_MAX_IN = 1024
 
 
+def two_column(weight: torch.Tensor) -> bool:
+    """Whether a 1-row input over this weight goes as two columns (a tall, narrow weight)."""
+    return weight.numel() >= ONE_ROW_MIN and weight.shape[1] <= ONE_ROW_MAX_IN
+
+
+def has_two_column_weight(model: torch.nn.Module) -> bool:
+    """Whether any linear layer of `model` takes the 1-row path: only then do its 1-token steps
+    need the switch (the toy models' never do, so their steps keep plain `F.linear`)."""
+    return any(isinstance(m, torch.nn.Linear) and two_column(m.weight) for m in model.modules())
+
+
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """`F.linear(x, weight, bias)`, computed as `weight @ x.T` when x has 2..MAX_ROWS rows, or
     one row over a tall, narrow weight (as two equal columns, one kept)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows == 1 and weight.numel() >= ONE_ROW_MIN and weight.shape[1] <= ONE_ROW_MAX_IN:
-        y = torch.mm(weight, x.reshape(1, -1).repeat(2, 1).t())[:, :1].t().contiguous()
-        if bias is not None:
-            y = y + bias
-        return y.view(*x.shape[:-1], weight.shape[0])
-    if not 2 <= rows <= MAX_ROWS:
+    one_row = rows == 1 and two_column(weight)
+    if not (one_row or 2 <= rows <= MAX_ROWS):
         return F.linear(x, weight, bias)
-    y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+    flat = x.reshape(rows, x.shape[-1])
+    if one_row:  # the row twice: a 2-column GEMM streams the weight faster than the 1-row GEMV
+        flat = flat.repeat(2, 1)
+    y = torch.mm(weight, flat.t())[:, :rows].t().contiguous()
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], weight.shape[0])

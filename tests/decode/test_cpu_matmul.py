@@ -77,16 +77,24 @@ def _count_calls(monkeypatch) -> dict[int, int]:
     return seen
 
 
-@pytest.mark.parametrize("setting", ["auto", "linear"])
+@pytest.mark.parametrize("setting", ["auto", "auto-tall-head", "linear"])
 def test_verify_steps_take_the_few_row_path_only_when_asked(monkeypatch, setting):
-    """auto on CPU: decode steps (the (gamma+1)-token verify, 1-token steps) go through
-    few_row_linear, the prefill never does; linear: nothing does. Output stays the target's greedy output."""
+    """auto on CPU: the (gamma+1)-token verify goes through few_row_linear, the prefill never
+    does, 1-token steps only for a model with a tall, narrow weight (here the tiny models' [64,
+    32] heads, thresholds lowered to qualify them); linear: nothing does. Output stays the
+    target's greedy output."""
+    if setting == "auto-tall-head":
+        monkeypatch.setattr(cpu_matmul, "ONE_ROW_MIN", 64 * 32)
+        monkeypatch.setattr(cpu_matmul, "ONE_ROW_MAX_IN", 32)
     target = tiny_llama(vocab=64, layers=2, seed=0)
     drafter = tiny_llama(vocab=64, layers=1, seed=1)
+    assert target.lm_head.weight.shape == (64, 32)
     original = torch.nn.Linear.forward
     seen = _count_calls(monkeypatch)
     dec = SpeculativeDecoder(
-        target, drafter, DecoderConfig(gamma=4, max_new_tokens=24, cpu_matmul=setting)
+        target,
+        drafter,
+        DecoderConfig(gamma=4, max_new_tokens=24, cpu_matmul=setting.removesuffix("-tall-head")),
     )
     prompt = prompts(2, 64, seed=3)[1]  # 12 tokens: its prefill is 11 rows
     out = dec.generate(torch.tensor([prompt]))
@@ -95,8 +103,11 @@ def test_verify_steps_take_the_few_row_path_only_when_asked(monkeypatch, setting
         assert seen == {}
     else:
         assert seen.get(5, 0) > 0  # verify steps: gamma + 1 rows
-        assert seen.get(1, 0) > 0  # 1-token steps reach it too (and keep F.linear: small weights)
         assert max(seen) < len(prompt)  # never the prefill
+        if setting == "auto":
+            assert all(rows >= 2 for rows in seen)  # no tall weight: 1-row steps stay plain
+        else:
+            assert seen.get(1, 0) > 0  # 1-token steps reach the 2-column path
     assert torch.nn.Linear.forward is original  # restored after every step
 
 
