@@ -28,6 +28,7 @@ import torch
 
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.cpu_matmul import has_two_column_weight, weight_major_linear
+from specdistill.decode.draft_vocab import SubsetHead, swapped_head
 
 ROLLBACK_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
 
@@ -104,8 +105,10 @@ class ModelRunner:
         capacity: int,
         compile_steps: bool = False,
         weight_major: bool = False,
+        head: tuple[str, SubsetHead] | None = None,
     ) -> None:
         self.model = model
+        self.head = head  # a draft vocabulary's output layer, swapped in for each step
         self.weight_major = weight_major  # few-row steps as weight @ x.T (decode.cpu_matmul)
         self._one_row = weight_major and has_two_column_weight(model)  # 1-token steps too
         self.static = static
@@ -142,7 +145,11 @@ class ModelRunner:
         fn = self._eager if prefill or not self._allocated else self._step
         if fn is not self._eager:  # compiled graphs guard on strides: views of a prompt recompile
             ids, position_ids = _fresh(ids), _fresh(position_ids)
-        with weight_major_linear(self.weight_major and not prefill and (n > 1 or self._one_row)):
+        one_row = self._one_row and self.head is None  # a subset head is no longer tall
+        with (
+            weight_major_linear(self.weight_major and not prefill and (n > 1 or one_row)),
+            swapped_head(self.model, self.head),
+        ):
             out = fn(
                 input_ids=ids,
                 attention_mask=attention_mask,

@@ -52,6 +52,7 @@ from specdistill.decode.draft_length import (
     measure_costs,
     verify_widths,
 )
+from specdistill.decode.draft_vocab import draft_vocab_of, subset_head
 from specdistill.decode.parallel import DRAFTING, generate_parallel, resolve_mask_token
 
 
@@ -88,6 +89,9 @@ class DecoderConfig:
     # new tokens + gamma-1 mask tokens proposes all gamma (decode.parallel; a PARD drafter)
     drafting: str = "autoregressive"
     mask_token_id: int | None = None  # parallel: None reads the drafter's config.mask_token_id
+    # auto: the drafter's head scores only its config's `draft_vocab_ids` when it has them (the
+    # distill stage writes them for large vocabularies; decode.draft_vocab) | full: the whole head
+    draft_vocab: str = "auto"
 
     @property
     def lossy(self) -> bool:
@@ -202,6 +206,11 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
             f"decoder.draft_length={cfg.draft_length!r} with decoder.drafting=parallel: "
             "parallel drafting drafts a fixed gamma per round; set decoder.draft_length=fixed"
         )
+    if cfg.draft_vocab not in ("auto", "full"):
+        raise ConfigError(
+            f"decoder.draft_vocab={cfg.draft_vocab!r}: use auto (the drafter's config "
+            "draft_vocab_ids when present) or full"
+        )
     if cfg.compile is True and cfg.cache == "dynamic":
         raise ConfigError(
             "decoder.compile=true compiles fixed-shape steps over a static cache: "
@@ -267,6 +276,10 @@ class SpeculativeDecoder:
         self.mask_token_id = (
             resolve_mask_token(drafter, cfg.mask_token_id, self.vocab) if self.parallel else None
         )
+        ids = draft_vocab_of(drafter) if cfg.draft_vocab == "auto" else None
+        if ids is not None and self.mask_token_id is not None and self.mask_token_id in ids:
+            ids = [t for t in ids if t != self.mask_token_id]  # never draft the mask token
+        self.draft_head = subset_head(drafter, ids) if ids and drafter is not target else None
 
     def get_policy(self, input_ids: torch.Tensor | None = None):
         """The draft-length policy (decode.draft_length); its calibration lives as long as the
@@ -332,6 +345,7 @@ class SpeculativeDecoder:
             capacity=cap,
             compile_steps=compiled,
             weight_major=self.weight_major,
+            head=self.draft_head if model is self.drafter else None,
         )
 
     def spec_slots(self, batch: int, plen: int) -> int:

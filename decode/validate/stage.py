@@ -143,6 +143,7 @@ def decoder_config(
         cpu_matmul=str(dcfg.get("cpu_matmul", "auto")),
         drafting=str(dcfg.get("drafting", "autoregressive")),
         mask_token_id=dcfg.get("mask_token_id"),
+        draft_vocab=str(dcfg.get("draft_vocab", "auto")),
         **draft_length_settings(dcfg),
     )
 

@@ -141,6 +141,13 @@ def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, An
             f"- vocabulary rows {result.source_vocab_size} -> {result.vocab_size}: padding rows "
             "only (no token of the tokenizer moved)"
         )
+    if getattr(result, "draft_vocab", 0):
+        lines.append(
+            f"- draft vocabulary: config.json `draft_vocab_ids` lists {result.draft_vocab} token "
+            "ids (the most frequent in its training rows); specdistill's decoder scores only "
+            "those in its draft steps (still lossless: q is 0 elsewhere), other engines ignore "
+            "the key and run the full head"
+        )
     if distill:
         loss = distill.get("loss") or {}
         data = distill.get("data") or {}

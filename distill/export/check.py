@@ -135,6 +135,9 @@ def self_check(
         parallel = check_parallel(
             drafter, target, target_tok, prompts, max_new_tokens, mask_token_id
         )
+    vocab_check = {}
+    if getattr(drafter.config, "draft_vocab_ids", None) and mask_token_id is None:
+        vocab_check = check_draft_vocab(drafter, target, target_tok, prompts, max_new_tokens)
     return {
         "reloaded": True,
         "tokenizer_matches_target": True,
@@ -145,6 +148,29 @@ def self_check(
         "min_positions": min_positions,
         "device": str(device),
         **parallel,
+        **vocab_check,
+    }
+
+
+def check_draft_vocab(
+    drafter, target, target_tok, prompts: list[str], max_new_tokens: int
+) -> dict[str, Any]:
+    """A drafter with `draft_vocab_ids` as reloaded: our decoder, scoring only those tokens in
+    its draft steps, reproduces the target's greedy output on every prompt."""
+    from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
+
+    eos = () if target_tok.eos_token_id is None else (int(target_tok.eos_token_id),)
+    dec_cfg = DecoderConfig(gamma=4, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    dec = SpeculativeDecoder(target, drafter, dec_cfg, tokenizer_len=len(target_tok))
+    for text in prompts:
+        ids = torch.tensor([target_tok(text, add_special_tokens=False).input_ids])
+        ids = ids.to(next(target.parameters()).device)
+        plain = _greedy(target, ids, max_new_tokens, target_tok.pad_token_id)
+        if dec.generate(ids).tokens[0] != plain:
+            _fail(f"decoding with the draft vocabulary diverged from the target on {text[:40]!r}")
+    return {
+        "draft_vocab": len(drafter.config.draft_vocab_ids),
+        "draft_vocab_equals_target_greedy": f"{len(prompts)} prompts, gamma 4",
     }
 
 

@@ -66,6 +66,7 @@ class ExportResult:
     wall_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     vllm: dict[str, Any] | None = None  # vllm.enabled: the folder validated in vLLM (in_vllm.py)
+    draft_vocab: int = 0  # config.json draft_vocab_ids: tokens our decoder's head scores (0: all)
 
 
 def check_destination(out: Path, overwrite: bool) -> None:
@@ -302,6 +303,7 @@ def run(cfg: DictConfig) -> ExportResult:
             usage=usage_command(str(out), spec.target, report),
             notes=notes,
             vllm=vllm_figures,
+            draft_vocab=len(getattr(model.config, "draft_vocab_ids", None) or ()),
         )
         distill = _distill_result(source)
         (tmp / "README.md").write_text(model_card(result, report, distill), encoding="utf-8")

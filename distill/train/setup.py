@@ -24,6 +24,11 @@ from specdistill.data.pairs import (
 from specdistill.data.prompts import load_prompts
 from specdistill.data.runtime import ConfigError, parse_dtype
 from specdistill.data.sampling import Sampling
+from specdistill.decode.draft_vocab import (
+    CONFIG_KEY,
+    choose_draft_vocab,
+    draft_vocab_size,
+)
 from specdistill.distill.losses import DIVERGENCES
 from specdistill.distill.train import zero
 from specdistill.distill.train.data import Example, has_topk, load_seqkd, reference_examples
@@ -67,6 +72,26 @@ def check_config(cfg: DictConfig) -> None:
         check_parallel_config(cfg.parallel)
     if cfg.optim.schedule not in ("cosine", "linear", "constant"):
         raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: use cosine, linear or constant")
+    draft_vocab_size(cfg.get("draft_vocab", "auto"), 1 << 30)  # the setting's form only
+
+
+def set_draft_vocab(cfg: DictConfig, drafter, examples: list, tok, mask_id: int | None) -> int:
+    """Store the decode-time draft vocabulary (decode.draft_vocab) in the drafter's config, from
+    the training rows' token counts, so every checkpoint it saves carries it. Returns its size."""
+    setting = cfg.get("draft_vocab", "auto")
+    vocab = drafter.get_output_embeddings().weight.shape[0]
+    size = draft_vocab_size(setting, vocab)
+    if size == 0 or size >= vocab:
+        if setting in ("none", 0) or size >= vocab:  # an earlier run's list would be stale
+            drafter.config.__dict__.pop(CONFIG_KEY, None)
+        return 0
+    always = [t for t in (tok.eos_token_id,) if t is not None]
+    seqs = (s for e in examples for s in (e.prompt_ids, e.completion_ids))
+    ids = choose_draft_vocab(seqs, vocab, size, always)
+    if mask_id is not None:  # the parallel mask token is never drafted
+        ids = [t for t in ids if t != mask_id]
+    setattr(drafter.config, CONFIG_KEY, ids)
+    return len(ids)
 
 
 def check_switch(cfg: DictConfig) -> None:

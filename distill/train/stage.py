@@ -177,6 +177,7 @@ def prepare(cfg: DictConfig) -> Trainer:
         mask_id = parallel.resolve_train_mask_token(cfg.parallel.mask_token_id, tok)
         parallel.prepare_drafter(drafter, mask_id, int(cfg.parallel.depth))
         eval_has_topk = False  # every depth is evaluated against the target in the loop
+    setup.set_draft_vocab(cfg, drafter, train_examples, tok, mask_id)
     target = None
     if not topk or not eval_has_topk:
         target = setup.load_target(spec, cfg, device, drafter, tok)

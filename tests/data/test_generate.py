@@ -110,9 +110,9 @@ def test_resume_after_crash_generates_only_missing_chunks(generate_cfg, tmp_path
     generated: list[int] = []
     real_batch = batched.generate_batch
 
-    def counting_batch(model, prompt_ids, gen_config, eos):
+    def counting_batch(model, prompt_ids, gen_config, eos, *topk):
         generated.extend(len(p) for p in prompt_ids)
-        return real_batch(model, prompt_ids, gen_config, eos)
+        return real_batch(model, prompt_ids, gen_config, eos, *topk)
 
     monkeypatch.setattr(batched, "generate_batch", counting_batch)
     res = gen.run(cfg)
@@ -289,3 +289,36 @@ def test_bench_reports_ratios_and_identical_greedy_tokens(generate_cfg, tmp_path
         ratio = entry["tokens_per_s"] / base["tokens_per_s"]
         assert entry["ratio_vs_one_at_a_time"] == pytest.approx(ratio, abs=0.01)
     assert "batched bs=4" in format_report(report)
+
+
+def test_local_processes_split_the_prompts_and_match_one_process(generate_cfg, tmp_path):
+    """processes=2: shard 1 in a spawned process, shard 0 here; the merged dataset is the one
+    process's, row for row (top-k included), and a rerun resumes with nothing left to do."""
+    common = ("dataset.limit=8", "max_new_tokens=6", "topk_logprobs=3")
+    one = gen.run(generate_cfg(*common, out=tmp_path / "one"))
+    two_cfg = generate_cfg(*common, "processes=2", out=tmp_path / "two")
+    two = gen.run(two_cfg)
+    assert two.merged and (two.shard_count, two.samples) == (2, 8)
+    assert two.chunks_generated == 2 and two.new_tokens == one.new_tokens  # both shards worked
+    assert _rows(one.output_dir) == _rows(two.output_dir)
+    a, b = (datasets.load_from_disk(r.output_dir) for r in (one, two))
+    assert a["topk_ids"] == b["topk_ids"]
+    torch.testing.assert_close(
+        torch.tensor(a["topk_logprobs"]), torch.tensor(b["topk_logprobs"]), atol=1e-5, rtol=0
+    )
+    again = gen.run(two_cfg)
+    assert again.chunks_generated == 0 and again.chunks_resumed == 2
+
+
+def test_processes_setting(generate_cfg):
+    assert gen.local_processes(generate_cfg("processes=3")) == 3
+    assert gen.local_processes(generate_cfg("processes=auto", "device=cpu")) == min(
+        os.cpu_count() or 1, 8
+    )
+    # an explicit shard (a Slurm array task, a launcher rank) is one process already
+    assert gen.local_processes(generate_cfg("processes=2", "shard.index=0", "shard.count=2")) == 1
+    for bad in ("processes=0", "processes=two"):
+        with pytest.raises(ConfigError, match="processes="):
+            gen.local_processes(generate_cfg(bad))
+    with pytest.raises(ConfigError, match="backend=vllm"):
+        gen.local_processes(generate_cfg("processes=2", "backend=vllm"))

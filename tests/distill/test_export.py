@@ -314,3 +314,22 @@ def test_autoregressive_export_has_no_mask_token(tmp_path, toy_tiny):
     saved = json.loads((out / "config.json").read_text())
     assert "pard_token" not in saved and "mask_token_id" not in result.check
     assert "Parallel drafting" not in (out / "README.md").read_text()
+
+
+def test_draft_vocab_survives_export_and_is_in_the_card(tmp_path, toy_tiny):
+    """A drafter with config draft_vocab_ids (distill writes them for large vocabularies) keeps
+    them through export, passes the self-check with them, and the card says what they are."""
+    src = tmp_path / "with-vocab"
+    model = AutoModelForCausalLM.from_pretrained(str(toy_tiny.drafter_dir))
+    tok = AutoTokenizer.from_pretrained(str(toy_tiny.drafter_dir))
+    ids = list(range(0, model.config.vocab_size, 2))  # every other token
+    model.config.draft_vocab_ids = ids
+    model.save_pretrained(str(src))
+    tok.save_pretrained(str(src))
+    out = tmp_path / "drafter"
+    result = export.run(_cfg(out, f"drafter={src}"))
+    assert json.loads((out / "config.json").read_text())["draft_vocab_ids"] == ids
+    assert result.draft_vocab == len(ids)
+    assert result.check["draft_vocab"] == len(ids)
+    assert "draft_vocab_equals_target_greedy" in result.check
+    assert f"`draft_vocab_ids` lists {len(ids)} token" in (out / "README.md").read_text()
