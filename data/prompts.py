@@ -99,12 +99,12 @@ def _apply_chat(messages: Any, tokenizer) -> str:
 
 
 def _toy_rows(name: str, split: str) -> list[dict]:
-    from specdistill.data.toy.world import ensure_toy_world, read_jsonl
+    """A toy world's prompts; its models are built only where the pair needs them."""
+    from specdistill.data.toy.world import toy_prompts
 
-    world = ensure_toy_world(name)
     if split not in ("train", "test"):
         raise ConfigError(f"dataset.split={split!r}: the toy prompt set has splits train and test")
-    return read_jsonl(world.train_prompts if split == "train" else world.test_prompts)
+    return toy_prompts(name, split)
 
 
 def _toy_stream_rows(group: Any, stride: Any) -> list[dict]:

@@ -62,3 +62,20 @@ def test_build_is_cached(toy_tiny):
     again = ensure_toy_world("toy-tiny")
     assert again.root == toy_tiny.root
     assert again.build_info == before
+
+
+def test_prompts_without_a_built_world_are_the_worlds_prompts(toy_tiny, tmp_path, monkeypatch):
+    """A real pair reads toy prompts without training the toy models: the prompts-only path
+    gives exactly the built world's rows (same modules, cap and order), and builds nothing."""
+    import pytest
+
+    from specdistill.data.runtime import ConfigError
+    from specdistill.data.toy.world import toy_prompts
+
+    monkeypatch.setenv("SPECDISTILL_HOME", str(tmp_path))
+    for split, path in (("train", toy_tiny.train_prompts), ("test", toy_tiny.test_prompts)):
+        assert toy_prompts("toy-tiny", split) == read_jsonl(path)
+    assert not list((tmp_path / "toy").glob("*/build.json"))  # no world was built
+    assert toy_prompts("toy-tiny", "test") == read_jsonl(toy_tiny.test_prompts)  # cached copy
+    with pytest.raises(ConfigError, match="dataset.toy="):
+        toy_prompts("toy-huge", "train")

@@ -168,6 +168,44 @@ def ensure_toy_world(name: str = "toy-tiny") -> ToyWorld:
     return world
 
 
+def toy_prompts(name: str, split: str) -> list[dict]:
+    """The toy world `name`'s prompt set without building its models: read from the built world
+    when there is one, else extracted from the stdlib exactly as its build would (same modules,
+    same cap, same order) and cached beside it. A real pair reads toy prompts this way: the full
+    world's 2000 training prompts cost seconds, not its ~8 min of model training."""
+    if name not in SPECS:
+        from specdistill.data.runtime import ConfigError
+
+        raise ConfigError(f"dataset.toy={name!r} is not a toy world; choose one of {sorted(SPECS)}")
+    world = ToyWorld(name=name, root=_cache_dir(name))
+    path = world.train_prompts if split == "train" else world.test_prompts
+    if (world.root / "build.json").exists():
+        return read_jsonl(path)
+    cached = _cache_dir(name).with_name(_cache_dir(name).name + "-prompts") / f"{split}.jsonl"
+    if not cached.exists():
+        spec = SPECS[name]
+        train_paths, held_paths = _spec_files(spec)
+        paths, cap = (
+            (train_paths, spec.max_train_prompts)
+            if split == "train"
+            else (held_paths, spec.max_test_prompts)
+        )
+        tmp = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
+        _write_jsonl(tmp, _prompt_set(paths, cap))
+        os.replace(tmp, cached)
+    return read_jsonl(cached)
+
+
+def _spec_files(spec: ToySpec) -> tuple[list[Path], list[Path]]:
+    """(train, held-out) stdlib files of a spec: tiny worlds take a deterministic spread of
+    training files, not the alphabetically first ones."""
+    train_paths, held_paths = corpus_files()
+    if spec.train_files is not None:
+        train_paths = sorted(train_paths, key=lambda p: hashlib.md5(p.name.encode()).hexdigest())
+        train_paths = sorted(train_paths[: spec.train_files])
+    return train_paths, held_paths
+
+
 # ----------------------------------------------------------------------------- corpus
 
 
@@ -401,11 +439,7 @@ def _build(spec: ToySpec, world: ToyWorld) -> None:
     torch_threads = torch.get_num_threads()
     log.info("building toy world %r under %s (one-off; cached afterwards)", spec.name, world.root)
     world.root.mkdir(parents=True)
-    train_paths, held_paths = corpus_files()
-    if spec.train_files is not None:
-        # Tiny worlds take a deterministic spread of files, not the alphabetically first ones.
-        train_paths = sorted(train_paths, key=lambda p: hashlib.md5(p.name.encode()).hexdigest())
-        train_paths = sorted(train_paths[: spec.train_files])
+    train_paths, held_paths = _spec_files(spec)
     train_texts, held_texts = _texts(train_paths), _texts(held_paths)
 
     t = time.perf_counter()

@@ -27,12 +27,11 @@ from omegaconf import DictConfig, OmegaConf
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
-from specdistill.decode.acceptance import best_gamma
 from specdistill.decode.draft_length import draft_figures
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
 from specdistill.decode.validate.modes import merge, mode_name, other_decoder, run_all
 from specdistill.decode.validate.stage import decoder_config, setup, warm_up
-from specdistill.decode.validate.timing import hf_assisted_speed, measure_c
+from specdistill.decode.validate.timing import auto_gamma, hf_assisted_speed, measure_c
 
 POLICY_SUFFIXES = {"row": {"draft_scope": "row"}, "nofloor": {"draft_floor": False}}
 
@@ -108,8 +107,9 @@ def _measure_mode(cfg, st, dcfg, entries, seed: int, reps: int, iters: int) -> d
     for label, over in entries:
         if over is None:  # gamma=auto: a pilot on a quarter of the prompts measures alpha
             _, pilot = run_all(probe.generate, st.batches[: max(1, len(st.batches) // 4)], seed)
-            g = best_gamma(merge(pilot).alpha, c, int(dcfg.get("max_gamma", 12)))
-            notes.append(f"gamma=auto picked {g} (pilot alpha {merge(pilot).alpha:.3f}, c {c:.3f})")
+            alpha, most = merge(pilot).alpha, int(dcfg.get("max_gamma", 12))
+            g, note = auto_gamma(probe, st.warm[0][0], alpha, c, most)
+            notes.append(note)
             over = {"draft_length": "fixed", "gamma": g}
         if over["draft_length"] != "fixed" and shared is not None:
             over = over | {"draft_costs": shared}  # one measurement for all: like for like

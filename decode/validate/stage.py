@@ -39,7 +39,7 @@ from specdistill.data.runtime import (
     spread,
 )
 from specdistill.data.sampling import Sampling
-from specdistill.decode.acceptance import best_gamma, expected_tau, theoretical_speedup
+from specdistill.decode.acceptance import expected_tau, theoretical_speedup
 from specdistill.decode.cache import check_rollback_config
 from specdistill.decode.draft_length import draft_figures, draft_length_settings
 from specdistill.decode.speculative import (
@@ -58,7 +58,12 @@ from specdistill.decode.validate.modes import (
 from specdistill.decode.validate.modes import merge as _merge
 from specdistill.decode.validate.modes import run_all as _run_all
 from specdistill.decode.validate.report import plot_acceptance, report_markdown
-from specdistill.decode.validate.timing import forward_cost, hf_assisted_speed, measure_c
+from specdistill.decode.validate.timing import (
+    auto_gamma,
+    forward_cost,
+    hf_assisted_speed,
+    measure_c,
+)
 from specdistill.decode.validate.vllm_engine import draft_sample_method, parse_engines, preflight
 
 log = logging.getLogger(__name__)
@@ -251,11 +256,10 @@ def choose_gamma(cfg: DictConfig, st: Setup, make, notes: list[str]):
     c, verify_cost = measure_c(make(fixed_gamma or 4), probe, iters, fixed_gamma or 4)
     gamma = fixed_gamma
     if gamma is None:
-        _, pilot = _run_all(make(4).generate, st.batches[: max(1, len(st.batches) // 4)], seed)
-        gamma = best_gamma(_merge(pilot).alpha, c, max_gamma)
-        notes.append(
-            f"gamma=auto picked {gamma} (pilot alpha {_merge(pilot).alpha:.3f}, c {c:.3f})"
-        )
+        pilot_dec = make(4)
+        _, pilot = _run_all(pilot_dec.generate, st.batches[: max(1, len(st.batches) // 4)], seed)
+        gamma, note = auto_gamma(pilot_dec, probe, _merge(pilot).alpha, c, max_gamma)
+        notes.append(note)
     dec = make(gamma)
     if dec.cfg.draft_length != "fixed":  # the policy's step costs at this batch size (untimed)
         dec.draft_costs(probe, int(cfg.batch_size))

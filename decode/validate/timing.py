@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from specdistill.data.runtime import spread
+from specdistill.decode.acceptance import best_gamma, theoretical_speedup
 from specdistill.decode.speculative import DecodeOutput, DecoderConfig, SpeculativeDecoder
 
 
@@ -77,6 +78,53 @@ def measure_c(
 
 
 @torch.inference_mode()
+@torch.inference_mode()
+def verify_costs(
+    dec: SpeculativeDecoder, input_ids: torch.Tensor, gammas: list[int], iters: int = 4
+) -> dict[int, float]:
+    """The target's (gamma+1)-token verify step in its 1-token steps, per gamma (median over
+    `iters` samples, each a 1-token block beside a verify block, as the decoder runs them)."""
+    ids = input_ids.to(dec.device)
+    plen, wide = ids.shape[1], max(gammas) + 1
+    tgt = dec._runner(dec.target, plen + wide + 2)
+    if plen > 1:
+        tgt.forward(ids[:, :-1], keep=1, prefill=True)
+
+    def timed(w: int) -> float:
+        x, base = ids[:, -1:].repeat(1, w), tgt.length
+        _sync(dec.device)
+        t0 = time.perf_counter()
+        for _ in range(2):
+            tgt.forward(x, keep=w)
+            tgt.rollback(base)
+        _sync(dec.device)
+        return time.perf_counter() - t0
+
+    ratios: dict[int, list[float]] = {g: [] for g in gammas}
+    for i in range(iters + 1):  # the first pass warms the shapes up
+        for g in gammas:
+            one, many = timed(1), timed(g + 1)
+            if i:
+                ratios[g].append(many / one)
+    return {g: statistics.median(r) for g, r in ratios.items()}
+
+
+def auto_gamma(
+    dec: SpeculativeDecoder, probe: torch.Tensor, alpha: float, c: float, max_gamma: int
+) -> tuple[int, str]:
+    """`gamma: auto`: the best gamma for a pilot's alpha and c, with each candidate's verify
+    cost measured (candidates: gammas within 20% of the best by the formula, at most 8)."""
+    top = theoretical_speedup(alpha, best_gamma(alpha, c, max_gamma), c)
+    near = [g for g in range(1, max_gamma + 1) if theoretical_speedup(alpha, g, c) >= 0.8 * top]
+    verify = verify_costs(dec, probe, sorted(set([1, *near]))[:8])
+    gamma = best_gamma(alpha, c, max_gamma, verify)
+    costs = ", ".join(f"{g}: {v:.2f}" for g, v in verify.items())
+    return (
+        gamma,
+        f"gamma=auto picked {gamma} (pilot alpha {alpha:.3f}, c {c:.3f}; verify costs {costs})",
+    )
+
+
 def forward_cost(dec: SpeculativeDecoder, input_ids: torch.Tensor, width: int, iters: int) -> float:
     """One drafter forward of `width` tokens in target 1-token steps (median of blocks of
     alternating timings, both caches at the prompt's length, as `measure_c` does)."""

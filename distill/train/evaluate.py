@@ -48,8 +48,13 @@ def evaluate(
     vocab: int,
     sampling: Sampling,
     device: torch.device | str = "cpu",
+    head_ids: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """alpha (acceptance in the `sampling` mode) and greedy agreement over masked positions.
+
+    `head_ids`: q as our decoder drafts with a draft vocabulary (decode.draft_vocab), 0
+    outside those tokens; for a drafter trained on it (`draft_vocab_train`), whose logits
+    outside the subset were never trained down.
 
     With `target=None` the batches must carry the target's stored top-k log-probs (at T=1):
     alpha is then sum over the top-k of min(p, q), a lower bound (the rest bucket's mass is
@@ -70,6 +75,10 @@ def evaluate(
         mask = batch["loss_mask"].to(device)
         # [N, V] rows of the masked positions only (the head skips prompt and padding)
         q_logits = masked_logits(drafter, ids, att, mask, vocab).float()
+        if head_ids is not None:
+            q_logits = torch.full_like(q_logits, torch.finfo(q_logits.dtype).min).index_copy_(
+                -1, head_ids, q_logits.index_select(-1, head_ids)
+            )
         if target is not None:
             p_logits = masked_logits(target, ids, att, mask, vocab).float()
             acc = serving_acceptance(p_logits, q_logits, sampling)

@@ -35,8 +35,11 @@ def masked_logits(
     attention_mask: torch.Tensor,
     mask: torch.Tensor,
     vocab: int,
+    head_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The logits of the positions where `mask` [b, n] is True, as [N, vocab] in row order.
+    """The logits of the positions where `mask` [b, n] is True, as [N, vocab] in row order;
+    with `head_ids` [K], only those vocabulary rows, as [N, K] (the draft vocabulary: the head's
+    matmul and its gradient shrink by V / K).
 
     `model` is an unwrapped `*ForCausalLM` (a DDP/DeepSpeed wrapper must see its own forward;
     the caller passes those through the full path).
@@ -44,8 +47,13 @@ def masked_logits(
     mask = mask.bool()
     if not has_plain_head(model):
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-        return logits[..., :vocab][mask]
+        logits = logits[..., :vocab][mask]
+        return logits if head_ids is None else logits.index_select(-1, head_ids)
     hidden = model.get_decoder()(
         input_ids=input_ids, attention_mask=attention_mask
     ).last_hidden_state
-    return model.get_output_embeddings()(hidden[mask])[..., :vocab]
+    head = model.get_output_embeddings()
+    if head_ids is None:
+        return head(hidden[mask])[..., :vocab]
+    bias = None if head.bias is None else head.bias.index_select(0, head_ids)
+    return torch.nn.functional.linear(hidden[mask], head.weight.index_select(0, head_ids), bias)

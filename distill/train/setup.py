@@ -75,6 +75,29 @@ def check_config(cfg: DictConfig) -> None:
     draft_vocab_size(cfg.get("draft_vocab", "auto"), 1 << 30)  # the setting's form only
 
 
+def train_head_ids(
+    cfg: DictConfig, drafter, topk: bool, mask_id: int | None, device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(ids, token -> column index) when the drafter trains on its draft vocabulary
+    (`draft_vocab_train=true`): the loss then sees q over the subset, the distribution our
+    decoder drafts from, and the head's matmul and gradient shrink by V / K (SmolLM2: 4x faster
+    steps, the same subset agreement). Off by default: logits outside the subset are never
+    trained down, so engines that run the full head (vLLM, `transformers`) draft badly with it
+    (the full-head argmax fell outside the subset at 45% of held-out positions). Only stored
+    top-k rows of an autoregressive drafter use it; other paths keep the full head."""
+    setting = cfg.get("draft_vocab_train", False)
+    if setting not in (True, False):
+        raise ConfigError(f"draft_vocab_train={setting!r}: use true or false")
+    ids = getattr(drafter.config, CONFIG_KEY, None)
+    if not setting or not ids or not topk or mask_id is not None:
+        return None, None
+    rows = drafter.get_output_embeddings().weight.shape[0]
+    head_ids = torch.tensor(ids, dtype=torch.long, device=device)
+    index = torch.full((rows,), len(ids), dtype=torch.long, device=device)
+    index[head_ids] = torch.arange(len(ids), device=device)
+    return head_ids, index
+
+
 def set_draft_vocab(cfg: DictConfig, drafter, examples: list, tok, mask_id: int | None) -> int:
     """Store the decode-time draft vocabulary (decode.draft_vocab) in the drafter's config, from
     the training rows' token counts, so every checkpoint it saves carries it. Returns its size."""

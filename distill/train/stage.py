@@ -32,7 +32,7 @@ from specdistill.data.io import atomic_write_json
 from specdistill.data.pairs import load_role, load_tokenizer, resolve_pair
 from specdistill.data.runtime import ConfigError, run_or_exit
 from specdistill.distill import parallel
-from specdistill.distill.losses import distill_loss
+from specdistill.distill.losses import distill_loss, subset_topk
 from specdistill.distill.train import checkpoint as ckpt
 from specdistill.distill.train import setup, zero
 from specdistill.distill.train.data import (
@@ -128,6 +128,9 @@ class Trainer:
     t_start: float
     mask_token_id: int | None = None  # drafting=parallel (distill.parallel)
     frozen_params: int = 0
+    # draft vocabulary trained as decoded (setup.train_head_ids): its ids [K], token -> column
+    head_ids: torch.Tensor | None = None
+    head_index: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -152,6 +155,7 @@ class Trainer:
             vocab=self.vocab,
             sampling=self.eval_sampling,
             device=self.device,
+            head_ids=self.head_ids,
         )
 
 
@@ -178,6 +182,7 @@ def prepare(cfg: DictConfig) -> Trainer:
         parallel.prepare_drafter(drafter, mask_id, int(cfg.parallel.depth))
         eval_has_topk = False  # every depth is evaluated against the target in the loop
     setup.set_draft_vocab(cfg, drafter, train_examples, tok, mask_id)
+    head_ids, head_index = setup.train_head_ids(cfg, drafter, topk, mask_id, device)
     target = None
     if not topk or not eval_has_topk:
         target = setup.load_target(spec, cfg, device, drafter, tok)
@@ -221,6 +226,8 @@ def prepare(cfg: DictConfig) -> Trainer:
         t_start=t_start,
         mask_token_id=mask_id,
         frozen_params=frozen,
+        head_ids=head_ids,
+        head_index=head_index,
     )
 
 
@@ -301,15 +308,21 @@ def _logits_and_targets(
     """
     ids, att, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     use_topk = tr.topk and not onp
+    sub = masked and use_topk and tr.head_ids is not None  # the draft vocabulary's head only
     with tr.accelerator.autocast():
         if masked:
-            logits = masked_logits(tr.model, ids, att, mask, tr.vocab)[None]
+            head = tr.head_ids if sub else None
+            logits = masked_logits(tr.model, ids, att, mask, tr.vocab, head)[None]
         else:
             logits = tr.model(input_ids=ids, attention_mask=att).logits[..., : tr.vocab]
     if use_topk:
         kwargs: dict[str, Any] = {"topk_ids": batch["topk_ids"], "topk_lp": batch["topk_lp"]}
         if masked:
             kwargs = {k: v[mask][None] for k, v in kwargs.items()}
+        if sub:
+            logits, kwargs["topk_ids"], kwargs["topk_lp"] = subset_topk(
+                logits, kwargs["topk_ids"], kwargs["topk_lp"], tr.head_index
+            )
     else:
         with torch.no_grad():
             if masked:
@@ -485,6 +498,8 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
             "reference": bool(cfg.data.reference),
             "topk": tr.topk,
             "frozen_params": tr.frozen_params,
+            "draft_vocab": len(getattr(unwrapped_config(tr), "draft_vocab_ids", None) or ()),
+            "draft_vocab_train": tr.head_ids is not None,
             "train_examples": len(tr.train_examples),
             "eval_tokens": before["tokens"],
             "eval_source": cfg.eval.source,
@@ -504,6 +519,10 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
             write_summary(Path(str(cfg.sweep_dir)))
     tr.accelerator.end_training()
     return result
+
+
+def unwrapped_config(tr: Trainer):
+    return tr.accelerator.unwrap_model(tr.model).config
 
 
 def parallel_summary(tr: Trainer, state: dict[str, Any], after: dict | None) -> dict[str, Any]:

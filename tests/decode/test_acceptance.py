@@ -236,3 +236,16 @@ def test_speedup_rejects_bad_arguments():
         theoretical_speedup(0.5, 0, 0.1)
     with pytest.raises(ValueError, match="alpha"):
         theoretical_speedup(math.nan, 2, 0.1)
+
+
+def test_best_gamma_weighs_measured_verify_costs():
+    """A 3-token verify that costs 1.3 steps (SmolLM2 on 1 CPU thread) makes gamma 1 the best
+    at alpha 0.38, c 0.085, where the paper's verify of 1 step picks 2; only measured gammas
+    are candidates."""
+    alpha, c = 0.38, 0.085
+    assert best_gamma(alpha, c, 8) == 2
+    verify = {1: 1.0, 2: 1.3, 3: 1.35}
+    assert best_gamma(alpha, c, 8, verify) == 1
+    scores = {g: expected_tau(alpha, g) / (g * c + v) for g, v in verify.items()}
+    assert best_gamma(alpha, c, 8, verify) == max(scores, key=scores.get)
+    assert best_gamma(0.9, 0.05, 8, {3: 1.0, 5: 1.0}) == 5  # only measured gammas

@@ -67,3 +67,5 @@ def test_real_pair_pipeline_distils_and_stays_lossless(tmp_path, monkeypatch):
     assert set(report["modes"]) == {"greedy", "sampling"}
     check = result.stages["export"]["check"]
     assert check["tokenizer_matches_target"] is True
+    # the distilled drafter carries its draft vocabulary, decoded with it at validate and export
+    assert check["draft_vocab"] == 4096 and "draft_vocab_equals_target_greedy" in check
