@@ -234,6 +234,14 @@ def _device_for_rank(name: str) -> torch.device:
     return device
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (a Slurm allocation or taskset, not the whole node)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def local_processes(cfg: Any) -> int:
     """Shard processes to start on this machine (`processes`): auto = one per CPU core (at most
     8) for the hf backend on CPU, else 1. Only a run that no launcher or explicit `shard.*`
@@ -241,7 +249,7 @@ def local_processes(cfg: Any) -> int:
     raw = cfg.get("processes", 1)
     if raw == "auto":
         cpu = resolve_device(str(cfg.get("device", "auto"))).type == "cpu"
-        n = min(os.cpu_count() or 1, 8) if cpu and str(cfg.get("backend", "hf")) == "hf" else 1
+        n = min(usable_cores(), 8) if cpu and str(cfg.get("backend", "hf")) == "hf" else 1
     elif isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
         raise ConfigError(f"processes={raw!r} must be an integer >= 1 or auto")
     else:

@@ -313,8 +313,9 @@ def test_local_processes_split_the_prompts_and_match_one_process(generate_cfg, t
 def test_processes_setting(generate_cfg):
     assert gen.local_processes(generate_cfg("processes=3")) == 3
     assert gen.local_processes(generate_cfg("processes=auto", "device=cpu")) == min(
-        os.cpu_count() or 1, 8
+        gen.usable_cores(), 8
     )
+    assert 1 <= gen.usable_cores() <= (os.cpu_count() or 1)
     # an explicit shard (a Slurm array task, a launcher rank) is one process already
     assert gen.local_processes(generate_cfg("processes=2", "shard.index=0", "shard.count=2")) == 1
     for bad in ("processes=0", "processes=two"):
