@@ -78,7 +78,6 @@ def measure_c(
 
 
 @torch.inference_mode()
-@torch.inference_mode()
 def verify_costs(
     dec: SpeculativeDecoder, input_ids: torch.Tensor, gammas: list[int], iters: int = 4
 ) -> dict[int, float]:
@@ -125,6 +124,7 @@ def auto_gamma(
     )
 
 
+@torch.inference_mode()
 def forward_cost(dec: SpeculativeDecoder, input_ids: torch.Tensor, width: int, iters: int) -> float:
     """One drafter forward of `width` tokens in target 1-token steps (median of blocks of
     alternating timings, both caches at the prompt's length, as `measure_c` does)."""
