@@ -108,6 +108,11 @@ def pad_rows(
     return ids, mask
 
 
+def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding: 0 at each row's first real token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
 def eos_ids(generation_config: Any, tokenizer: Any) -> list[int]:
     """Every id that ends a completion (chat models often have several)."""
     ids = getattr(generation_config, "eos_token_id", None)

@@ -110,7 +110,8 @@ class ModelRunner:
         self.model = model
         self.head = head  # a draft vocabulary's output layer, swapped in for each step
         self.weight_major = weight_major  # few-row steps as weight @ x.T (decode.cpu_matmul)
-        self._one_row = weight_major and has_two_column_weight(model)  # 1-token steps too
+        # 1-token steps too, for a tall, narrow weight; a subset head is no longer one
+        self._one_row = weight_major and head is None and has_two_column_weight(model)
         self.static = static
         self.capacity = capacity
         self.length = 0
@@ -145,9 +146,8 @@ class ModelRunner:
         fn = self._eager if prefill or not self._allocated else self._step
         if fn is not self._eager:  # compiled graphs guard on strides: views of a prompt recompile
             ids, position_ids = _fresh(ids), _fresh(position_ids)
-        one_row = self._one_row and self.head is None  # a subset head is no longer tall
         with (
-            weight_major_linear(self.weight_major and not prefill and (n > 1 or one_row)),
+            weight_major_linear(self.weight_major and not prefill and (n > 1 or self._one_row)),
             swapped_head(self.model, self.head),
         ):
             out = fn(
@@ -228,8 +228,3 @@ def bucket_capacity(slots: int, bucket: int = 256) -> int:
 def _fresh(x: torch.Tensor | None) -> torch.Tensor | None:
     """A copy with standard strides (size-1 dims included, which `.contiguous()` leaves as is)."""
     return None if x is None else torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
-
-
-def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids that skip left padding: 0 at each row's first real token."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)

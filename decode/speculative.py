@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdistill.data.pairs import check_vocab, match_vocab, vocab_size
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, padded_positions
 from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import (
     accept_prefix,
@@ -36,12 +36,7 @@ from specdistill.decode.acceptance import (
     uniforms,
     verify_sampling,
 )
-from specdistill.decode.cache import (
-    ModelRunner,
-    bucket_capacity,
-    check_rollback,
-    padded_positions,
-)
+from specdistill.decode.cache import ModelRunner, bucket_capacity, check_rollback
 from specdistill.decode.draft_length import (
     MIN_OVERHEAD,
     POLICIES,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from specdistill.data.runtime import eos_ids, pad_rows
+from specdistill.data.runtime import eos_ids, pad_rows, padded_positions
 from specdistill.data.sampling import Sampling
 
 
@@ -95,12 +95,13 @@ def generate_batch(
     gen_config: Any,
     eos: Sequence[int],
     topk: int = 0,
-) -> list[tuple[list[int], str]] | tuple[list[tuple[list[int], str]], list[Top] | None]:
-    """One left-padded `generate` call; rows are prompt-major (prompt 0's samples first).
+) -> tuple[list[tuple[list[int], str]], list[Top] | None]:
+    """One left-padded `generate` call: (completions, their top-k or None); rows are
+    prompt-major (prompt 0's samples first).
 
-    With `topk`, also the top-k of p's temperature-1 log-softmax at each completion position,
-    read from generate's own raw step logits when [rows, steps, vocab] fits `LOGITS_BUDGET`
-    (returned with the completions; None: the caller scores with `topk_logprobs`). Keeping them
+    With `topk`, the top-k of p's temperature-1 log-softmax at each completion position, read
+    from generate's own raw step logits when [rows, steps, vocab] fits `LOGITS_BUDGET` (else
+    None, and the caller scores with `topk_logprobs`). Keeping them
     saves the second, teacher-forced pass over prompt + completion, about a third of the stage's
     time on SmolLM2 with 1 thread."""
     ids, mask = pad_rows(prompt_ids, gen_config.pad_token_id)
@@ -114,17 +115,16 @@ def generate_batch(
     )
     seqs = out.sequences if keep else out
     rows = [split_completion(row, eos) for row in seqs[:, ids.shape[1] :].tolist()]
-    if not topk:
-        return rows
     if not keep:
         return rows, None
     logits = torch.stack(out.logits, 1)  # (rows, steps, vocab): raw, before any sampling warper
-    tops = []
-    for r, (completion, _) in enumerate(rows):
-        lp = logits[r, : len(completion)].float().log_softmax(-1)
-        values, indices = lp.topk(topk, dim=-1)
-        tops.append((indices.tolist(), values.tolist()))
-    return rows, tops
+    return rows, [_top(logits[r, : len(c)], topk) for r, (c, _) in enumerate(rows)]
+
+
+def _top(logits: torch.Tensor, k: int) -> Top:
+    """(ids, log-probs) of the k most likely tokens at each row of [positions, vocab] logits."""
+    values, indices = logits.float().log_softmax(-1).topk(k, dim=-1)
+    return indices.tolist(), values.tolist()
 
 
 @torch.inference_mode()
@@ -146,7 +146,7 @@ def topk_logprobs(
     SmolLM2's 49k vocabulary the head and log-softmax over prompt positions had cost as much
     as the rest of the pass).
     """
-    results: list[tuple[list[list[int]], list[list[float]]]] = []
+    results: list[Top] = []
     keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
     start = 0
     while start < len(seqs):
@@ -163,14 +163,13 @@ def topk_logprobs(
         out = model(
             input_ids=ids.to(dev),
             attention_mask=mask.to(dev),
-            position_ids=(mask.cumsum(-1) - 1).clamp_min(0).to(dev),
+            position_ids=padded_positions(mask).to(dev),
             **({"logits_to_keep": keep} if keep_arg else {}),
         )
         logits = out.logits[:, -keep:]
-        for r, (_, c) in enumerate(group):
-            lp = logits[r, keep - 1 - len(c) : keep - 1].float().log_softmax(-1)
-            values, indices = lp.topk(k, dim=-1)
-            results.append((indices.tolist(), values.tolist()))
+        results += [
+            _top(logits[r, keep - 1 - len(c) : keep - 1], k) for r, (_, c) in enumerate(group)
+        ]
         start = end
     return results
 
@@ -216,15 +215,11 @@ def generate_rows(
     for b in range(0, len(prompts), per_call):
         batch = prompts[b : b + per_call]
         pairs = [(p, j) for p in batch for j in range(s.num_samples)]
-        if topk:
-            outs, scored = generate_batch(model, [p.ids for p in batch], gen_config, eos, topk)
-            if scored is None:  # the step logits would not fit: a teacher-forced pass instead
-                seqs = [(p.ids, c) for (p, _), (c, _) in zip(pairs, outs)]
-                scored = topk_logprobs(model, seqs, topk, tokenizer.pad_token_id)
-        else:
-            outs = generate_batch(model, [p.ids for p in batch], gen_config, eos)
-            scored = [None] * len(outs)
-        for (p, j), (completion, reason), top in zip(pairs, outs, scored):
+        outs, scored = generate_batch(model, [p.ids for p in batch], gen_config, eos, topk)
+        if topk and scored is None:  # the step logits would not fit: a teacher-forced pass
+            seqs = [(p.ids, c) for (p, _), (c, _) in zip(pairs, outs)]
+            scored = topk_logprobs(model, seqs, topk, tokenizer.pad_token_id)
+        for (p, j), (completion, reason), top in zip(pairs, outs, scored or [None] * len(outs)):
             rows.append(completion_row(tokenizer, p, j, completion, reason, top))
         new = sum(len(c) for c, _ in outs)
         tokens += new

@@ -77,6 +77,19 @@ def measure_c(
     ) / t_target
 
 
+def _rolled_back(dec: SpeculativeDecoder, runner, x: torch.Tensor, reps: int) -> float:
+    """Seconds for `reps` forwards of `x` (all its logits kept), each rolled back: the cache
+    stays at its length, so every rep times the same step."""
+    base = runner.length
+    _sync(dec.device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        runner.forward(x, keep=x.shape[1])
+        runner.rollback(base)
+    _sync(dec.device)
+    return time.perf_counter() - t0
+
+
 @torch.inference_mode()
 def verify_costs(
     dec: SpeculativeDecoder, input_ids: torch.Tensor, gammas: list[int], iters: int = 4
@@ -90,14 +103,7 @@ def verify_costs(
         tgt.forward(ids[:, :-1], keep=1, prefill=True)
 
     def timed(w: int) -> float:
-        x, base = ids[:, -1:].repeat(1, w), tgt.length
-        _sync(dec.device)
-        t0 = time.perf_counter()
-        for _ in range(2):
-            tgt.forward(x, keep=w)
-            tgt.rollback(base)
-        _sync(dec.device)
-        return time.perf_counter() - t0
+        return _rolled_back(dec, tgt, ids[:, -1:].repeat(1, w), 2)
 
     ratios: dict[int, list[float]] = {g: [] for g in gammas}
     for i in range(iters + 1):  # the first pass warms the shapes up
@@ -136,17 +142,9 @@ def forward_cost(dec: SpeculativeDecoder, input_ids: torch.Tensor, width: int, i
         r.forward(ids[:, :-1], keep=1, prefill=True)
     ratios = []
     for i in range(iters + 2):
-        times = []
-        for runner, w in ((tgt, 1), (dft, width)):
-            x = ids[:, -1:].repeat(1, w)
-            base = runner.length
-            _sync(dec.device)
-            t0 = time.perf_counter()
-            for _ in range(4):
-                runner.forward(x, keep=w)
-                runner.rollback(base)
-            _sync(dec.device)
-            times.append(time.perf_counter() - t0)
+        times = [
+            _rolled_back(dec, r, ids[:, -1:].repeat(1, w), 4) for r, w in ((tgt, 1), (dft, width))
+        ]
         if i >= 2:
             ratios.append(times[1] / times[0])
     return statistics.median(ratios)
