@@ -474,6 +474,9 @@ class ConfidenceLength(DraftLengthPolicy):
         super().__init__(*args, **kwargs)
         self.accept = Calibration()
         self.follow_cal = Calibration()
+        # parallel drafting: one calibration per draft depth (a mask's confidence means less
+        # than the first draft's); depth d's prior is depth d-1's fit
+        self.depth = [Calibration() for _ in range(self.max_k)]
 
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
         self.prefix = [1.0] * self.b
@@ -505,7 +508,37 @@ class ConfidenceLength(DraftLengthPolicy):
                 self.going[r] = False
         return total > 1e-12 if self.scope == "batch" else going
 
+    def verify_lengths(self, conf: list[list[float]], active: list[bool]) -> list[int]:
+        """Parallel drafting: all k proposals of a row and their confidences conf[r] are known
+        before the verify, so choose how many to verify (>= 1; the drafter forward is paid) by
+        E_L - rate * cost(L) over L = 1..k, with draft j's acceptance given the ones before
+        predicted by depth j's calibration. Batch scope: one L for the batch from the rows'
+        summed gains; row scope: each row its own."""
+        k = len(conf[0]) if conf else 0
+        inc = [self.costs.round_cost(j) - self.costs.round_cost(1) for j in range(1, k + 1)]
+        gains = []
+        for r in range(self.b):
+            if not active[r]:
+                gains.append(None)
+                continue
+            rate, reach, tokens, row = self.rate(r), 1.0, 0.0, []
+            for j in range(k):
+                reach *= self.depth[j](conf[r][j], self.r0[r])
+                tokens += reach
+                row.append(tokens - rate * inc[j])
+            gains.append(row)
+        if self.scope == "row":
+            self.row_k = [1 + max(range(k), key=g.__getitem__) if g else 1 for g in gains]
+            return list(self.row_k)
+        total = [sum(g[j] for g in gains if g) for j in range(k)]
+        best = 1 + max(range(k), key=total.__getitem__) if k else 0
+        return [best] * self.b
+
     def observe(self, lengths, accepted, active, conf) -> None:
+        if conf and self.costs.parallel:
+            self._observe_depths(lengths, accepted, active, conf)
+            super().observe(lengths, accepted, active, None)
+            return
         if conf:
             cs, rs, oks, fc, fr, fok = [], [], [], [], [], []
             for r, a in enumerate(active):
@@ -525,6 +558,25 @@ class ConfidenceLength(DraftLengthPolicy):
             self.follow_cal.set_prior(self.accept.w)
             self.follow_cal.update(fc, fr, fok)
         super().observe(lengths, accepted, active, conf)
+
+    def _observe_depths(self, lengths, accepted, active, conf) -> None:
+        """Each depth's calibration learns from the drafts put to the test at that depth (the
+        ones whose predecessors were all accepted), with the depth before's fit as its prior."""
+        per = [([], [], []) for _ in self.depth]
+        for r, a in enumerate(active):
+            if not a:
+                continue
+            n = accepted[r]
+            for j in range(min(n + 1, lengths[r])):
+                c, rs, ok = per[j]
+                c.append(conf[r][j])
+                rs.append(self.r0[r])
+                ok.append(1.0 if j < n else 0.0)
+        for j, (c, rs, ok) in enumerate(per):
+            if j:
+                self.depth[j].set_prior(self.depth[j - 1].w)
+            if c:
+                self.depth[j].update(c, rs, ok)
 
 
 POLICY_CLASSES: dict[str, type[DraftLengthPolicy]] = {
@@ -690,7 +742,9 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
     for i in range(iters + 1):  # the first round is warm-up
         tt = timed(runners[0], 1)
         got = {
-            "d": timed(runners[1], 1),
+            # a parallel round's one drafter forward reads ~k+1 tokens (the accepted drafts or
+            # the pending token, then k-1 masks)
+            "d": timed(runners[1], k + 1 if dec.parallel else 1),
             "v1": timed(runners[0], 2),
             "vk": timed(runners[0], k + 1),
         }
@@ -705,6 +759,7 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
         c=round(med["d"], 4),
         verify_per_token=round(per_token, 4),
         round_overhead=round(max(MIN_OVERHEAD, v1 - 1.0 - per_token) + ROUND_GLUE, 4),
+        parallel=dec.parallel,
     )
     if not dense:  # a batched round's host-side glue grows with the batch: time real rounds
         glue = realized_overhead(dec, ids, costs)

@@ -53,8 +53,9 @@ def resolve_mask_token(drafter, configured: int | None, vocab: int) -> int:
 
 
 def draft_parallel(dec, dft, mask, lag, lag_pos, t, pos, k: int, dense: bool, generator):
-    """One drafter forward over [lag, t, k-1 masks]; returns (drafts (B, k), q (B, k, V) or
-    None when greedy). The masks' slots are dropped from the drafter's cache before returning."""
+    """One drafter forward over [lag, t, k-1 masks]; returns (drafts (B, k), q (B, k, V), or
+    for greedy drafts their softmax when a draft-length policy reads confidences, else None).
+    The masks' slots are dropped from the drafter's cache before returning."""
     s, b = dec.cfg.sampling, t.shape[0]
     masks = torch.full((b, k - 1), dec.mask_token_id, dtype=t.dtype, device=t.device)
     x = torch.cat([lag, t[:, None], masks], 1)
@@ -66,19 +67,33 @@ def draft_parallel(dec, dft, mask, lag, lag_pos, t, pos, k: int, dense: bool, ge
     logits = match_vocab(dft.forward(x, attn, xpos, keep=k), dec.vocab)
     dft.rollback(keep_from)
     if s.greedy:
-        return logits.argmax(-1), None
+        reads_q = dec.cfg.draft_length == "confidence"
+        return logits.argmax(-1), torch.softmax(logits.float(), -1) if reads_q else None
     q = probs_from_logits(logits, s)
     return sample_from(q, uniforms((b, k), generator, dec.device)), q
 
 
 @torch.inference_mode()
 def generate_parallel(dec, input_ids, attention_mask=None, generator=None):
-    """`SpeculativeDecoder.generate` for `decoder.drafting=parallel` (fixed gamma)."""
+    """`SpeculativeDecoder.generate` for `decoder.drafting=parallel`.
+
+    Draft lengths (`decoder.draft_length`): `fixed` verifies gamma drafts a round; `heuristic`
+    changes the round's proposals by transformers' schedule; `confidence` proposes max_draft in
+    the one forward, then verifies the prefix whose calibrated expected tokens best pay for the
+    verify (`ConfidenceLength.verify_lengths`: q only, so the output stays the target's). Both
+    adaptive policies keep the floor: a round may be a plain target step, whose token the
+    drafter reads with the next round's forward."""
     from specdistill.decode.speculative import DecodeOutput
 
     cfg, s, g = dec.cfg, dec.cfg.sampling, dec.max_draft
+    adaptive = cfg.draft_length != "fixed"
     ids, mask0 = dec._prepare(input_ids, attention_mask)
     b, plen = ids.shape
+    policy = None
+    if adaptive:
+        policy = dec.get_policy(ids[:, mask0[0]][:1])
+        policy.set_costs(dec.draft_costs(ids[:, mask0[0]][:1], b))
+        policy.start(b)
     dense = b == 1
     slots = dec.spec_slots(b, plen)
     tgt, dft = dec._runner(dec.target, slots), dec._runner(dec.drafter, slots)
@@ -92,25 +107,60 @@ def generate_parallel(dec, input_ids, attention_mask=None, generator=None):
         draft_lengths=[0] * (g + 1),
     )
     done = [False] * b
-    # accepted drafts of the last round, which the drafter has not read yet (and their positions)
+    # tokens the drafter has not read yet: the accepted drafts of the last round and the
+    # tokens of plain target steps (and their positions)
     lag = ids.new_zeros(b, 0)
     lag_pos = lag.clone()
-    steps = dec._arange(g + 1)
+    steps = dec._arange(dec.verify_widths[-1])
     while not all(done):
         length = tgt.length
         active = [not d for d in done]
         k = dec._draft_width(out.tokens, done)
+        if policy is not None:
+            k = policy.plan(k, active).k
+        if k == 0:  # the floor: a plain target step
+            if not dense:
+                mask[:, length : length + 1] = True
+            lag = torch.cat([lag, t[:, None]], 1)
+            lag_pos = torch.cat([lag_pos, pos[:, None]], 1)
+            t = dec._target_step(tgt, mask, t, pos, dense, out, active, done, generator)
+            pos = pos + 1
+            policy.observe_step(active)
+            continue
         if not dense:
             mask[:, length : length + k + 1] = True  # t, then the masks / drafts
         draft_t, q = draft_parallel(dec, dft, mask, lag, lag_pos, t, pos, k, dense, generator)
         out.drafter_forwards += 1
+        conf = None
+        lengths = [k] * b
+        if policy is not None:
+            if policy.reads_q:  # the drafter's probability of each of its drafts (q only)
+                conf = q.gather(-1, draft_t[..., None])[..., 0].tolist()
+                lengths = policy.verify_lengths(conf, active)
+            else:
+                lengths = policy.lengths(k)
+        kd = max(lengths)
+        row_cut = any(n < kd for n in lengths)
+        if kd < k:
+            draft_t = draft_t[:, :kd]
+            q = None if q is None else q[:, :kd]
+            if not dense:  # slots planned for proposals that are not verified
+                mask[:, length + kd + 1 : length + k + 1] = False
         vin = torch.cat([t[:, None], draft_t], 1)
-        attn = None if dense else dec._attn(tgt, mask, length + k + 1)
-        vpos = None if dense else pos[:, None] + steps[: k + 1]
-        t_logits = tgt.forward(vin, attn, vpos, keep=k + 1)[:, :, : dec.vocab]
+        width = dec._verify_width(kd)
+        if width > kd + 1:  # a compiled target verifies a few widths; the padding is unread
+            vin = torch.cat([vin, t[:, None].expand(b, width - kd - 1)], 1)
+            if not dense:
+                mask[:, length + kd + 1 : length + width] = True
+        attn = None if dense else dec._attn(tgt, mask, length + width)
+        vpos = None if dense else pos[:, None] + steps[:width]
+        t_logits = tgt.forward(vin, attn, vpos, keep=width)[:, : kd + 1, : dec.vocab]
         out.target_forwards += 1
+        len_t = torch.tensor(lengths, device=dec.device) if row_cut else None
         if s.greedy:
             ok, target_tok = greedy_agreement(draft_t, t_logits)
+            if len_t is not None:
+                ok &= steps[None, :kd] < len_t[:, None]
             n, nxt = accept_prefix(ok, target_tok)
             alpha_pos = ok.float()
         else:
@@ -119,15 +169,21 @@ def generate_parallel(dec, input_ids, attention_mask=None, generator=None):
                 draft_t,
                 p,
                 q,
-                uniforms((b, k), generator, dec.device),
+                uniforms((b, kd), generator, dec.device),
                 uniforms((b,), generator, dec.device),
                 cfg.lenience,
+                lengths=len_t,
             )
-            alpha_pos = expected_alpha(p[:, :k], q)
-        host = dec._settle(out, done, active, (draft_t, n, nxt, alpha_pos), t_logits, [k] * b)
-        maxn = max(row[k] for row in host)
+            alpha_pos = expected_alpha(p[:, :kd], q)
+        host = dec._settle(
+            out, done, active, (draft_t, n, nxt, alpha_pos), t_logits, lengths, row_cut
+        )
+        n_list = [row[kd] for row in host]
+        if policy is not None:
+            policy.observe(lengths, n_list, active, conf)
+        maxn = max(n_list)
         if not dense:  # rows that accepted less than the longest keep masked holes
-            mask[:, length + 1 : length + k + 1] &= steps[None, :k] < n[:, None]
+            mask[:, length + 1 : length + width] &= steps[None, : width - 1] < n[:, None]
         tgt.rollback(length + 1 + maxn)
         lag = draft_t[:, :maxn]
         lag_pos = pos[:, None] + 1 + steps[:maxn]

@@ -20,6 +20,7 @@ widths (`verify_widths`), a compiled drafter feeds a long catch-up in power-of-t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -196,11 +197,6 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
                 raise ConfigError(f"decoder.draft_{name}={v!r} must be a number >= {low} (or auto)")
     if cfg.drafting not in DRAFTING:
         raise ConfigError(f"decoder.drafting={cfg.drafting!r}: use {' or '.join(DRAFTING)}")
-    if cfg.drafting == "parallel" and cfg.draft_length != "fixed":
-        raise ConfigError(
-            f"decoder.draft_length={cfg.draft_length!r} with decoder.drafting=parallel: "
-            "parallel drafting drafts a fixed gamma per round; set decoder.draft_length=fixed"
-        )
     if cfg.draft_vocab not in ("auto", "full"):
         raise ConfigError(
             f"decoder.draft_vocab={cfg.draft_vocab!r}: use auto (the drafter's config "
@@ -300,7 +296,7 @@ class SpeculativeDecoder:
         measured once per batch size on the first row of `input_ids` repeated (batched steps
         cost differently: a 4-row 5-token verify is 20 rows, past the few-row CPU linears)."""
         if self._costs is not None:
-            return self._costs
+            return dataclasses.replace(self._costs, parallel=self.parallel)
         if batch not in self._measured:
             if input_ids is None:
                 raise ValueError("measuring the draft costs needs a prompt")

@@ -48,6 +48,19 @@ def parse_gammas(raw: Any) -> list[int]:
     return gammas
 
 
+def parse_policies(raw: Any) -> list[str]:
+    """`parallel_policies`: adaptive draft-length policies measured beside the fixed gammas,
+    for both drafting modes (at most max(parallel_gammas) drafts a round)."""
+    policies = [str(p) for p in (raw or [])]
+    bad = [p for p in policies if p not in ("heuristic", "confidence")]
+    if bad:
+        raise ConfigError(
+            f"parallel_policies={policies!r}: name adaptive policies, heuristic or confidence "
+            "(or [] for fixed gammas only)"
+        )
+    return policies
+
+
 def load_parallel_drafter(cfg: DictConfig, st) -> Any:
     """The parallel drafter at `compare_parallel`, on the pair's device and dtype."""
     path = Path(str(cfg.compare_parallel)).expanduser()
@@ -89,6 +102,7 @@ def first_draft_agreement(target, drafter, batches, continuations: list[list[int
 def run_parallel(cfg: DictConfig) -> dict[str, Any]:
     """Measure autoregressive and parallel drafting at every gamma, in each serving mode."""
     gammas = parse_gammas(cfg.get("parallel_gammas"))
+    policies = parse_policies(cfg.get("parallel_policies"))
     out_dir = Path(str(cfg.output_dir)).expanduser().absolute()
     st = setup(cfg, max(gammas))
     par = load_parallel_drafter(cfg, st)
@@ -101,38 +115,48 @@ def run_parallel(cfg: DictConfig) -> dict[str, Any]:
         "drafter_parallel": str(cfg.compare_parallel),
         "mask_token_id": int(par.config.mask_token_id),
         "gammas": gammas,
+        "policies": policies,
         "modes": {},
     }
     for dcfg in modes:
         name = mode_name(Sampling.from_parent(dcfg, "decoder.sampling").temperature)
-        report["modes"][name] = _measure_mode(cfg, st, par, dcfg, gammas)
+        report["modes"][name] = _measure_mode(cfg, st, par, dcfg, gammas, policies)
         atomic_write_json(out_dir / "parallel.json", report)  # a run cut short keeps its modes
     atomic_write_text(out_dir / "parallel.md", parallel_markdown(report))
     return report
 
 
-def _measure_mode(cfg, st, par, dcfg, gammas: list[int]) -> dict[str, Any]:
+def _measure_mode(cfg, st, par, dcfg, gammas: list[int], policies: list[str]) -> dict[str, Any]:
     seed, reps, iters = int(cfg.get("seed", 0)), int(cfg.repeats), int(cfg.step_time_iters)
     n_new = int(cfg.max_new_tokens)
+    top = max(gammas)
 
-    def make(drafter, drafting: str, gamma: int) -> SpeculativeDecoder:
-        node = OmegaConf.merge(dcfg, {"drafting": drafting, "draft_length": "fixed"})
+    def make(drafter, drafting: str, gamma: int | str) -> SpeculativeDecoder:
+        """gamma: an int (fixed) or an adaptive policy's name (at most `top` drafts, starting
+        from 4 for the heuristic)."""
+        length = "fixed" if isinstance(gamma, int) else gamma
+        node = OmegaConf.merge(
+            dcfg, {"drafting": drafting, "draft_length": length, "max_draft": top}
+        )
+        g = gamma if isinstance(gamma, int) else min(4, top)
         return SpeculativeDecoder(
             st.target,
             drafter,
-            decoder_config(node, n_new, st.eos, gamma),
+            decoder_config(node, n_new, st.eos, g),
             tokenizer_len=len(st.tok),
         )
 
     t0 = time.perf_counter()
     probe = make(st.drafter, "autoregressive", 4)
     c, _ = measure_c(probe, st.warm[0][0], iters, 4)
-    decs: dict[tuple[str, int], SpeculativeDecoder] = {}
-    for g in gammas:
+    decs: dict[tuple[str, int | str], SpeculativeDecoder] = {}
+    for g in [*gammas, *policies]:
         decs[("autoregressive", g)] = make(st.drafter, "autoregressive", g)
         decs[("parallel", g)] = make(par, "parallel", g)
     for dec in decs.values():
         warm_up(dec, st.batches, st.warm, seed)
+        if dec.cfg.draft_length != "fixed":  # step costs measured and calibration started untimed
+            dec.generate(st.warm[0][0], st.warm[0][1])
     fns = {"": probe.baseline} | {f"{m}:{g}": d.generate for (m, g), d in decs.items()}
     rates: dict[str, list[float]] = {k: [] for k in fns}
     first: dict[str, DecodeOutput] = {}
@@ -147,12 +171,21 @@ def _measure_mode(cfg, st, par, dcfg, gammas: list[int]) -> dict[str, Any]:
     for (mode, g), dec in decs.items():
         key, o = f"{mode}:{g}", first[f"{mode}:{g}"]
         alpha_at = [a / t if t else 0.0 for a, t in zip(o.accepted_at, o.trials_at)]
-        _, verify = measure_c(dec, st.warm[0][0], max(4, iters // 4), g)
+        fixed = isinstance(g, int)
+        # an adaptive row's verify is priced at its mean drafts per round
+        kv = g if fixed else max(1, round(o.mean_draft_length))
+        _, verify = measure_c(dec, st.warm[0][0], max(4, iters // 4), kv)
         if mode == "parallel":  # one forward over the accepted lag + t + g-1 masks
             lag = round(o.accepted / max(o.row_rounds, 1))
-            draft_cost = forward_cost(dec, st.warm[0][0], g + lag, max(4, iters // 2))
+            width = (g if fixed else top) + lag
+            draft_cost = forward_cost(dec, st.warm[0][0], width, max(4, iters // 2))
+            draft_cost *= o.drafter_forwards / max(o.target_forwards, 1)
         else:
-            draft_cost = g * c
+            draft_cost = c * o.drafter_forwards / max(o.target_forwards, 1)
+        # fixed: per-position acceptance over the round's cost; adaptive: tau over it
+        theory = (
+            round_speedup(alpha_at, draft_cost, verify) if fixed else o.tau / (draft_cost + verify)
+        )
         ratios = [r / b for r, b in zip(rates[key], rates[""])]
         rows.append(
             {
@@ -166,7 +199,8 @@ def _measure_mode(cfg, st, par, dcfg, gammas: list[int]) -> dict[str, Any]:
                 ),
                 "drafter_cost_per_round": round(draft_cost, 3),
                 "verify_cost": round(verify, 3),
-                "theoretical_speedup": round(round_speedup(alpha_at, draft_cost, verify), 3),
+                "mean_draft_length": round(o.mean_draft_length, 3),
+                "theoretical_speedup": round(theory, 3),
                 "speedup": round(statistics.median(ratios), 3),
                 "speedup_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
                 "tokens_per_s": round(statistics.median(rates[key]), 2),
@@ -230,8 +264,11 @@ def parallel_markdown(report: dict[str, Any]) -> str:
         for r in m["rows"]:
             lo, hi = r["speedup_min_max"]
             at = " ".join(f"{a:.2f}" for a in r["alpha_at"])
+            gamma = r["gamma"]
+            if not isinstance(gamma, int):  # an adaptive policy: its mean drafts per round
+                gamma = f"{gamma} (mean {r.get('mean_draft_length')}, max {max(report['gammas'])})"
             lines.append(
-                f"| {r['drafting']} | {r['gamma']} | {at} | {r['alpha']} | {r['tau']} | "
+                f"| {r['drafting']} | {gamma} | {at} | {r['alpha']} | {r['tau']} | "
                 f"{r['drafter_forwards_per_round']} | {r['drafter_cost_per_round']} | "
                 f"{r['verify_cost']} | {r['theoretical_speedup']}x | {r['speedup']}x ({lo}-{hi}) "
                 f"| {r['lossless']} |"

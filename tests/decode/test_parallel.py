@@ -40,14 +40,12 @@ def parallel_cfg(mask: int = MASK, **kw) -> DecoderConfig:
     return DecoderConfig(drafting="parallel", mask_token_id=mask, **kw)
 
 
-def test_parallel_needs_a_mask_token_and_fixed_length(pair):
+def test_parallel_needs_a_mask_token(pair):
     target, drafter = pair
     with pytest.raises(ConfigError, match="mask_token_id"):
         SpeculativeDecoder(target, drafter, DecoderConfig(drafting="parallel"))
     with pytest.raises(ConfigError, match="decoder.mask_token_id=99"):
         SpeculativeDecoder(target, drafter, DecoderConfig(drafting="parallel", mask_token_id=99))
-    with pytest.raises(ConfigError, match="decoder.draft_length"):
-        SpeculativeDecoder(target, drafter, parallel_cfg(draft_length="heuristic"))
     with pytest.raises(ConfigError, match="decoder.drafting='pard'"):
         SpeculativeDecoder(target, drafter, DecoderConfig(drafting="pard"))
     drafter.config.mask_token_id = MASK  # an exported parallel drafter carries its mask id

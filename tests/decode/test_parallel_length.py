@@ -1,0 +1,183 @@
+"""Adaptive draft lengths with parallel drafting (decode.parallel + decode.draft_length).
+
+p = target, q = drafter. A parallel round proposes k drafts in one forward; `confidence` then
+verifies the prefix whose calibrated expected tokens best pay for the verify, `heuristic`
+changes k round by round, and both may replace a round by a plain target step (the floor).
+The choice reads q only, so greedy output stays token-identical to the target's and sampled
+output follows the target's law (chi-square on a small vocabulary).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specdistill.data.sampling import Sampling
+from specdistill.decode.draft_length import (
+    ConfidenceLength,
+    DraftCosts,
+    expected_tokens,
+)
+from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
+from tests.decode.test_distribution import PROMPT, chi2_pvalue, exact_sequence_probs
+from tests.decode.test_distribution import models as models
+from tests.decode.test_parallel import MASK
+from tests.decode.test_parallel import pair as pair
+from tests.decode.test_speculative import greedy_reference, left_pad, prompts
+
+PAR = DraftCosts(c=0.3, verify_per_token=0.15, round_overhead=0.05, parallel=True)
+DEAR = DraftCosts(c=0.9, verify_per_token=0.2, round_overhead=0.3, parallel=True)  # floor
+
+
+def _calibrated(weights: list[list[float]], costs: DraftCosts, scope: str, b: int):
+    pol = ConfidenceLength(4, len(weights), costs, scope=scope)
+    for cal, w in zip(pol.depth, weights):
+        cal.w = torch.tensor(w, dtype=torch.float64)
+        cal._wf = list(w)
+    pol.start(b)
+    pol.plan(len(weights), [True] * b)
+    return pol
+
+
+@pytest.mark.parametrize("scope", ["batch", "row"])
+@pytest.mark.parametrize("rate", [1.0, 1.6, 3.0])
+def test_verify_lengths_is_the_argmax_over_every_prefix(scope, rate):
+    """Against enumeration: the verified prefix maximises E_L - rate * cost(L), L >= 1, with
+    each depth's calibrated acceptance (batch scope: the rows' summed objective)."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [[0.5, 1.0, 0.0], [-0.5, 0.8, 0.0], [-1.0, 1.2, 0.0], [0.0, 0.5, 0.0]]
+    for trial in range(20):
+        b = 3
+        pol = _calibrated(weights, PAR, scope, b)
+        pol.tokens, pol.cost = [rate] * b, [1.0] * b  # realized throughput = rate
+        conf = torch.rand(b, 4, generator=gen).tolist()
+        active = [True, trial % 3 != 0, True]
+        got = pol.verify_lengths(conf, active)
+
+        def value(r: int, length: int, pol=pol, conf=conf) -> float:
+            acc = [pol.depth[j](conf[r][j], pol.r0[r]) for j in range(length)]
+            return expected_tokens(acc) - rate * PAR.round_cost(length)
+
+        if scope == "row":
+            for r in range(b):
+                if active[r]:
+                    best = max(range(1, 5), key=lambda n, r=r: value(r, n))
+                    assert got[r] == best
+        else:
+            best = max(range(1, 5), key=lambda n: sum(value(r, n) for r in range(b) if active[r]))
+            assert got == [best] * b
+
+
+def test_depth_calibrations_learn_from_the_drafts_put_to_the_test():
+    """Depth 1 always accepted, depth 2 always rejected: the policy goes from verifying two
+    drafts (prior: ~0.55 each) to one; depth 3 is never reached, so it keeps its prior (depth
+    2's fit)."""
+    costs = DraftCosts(c=0.3, verify_per_token=0.2, round_overhead=0.05, parallel=True)
+    pol = ConfidenceLength(4, 3, costs, scope="batch")
+    pol.start(2)
+    pol.plan(3, [True, True])
+    conf = [[0.6, 0.6, 0.6], [0.5, 0.7, 0.4]]
+    assert pol.verify_lengths(conf, [True, True]) == [2, 2]
+    for _ in range(200):
+        pol.plan(3, [True, True])
+        pol.observe([3, 3], [1, 1], [True, True], conf)
+    assert pol.depth[0](0.6, 0.5) > 0.9
+    assert pol.depth[1](0.6, 0.5) < 0.1
+    torch.testing.assert_close(pol.depth[2].w0, pol.depth[1].w)
+    assert len(pol.depth[2].y) == 0
+    pol.plan(3, [True, True])
+    assert pol.verify_lengths(conf, [True, True]) == [1, 1]
+
+
+def _cfg(policy: str, costs: DraftCosts, **kw) -> DecoderConfig:
+    return DecoderConfig(
+        drafting="parallel",
+        mask_token_id=MASK,
+        draft_length=policy,
+        draft_costs=costs,
+        probe_every=2,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("policy", ["confidence", "heuristic"])
+@pytest.mark.parametrize("costs", [PAR, DEAR], ids=["cheap", "dear"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_parallel_adaptive_greedy_is_token_identical_batch1(pair, policy, costs, cache):
+    target, drafter = pair
+    dec = SpeculativeDecoder(
+        target, drafter, _cfg(policy, costs, max_draft=5, max_new_tokens=24, cache=cache)
+    )
+    lengths = [0] * 6
+    for prompt in prompts(4, 8, seed=2):
+        out = dec.generate(torch.tensor([prompt]))
+        assert out.tokens[0] == greedy_reference(target, prompt, 24)
+        assert out.drafter_forwards == out.target_forwards - out.draft_lengths[0]
+        lengths = [a + b for a, b in zip(lengths, out.draft_lengths)]
+    assert sum(1 for n in lengths[1:] if n) >= 2  # verified lengths really varied
+    if costs is DEAR:
+        assert lengths[0] > 0 and sum(lengths[1:]) > 0  # plain target steps and probes
+
+
+@pytest.mark.parametrize("policy", ["confidence", "heuristic"])
+@pytest.mark.parametrize("scope", ["batch", "row"])
+@pytest.mark.parametrize("costs", [PAR, DEAR], ids=["cheap", "dear"])
+def test_parallel_adaptive_greedy_batched(pair, policy, scope, costs):
+    target, drafter = pair
+    cfg = _cfg(policy, costs, max_draft=5, max_new_tokens=20, draft_scope=scope, cache="static")
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    rows = prompts(5, 8, seed=6)
+    ids, mask = left_pad(rows)
+    for _ in range(2):  # the second call starts from a fitted calibration
+        out = dec.generate(ids, mask)
+        assert out.tokens == [greedy_reference(target, r, 20) for r in rows]
+        assert sum(out.draft_lengths) == out.row_rounds
+        assert 0 < out.accepted < out.trials
+
+
+@pytest.mark.parametrize(
+    ("policy", "scope", "rows", "calls"),
+    [
+        ("confidence", "batch", 1, 1024),
+        ("confidence", "row", 512, 16),
+        ("heuristic", "batch", 512, 16),
+    ],
+)
+def test_parallel_adaptive_sampling_matches_target_distribution(models, policy, scope, rows, calls):
+    """Exact 3-token sequence law of target-only sampling against the parallel decoder with
+    adaptive lengths (row scope: rows verify different prefixes of one forward's proposals)."""
+    target, drafter = models  # mask id 3 overlaps p
+    s = Sampling(1.0)
+    cfg = DecoderConfig(
+        drafting="parallel",
+        mask_token_id=3,
+        max_new_tokens=3,
+        sampling=s,
+        draft_length=policy,
+        draft_scope=scope,
+        max_draft=3,
+        probe_every=1,
+        draft_costs=DraftCosts(c=0.3, verify_per_token=0.1, round_overhead=0.1),
+    )
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    gen = torch.Generator().manual_seed(33)
+    ids = torch.tensor([PROMPT] * rows)
+    counts: dict[tuple[int, ...], int] = {}
+    lengths: list[int] = []
+    for _ in range(calls):
+        out = dec.generate(ids, torch.ones_like(ids), generator=gen)
+        lengths = [a + b for a, b in itertools.zip_longest(lengths, out.draft_lengths, fillvalue=0)]
+        for row in out.tokens:
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    assert chi2_pvalue(exact_sequence_probs(target, s), counts, rows * calls) > 1e-3
+    assert sum(1 for x in lengths[1:] if x) >= 2, lengths  # verified lengths really varied
+
+
+def test_configured_costs_take_the_drafting_mode(pair):
+    target, drafter = pair
+    plain = DraftCosts(c=0.3, verify_per_token=0.1, round_overhead=0.1)
+    dec = SpeculativeDecoder(target, drafter, _cfg("confidence", plain))
+    assert dec.draft_costs().parallel
+    assert dec.draft_costs().round_cost(4) == pytest.approx(0.3 + 1 + 0.1 + 0.4)
