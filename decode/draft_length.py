@@ -78,12 +78,14 @@ class DraftCosts:
     verify_per_token: float = 0.05
     round_overhead: float = 0.15
     parallel: bool = False
+    # parallel: what each proposal beyond the first adds to the one drafter forward (a mask)
+    draft_per_token: float = 0.0
 
     def round_cost(self, k: int) -> float:
         """Cost of a round with k drafts (k = 0: a plain target step, cost 1)."""
         if k <= 0:
             return 1.0
-        drafting = self.c if self.parallel else k * self.c
+        drafting = self.c + (k - 1) * self.draft_per_token if self.parallel else k * self.c
         return drafting + 1.0 + self.round_overhead + k * self.verify_per_token
 
 
@@ -291,6 +293,9 @@ class DraftLengthPolicy:
         self.scope, self.floor, self.probe_every = scope, floor, probe_every
         self.set_costs(costs)
         self.interval = probe_every  # plain target steps between floor probes (backs off)
+        # consecutive plain target steps, carried from call to call: with a backed-off interval
+        # longer than one decode, a per-call count would never reach a probe again
+        self.skipped = 0
         # lifetime counts (accepted, tested): the next call's starting averages
         self._life = {"first": [0.0, 0.0], "follow": [0.0, 0.0], "all": [0.0, 0.0]}
 
@@ -317,23 +322,26 @@ class DraftLengthPolicy:
         self.recent = [self._prior("all")] * batch
         self.tokens = [1.0] * batch  # realized tokens and modeled cost (a prior of one step)
         self.cost = [1.0] * batch
-        self.skipped = 0  # consecutive plain target steps (floor)
-        self.probing = False  # `interval` carries over from the last call: the pair's
+        self.probing = False  # `interval` and `skipped` carry over from the last call
         self.row_k: list[int] | None = None
 
     def rate(self, r: int) -> float:
         """Throughput to beat for row r: realized tokens per modeled cost so far, at least 1."""
         return max(1.0, self.tokens[r] / self.cost[r])
 
-    def _pays(self, active: list[bool]) -> bool:
-        """Does drafting (some m >= 1 drafts at the rows' recent acceptance) beat a target step?
-        Batch scope: gains summed over the active rows; row scope: for any active row."""
+    def _best_m(self, active: list[bool]) -> int:
+        """The number of drafts m >= 0 that pays best at the rows' recent acceptance (0: a
+        target step beats every m). Batch scope: gains summed over the active rows; row scope:
+        the most any active row wants."""
         inc = self.increments[0]
         if self.scope == "row":
-            return any(
-                best_more(1.0, self.first[r], self.follow[r], inc, self.rate(r))[0] > 0
-                for r in range(self.b)
-                if active[r]
+            return max(
+                (
+                    best_more(1.0, self.first[r], self.follow[r], inc, self.rate(r))[0]
+                    for r in range(self.b)
+                    if active[r]
+                ),
+                default=0,
             )
         total = [0.0] * len(inc)
         for r in range(self.b):
@@ -344,7 +352,12 @@ class DraftLengthPolicy:
                         reach *= self.follow[r]
                     tokens += reach
                     total[i] += tokens - rate * c
-        return max(total, default=0.0) > 1e-12
+        best = max(range(len(total)), key=total.__getitem__, default=-1)
+        return best + 1 if best >= 0 and total[best] > 1e-12 else 0
+
+    def _pays(self, active: list[bool]) -> bool:
+        """Does drafting (some m >= 1 drafts at the rows' recent acceptance) beat a target step?"""
+        return self._best_m(active) > 0
 
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
         """Before drafting: this round's most drafts (<= budget), 0 for a plain target step.
@@ -478,15 +491,24 @@ class ConfidenceLength(DraftLengthPolicy):
         # than the first draft's); depth d's prior is depth d-1's fit
         self.depth = [Calibration() for _ in range(self.max_k)]
 
+    spare = 2  # parallel: proposals beyond the running averages' best m (see `_k`)
+
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
         self.prefix = [1.0] * self.b
         self.r0 = list(self.recent)  # the history this round's predictions read
         self.going = list(active)  # rows still drafting (finished rows never are)
+        self.active = active
         self.row_k = [budget] * self.b if self.scope == "row" else None
         return super().plan(budget, active)
 
     def _k(self, budget: int) -> int:
-        return min(self.max_k, budget)
+        """Autoregressive: up to max_k, `keep_drafting` stops. Parallel: the proposals of the
+        one forward, the best m at the rows' running acceptance plus `spare` (a proposal costs
+        `draft_per_token`, a mask in the forward, far less than verifying it), which the
+        confidences may then verify in a confident round."""
+        if not self.costs.parallel:
+            return min(self.max_k, budget)
+        return max(1, min(self.max_k, budget, self._best_m(self.active) + self.spare))
 
     def keep_drafting(self, drafted: int, conf: list[float]) -> bool:
         """After `drafted` drafts, the latest with confidence conf[r] per row: draft another?"""
@@ -738,13 +760,14 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
 
     # ratios per sample (each against the target step timed beside it), then medians: robust
     # to load that drifts between samples on a shared machine
-    ratios: dict[str, list[float]] = {"d": [], "v1": [], "vk": []}
+    ratios: dict[str, list[float]] = {"d": [], "dk": [], "v1": [], "vk": []}
     for i in range(iters + 1):  # the first round is warm-up
         tt = timed(runners[0], 1)
         got = {
-            # a parallel round's one drafter forward reads ~k+1 tokens (the accepted drafts or
-            # the pending token, then k-1 masks)
-            "d": timed(runners[1], k + 1 if dec.parallel else 1),
+            # parallel: one drafter forward of 2 tokens (an accepted draft and the pending
+            # token) proposes 1 draft, each further proposal adds a mask (timed at k masks)
+            "d": timed(runners[1], 2 if dec.parallel else 1),
+            "dk": timed(runners[1], k + 1) if dec.parallel else 0.0,
             "v1": timed(runners[0], 2),
             "vk": timed(runners[0], k + 1),
         }
@@ -760,6 +783,9 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
         verify_per_token=round(per_token, 4),
         round_overhead=round(max(MIN_OVERHEAD, v1 - 1.0 - per_token) + ROUND_GLUE, 4),
         parallel=dec.parallel,
+        draft_per_token=round(max(0.0, (med["dk"] - med["d"]) / (k - 1)), 4)
+        if dec.parallel and k > 1
+        else 0.0,
     )
     if not dense:  # a batched round's host-side glue grows with the batch: time real rounds
         glue = realized_overhead(dec, ids, costs)
@@ -796,7 +822,8 @@ def realized_overhead(dec, ids: torch.Tensor, costs: DraftCosts, k: int = 2, tok
 
 def draft_length_settings(dcfg) -> dict:
     """The `decoder` config node's draft-length keys as DecoderConfig keyword arguments
-    (`draft_costs: auto` -> None: measured on the pair; or {c, verify_per_token, round_overhead})."""
+    (`draft_costs: auto` -> None: measured on the pair; or {c, verify_per_token, round_overhead,
+    draft_per_token (parallel drafting)})."""
     from specdistill.data.runtime import ConfigError
 
     raw = dcfg.get("draft_costs", "auto")
@@ -807,6 +834,7 @@ def draft_length_settings(dcfg) -> dict:
         except (TypeError, ValueError) as e:
             raise ConfigError(
                 f"decoder.draft_costs={raw!r}: auto, or a mapping of c, verify_per_token, "
+                "draft_per_token, "
                 f"round_overhead ({e})"
             ) from None
     return {
@@ -838,4 +866,6 @@ def draft_figures(out, costs: DraftCosts | None = None) -> dict:
             "verify_per_token": costs.verify_per_token,
             "round_overhead": costs.round_overhead,
         }
+        if costs.parallel:
+            figures["draft_costs"]["draft_per_token"] = costs.draft_per_token
     return figures

@@ -32,6 +32,7 @@ from specdistill.decode.acceptance import (
     uniforms,
     verify_sampling,
 )
+from specdistill.decode.draft_length import chunk_widths
 
 DRAFTING = ("autoregressive", "parallel")
 
@@ -57,6 +58,7 @@ def draft_parallel(dec, dft, mask, lag, lag_pos, t, pos, k: int, dense: bool, ge
     for greedy drafts their softmax when a draft-length policy reads confidences, else None).
     The masks' slots are dropped from the drafter's cache before returning."""
     s, b = dec.cfg.sampling, t.shape[0]
+    lag, lag_pos = _feed_excess(dec, dft, mask, lag, lag_pos, dense)
     masks = torch.full((b, k - 1), dec.mask_token_id, dtype=t.dtype, device=t.device)
     x = torch.cat([lag, t[:, None], masks], 1)
     keep_from = dft.length + lag.shape[1] + 1  # slots from here on are masks
@@ -71,6 +73,21 @@ def draft_parallel(dec, dft, mask, lag, lag_pos, t, pos, k: int, dense: bool, ge
         return logits.argmax(-1), torch.softmax(logits.float(), -1) if reads_q else None
     q = probs_from_logits(logits, s)
     return sample_from(q, uniforms((b, k), generator, dec.device)), q
+
+
+def _feed_excess(dec, dft, mask, lag, lag_pos, dense: bool):
+    """Compiled drafter steps see a few shapes (warmed up: lag 0..max_draft): a longer lag,
+    left by the floor's plain target steps, is fed first in power-of-two chunks."""
+    excess = lag.shape[1] - dec.max_draft
+    if excess <= 0 or not (dec.compile and dft.static):
+        return lag, lag_pos
+    start = 0
+    for w in chunk_widths(excess):
+        cpos = None if dense else lag_pos[:, start : start + w]
+        attn = None if dense else dec._attn(dft, mask, dft.length + w)
+        dft.forward(lag[:, start : start + w], attn, cpos, keep=1)
+        start += w
+    return lag[:, start:], lag_pos[:, start:]
 
 
 @torch.inference_mode()

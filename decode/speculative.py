@@ -190,7 +190,7 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         raise ConfigError(f"decoder.probe_every={cfg.probe_every!r} must be an integer in 1..64")
     if cfg.draft_costs is not None:
         dc = cfg.draft_costs
-        for name in ("c", "verify_per_token", "round_overhead"):
+        for name in ("c", "verify_per_token", "round_overhead", "draft_per_token"):
             v = getattr(dc, name)
             low = MIN_OVERHEAD if name == "round_overhead" else 0  # a verify may undercut a step
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v < 100:
