@@ -181,3 +181,56 @@ def test_configured_costs_take_the_drafting_mode(pair):
     dec = SpeculativeDecoder(target, drafter, _cfg("confidence", plain))
     assert dec.draft_costs().parallel
     assert dec.draft_costs().round_cost(4) == pytest.approx(0.3 + 1 + 0.1 + 0.4)
+
+
+def test_a_parallel_forward_costs_more_with_more_proposals():
+    costs = DraftCosts(
+        c=0.3, verify_per_token=0.1, round_overhead=0.05, parallel=True, draft_per_token=0.02
+    )
+    assert costs.round_cost(1) == pytest.approx(0.3 + 1 + 0.05 + 0.1)
+    assert costs.round_cost(5) == pytest.approx(0.3 + 4 * 0.02 + 1 + 0.05 + 0.5)
+    plain = DraftCosts(c=0.3, verify_per_token=0.1, round_overhead=0.05, draft_per_token=0.02)
+    assert plain.round_cost(5) == pytest.approx(5 * 0.3 + 1 + 0.05 + 0.5)  # autoregressive
+
+
+@pytest.mark.parametrize(
+    ("first", "follow", "want"), [(0.98, 0.95, 8), (0.6, 0.4, 4), (0.1, 0.1, 2)]
+)
+def test_parallel_proposals_follow_the_running_acceptance(first, follow, want):
+    """The forward proposes the running averages' best m plus 2 spares (capped at max_draft):
+    many when drafts have been accepted, the spares alone when none pays (no floor here)."""
+    costs = DraftCosts(
+        c=0.4, verify_per_token=0.1, round_overhead=0.05, parallel=True, draft_per_token=0.02
+    )
+    pol = ConfidenceLength(4, 8, costs, scope="batch", floor=False)
+    pol.start(1)
+    pol.first, pol.follow = [first], [follow]
+    best = max(
+        range(0, 9),
+        key=lambda m: (
+            0.0
+            if m == 0
+            else expected_tokens([first] + [follow] * (m - 1)) - 1 - (costs.round_cost(m) - 1)
+        ),
+    )
+    assert pol.plan(8, [True]).k == min(8, max(1, best + 2)) == want
+
+
+def test_the_floor_probes_again_across_short_decodes():
+    """A backed-off probe interval longer than one decode: the count of plain target steps
+    carries from call to call, so a probe still comes."""
+    costs = DraftCosts(c=0.9, verify_per_token=0.2, round_overhead=0.3, parallel=True)
+    pol = ConfidenceLength(4, 4, costs, scope="batch", probe_every=8)
+    pol.interval = 32
+    probes = 0
+    for _call in range(12):  # 12 decodes of 10 tokens: probes after 32, then 64 more steps
+        pol.start(1)
+        pol.first, pol.follow = [0.1], [0.1]
+        for _ in range(10):
+            plan = pol.plan(4, [True])
+            if plan.k == 0:
+                pol.observe_step([True])
+            else:
+                probes += plan.probe
+                pol.observe([1], [0], [True], [[0.5]])
+    assert probes >= 2
