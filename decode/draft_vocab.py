@@ -29,7 +29,7 @@ import torch
 from specdistill.data.runtime import ConfigError
 
 CONFIG_KEY = "draft_vocab_ids"
-AUTO_MIN_VOCAB = 16384  # auto: only heads this large are worth a subset (the toy's 4096 is not)
+AUTO_MIN_VOCAB = 16384  # auto: heads this large; smaller ones by choice (toy parallel: --size 1024, decode/README)
 AUTO_SIZE = 4096  # measured on SmolLM2's head: 6.5 ms full, 1.2 ms at 4096, 0.6 ms at 2048
 
 
@@ -160,3 +160,76 @@ def swapped_head(model, head: tuple[str, SubsetHead] | None) -> Iterator[None]:
         yield
     finally:
         setattr(model, name, previous)
+
+
+def attach_draft_vocab(drafter: str, data: str, size: int, out: str | None = None) -> dict:
+    """Store a draft vocabulary in a drafter checkpoint already trained (the distill stage does
+    it for its own runs): the `size` most frequent ids of a Seq-KD dataset's prompts and
+    completions, EOS always in, a parallel drafter's mask id never. Written into a copy at `out`
+    (or in place), so the checkpoint stays one `from_pretrained` folder."""
+    import shutil
+    from pathlib import Path
+
+    from specdistill.data.io import atomic_write_json, read_json
+
+    src = Path(drafter).expanduser()
+    if not (src / "config.json").is_file():
+        raise ConfigError(f"--drafter {drafter}: no config.json there; point it at a checkpoint")
+    rows = _dataset_rows(data)
+    cfg = read_json(src / "config.json")
+    vocab = int(cfg.get("vocab_size") or 0)
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size < vocab:
+        raise ConfigError(f"--size {size}: name a token count in 1..{vocab - 1} (vocab {vocab})")
+    eos = cfg.get("eos_token_id")
+    always = [t for t in (eos if isinstance(eos, list) else [eos]) if isinstance(t, int)]
+    seqs = (s for r in rows for s in (r["prompt_ids"], r["completion_ids"]))
+    ids = choose_draft_vocab(seqs, vocab, size, always)
+    mask = cfg.get("mask_token_id")
+    if mask is not None:
+        ids = [t for t in ids if t != mask]
+    dst = Path(out).expanduser() if out else src
+    if dst.resolve() != src.resolve():
+        shutil.copytree(src, dst, dirs_exist_ok=True)
+    cfg[CONFIG_KEY] = ids
+    atomic_write_json(dst / "config.json", cfg)
+    return {"drafter": str(dst), "draft_vocab": len(ids), "vocab_size": vocab}
+
+
+def _dataset_rows(data: str):
+    from datasets import load_from_disk
+
+    try:
+        rows = load_from_disk(str(data))
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(
+            f"--data {data}: not a dataset folder ({e}); point it at a generate stage's output"
+        ) from None
+    missing = {"prompt_ids", "completion_ids"} - set(rows.column_names)
+    if missing:
+        raise ConfigError(f"--data {data}: no {sorted(missing)} columns; use a Seq-KD dataset")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: `python -m specdistill.decode.draft_vocab --drafter DIR --data SEQKD --size N
+    [--out DIR]`; prints the checkpoint written."""
+    import argparse
+    import json
+
+    from specdistill.data.runtime import run_or_exit
+
+    parser = argparse.ArgumentParser(
+        prog="python -m specdistill.decode.draft_vocab",
+        description="store a draft vocabulary in a trained drafter checkpoint",
+    )
+    parser.add_argument("--drafter", required=True, help="the drafter checkpoint folder")
+    parser.add_argument("--data", required=True, help="a Seq-KD dataset (generate's output)")
+    parser.add_argument("--size", required=True, type=int, help="tokens to keep, e.g. 1024")
+    parser.add_argument("--out", default=None, help="write a copy here (default: in place)")
+    args = parser.parse_args(argv)
+    done = run_or_exit(lambda a: attach_draft_vocab(a.drafter, a.data, a.size, a.out), args)
+    print(json.dumps(done))
+
+
+if __name__ == "__main__":
+    main()

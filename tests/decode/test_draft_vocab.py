@@ -180,3 +180,35 @@ def test_distill_stores_the_draft_vocab_in_the_checkpoint(tmp_path):
     # the parallel mask token is never in it
     ids = set_draft_vocab(cfg, model, rows, Tok(), mask_id=9)
     assert ids == 4 and 9 not in getattr(model.config, CONFIG_KEY)
+
+
+def test_attach_draft_vocab_cli_writes_a_loadable_checkpoint(tmp_path, capsys):
+    """The CLI stores the Seq-KD rows' most frequent ids (EOS in, the mask id out) in a copy
+    of a trained drafter; the decoder then drafts over them; bad input is one error line."""
+    import json
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from specdistill.decode.draft_vocab import draft_vocab_of, main
+
+    model = tiny_llama(vocab=64, layers=1, hidden=32, seed=2)
+    model.config.eos_token_id = 0
+    model.config.mask_token_id = 5
+    src, out, data = tmp_path / "d", tmp_path / "dv", tmp_path / "seqkd"
+    model.save_pretrained(src)
+    Dataset.from_dict(
+        {"prompt_ids": [[5, 7, 7, 9], [9, 9]], "completion_ids": [[7, 9, 11], [11, 12, 5]]}
+    ).save_to_disk(str(data))
+    main(["--drafter", str(src), "--data", str(data), "--size", "6", "--out", str(out)])
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(printed)["draft_vocab"] == 5  # 6 chosen, the mask dropped
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    # EOS first, then by count (9: 4, 7: 3, 11: 2, 5 (the mask): 2, 12: 1)
+    assert draft_vocab_of(loaded) == [0, 9, 7, 11, 12]
+    assert "draft_vocab_ids" not in json.loads((src / "config.json").read_text())
+    for bad, field in ((["--size", "64"], "--size"), (["--data", str(tmp_path)], "--data")):
+        args = ["--drafter", str(src), "--data", str(data), "--size", "6", *bad]
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 2 and field in capsys.readouterr().err
