@@ -95,9 +95,10 @@ def generate_parallel(dec, input_ids, attention_mask=None, generator=None):
     """`SpeculativeDecoder.generate` for `decoder.drafting=parallel`.
 
     Draft lengths (`decoder.draft_length`): `fixed` verifies gamma drafts a round; `heuristic`
-    changes the round's proposals by transformers' schedule; `confidence` proposes max_draft in
-    the one forward, then verifies the prefix whose calibrated expected tokens best pay for the
-    verify (`ConfidenceLength.verify_lengths`: q only, so the output stays the target's). Both
+    changes the round's proposals by transformers' schedule; `confidence` proposes the running
+    averages' best m + 2 (at most max_draft) in the one forward, then verifies the prefix whose
+    calibrated expected tokens best pay for the verify (`ConfidenceLength.verify_lengths`: q
+    only, so the output stays the target's). Both
     adaptive policies keep the floor: a round may be a plain target step, whose token the
     drafter reads with the next round's forward."""
     from specdistill.decode.speculative import DecodeOutput

@@ -177,7 +177,7 @@ def _measure_mode(cfg, st, par, dcfg, gammas: list[int], policies: list[str]) ->
         _, verify = measure_c(dec, st.warm[0][0], max(4, iters // 4), kv)
         if mode == "parallel":  # one forward over the accepted lag + t + g-1 masks
             lag = round(o.accepted / max(o.row_rounds, 1))
-            width = (g if fixed else top) + lag
+            width = (g if fixed else top) + lag  # adaptive: priced at the most proposals
             draft_cost = forward_cost(dec, st.warm[0][0], width, max(4, iters // 2))
             draft_cost *= o.drafter_forwards / max(o.target_forwards, 1)
         else:
