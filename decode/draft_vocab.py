@@ -68,6 +68,19 @@ def choose_draft_vocab(
     return list(chosen)
 
 
+def drafter_vocab_ids(
+    sequences: Iterable[Sequence[int]],
+    vocab: int,
+    size: int,
+    eos: Sequence[int],
+    mask_id: int | None,
+) -> list[int]:
+    """What a drafter stores as its draft vocabulary: `choose_draft_vocab` with the EOS ids
+    always in, and a parallel drafter's mask id never (it is not a token to draft)."""
+    ids = choose_draft_vocab(sequences, vocab, size, eos)
+    return ids if mask_id is None else [t for t in ids if t != mask_id]
+
+
 def draft_vocab_of(model) -> list[int] | None:
     """The ids stored in a drafter's config, checked (one clear line on a broken list)."""
     ids = getattr(getattr(model, "config", None), CONFIG_KEY, None)
@@ -183,10 +196,7 @@ def attach_draft_vocab(drafter: str, data: str, size: int, out: str | None = Non
     eos = cfg.get("eos_token_id")
     always = [t for t in (eos if isinstance(eos, list) else [eos]) if isinstance(t, int)]
     seqs = (s for r in rows for s in (r["prompt_ids"], r["completion_ids"]))
-    ids = choose_draft_vocab(seqs, vocab, size, always)
-    mask = cfg.get("mask_token_id")
-    if mask is not None:
-        ids = [t for t in ids if t != mask]
+    ids = drafter_vocab_ids(seqs, vocab, size, always, cfg.get("mask_token_id"))
     dst = Path(out).expanduser() if out else src
     if dst.resolve() != src.resolve():
         shutil.copytree(src, dst, dirs_exist_ok=True)

@@ -24,13 +24,9 @@ import torch
 from specdistill.data.pairs import match_vocab
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.acceptance import (
-    accept_prefix,
-    expected_alpha,
-    greedy_agreement,
     probs_from_logits,
     sample_from,
     uniforms,
-    verify_sampling,
 )
 from specdistill.decode.draft_length import chunk_widths
 
@@ -103,7 +99,7 @@ def generate_parallel(dec, input_ids, attention_mask=None, generator=None):
     drafter reads with the next round's forward."""
     from specdistill.decode.speculative import DecodeOutput
 
-    cfg, s, g = dec.cfg, dec.cfg.sampling, dec.max_draft
+    cfg, g = dec.cfg, dec.max_draft
     adaptive = cfg.draft_length != "fixed"
     ids, mask0 = dec._prepare(input_ids, attention_mask)
     b, plen = ids.shape
@@ -164,35 +160,10 @@ def generate_parallel(dec, input_ids, attention_mask=None, generator=None):
             q = None if q is None else q[:, :kd]
             if not dense:  # slots planned for proposals that are not verified
                 mask[:, length + kd + 1 : length + k + 1] = False
-        vin = torch.cat([t[:, None], draft_t], 1)
-        width = dec._verify_width(kd)
-        if width > kd + 1:  # a compiled target verifies a few widths; the padding is unread
-            vin = torch.cat([vin, t[:, None].expand(b, width - kd - 1)], 1)
-            if not dense:
-                mask[:, length + kd + 1 : length + width] = True
-        attn = None if dense else dec._attn(tgt, mask, length + width)
-        vpos = None if dense else pos[:, None] + steps[:width]
-        t_logits = tgt.forward(vin, attn, vpos, keep=width)[:, : kd + 1, : dec.vocab]
+        n, nxt, alpha_pos, t_logits, width = dec._verify(
+            tgt, mask, t, pos, draft_t, q, lengths if row_cut else None, dense, generator, steps
+        )
         out.target_forwards += 1
-        len_t = torch.tensor(lengths, device=dec.device) if row_cut else None
-        if s.greedy:
-            ok, target_tok = greedy_agreement(draft_t, t_logits)
-            if len_t is not None:
-                ok &= steps[None, :kd] < len_t[:, None]
-            n, nxt = accept_prefix(ok, target_tok)
-            alpha_pos = ok.float()
-        else:
-            p = probs_from_logits(t_logits, s)
-            n, nxt = verify_sampling(
-                draft_t,
-                p,
-                q,
-                uniforms((b, kd), generator, dec.device),
-                uniforms((b,), generator, dec.device),
-                cfg.lenience,
-                lengths=len_t,
-            )
-            alpha_pos = expected_alpha(p[:, :kd], q)
         host = dec._settle(
             out, done, active, (draft_t, n, nxt, alpha_pos), t_logits, lengths, row_cut
         )

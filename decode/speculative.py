@@ -534,37 +534,11 @@ class SpeculativeDecoder:
                 if draft
                 else torch.zeros(b, 0, dtype=t.dtype, device=t.device)
             )
-            # Verify [t, d_1..d_K] with p in one forward (a compiled target pads to a few widths).
-            vin = torch.cat([t[:, None], draft_t], 1)
-            width = self._verify_width(kd)
-            if width > kd + 1:
-                vin = torch.cat([vin, t[:, None].expand(b, width - kd - 1)], 1)
-                if not dense:
-                    mask[:, length + kd + 1 : length + width] = True
-            attn = None if dense else self._attn(tgt, mask, length + width)
-            vpos = None if dense else pos[:, None] + steps[:width]
-            t_logits = tgt.forward(vin, attn, vpos, keep=width)[:, : kd + 1, : self.vocab]
+            q = torch.stack(q_probs, 1) if q_probs else None
+            n, nxt, alpha_pos, t_logits, width = self._verify(
+                tgt, mask, t, pos, draft_t, q, lengths if row_cut else None, dense, generator, steps
+            )
             out.target_forwards += 1
-            len_t = torch.tensor(lengths, device=self.device) if row_cut else None
-            if s.greedy:  # one argmax serves the verdict and the per-position agreement
-                ok, target_tok = greedy_agreement(draft_t, t_logits)
-                if len_t is not None:
-                    ok &= steps[None, :kd] < len_t[:, None]
-                n, nxt = accept_prefix(ok, target_tok)
-                alpha_pos = ok.float()
-            else:
-                p = probs_from_logits(t_logits, s)
-                q = torch.stack(q_probs, 1) if q_probs else torch.zeros_like(p[:, :0])
-                n, nxt = verify_sampling(
-                    draft_t,
-                    p,
-                    q,
-                    uniforms((b, kd), generator, self.device),
-                    uniforms((b,), generator, self.device),
-                    cfg.lenience,
-                    lengths=len_t,
-                )
-                alpha_pos = expected_alpha(p[:, :kd], q)
             host = self._settle(
                 out, done, active, (draft_t, n, nxt, alpha_pos), t_logits, lengths, row_cut
             )
@@ -586,6 +560,43 @@ class SpeculativeDecoder:
             pos = pos + 1 + n
             t = nxt
         return out
+
+    def _verify(self, tgt, mask, t, pos, draft_t, q, lengths, dense: bool, generator, steps):
+        """Verify [t, d_1..d_K] with p in one forward (a compiled target pads to a few widths;
+        batched: the padding's slots are opened in `mask`) and apply the acceptance rule, the
+        same for every drafting mode. q (B, K, V): the drafts' distributions (sampling; None when
+        greedy or K = 0); lengths: drafts row r verifies, when rows were cut short. Returns
+        (accepted counts, next tokens, per-position alpha, target logits, verify width);
+        steps: the caller's arange over the widest verify."""
+        s, (b, kd), length = self.cfg.sampling, draft_t.shape, tgt.length
+        vin = torch.cat([t[:, None], draft_t], 1)
+        width = self._verify_width(kd)
+        if width > kd + 1:
+            vin = torch.cat([vin, t[:, None].expand(b, width - kd - 1)], 1)
+            if not dense:
+                mask[:, length + kd + 1 : length + width] = True
+        attn = None if dense else self._attn(tgt, mask, length + width)
+        vpos = None if dense else pos[:, None] + steps[:width]
+        t_logits = tgt.forward(vin, attn, vpos, keep=width)[:, : kd + 1, : self.vocab]
+        len_t = torch.tensor(lengths, device=self.device) if lengths is not None else None
+        if s.greedy:  # one argmax serves the verdict and the per-position agreement
+            ok, target_tok = greedy_agreement(draft_t, t_logits)
+            if len_t is not None:
+                ok &= steps[None, :kd] < len_t[:, None]
+            n, nxt = accept_prefix(ok, target_tok)
+            return n, nxt, ok.float(), t_logits, width
+        p = probs_from_logits(t_logits, s)
+        q = q if q is not None else torch.zeros_like(p[:, :0])
+        n, nxt = verify_sampling(
+            draft_t,
+            p,
+            q,
+            uniforms((b, kd), generator, self.device),
+            uniforms((b,), generator, self.device),
+            self.cfg.lenience,
+            lengths=len_t,
+        )
+        return n, nxt, expected_alpha(p[:, :kd], q), t_logits, width
 
     def _target_step(self, tgt, mask, t, pos, dense, out, active, done, generator):
         """One target-only step inside a speculative decode (the floor); returns the next token."""

@@ -26,8 +26,8 @@ from specdistill.data.runtime import ConfigError, parse_dtype
 from specdistill.data.sampling import Sampling
 from specdistill.decode.draft_vocab import (
     CONFIG_KEY,
-    choose_draft_vocab,
     draft_vocab_size,
+    drafter_vocab_ids,
 )
 from specdistill.distill.losses import DIVERGENCES
 from specdistill.distill.train import zero
@@ -110,9 +110,7 @@ def set_draft_vocab(cfg: DictConfig, drafter, examples: list, tok, mask_id: int 
         return 0
     always = [t for t in (tok.eos_token_id,) if t is not None]
     seqs = (s for e in examples for s in (e.prompt_ids, e.completion_ids))
-    ids = choose_draft_vocab(seqs, vocab, size, always)
-    if mask_id is not None:  # the parallel mask token is never drafted
-        ids = [t for t in ids if t != mask_id]
+    ids = drafter_vocab_ids(seqs, vocab, size, always, mask_id)
     setattr(drafter.config, CONFIG_KEY, ids)
     return len(ids)
 

@@ -9,8 +9,6 @@ output follows the target's law (chi-square on a small vocabulary).
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -21,8 +19,9 @@ from specdistill.decode.draft_length import (
     expected_tokens,
 )
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
-from tests.decode.test_distribution import PROMPT, chi2_pvalue, exact_sequence_probs
+from tests.decode.test_distribution import chi2_pvalue, exact_sequence_probs
 from tests.decode.test_distribution import models as models
+from tests.decode.test_draft_length import _sample
 from tests.decode.test_parallel import MASK
 from tests.decode.test_parallel import pair as pair
 from tests.decode.test_speculative import greedy_reference, left_pad, prompts
@@ -162,15 +161,7 @@ def test_parallel_adaptive_sampling_matches_target_distribution(models, policy, 
         draft_costs=DraftCosts(c=0.3, verify_per_token=0.1, round_overhead=0.1),
     )
     dec = SpeculativeDecoder(target, drafter, cfg)
-    gen = torch.Generator().manual_seed(33)
-    ids = torch.tensor([PROMPT] * rows)
-    counts: dict[tuple[int, ...], int] = {}
-    lengths: list[int] = []
-    for _ in range(calls):
-        out = dec.generate(ids, torch.ones_like(ids), generator=gen)
-        lengths = [a + b for a, b in itertools.zip_longest(lengths, out.draft_lengths, fillvalue=0)]
-        for row in out.tokens:
-            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    counts, lengths = _sample(dec, rows, calls, seed=33)
     assert chi2_pvalue(exact_sequence_probs(target, s), counts, rows * calls) > 1e-3
     assert sum(1 for x in lengths[1:] if x) >= 2, lengths  # verified lengths really varied
 
