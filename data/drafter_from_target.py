@@ -8,6 +8,8 @@ drafter. The drafter shares the target's vocabulary by construction.
 Layer choices (`pair.drafter_layers`, or `--layers` here):
   first:k   the first k layers (0..k-1)
   spread:k  k layers evenly over depth, the first and the last always among them
+  copy:k    k >= 3 layers that keep the target's copying (induction) circuit, found by a probe
+            of its weights (data/copy_layers.py; resolved once per target and cached)
   0,1,2,29  an explicit list (or a YAML list), strictly increasing
 
 Builds are cached under `$SPECDISTILL_HOME/drafters/`, keyed by the target (its path and weight
@@ -29,6 +31,7 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +44,25 @@ log = logging.getLogger(__name__)
 
 # Bump when the build changes what it writes, so stale caches are not reused.
 BUILD_VERSION = 1
+COPY_VERSION = 1  # bump when copy:K's probe or search changes
 INFO_FILE = "specdistill_drafter.json"
 _LAYER_KEY = re.compile(r"^(.*\blayers)\.(\d+)\.(.*)$")
 
 
-def parse_layers(choice: Any, num_layers: int, field: str = "pair.drafter_layers") -> list[int]:
-    """The layer indices a choice keeps, checked against the target's `num_layers`."""
+@dataclass(frozen=True)
+class CopyLayers:
+    """`copy:k`: resolved by probing the target's weights (`resolve_copy_layers`)."""
+
+    k: int
+
+
+def parse_layers(
+    choice: Any, num_layers: int, field: str = "pair.drafter_layers"
+) -> list[int] | CopyLayers:
+    """The layer indices a choice keeps, checked against the target's `num_layers` (`copy:k`:
+    its k checked, the layers found later from the weights)."""
+    if isinstance(choice, CopyLayers):
+        choice = f"copy:{choice.k}"
     given = (
         choice
         if isinstance(choice, str)
@@ -59,13 +75,16 @@ def parse_layers(choice: Any, num_layers: int, field: str = "pair.drafter_layers
     if isinstance(choice, str):
         text = choice.strip().replace(" ", "")
         kind, _, arg = text.partition(":")
-        if kind in ("first", "spread"):
-            if not arg.isdigit() or not 1 <= int(arg) <= num_layers:
+        if kind in ("first", "spread", "copy"):
+            low = 3 if kind == "copy" else 1
+            if not arg.isdigit() or not low <= int(arg) <= num_layers:
                 raise ConfigError(
-                    f"{field}={choice!r}: k must be an integer from 1 to {num_layers} "
+                    f"{field}={choice!r}: k must be an integer from {low} to {num_layers} "
                     f"(the target has {num_layers} layers)"
                 )
             k = int(arg)
+            if kind == "copy":
+                return CopyLayers(k)
             if kind == "first":
                 return list(range(k))
             if k == 1:
@@ -74,7 +93,7 @@ def parse_layers(choice: Any, num_layers: int, field: str = "pair.drafter_layers
         items = [s for s in text.strip("[]").split(",") if s]
         if not items or not all(re.fullmatch(r"-?\d+", s) for s in items):
             raise ConfigError(
-                f"{field}={choice!r} is not a layer choice: use first:K, spread:K or a list "
+                f"{field}={choice!r} is not a layer choice: use first:K, spread:K, copy:K or a list "
                 "of layer indices such as 0,1,2,29"
             )
         choice = [int(s) for s in items]
@@ -146,6 +165,10 @@ def ensure_drafter(
 ) -> Path:
     """The drafter made of `choice` layers of `target`, built on first use (cached)."""
     layers = parse_layers(choice, target_num_layers(target, revision), field)
+    if isinstance(layers, CopyLayers):
+        layers = resolve_copy_layers(
+            target, layers.k, revision=revision, trust_remote_code=trust_remote_code, field=field
+        )
     root = drafter_dir(target, layers, revision)
     if (root / INFO_FILE).exists():
         return root
@@ -161,6 +184,52 @@ def ensure_drafter(
             )
             replace_dir(tmp, root)
     return root
+
+
+def resolve_copy_layers(
+    target: str,
+    k: int,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    field: str = "pair.drafter_layers",
+) -> list[int]:
+    """`copy:k`'s layer list for `target`: probed once (10-20 s), then read from the cache."""
+    root = drafter_dir(target, [0], revision).parent
+    found = root / f"copy-{k}-v{COPY_VERSION}.json"
+    if found.exists():
+        return json.loads(found.read_text())["layers"]
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specdistill.data.copy_layers import copy_layers
+
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(found) + ".lock"):
+        if found.exists():
+            return json.loads(found.read_text())["layers"]
+        t0 = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(
+            target,
+            revision=revision,
+            dtype=torch.float32,
+            attn_implementation="eager",
+            trust_remote_code=trust_remote_code,
+        ).eval()
+        try:
+            layers, how = copy_layers(model, k)
+        except (AttributeError, ValueError) as e:
+            raise ConfigError(
+                f"{field}=copy:{k}: the target's layers could not be probed ({e}); "
+                "use first:K or a list of layer indices"
+            ) from e
+        how |= {"k": k, "layers": layers, "seconds": round(time.perf_counter() - t0, 1)}
+        tmp = found.with_name(found.name + f".tmp-{os.getpid()}")
+        with guard_write(found, cleanup=(tmp,)):
+            tmp.write_text(json.dumps(how, indent=2))
+            os.replace(tmp, found)
+    log.info("copy:%d for %s: layers %s (probe %.1f s)", k, target, layers, how["seconds"])
+    return layers
 
 
 def build_drafter(
@@ -293,7 +362,9 @@ def main(argv: list[str] | None = None) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--target", help="a checkpoint folder, hub name or .gguf file")
     src.add_argument("--real", help="a packaged model, e.g. smollm2")
-    parser.add_argument("--layers", required=True, help="first:K, spread:K or a list like 0,1,29")
+    parser.add_argument(
+        "--layers", required=True, help="first:K, spread:K, copy:K or a list like 0,1,29"
+    )
     parser.add_argument("--revision", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
