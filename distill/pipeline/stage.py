@@ -113,7 +113,13 @@ def run_step(step: Step, config: dict[str, Any] | None = None) -> dict:
         return read_json(step.result_path)
     log.info("[%s] running -> %s", step.name, step.out_dir)
     t0 = time.perf_counter()
-    out = _stage_runner(step.stage)(OmegaConf.create(config or step.config))
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        out = _stage_runner(step.stage)(OmegaConf.create(config or step.config))
+    finally:  # a stage's thread setting (generate threads=auto: 1) must not slow the next one
+        torch.set_num_threads(threads)
     if not _main_process() or getattr(out, "merged", True) is False:
         return {}
     result = read_json(step.result_path)

@@ -90,3 +90,32 @@ def test_pipeline_end_to_end_and_resume(tmp_path, monkeypatch):
 def test_pipeline_rejects_unknown_stage(tmp_path):
     with pytest.raises(pipeline.ConfigError, match="stages"):
         pipeline.run(_cfg(tmp_path, ["stages=[generate,train]"]))
+
+
+def test_a_stage_thread_setting_does_not_leak_into_the_next(tmp_path, monkeypatch):
+    """generate's threads=auto sets 1 thread in-process; distill after it must get the cores back
+    (it ran on 1 of 2 cores in the pipeline before this)."""
+    import torch
+
+    from specdistill.distill.pipeline.plan import Step
+
+    seen = []
+
+    def run(cfg):
+        seen.append(torch.get_num_threads())
+        torch.set_num_threads(1)  # what generate's threads=auto does
+        (tmp_path / cfg.name).mkdir()
+        (tmp_path / cfg.name / "result.json").write_text("{}")
+
+    monkeypatch.setattr(pipeline, "_stage_runner", lambda name: run)
+    own = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for name in ("generate", "distill"):
+            config = {"name": name}
+            pipeline.run_step(
+                Step(name, name, "m", str(tmp_path / name), "result.json", config=config)
+            )
+        assert seen == [2, 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(own)
