@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 # Bump when the build changes what it writes, so stale caches are not reused.
 BUILD_VERSION = 1
-COPY_VERSION = 1  # bump when copy:K's probe or search changes
+COPY_VERSION = 2  # bump when copy:K's probe or search changes
 INFO_FILE = "specdistill_drafter.json"
 _LAYER_KEY = re.compile(r"^(.*\blayers)\.(\d+)\.(.*)$")
 

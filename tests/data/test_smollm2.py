@@ -9,6 +9,7 @@ The wheel is located, not imported (its __init__ imports llm and llama_cpp, whic
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def test_conversion_matches_transformers_gguf_loading(one_thread):
         assert torch.equal(plain(ids).logits, ref(ids).logits)
 
 
-def test_default_drafter_is_first_two_layers():
+def test_default_drafter_keeps_the_copying_layers():
     """conf/pair/smollm2.yaml's default, chosen by the budget study (data/README.md)."""
     from pathlib import Path
 
@@ -55,11 +56,19 @@ def test_default_drafter_is_first_two_layers():
     from specdistill.data.pairs import resolve_pair
 
     pair = OmegaConf.load(Path(specdistill.conf.__file__).parent / "pair" / "smollm2.yaml")
-    assert pair.drafter_layers == "first:2"
-    drafter = AutoModelForCausalLM.from_pretrained(resolve_pair(pair).drafter)
-    assert drafter.config.num_hidden_layers == 2
+    assert pair.drafter_layers == "copy:5"
+    built = Path(resolve_pair(pair).drafter)
+    assert json.loads((built / "specdistill_drafter.json").read_text())["layers"] == [
+        0,
+        1,
+        16,
+        17,
+        18,
+    ]
+    drafter = AutoModelForCausalLM.from_pretrained(built)
+    assert drafter.config.num_hidden_layers == 5
     assert drafter.lm_head.weight is drafter.model.embed_tokens.weight
-    assert 35_000_000 < drafter.num_parameters() < 36_000_000  # 28.3M of it the tied head
+    assert 46_000_000 < drafter.num_parameters() < 46_200_000  # 28.3M of it the tied head
 
 
 def test_validate_is_lossless_on_the_real_pair(tmp_path):
