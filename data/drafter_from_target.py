@@ -37,7 +37,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from specdistill.data.io import guard_write, replace_dir
+from specdistill.data.io import atomic_write_json, guard_write, read_json, replace_dir
 from specdistill.data.runtime import ConfigError, run_or_exit, specdistill_home
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ def resolve_copy_layers(
     root = drafter_dir(target, [0], revision).parent
     found = root / f"copy-{k}-v{COPY_VERSION}.json"
     if found.exists():
-        return json.loads(found.read_text())["layers"]
+        return read_json(found)["layers"]
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -207,7 +207,7 @@ def resolve_copy_layers(
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(found) + ".lock"):
         if found.exists():
-            return json.loads(found.read_text())["layers"]
+            return read_json(found)["layers"]
         t0 = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(
             target,
@@ -224,10 +224,7 @@ def resolve_copy_layers(
                 "use first:K or a list of layer indices"
             ) from e
         how |= {"k": k, "layers": layers, "seconds": round(time.perf_counter() - t0, 1)}
-        tmp = found.with_name(found.name + f".tmp-{os.getpid()}")
-        with guard_write(found, cleanup=(tmp,)):
-            tmp.write_text(json.dumps(how, indent=2))
-            os.replace(tmp, found)
+        atomic_write_json(found, how)  # temp + fsync + rename; disk full & co.: exit 3
     log.info("copy:%d for %s: layers %s (probe %.1f s)", k, target, layers, how["seconds"])
     return layers
 
