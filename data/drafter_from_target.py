@@ -93,8 +93,8 @@ def parse_layers(
         items = [s for s in text.strip("[]").split(",") if s]
         if not items or not all(re.fullmatch(r"-?\d+", s) for s in items):
             raise ConfigError(
-                f"{field}={choice!r} is not a layer choice: use first:K, spread:K, copy:K or a list "
-                "of layer indices such as 0,1,2,29"
+                f"{field}={choice!r} is not a layer choice: use first:K, spread:K, copy:K or a "
+                "list of layer indices such as 0,1,2,29"
             )
         choice = [int(s) for s in items]
     try:
