@@ -27,9 +27,7 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 import re
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +35,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from specdistill.data.io import atomic_write_json, guard_write, read_json, replace_dir
+from specdistill.data.io import atomic_write_json, build_once, read_json
 from specdistill.data.runtime import ConfigError, run_or_exit, specdistill_home
 
 log = logging.getLogger(__name__)
@@ -169,21 +167,13 @@ def ensure_drafter(
         layers = resolve_copy_layers(
             target, layers.k, revision=revision, trust_remote_code=trust_remote_code, field=field
         )
-    root = drafter_dir(target, layers, revision)
-    if (root / INFO_FILE).exists():
-        return root
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root) + ".lock"):
-        if (root / INFO_FILE).exists():
-            return root
-        tmp = root.with_name(root.name + f".tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        with guard_write(root, cleanup=(tmp,)):  # disk full & co.: one line, exit 3
-            build_drafter(
-                target, layers, tmp, revision=revision, trust_remote_code=trust_remote_code
-            )
-            replace_dir(tmp, root)
-    return root
+    return build_once(
+        drafter_dir(target, layers, revision),
+        INFO_FILE,
+        lambda tmp: build_drafter(
+            target, layers, tmp, revision=revision, trust_remote_code=trust_remote_code
+        ),
+    )
 
 
 def resolve_copy_layers(

@@ -22,15 +22,12 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from filelock import FileLock
-
-from specdistill.data.io import guard_write, replace_dir
+from specdistill.data.io import build_once
 from specdistill.data.runtime import ConfigError, specdistill_home
 
 log = logging.getLogger(__name__)
@@ -239,20 +236,7 @@ def ensure_gguf_checkpoint(path: str | Path, field: str = "pair.target") -> Path
     """A plain `transformers` checkpoint of the GGUF file at `path`, converting it on first use."""
     meta = check_gguf(path, field)
     src = Path(path).expanduser().resolve()
-    root = converted_dir(src)
-    if (root / INFO_FILE).exists():
-        return root
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root) + ".lock"):
-        if (root / INFO_FILE).exists():  # converted by another process while we waited
-            return root
-        tmp = root.with_name(root.name + f".tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        # Any failure removes the temp folder; disk full & co. end as one line, exit 3.
-        with guard_write(root, cleanup=(tmp,)):
-            _convert(src, tmp, meta, field)
-            replace_dir(tmp, root)
-    return root
+    return build_once(converted_dir(src), INFO_FILE, lambda tmp: _convert(src, tmp, meta, field))
 
 
 def _convert(src: Path, out: Path, meta: dict, field: str) -> None:

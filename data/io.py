@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -196,3 +196,25 @@ def replace_dir(tmp: Path, path: Path) -> Path:
         raise
     shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def build_once(root: Path, marker: str, build: Callable[[Path], Any]) -> Path:
+    """`root`, built on first use and cached: `build(tmp)` fills a temp sibling, which is then
+    renamed into place (`replace_dir`). Once across processes: a file lock, and a process that
+    waited for it finds `root / marker` (the file a finished build writes last) and returns.
+    Never half there: any failure removes the temp folder, and disk full & co. end as one line
+    (`guard_write`, exit 3)."""
+    if (root / marker).exists():
+        return root
+    from filelock import FileLock
+
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root) + ".lock"):
+        if (root / marker).exists():  # built by another process while we waited
+            return root
+        tmp = root.with_name(root.name + f".tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        with guard_write(root, cleanup=(tmp,)):
+            build(tmp)
+            replace_dir(tmp, root)
+    return root

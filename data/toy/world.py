@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import sys
 import sysconfig
 import time
@@ -26,9 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from filelock import FileLock
 from tqdm.auto import tqdm
 
+from specdistill.data.io import build_once
 from specdistill.data.runtime import specdistill_home
 
 log = logging.getLogger(__name__)
@@ -152,20 +151,10 @@ def ensure_toy_world(name: str = "toy-tiny") -> ToyWorld:
         from specdistill.data.runtime import ConfigError
 
         raise ConfigError(f"pair.toy={name!r} is not a toy world; choose one of {sorted(SPECS)}")
-    root = _cache_dir(name)
-    world = ToyWorld(name=name, root=root)
-    if (root / "build.json").exists():
-        return world
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root) + ".lock"):
-        if (root / "build.json").exists():  # another process built it while we waited
-            return world
-        tmp = root.with_name(root.name + f".tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        _build(SPECS[name], ToyWorld(name=name, root=tmp))
-        shutil.rmtree(root, ignore_errors=True)
-        os.replace(tmp, root)
-    return world
+    root = build_once(
+        _cache_dir(name), "build.json", lambda tmp: _build(SPECS[name], ToyWorld(name, tmp))
+    )
+    return ToyWorld(name=name, root=root)
 
 
 def toy_prompts(name: str, split: str) -> list[dict]:
