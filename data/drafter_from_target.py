@@ -54,6 +54,29 @@ class CopyLayers:
     k: int
 
 
+def _check_k(field: str, choice: Any, kind: str, arg: str, num_layers: int) -> None:
+    """One line saying what is wrong with `kind:arg`: not a number, below the kind's least K
+    (copy:K keeps the first 2 layers plus a previous-token and an induction layer, so K >= 3;
+    a target with fewer layers than that cannot give one), or more layers than the target has."""
+    given = f"{field}={choice!r}"
+    if not arg.isdigit():
+        raise ConfigError(f"{given}: K in {kind}:K must be a positive integer, e.g. {kind}:3")
+    k = int(arg)
+    if kind == "copy" and k < 3:
+        fix = "use copy:3 or more" if num_layers >= 3 else "use first:K or spread:K instead"
+        raise ConfigError(
+            f"{given}: copy:K needs K >= 3 (the first 2 layers plus a previous-token and an "
+            f"induction layer) and the target has {num_layers} layers: {fix}"
+        )
+    if k < 1:
+        raise ConfigError(f"{given}: K must be at least 1 (it is the number of layers kept)")
+    if k > num_layers:
+        raise ConfigError(
+            f"{given}: K={k} is more layers than the target has ({num_layers}): use K <= "
+            f"{num_layers}"
+        )
+
+
 def parse_layers(
     choice: Any, num_layers: int, field: str = "pair.drafter_layers"
 ) -> list[int] | CopyLayers:
@@ -74,12 +97,7 @@ def parse_layers(
         text = choice.strip().replace(" ", "")
         kind, _, arg = text.partition(":")
         if kind in ("first", "spread", "copy"):
-            low = 3 if kind == "copy" else 1
-            if not arg.isdigit() or not low <= int(arg) <= num_layers:
-                raise ConfigError(
-                    f"{field}={choice!r}: k must be an integer from {low} to {num_layers} "
-                    f"(the target has {num_layers} layers)"
-                )
+            _check_k(field, choice, kind, arg, num_layers)
             k = int(arg)
             if kind == "copy":
                 return CopyLayers(k)

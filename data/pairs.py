@@ -52,7 +52,8 @@ def resolve_pair(pair: Any) -> PairSpec:
 
         world = ensure_toy_world(toy)
         target = target or str(world.target_dir)
-        drafter = drafter or str(world.drafter_dir)
+        if get("drafter_layers") is None:  # else the drafter is built from the toy target
+            drafter = drafter or str(world.drafter_dir)
         tokenizer = tokenizer or str(world.target_dir)
     real, layers = get("real"), get("drafter_layers")
     if (

@@ -73,6 +73,7 @@ def build_fixtures(root: Path, world) -> Path:
     _save_tokenizer_files(world.drafter_dir, sharded)
     sorted(sharded.glob("model-*.safetensors"))[-1].unlink()
     (root / "bad.jsonl").write_text('{"prompt": "def f():"}\nnot json at all\n')
+    (root / "empty.jsonl").write_text('{"prompt": ""}\n{"prompt": ""}\n')
     return root
 
 
@@ -121,6 +122,18 @@ CASES = [
         "generate",
         ("dataset=jsonl", "dataset.path={fx}/bad.jsonl"),
         ("dataset.path='{fx}/bad.jsonl'",),
+    ),
+    Case(
+        "jsonl-all-empty",
+        "generate",
+        ("dataset=jsonl", "dataset.path={fx}/empty.jsonl"),
+        ("every one of the 2 prompts in dataset.field='prompt' is empty",),
+    ),
+    Case(
+        "copy-k-below-3",
+        "distill",
+        ("pair.drafter_layers=copy:1", "logger=none"),
+        ("pair.drafter_layers='copy:1'", "copy:K needs K >= 3"),
     ),
     Case("generate-batch-0", "generate", ("batch_size=0",), ("batch_size=0",)),
     Case("generate-threads-0", "generate", ("threads=0",), ("threads=0",)),

@@ -163,6 +163,28 @@ def prepare_prompts(
     return out, stats
 
 
+def no_prompts_message(stats: dict[str, int], dataset_cfg: Any) -> str:
+    """Why no prompt is left, from what `prepare_prompts` counted: an all-empty prompt file is
+    not "too long", so the message names the reason that emptied the set (or both)."""
+    field = dataset_cfg.get("field", "prompt")
+    total, empty, long = stats["total"], stats["skipped_empty"], stats["skipped_long"]
+    if empty == total:
+        return (
+            f"every one of the {total} prompts in dataset.field={field!r} is empty (no tokens): "
+            "check dataset.path and dataset.field"
+        )
+    if long == total:
+        return (
+            f"every one of the {total} prompts exceeded the context with long_prompts=skip: "
+            "use long_prompts=truncate or lower max_new_tokens"
+        )
+    return (
+        f"no prompts left to generate: of {total}, {empty} are empty in "
+        f"dataset.field={field!r} and {long} exceeded the context with long_prompts=skip; "
+        "check dataset.path/field, or use long_prompts=truncate"
+    )
+
+
 def load_prepared_prompts(
     cfg: Any, tokenizer: Any, budget: int
 ) -> tuple[list[PreparedPrompt], dict[str, int]]:
@@ -351,10 +373,7 @@ def run(cfg: DictConfig) -> GenerateResult:
         raise ConfigError(f"topk_logprobs={cfg.topk_logprobs} exceeds the vocabulary ({vocab})")
     prepared, stats = load_prepared_prompts(cfg, tokenizer, budget)
     if not prepared:
-        raise ConfigError(
-            f"no prompts left to generate for ({stats}): with long_prompts=skip every prompt "
-            "exceeded the context; use long_prompts=truncate or lower max_new_tokens"
-        )
+        raise ConfigError(no_prompts_message(stats, cfg.dataset))
     engine_len = None
     if engine_settings is not None:  # vLLM's own checks, still before any model loads
         engine_len = vllm_backend.check_target(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.data.io import atomic_write_text, read_json
+from specdistill.distill.train.predict import reprice
 
 log = logging.getLogger("specdistill.report")
 
@@ -180,7 +181,8 @@ def summary_markdown(
             f"Distilled with loss {loss}, lmbda {d.get('lmbda')}, {d.get('steps')} steps "
             f"(best held-out alpha at step {d.get('best_step')}): `{d.get('drafter_path')}`.",
         ]
-        lines += prediction_lines(d.get("heldout_prediction"))
+        pred = d.get("heldout_prediction")
+        lines += prediction_lines(reprice(pred, v) if pred and v else pred)
     if serving:
         how = serving.get("mode", "?")
         if how == "sampling":

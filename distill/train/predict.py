@@ -91,15 +91,59 @@ def heldout_prediction(tr: Any, drafter, cfg) -> dict[str, Any] | None:
     elif tr.target is not None:
         costs, source = measured_costs(tr, drafter, max_draft), "measured"
     else:
-        costs, source = DraftCosts(), "default (no target loaded: set eval.predict.costs)"
+        costs, source = DraftCosts(), UNCALIBRATED
     rows = heldout_outcomes(drafter, tr.target, tr.eval_batches, vocab=tr.vocab, device=tr.device)
-    return {
+    out = {
         "eval_source": str(cfg.eval.source),
         "exact": str(cfg.eval.source) == "target",
         "costs": dataclasses.asdict(costs) | {"source": source},
         "rows": len(rows),
+        "gamma": gamma,
+        "max_draft": max_draft,
         "figures": predict(rows, gamma=gamma, max_draft=max_draft, costs=costs),
     }
+    if source == UNCALIBRATED:  # kept so a later stage's measured costs can price them
+        out["outcomes"] = pack_outcomes(rows)
+    return out
+
+
+UNCALIBRATED = "default, uncalibrated (no target loaded: set eval.predict.costs)"
+
+
+def pack_outcomes(rows: list[tuple[list[bool], list[float]]]) -> list[list[Any]]:
+    """Rows as JSON: the agreement string ("1" = q's argmax was p's) and q's confidences."""
+    return [
+        ["".join("1" if a else "0" for a in agree), [round(c, 4) for c in conf]]
+        for agree, conf in rows
+    ]
+
+
+def unpack_outcomes(packed: list[list[Any]]) -> list[tuple[list[bool], list[float]]]:
+    """The inverse of `pack_outcomes` (confidences rounded to 4 digits)."""
+    return [([ch == "1" for ch in agree], [float(c) for c in conf]) for agree, conf in packed]
+
+
+def costs_from_validate(c: float, verify_cost: float, gamma: int) -> DraftCosts:
+    """A cost model from what validate measured: c (drafter step / target step) and the cost of
+    its (gamma+1)-token verify in target steps. One verify width cannot separate a round's fixed
+    overhead from the per-draft cost, so the verify cost beyond one target step is spread evenly
+    over the gamma drafts (exact at the measured width, linear around it)."""
+    if gamma < 1:
+        raise ValueError(f"gamma={gamma}: the verify covers at least one draft")
+    return DraftCosts(c=c, verify_per_token=(verify_cost - 1.0) / gamma, round_overhead=0.0)
+
+
+def reprice(pred: dict[str, Any], validate: dict[str, Any]) -> dict[str, Any]:
+    """The prediction priced with validate's measured costs where the distill stage had none
+    (its target was not loaded): same outcomes, calibrated cost model. Unchanged otherwise."""
+    c, verify, gamma = validate.get("c"), validate.get("verify_cost"), validate.get("gamma")
+    if "outcomes" not in pred or None in (c, verify) or not isinstance(gamma, int) or gamma < 1:
+        return pred
+    costs = costs_from_validate(float(c), float(verify), gamma)
+    rows = unpack_outcomes(pred["outcomes"])
+    figures = predict(rows, gamma=int(pred["gamma"]), max_draft=int(pred["max_draft"]), costs=costs)
+    source = f"measured by validate (c {c}, a {gamma + 1}-token verify {verify} target steps)"
+    return pred | {"costs": dataclasses.asdict(costs) | {"source": source}, "figures": figures}
 
 
 def measured_costs(tr: Any, drafter, max_draft: int) -> DraftCosts:

@@ -67,9 +67,15 @@ def test_candidates_limit_the_induction_layer():
 def test_parse_copy_choice():
     assert parse_layers("copy:4", 30) == CopyLayers(4)
     assert parse_layers(CopyLayers(5), 30) == CopyLayers(5)
-    for bad in ("copy:2", "copy:31", "copy:x"):
-        with pytest.raises(ConfigError, match=r"pair\.drafter_layers=.*from 3 to 30"):
-            parse_layers(bad, 30)
+    cases = [
+        ("copy:2", 30, r"copy:K needs K >= 3 .* 30 layers: use copy:3 or more"),
+        ("copy:1", 2, r"copy:K needs K >= 3 .* 2 layers: use first:K or spread:K instead"),
+        ("copy:31", 30, r"K=31 is more layers than the target has \(30\)"),
+        ("copy:x", 30, r"must be a positive integer"),
+    ]
+    for bad, n, match in cases:
+        with pytest.raises(ConfigError, match=r"pair\.drafter_layers=.*" + match):
+            parse_layers(bad, n)
 
 
 @pytest.fixture

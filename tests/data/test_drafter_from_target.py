@@ -37,9 +37,9 @@ def test_parse_layers(choice, n, layers):
 @pytest.mark.parametrize(
     ("choice", "match"),
     [
-        ("first:0", "from 1 to 30"),
-        ("spread:31", "from 1 to 30"),
-        ("first:x", "from 1 to 30"),
+        ("first:0", "K must be at least 1"),
+        ("spread:31", r"K=31 is more layers than the target has \(30\)"),
+        ("first:x", "K in first:K must be a positive integer"),
         ("last:3", "not a layer choice"),
         ("0,30", r"\[30\] out of range; the target has 30 layers \(0..29\)"),
         ([-1, 2], r"\[-1\] out of range"),

@@ -165,7 +165,7 @@ def test_layer_list_out_of_range_fails_before_conversion(tiny, home, capsys, mon
     assert err[0] == (
         "error: --layers='0,1,7': layer(s) [7] out of range; the target has 5 layers (0..4)"
     )
-    with pytest.raises(ConfigError, match=r"pair.drafter_layers='first:6'.*from 1 to 5"):
+    with pytest.raises(ConfigError, match=r"pair.drafter_layers='first:6'.*K=6 is more layers"):
         resolve_pair({"target": str(tiny[2]), "drafter_layers": "first:6"})
 
 

@@ -147,3 +147,37 @@ def test_summary_carries_the_heldout_prediction():
     assert "exact replay, 32 rows" in text and "c 0.39" in text
     assert "gamma=4 1.21x (tau 3.53)" in text and "heuristic 1.33x (tau 3.76)" in text
     assert prediction_lines(None) == []
+
+
+def test_an_uncalibrated_prediction_is_priced_with_validates_measured_costs():
+    """The distill stage without its target prices rounds with the default cost model; the
+    summary re-prices the same outcomes with the c and verify cost validate measured (and says
+    so), and the cost model it builds reproduces the measured verify exactly."""
+    from specdistill.distill.pipeline.report import prediction_lines
+    from specdistill.distill.train.predict import (
+        UNCALIBRATED,
+        costs_from_validate,
+        pack_outcomes,
+        predict,
+        reprice,
+        unpack_outcomes,
+    )
+
+    rows = [([True, True, False, True, True, True], [0.9, 0.8, 0.3, 0.95, 0.9, 0.7])] * 3
+    assert unpack_outcomes(pack_outcomes(rows)) == rows
+    default = predict(rows, gamma=4, max_draft=8, costs=costs_from_validate(0.4, 1.2, 4))
+    pred = {"exact": True, "rows": 3, "gamma": 4, "max_draft": 8, "figures": default,
+            "costs": {"c": 0.4, "source": UNCALIBRATED}, "outcomes": pack_outcomes(rows)}  # fmt: skip
+    validate = {"c": 0.175, "verify_cost": 1.54, "gamma": 4}
+    got = reprice(pred, validate)
+    costs = costs_from_validate(0.175, 1.54, 4)
+    assert abs(costs.round_cost(4) - (4 * 0.175 + 1.54)) < 1e-12
+    assert got["figures"] == predict(rows, gamma=4, max_draft=8, costs=costs)
+    assert got["figures"]["gamma=4"]["speedup"] > default["gamma=4"]["speedup"]
+    line = "\n".join(prediction_lines(got))
+    assert "measured by validate (c 0.175, a 5-token verify 1.54 target steps)" in line
+    # nothing measured, or a prediction that was measured in distill: left as it was
+    assert reprice(pred, {}) is pred
+    measured = {k: v for k, v in pred.items() if k != "outcomes"}
+    assert reprice(measured, validate) is measured
+    assert "uncalibrated" in "\n".join(prediction_lines(pred))
