@@ -5,8 +5,8 @@ continuations, 95 of 113 confident misses (target top-1 p > 0.8) by a 4-layer dr
 tokens already in the context: identifiers and arguments the target repeats. Copying is done by
 induction heads (attend to the token after an earlier occurrence of the current one), which sit
 deep in the target (SmolLM2: layers 17 and 18) and read a previous-token head below them (layer
-16), so `first:K` drafters have none. Distilled on the same budget, `[0, 1, 16, 17]` reached
-held-out alpha 0.51 where `first:4` (same cost) reached 0.46 (data/README.md).
+16), so `first:K` drafters have none. Distilled on the same budget, keeping that pair beat
+`first:4` at the same cost (figures: data/RESULTS.md, "keeping the copying circuit").
 
 The choice is measured, not guessed: a random token run repeated twice is fed to candidate
 layer stacks (the target's own weights, untrained); a layer's induction score is its best
@@ -14,11 +14,11 @@ head's mean attention from each position of the second copy to the token after i
 occurrence, and a stack's score is the sum over its layers (how much copying the whole stack
 does). `copy:K` keeps the first min(2, K-2) layers (they turn embeddings into features every
 later layer expects), the (previous-token, induction) pair that scores best on top of them,
-then adds layers one at a time, each the one that lifts the score most, up to K. About 10-20 s
-on a 2-core CPU for a 30-layer target. On SmolLM2 it picks [0, 1, 16, 17] for K=4 and
-[0, 1, 16, 17, 18] for K=5, the best of the stacks distilled (held-out alpha 0.51 and 0.58);
-scoring the last layer alone picked [0, 1, 15, 16, 17] for K=5, which distilled worse than
-the 4-layer choice.
+then adds layers one at a time, each the one that lifts the score most, up to K. The probe
+takes seconds, so it runs once per target and is cached. On SmolLM2 it picks [0, 1, 16, 17] for
+K=4 and [0, 1, 16, 17, 18] for K=5, the best of the stacks distilled; the stack's score is a sum
+because scoring the last layer alone picked a stack that distilled worse (data/RESULTS.md,
+"keeping the copying circuit").
 """
 
 from __future__ import annotations

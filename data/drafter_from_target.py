@@ -202,7 +202,7 @@ def resolve_copy_layers(
     trust_remote_code: bool = False,
     field: str = "pair.drafter_layers",
 ) -> list[int]:
-    """`copy:k`'s layer list for `target`: probed once (10-20 s), then read from the cache."""
+    """`copy:k`'s layer list for `target`: probed once (seconds), then read from the cache."""
     root = drafter_dir(target, [0], revision).parent
     found = root / f"copy-{k}-v{COPY_VERSION}.json"
     if found.exists():

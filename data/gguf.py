@@ -2,8 +2,8 @@
 
 `transformers` reads a GGUF file (`from_pretrained(folder, gguf_file=name)`, with the `gguf`
 package) by dequantizing every tensor, but the model it returns is marked quantized: it refuses
-`save_pretrained`, and every stage would pay the dequantization (~35 s for SmolLM2-135M on 2
-CPU cores) again. So a GGUF file is converted once into a plain fp32 checkpoint (config without
+`save_pretrained`, and every stage would pay the dequantization (tens of seconds for
+SmolLM2-135M on a CPU; data/RESULTS.md) again. So a GGUF file is converted once into a plain fp32 checkpoint (config without
 `quantization_config`, the dequantized state dict, the tokenizer with its chat template, the
 generation config) that every stage loads with `from_pretrained` like any other. Conversions
 are cached under `$SPECDISTILL_HOME/gguf/`, keyed by the file's content hash, locked against
@@ -111,8 +111,8 @@ _ARCH_RENAMES = {
 def read_gguf_metadata(path: Path, keys: set[str] | None = None) -> dict:
     """Scalar and string metadata of a GGUF file (arrays skipped), read from its header alone.
 
-    `gguf.GGUFReader` parses every array (49k tokens, 49k merges) into numpy objects: 6.5 s for
-    SmolLM2 on this machine; this reads the same header in ~0.1 s, so bad files fail fast.
+    `gguf.GGUFReader` parses every array (49k tokens, 49k merges) into numpy objects, seconds
+    for SmolLM2; this reads only the header, so bad files fail fast (data/RESULTS.md).
     Stops early once every key in `keys` is found. Raises ValueError if it is not GGUF.
     """
     with open(path, "rb") as f:

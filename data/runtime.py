@@ -76,8 +76,8 @@ def set_threads(setting: Any, device: torch.device, *, field: str = "threads") -
     """`auto`: one CPU thread; `default` (or null): torch's own choice; N: N threads.
 
     Decode steps of small models are a few tiny matmuls each, and on a shared CPU a second
-    thread's synchronisation stalls them (toy pair: a 5-token verify took 15 single-token steps
-    at 2 threads, 1.1 at 1).
+    thread's synchronisation stalls them (figures: data/RESULTS.md, "the toy world's build and
+    CPU threads").
     """
     if setting in (None, "default"):
         return

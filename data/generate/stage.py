@@ -296,8 +296,8 @@ def _shard_process(config: dict[str, Any], results: Any) -> None:
 
 def run_local_processes(cfg: DictConfig, n: int) -> GenerateResult:
     """Shards 1..n-1 in spawned processes, shard 0 here, one thread each by default: on a CPU,
-    n single-threaded generate loops outrun one n-threaded loop (SmolLM2, 2 cores: 2 x 1 thread
-    ~1.8x one thread, 2 threads 1.4x) and never spin-wait on a core another job holds. Each
+    n single-threaded generate loops outrun one n-threaded loop (figures: data/RESULTS.md,
+    "the generate stage on SmolLM2") and never spin-wait on a core another job holds. Each
     shard writes its chunks atomically and the last to finish merges, so a killed run resumes
     with the same command."""
     t0 = time.perf_counter()

@@ -296,7 +296,7 @@ def build_engine(
     from vllm.platforms import current_platform
 
     # On CPU, spawning the engine core and its worker (each re-importing vLLM) is most of the
-    # start-up (75 s vs 11 s measured on 2 busy cores); on GPU the separate engine core
+    # start-up (data/RESULTS.md, "vLLM engine start-up on CPU"); on GPU the separate engine core
     # overlaps scheduling with the forward passes, so it stays the default there.
     in_process = current_platform.is_cpu() if settings.in_process is None else settings.in_process
     if in_process and settings.tensor_parallel_size == 1:

@@ -68,8 +68,8 @@ class ToySpec:
 
 SPECS: dict[str, ToySpec] = {
     # The default run: a target that has really learned the corpus and a drafter given ~1/10 of
-    # its budget, so distillation has something to show. Measured on 2 CPU cores (AVX2): the
-    # target trains at ~1.4k tokens/s, so 150 steps of 4096 tokens keep the build near 8 min.
+    # its budget, so distillation has something to show. 150 steps of 4096 tokens keep the
+    # build to minutes on a 2-core CPU (build times: RESULTS.md, data/RESULTS.md).
     "toy": ToySpec(
         name="toy",
         vocab_size=4096,
@@ -161,7 +161,7 @@ def toy_prompts(name: str, split: str) -> list[dict]:
     """The toy world `name`'s prompt set without building its models: read from the built world
     when there is one, else extracted from the stdlib exactly as its build would (same modules,
     same cap, same order) and cached beside it. A real pair reads toy prompts this way: the full
-    world's 2000 training prompts cost seconds, not its ~8 min of model training."""
+    world's 2000 training prompts cost seconds, not its minutes of model training."""
     if name not in SPECS:
         from specdistill.data.runtime import ConfigError
 
