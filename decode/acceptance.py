@@ -203,9 +203,9 @@ def best_gamma(
     """The gamma in 1..max_gamma that maximises the theoretical speedup (`gamma: auto`).
 
     `verify`: measured (gamma+1)-token verify costs in target steps by gamma; gammas it lacks
-    are not candidates. On a CPU they are far from the paper's 1 and not monotonic (SmolLM2,
-    1 thread: a 2-token verify ~1.0 step, a 3-token one ~1.3), so with the formula's 1 gamma=auto
-    picked 2 for a pair where 2 ran at 0.99x and 1 at 1.29x."""
+    are not candidates. On a CPU they are far from the paper's 1 and not monotonic, so with the
+    formula's 1 gamma=auto picked a gamma that ran slower than a shorter one (SmolLM2:
+    decode/RESULTS.md, 2026-11-25 "few-row linears on CPU")."""
     gammas = range(1, max_gamma + 1)
     if verify is not None:
         gammas = [g for g in gammas if g in verify] or [1]

@@ -2,18 +2,18 @@
 
 A (gamma+1)-token verify runs every linear layer on 2-16 rows. On CPU, `F.linear(x, W)` hands
 that to MKL as `x @ W.T`, a GEMM with the weight as the transposed operand, which on an AVX2
-machine costs 2-3x the 1-row GEMV that reads the same weight bytes: measured with the toy target's
-shapes and weights out of cache, 5 rows took 194 us against 95 us for `W @ x.T`, which streams W
-row by row like the GEMV does (a 1-row step costs the same either way). Decode steps read weights
-that the other model's step just evicted, so that is the case that counts. In a decode, the toy
-target's 5-token verify fell from 1.5-1.8 to about 1.1 of its 1-token steps, which is what the
-speedup formula assumes.
+machine costs several times the 1-row GEMV that reads the same weight bytes when the weights are
+out of cache; `W @ x.T` streams W row by row like the GEMV does (a 1-row step costs the same
+either way). Decode steps read weights that the other model's step just evicted, so that is the
+case that counts, and it brings a verify back near the one target step the speedup formula
+assumes (figures: decode/RESULTS.md, 2026-11-23 "decoder step modes").
 
-One-row steps have the mirror problem with tall, narrow weights: MKL's 1-row GEMV on a
-[49152, 576] LM head (SmolLM2's tied head, 113 MB, out of cache) took 12.8 ms against 6.4 ms for
-`W @ [x, x].T` (the row twice, one column kept); Qwen2-0.5B's [151936, 896] 46 vs 30 ms. So a
-1-token step over such a weight (`ONE_ROW_MIN`, `ONE_ROW_MAX_IN`) takes the 2-column product.
-Other weights keep `F.linear` for one row (the toy models' are all below the threshold).
+One-row steps have the mirror problem with tall, narrow weights (a large vocabulary over a small
+hidden size, e.g. SmolLM2's tied LM head): MKL's 1-row GEMV there is slower than
+`W @ [x, x].T` (the row twice, one column kept). So a 1-token step over such a weight
+(`ONE_ROW_MIN`, `ONE_ROW_MAX_IN`) takes the 2-column product (figures: decode/RESULTS.md,
+2026-11-25 "few-row linears on CPU"). Other weights keep `F.linear` for one row (the toy
+models' are all below the threshold).
 
 The switch is scoped: `weight_major_linear()` swaps `torch.nn.Linear.forward` for the duration of
 one decode step (the decoder is single-threaded), and only for inputs of 2-16 rows or one row
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 MAX_ROWS = 16  # above this a GEMM is compute-bound and MKL's own choice is the better one
 # One row goes as two columns over a weight of >= ONE_ROW_MIN elements with <= ONE_ROW_MAX_IN
 # inputs: a tall, narrow weight (a large vocabulary over a small hidden size) is where the GEMV
-# loses; from 2048 inputs on it wins (measured: [32000, 4096] 27 vs 54 ms, [8192, 2048] 4 vs 6).
+# loses; from 2048 inputs on it wins (decode/RESULTS.md, 2026-11-25 "few-row linears on CPU").
 ONE_ROW_MIN = 1 << 22
 ONE_ROW_MAX_IN = 1024
 

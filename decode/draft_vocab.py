@@ -1,15 +1,16 @@
 """A drafter's draft vocabulary: its LM head over the tokens the target actually emits.
 
-A drafter built from a large-vocabulary target pays most of its step for the head: SmolLM2's
-tied [49152, 576] head is 6.5 of a first:2 drafter's ~11 ms on one CPU thread, while the
-target's greedy continuations of the toy prompts use ~1.4k distinct tokens. So the decoder can
+A drafter built from a large-vocabulary target pays most of its step for the head (SmolLM2's
+tied [49152, 576] head is over half a first:2 drafter's step on a CPU), while the target's
+greedy continuations use a small part of the vocabulary (decode/RESULTS.md, 2026-11-25 "draft
+vocabulary on the real pair"). So the decoder can
 score only a frequency-ranked subset (FR-Spec, arXiv 2502.14856; EAGLE-3's reduced draft
 vocabulary): q is the drafter's softmax over the subset and 0 elsewhere. That is still a
 distribution the acceptance rule takes as is, so decoding stays lossless: greedy drafts the
 subset's argmax, sampling drafts from the subset, and the residual max(p - q, 0) covers every
 token outside it. Only acceptance can fall, where the target emits a token outside the subset,
-which a small drafter almost never predicts anyway (measured on the real pair: the held-out
-argmax agreement was the same to 4 digits with 1024 to 8192 tokens as with all 49152).
+which a small drafter almost never predicts anyway (on the real pair the held-out argmax
+agreement did not change: decode/RESULTS.md, same entry).
 
 The subset is chosen by the distill stage from its training rows' token counts and stored in
 the drafter's `config.json` as `draft_vocab_ids`, so every `save_pretrained` (distill, online,
@@ -31,7 +32,7 @@ from specdistill.data.runtime import ConfigError
 CONFIG_KEY = "draft_vocab_ids"
 # auto: heads this large; smaller ones by choice (toy parallel: --size 1024, decode/README)
 AUTO_MIN_VOCAB = 16384
-AUTO_SIZE = 4096  # measured on SmolLM2's head: 6.5 ms full, 1.2 ms at 4096, 0.6 ms at 2048
+AUTO_SIZE = 4096  # most of the head's cost gone, acceptance kept (decode/RESULTS.md, 2026-11-25)
 
 
 def draft_vocab_size(setting: object, vocab: int) -> int:

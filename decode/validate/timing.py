@@ -36,8 +36,8 @@ def measure_c(
     Each sample times a block of gamma+1 steps, as a decode round runs them: 1-token steps
     back to back (the cache grows, then is rolled back), verify steps each rolled back. On a
     shared CPU a lone 1-2 ms drafter step often fits in one scheduler slice while a longer target
-    step is preempted, which made single-step medians understate c (toy pair under load: 0.15
-    measured vs about 0.45 implied by the decode loop's own timings); blocks of similar length
+    step is preempted, which made single-step medians understate c several times over (toy
+    pair under load: decode/RESULTS.md, 2026-11-23 "decoder step modes"); blocks of similar length
     are preempted alike. `slots`: the decode's own cache size (`spec_slots`), so compiled steps
     reuse the decode's graphs instead of compiling a smaller bucket's."""
     ids = input_ids.to(dec.device)
