@@ -127,12 +127,11 @@ def check_config(cfg: DictConfig) -> list[Segment]:
 
 # `gate_agreement: auto` per serving mode (toy pair, distilled drafter, 8-request windows).
 # Greedy acceptance hangs on the argmax alone: on its own domain the distilled drafter's half-
-# batch gradients agreed at cos 0.2-0.36 on average and every step taken there lost alpha (one
-# fragile request: 36 -> 24 accepted of 40); 0.6 took none (adapted == frozen) and passes
-# shifted traffic (0.46-0.94). Sampled acceptance (1 - TV) gains from any real FKL progress, and
-# at 0.3 it kept most of the ungated gains (last windows +0.12..+0.19 vs +0.14..+0.25).
-# After a shift, the replay buffer mixes domains and 0.6 passed only 1-2 of 8 steps (numeric
-# tables after e-mail: greedy ended that segment below the frozen drafter); `gate_relax_margin`
+# batch gradients barely agree and every step taken there lost alpha; 0.6 took none (adapted ==
+# frozen) and passes shifted traffic. Sampled acceptance (1 - TV) gains from any real FKL
+# progress, and 0.3 kept most of the ungated gains (figures: distill/RESULTS.md, 2026-11-23
+# "online adaptation"). After a shift, the replay buffer mixes domains and 0.6 passed too few
+# steps (greedy ended that segment below the frozen drafter); `gate_relax_margin`
 # relaxes the gate while served alpha is well below its best (specdistill.distill.online.drift).
 GATE_GREEDY = 0.6
 GATE_SAMPLING = 0.3

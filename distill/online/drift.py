@@ -14,7 +14,7 @@ strict again before the drafter had learnt the new traffic. Its limit: on traffi
 lies below the best level by more than `margin`, the gate stays relaxed for good (the regime in
 which ungated updates were measured to help, but without the gate's protection there).
 
-Recency-weighted replay was measured as the alternative and rejected (distill/README.md).
+Recency-weighted replay was measured as the alternative and rejected (distill/RESULTS.md).
 """
 
 from __future__ import annotations

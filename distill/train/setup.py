@@ -80,10 +80,10 @@ def train_head_ids(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(ids, token -> column index) when the drafter trains on its draft vocabulary
     (`draft_vocab_train=true`): the loss then sees q over the subset, the distribution our
-    decoder drafts from, and the head's matmul and gradient shrink by V / K (SmolLM2: 4x faster
-    steps, the same subset agreement). Off by default: logits outside the subset are never
-    trained down, so engines that run the full head (vLLM, `transformers`) draft badly with it
-    (the full-head argmax fell outside the subset at 45% of held-out positions). Only stored
+    decoder drafts from, and the head's matmul and gradient shrink by V / K. Off by default:
+    logits outside the subset are never trained down, so engines that run the full head (vLLM,
+    `transformers`) draft badly with it (figures: distill/RESULTS.md, 2026-11-25 "training over
+    the draft vocabulary"). Only stored
     top-k rows of an autoregressive drafter use it; other paths keep the full head."""
     setting = cfg.get("draft_vocab_train", False)
     if setting not in (True, False):
