@@ -30,7 +30,7 @@ import torch
 from specdistill.data.runtime import ConfigError
 
 CONFIG_KEY = "draft_vocab_ids"
-# auto: heads this large; smaller ones by choice (toy parallel: --size 1024, decode/README)
+# auto: heads this large; smaller ones by choice (toy parallel: --size 1024, decode/RESULTS.md)
 AUTO_MIN_VOCAB = 16384
 AUTO_SIZE = 4096  # most of the head's cost gone, acceptance kept (decode/RESULTS.md, 2026-11-25)
 
