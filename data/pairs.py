@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from specdistill.data.checkpoints import check_checkpoint_files
+from specdistill.data.pair_vocab import check_pair_vocab, mapped_unsupported
 from specdistill.data.runtime import ConfigError
 from specdistill.data.tokenizer_identity import (
     TokenizerInfo,
     check_drafter_tokenizer,
-    check_local_tokenizers,
     check_tokenizers,
 )
 
@@ -40,10 +40,17 @@ class PairSpec:
     trust_remote_code: bool = False
     toy: str | None = None
     real: str | None = None
+    vocab: str = "shared"  # shared | mapped (pair.vocab resolved; data/pair_vocab.py)
+    drafter_tokenizer: str | None = None  # mapped: where the drafter's own tokenizer loads from
 
 
-def resolve_pair(pair: Any) -> PairSpec:
-    """Turn a `pair` config node into concrete names/paths, building the toy world if asked."""
+def resolve_pair(pair: Any, *, stage: str = "this", mapped_ok: bool = False) -> PairSpec:
+    """Turn a `pair` config node into concrete names/paths, building the toy world if asked.
+
+    `pair.vocab` is resolved here from tokenizer files (data/pair_vocab.py). A stage that can
+    run a drafter with its own tokenizer passes `mapped_ok=True`; any other stage is refused a
+    mapped pair in one line naming `stage`, rather than running it as if the ids were shared.
+    """
     get = pair.get if hasattr(pair, "get") else lambda k, d=None: getattr(pair, k, d)
     toy = get("toy")
     target, drafter, tokenizer = get("target"), get("drafter"), get("tokenizer")
@@ -85,7 +92,9 @@ def resolve_pair(pair: Any) -> PairSpec:
     # Weight files complete and tokenizers the same, from headers and tokenizer files only.
     check_checkpoint_files("pair.target", str(target))
     check_checkpoint_files("pair.drafter", str(drafter))
-    check_local_tokenizers(str(tokenizer or target), str(target), str(drafter))
+    vocab = check_pair_vocab(get, str(tokenizer or target), str(target), str(drafter))
+    if vocab.mode == "mapped" and not mapped_ok:
+        raise mapped_unsupported(stage, str(drafter), vocab)
     return PairSpec(
         target=str(target),
         drafter=str(drafter),
@@ -95,6 +104,8 @@ def resolve_pair(pair: Any) -> PairSpec:
         trust_remote_code=bool(get("trust_remote_code", False)),
         toy=toy,
         real=real,
+        vocab=vocab.mode,
+        drafter_tokenizer=vocab.drafter_tokenizer,
     )
 
 
@@ -175,6 +186,11 @@ def load_pair(
 ):
     """(target or None, drafter, tokenizer): tokenizers compared before any weights load,
     then the vocabularies (logit rows) checked against each other."""
+    if spec.vocab == "mapped":  # never load a mapped pair as if its ids were shared
+        raise ConfigError(
+            f"pair.drafter={spec.drafter!r} has its own tokenizer (pair.vocab resolved to "
+            "mapped): loading a mapped-vocabulary pair is not supported yet (issue 33)"
+        )
     tok = load_tokenizer(spec)
     if target:
         check_drafter_tokenizer(

@@ -61,6 +61,14 @@ def build_fixtures(root: Path, world) -> Path:
         ["completely different text about cats " * 40, "zzz yyy 123 " * 40], 400
     )
     other.save_pretrained(root / "foreign-tok")
+    # The same weights beside a tokenizer sharing no token with the toy one (no byte pieces).
+    from tests.data.vocab_fixtures import save, unigram_metaspace
+
+    drafter.save_pretrained(root / "no-overlap")
+    save(unigram_metaspace(["ꙮ", "▁ꙮꙮ"]), root / "no-overlap", unk_token="<unk>")
+    data = json.loads((root / "no-overlap" / "tokenizer.json").read_text())
+    data["model"]["vocab"] = [v for v in data["model"]["vocab"] if not v[0].startswith("<0x")]
+    (root / "no-overlap" / "tokenizer.json").write_text(json.dumps(data))
     # Half of model.safetensors missing (target and drafter).
     for role, src in (("target", world.target_dir), ("drafter", world.drafter_dir)):
         dst = root / f"truncated-{role}"
@@ -94,6 +102,9 @@ FOREIGN = ("pair.drafter='{fx}/gpt2-1000' has no tokenizer files", "vocab_size 1
 TRUNCATED_D = ("pair.drafter='{fx}/truncated-drafter'", "model.safetensors is truncated")
 TRUNCATED_T = ("pair.target='{fx}/truncated-target'", "model.safetensors is truncated")
 OTHER_TOK = ("pair.drafter='{fx}/foreign-tok' uses a different tokenizer", "shared ids")
+OTHER_AUTO = ("pair.drafter='{fx}/foreign-tok' has its own tokenizer", "coverage 50.6%")
+LOW_COVERAGE = ("has another tokenizer", "50.6%", "below pair.min_vocab_coverage=0.9")
+NO_OVERLAP = ("pair.drafter='{fx}/no-overlap' shares no token with pair.target's tokenizer",)
 SMALL_VALIDATE = ("num_prompts=1", "max_new_tokens=4", "repeats=1", "step_time_iters=1")
 CASES = [
     Case("gamma-negative", "validate", ("decoder.gamma=-1",), ("decoder.gamma=-1",)),
@@ -102,7 +113,27 @@ CASES = [
     Case("max-new-tokens-0", "validate", ("max_new_tokens=0",), ("max_new_tokens=0",)),
     Case("batch-size-0", "validate", ("batch_size=0",), ("batch_size=0",)),
     Case("gpt2-drafter", "validate", ("pair.drafter={fx}/gpt2-1000", *SMALL_VALIDATE), FOREIGN),
-    Case("other-tokenizer", "validate", ("pair.drafter={fx}/foreign-tok",), OTHER_TOK),
+    Case(
+        "other-tokenizer",
+        "validate",
+        ("pair.drafter={fx}/foreign-tok", "pair.vocab=shared"),
+        OTHER_TOK,
+    ),
+    Case("other-tokenizer-auto", "validate", ("pair.drafter={fx}/foreign-tok",), OTHER_AUTO),
+    Case(
+        "low-coverage",
+        "validate",
+        ("pair.drafter={fx}/foreign-tok", "pair.min_vocab_coverage=0.9"),
+        LOW_COVERAGE,
+    ),
+    Case("no-overlap", "validate", ("pair.drafter={fx}/no-overlap",), NO_OVERLAP),
+    Case(
+        "mapped-distill",
+        "distill",
+        ("pair.drafter={fx}/foreign-tok", "pair.min_vocab_coverage=0", "logger=none"),
+        ("not supported by the distill stage yet",),
+    ),
+    Case("vocab-mode", "validate", ("pair.vocab=sometimes",), ("pair.vocab='sometimes'",)),
     Case("truncated-target", "validate", ("pair.target={fx}/truncated-target",), TRUNCATED_T),
     Case("truncated-drafter", "validate", ("pair.drafter={fx}/truncated-drafter",), TRUNCATED_D),
     Case(

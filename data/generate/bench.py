@@ -88,7 +88,8 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     engine_settings = vllm_backend.check_engine_settings(cfg.vllm) if "vllm" in backends else None
     if engine_settings is not None:
         vllm_backend.require_vllm()
-    spec = resolve_pair(cfg.pair)
+    # Only the target runs here (its own tokens): a drafter with another tokenizer is fine.
+    spec = resolve_pair(cfg.pair, mapped_ok=True)
     device = resolve_device(str(cfg.device))
     dtype = parse_dtype(str(cfg.dtype), device)
     tokenizer = load_tokenizer(spec)

@@ -355,7 +355,8 @@ def run(cfg: DictConfig) -> GenerateResult:
     s = check_settings(cfg)
     engine_settings = vllm_backend.backend_settings(cfg)
     index, count = resolve_shard(cfg.shard.index, cfg.shard.count)
-    spec = resolve_pair(cfg.pair)
+    # Only the target runs here (its own tokens): a drafter with another tokenizer is fine.
+    spec = resolve_pair(cfg.pair, mapped_ok=True)
     device = _device_for_rank(str(cfg.device))
     set_threads(cfg.get("threads", "default"), device)  # after the per-rank split: it wins
     dtype = parse_dtype(str(cfg.dtype), device)

@@ -69,7 +69,7 @@ def load_parallel_drafter(cfg: DictConfig, st) -> Any:
             f"compare_parallel={cfg.compare_parallel}: no config.json there; point it at a "
             "parallel drafter (distill drafting=parallel writes OUT/best)"
         )
-    spec = resolve_pair(OmegaConf.merge(cfg.pair, {"drafter": str(path)}))
+    spec = resolve_pair(OmegaConf.merge(cfg.pair, {"drafter": str(path)}), stage="parallel bench")
     model = load_role(spec, "drafter", device=st.device, dtype=st.dtype).eval()
     if getattr(model.config, "mask_token_id", None) is None:
         raise ConfigError(

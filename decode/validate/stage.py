@@ -204,7 +204,7 @@ def setup(cfg: DictConfig, gamma_room: int) -> Setup:
     device = resolve_device(str(cfg.get("device", "auto")))
     set_threads(cfg.get("threads", "auto"), device)
     dtype = parse_dtype(str(cfg.get("dtype", "auto")), device)
-    spec = resolve_pair(cfg.pair)
+    spec = resolve_pair(cfg.pair, stage="validate")
     # Check the decoder settings before loading anything heavy.
     check_decoder_config(decoder_config(dcfg, int(cfg.max_new_tokens), (), 1))
     if both_modes(cfg):

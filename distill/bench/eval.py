@@ -69,7 +69,7 @@ def run(val_dir: Path, runs_dir: Path, pair: str, limit: int, work: Path) -> dic
             )
             for name, ov in EVALS.items()
         }
-        spec = resolve_pair(next(iter(cfgs.values())).pair)
+        spec = resolve_pair(next(iter(cfgs.values())).pair, stage="distill bench")
         tok = load_tokenizer(spec)
         batches = {}
         for name, cfg in cfgs.items():

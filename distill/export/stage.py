@@ -114,7 +114,7 @@ def resolve_sources(cfg: DictConfig) -> tuple[PairSpec, str]:
                 f"drafter={drafter!r} is not a saved checkpoint (no config.json): point it at a "
                 "folder written by save_pretrained, e.g. the distill stage's best/"
             )
-    spec = resolve_pair(cfg.pair)
+    spec = resolve_pair(cfg.pair, stage="export")
     return spec, str(drafter or spec.drafter)
 
 

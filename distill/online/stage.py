@@ -287,7 +287,7 @@ def run(cfg: DictConfig) -> OnlineResult:
     device = resolve_device(str(cfg.device))
     set_threads(cfg.threads, device)
     dtype = parse_dtype(str(cfg.dtype), device)
-    spec = resolve_pair(cfg.pair)
+    spec = resolve_pair(cfg.pair, stage="online")
     tok = load_tokenizer(spec)
     topk = check_topk(cfg, len(tok))
     sources = load_sources(segments, spec.toy, tok)

@@ -28,6 +28,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from specdistill.data.pair_vocab import refuse_mapped_early
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.pipeline.serving import (
     check_recipe,
@@ -189,6 +190,8 @@ def build_plan(cfg: DictConfig) -> list[Step]:
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise ConfigError(f"stages={stages}: unknown {unknown}; choose from {list(STAGES)}")
+    if any(s != "generate" for s in stages):  # generate runs the target alone
+        refuse_mapped_early(cfg.pair, "pipeline's stages after generate")
     run_dir = Path(str(cfg.run_dir)).expanduser().absolute()
     seed = f"seed={cfg.seed}"
     sv = serving_overrides(cfg)  # checked before anything is composed

@@ -169,7 +169,7 @@ def prepare(cfg: DictConfig) -> Trainer:
     device, world = accelerator.device, accelerator.num_processes
     torch.manual_seed(int(cfg.seed))
 
-    spec = resolve_pair(cfg.pair)
+    spec = resolve_pair(cfg.pair, stage="distill")
     tok = load_tokenizer(spec)
     drafter = load_role(spec, "drafter", device=device)
     train_examples, topk = setup.build_train_examples(cfg, tok, accelerator)
