@@ -132,6 +132,19 @@ def test_decoder_steps():
         piece_bytes("##ab", [{"type": "WordPiece"}])
 
 
+def test_steps_inferred_without_a_decoder(toks):
+    """A tokenizer.json saved without a decoder: byte-level read from the pre-tokenizer, `▁`
+    from the normalizer's Replace (Llama 2 style); the same bytes as with its decoder, except
+    byte pieces, which only a ByteFallback decoder turns into bytes."""
+    for name in ("a", "llama"):
+        data = json.loads(toks[name][0].to_str())
+        full = token_table(data, toks[name][2]).text
+        bare = token_table(data | {"decoder": None}, toks[name][2]).text
+        differ = {i for i in full if full[i] != bare[i]}
+        assert all(bare[i].startswith(b"<0x") for i in differ), name
+        assert len(differ) == (0 if name == "a" else 256)
+
+
 def test_matches_vllms_rule_on_byte_level_text_tokens(toks, tmp_path):
     """vLLM's VocabMapping rule (get_vocab strings, a leading `Ġ` read as a space, the first id
     per string) gives the same pairs on regular tokens of two byte-level tokenizers."""
@@ -294,3 +307,43 @@ def test_mapped_bare_drafter_is_refused(toy_tiny, tmp_path):
         shutil.copy(toy_tiny.drafter_dir / name, bare / name)
     with pytest.raises(ConfigError, match="pair.vocab=mapped: pair.drafter=.* has no tokenizer"):
         resolve_pair({"toy": "toy-tiny", "drafter": str(bare), "vocab": "mapped"})
+
+
+def test_the_pipeline_refuses_a_mapped_pair_before_any_stage(toy_tiny, tmp_path):
+    from specdistill.data.pair_vocab import refuse_mapped_early
+
+    with pytest.raises(ConfigError, match="pair.vocab=mapped: .* not supported by the pipeline"):
+        refuse_mapped_early({"toy": "toy-tiny", "vocab": "mapped"}, "pipeline")
+    tok = fx.byte_level(fx.TEXT_A, 300, ["<|endoftext|>", "<|pad|>"])
+    d = _drafter_with(tok, toy_tiny, tmp_path / "d", **ROLES_A)
+    pair = {"target": str(toy_tiny.target_dir), "drafter": str(d)}
+    with pytest.raises(ConfigError, match="auto resolves to mapped"):
+        refuse_mapped_early(pair, "pipeline")
+    refuse_mapped_early(pair | {"vocab": "shared"}, "pipeline")  # the stages say it, as before
+    refuse_mapped_early({"toy": "toy-tiny"}, "pipeline")
+
+
+@pytest.mark.slow
+def test_smollm2_and_the_toy_drafter(tmp_path, monkeypatch):
+    """The real cross-tokenizer pair (~25 s: SmolLM2's tokenizer read from its GGUF file, the
+    toy tokenizer trained alone): figures of data/RESULTS.md (2026-11-26)."""
+    try:
+        from specdistill.data.gguf import packaged_gguf
+
+        packaged_gguf("smollm2")
+    except ConfigError as e:
+        pytest.skip(str(e))
+    t = vm.load_source("smollm2", field="--target")
+    d = vm.load_source("toy", field="--drafter")
+    m = vm.vocab_mapping(t, d)
+    assert (m.target_vocab, m.draft_vocab, m.intersection_size, m.target_mapped) == (
+        49152, 4096, 3375, 3375,
+    )  # fmt: skip
+    tt, dt = t.table(), d.table()
+    regular = [(int(m.draft_to_target[i]), i) for i in dt.text if m.draft_to_target[i] >= 0]
+    assert len(regular) == 3373  # vLLM's 3374 also pairs <|endoftext|> by its spelling
+    assert all(tt.text[i] == dt.text[j] for i, j in regular)
+    eos = dt.roles["eos_token"]
+    assert m.draft_to_target[eos] == tt.roles["eos_token"]  # <|endoftext|> -> <|im_end|>
+    cov = vm.coverage(m, t, vm.default_texts())
+    assert cov.share == pytest.approx(0.901, abs=0.005)
