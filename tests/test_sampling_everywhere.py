@@ -71,10 +71,10 @@ def test_no_stage_spells_sampling_key_by_key(name):
 
 def test_the_pipeline_hands_each_stage_one_spec():
     """What serving=sampling writes into each stage: whole spec nodes, not per-key overrides."""
-    from specdistill.distill.pipeline import stage as pipeline
+    from specdistill.distill.pipeline.plan import serving_overrides
 
     cfg = _compose("pipeline", ["serving=sampling", "serving.sampling.top_p=0.9"])
-    overrides = pipeline.serving_overrides(cfg)
+    overrides = serving_overrides(cfg)
     spec = "{temperature:1.0,top_k:0,top_p:0.9}"
     assert f"decoder.sampling={spec}" in overrides["validate"]
     assert f"decoder.sampling={spec}" in overrides["online"]
@@ -88,12 +88,14 @@ def test_the_pipeline_hands_each_stage_one_spec():
 def test_a_stage_spec_key_from_the_pipeline_cli_wins_and_old_keys_are_named():
     """`specdistill validate.decoder.sampling.top_p=0.5` (conf/README.md) sets one key of the
     spec the serving mode wrote; a per-key spelling from before the spec is refused by name."""
-    from specdistill.distill.pipeline import stage as pipeline
+    from specdistill.distill.compose import compose_stage
+    from specdistill.distill.pipeline.plan import serving_overrides
+    from specdistill.distill.pipeline.stage import stage_keys_addable
 
     def stage_cfg(*argv: str) -> DictConfig:
-        overrides = ["pair=toy-tiny", *pipeline.stage_keys_addable(list(argv))]
+        overrides = ["pair=toy-tiny", *stage_keys_addable(list(argv))]
         cfg = compose(config_name="pipeline", overrides=overrides)
-        return pipeline.compose_stage("validate", cfg, pipeline.serving_overrides(cfg)["validate"])
+        return compose_stage("validate", cfg, serving_overrides(cfg)["validate"])
 
     with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
         val = stage_cfg("serving=sampling", "serving.sampling.temperature=0.7",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ from specdistill.decode.validate.modes import (
 )
 from specdistill.decode.validate.modes import merge as _merge
 from specdistill.decode.validate.modes import run_all as _run_all
-from specdistill.decode.validate.report import plot_acceptance, report_markdown
+from specdistill.decode.validate.report import ValidateResult, plot_acceptance, report_markdown
 from specdistill.decode.validate.timing import (
     auto_gamma,
     forward_cost,
@@ -67,67 +67,6 @@ from specdistill.decode.validate.timing import (
 from specdistill.decode.validate.vllm_engine import draft_sample_method, parse_engines, preflight
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ValidateResult:
-    """Everything report.json holds; p = target, q = drafter."""
-
-    output_dir: str
-    target: str
-    drafter: str
-    device: str
-    dtype: str
-    gamma: int
-    gamma_auto: bool
-    temperature: float
-    top_k: int
-    top_p: float
-    lenience: float
-    lossy: bool
-    batch_size: int
-    prompts: int
-    max_new_tokens: int
-    repeats: int
-    alpha: float
-    acceptance_rate: float
-    tau: float
-    c: float
-    verify_cost: float  # (gamma+1)-token verify / 1-token target step
-    baseline_tokens_per_s: dict[str, float]
-    speculative_tokens_per_s: dict[str, float]
-    speedup: float
-    theoretical_speedup: float
-    decoder_efficiency: float
-    # The same model with the measured verify cost instead of 1 target step: on CPU a
-    # (gamma+1)-token verify is dearer than one step, which the classic formula ignores.
-    theoretical_speedup_measured_verify: float
-    lossless: bool | None
-    mismatched_sequences: int
-    acceptance_by_position: list[float]
-    alpha_sampled: float | None = None  # the sampling side of `modes` (its temperature there)
-    tau_sampled: float | None = None
-    # Both serving modes side by side: {"greedy": {...}, "sampling": {...}}, each with
-    # temperature/top_k/top_p, alpha, tau, speedup and tokens/s.
-    modes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    hf_assisted: dict[str, Any] | None = None
-    cache: str = "dynamic"
-    compiled: bool = False
-    # Untimed time before the timed repeats: c measurement, warm-up, and compiling the decode
-    # steps when `compiled` (steady-state tokens/s above exclude it).
-    warmup_seconds: float = 0.0
-    wall_seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    config: dict[str, Any] = field(default_factory=dict)
-    # Per-round draft length (decode.draft_length): the policy, its figures (mean drafts per
-    # round, share of plain target steps, histogram, step costs) and, for an adaptive policy,
-    # fixed gamma measured beside it on the same prompts.
-    draft_length: str = "fixed"
-    draft_figures: dict[str, Any] | None = None
-    fixed_gamma_speedup: float | None = None
-    # engines=[ours,vllm]: the same pair, prompts and modes in vLLM (decode/validate/two_engines)
-    engines: list[str] = field(default_factory=lambda: ["ours"])
-    vllm: dict[str, Any] | None = None
 
 
 def decoder_config(

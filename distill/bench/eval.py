@@ -21,7 +21,11 @@ from typing import Any
 import torch
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
-from specdistill.distill.pipeline.recipe_summary import collect
+from specdistill.data.pairs import load_role, load_tokenizer, resolve_pair
+from specdistill.distill.bench.recipe_summary import collect
+from specdistill.distill.train import setup
+from specdistill.distill.train.data import collate
+from specdistill.distill.train.evaluate import evaluate
 
 # (column, eval overrides): the mode's serving temperature, 0 = greedy.
 EVALS = {
@@ -45,11 +49,6 @@ def _pearson(xs: list[float], ys: list[float]) -> float:
 def run(val_dir: Path, runs_dir: Path, pair: str, limit: int, work: Path) -> dict[str, Any]:
     from accelerate import Accelerator
     from hydra import compose, initialize_config_module
-
-    from specdistill.data.pairs import load_role, load_tokenizer, resolve_pair
-    from specdistill.distill.train import setup
-    from specdistill.distill.train.data import collate
-    from specdistill.distill.train.evaluate import evaluate
 
     torch.set_num_threads(1)
     rows = [r for r in collect(val_dir) if "toy-test" in r["sets"]]

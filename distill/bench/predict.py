@@ -19,6 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json
 from specdistill.data.runtime import run_or_exit
+from specdistill.distill.train import stage
+from specdistill.distill.train.predict import heldout_prediction
 
 FORCED = {
     "eval": {"source": "target", "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0}},
@@ -28,9 +30,6 @@ FORCED = {
 
 
 def run(cfg: DictConfig) -> dict:
-    from specdistill.distill.train import stage
-    from specdistill.distill.train.predict import heldout_prediction
-
     cfg = OmegaConf.merge(cfg, FORCED)
     tr = stage.prepare(cfg)
     pred = heldout_prediction(tr, tr.accelerator.unwrap_model(tr.model), cfg)

@@ -16,7 +16,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from specdistill.data.generate.vllm_engine import require_vllm
 from specdistill.data.runtime import ConfigError
+from specdistill.decode.validate.stage import run as validate
+from specdistill.distill.compose import compose_stage, config_module
 
 ASKED_BY = "vllm.enabled=true"
 
@@ -29,16 +32,12 @@ def check_vllm_settings(cfg: DictConfig) -> bool:
         return False
     if not node.get("output_dir"):
         raise ConfigError("vllm.output_dir is empty: name the folder for the vLLM validate report")
-    from specdistill.data.generate.vllm_engine import require_vllm
-
     require_vllm(ASKED_BY)
     return True
 
 
 def validate_config(cfg: DictConfig, report: dict[str, Any] | None, drafter: Path) -> DictConfig:
     """The validate stage's config for the exported folder: the report's settings when given."""
-    from specdistill.distill.pipeline.plan import compose_stage, config_module
-
     overrides = [f"output_dir={cfg.vllm.output_dir}", "engines=[ours,vllm]", "plot=false"]
     if report and report.get("config"):
         vcfg = OmegaConf.create(report["config"])
@@ -63,8 +62,6 @@ def validate_exported(
     cfg: DictConfig, report: dict[str, Any] | None, drafter: Path
 ) -> dict[str, Any]:
     """Run validate (ours and vLLM) on the folder about to be published; export.json's `vllm`."""
-    from specdistill.decode.validate.stage import run as validate
-
     result = validate(validate_config(cfg, report, drafter))
     v = result.vllm or {}
     return {

@@ -40,6 +40,7 @@ from specdistill.data.pairs import (
 from specdistill.data.runtime import ConfigError, parse_dtype, resolve_device, run_or_exit
 from specdistill.data.tokenizer_identity import check_drafter_tokenizer
 from specdistill.distill.export.card import model_card, usage_command
+from specdistill.distill.export.check import self_check
 from specdistill.distill.export.in_vllm import check_vllm_settings, validate_exported
 
 log = logging.getLogger("specdistill.export")
@@ -191,8 +192,6 @@ def _validated_context(report: dict[str, Any] | None) -> int | None:
 def run(cfg: DictConfig) -> ExportResult:
     """Export, self-check, publish; see the module docstring."""
     from transformers import AutoConfig, AutoTokenizer
-
-    from specdistill.distill.export.check import self_check
 
     t0 = time.perf_counter()
     out = Path(str(cfg.output_dir)).expanduser().absolute()

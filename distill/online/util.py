@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig
 
 from specdistill.data.io import guard_write, param_bytes, replace_dir
+from specdistill.distill.train.setup import init_logger
 
 log = logging.getLogger("specdistill.online")
 
@@ -55,8 +56,6 @@ def wandb_tracker(cfg: DictConfig, device: torch.device):
     if cfg.logger.name != "wandb":
         return None
     from accelerate import Accelerator
-
-    from specdistill.distill.train.setup import init_logger
 
     acc = Accelerator(cpu=device.type == "cpu", log_with="wandb", project_dir=str(cfg.output_dir))
     init_logger(acc, cfg)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.data.io import atomic_write_text, read_json
+from specdistill.decode.validate.report import mode_value
 from specdistill.distill.train.predict import reprice
 
 log = logging.getLogger("specdistill.report")
@@ -57,20 +58,6 @@ ROWS = [
     ("held-out alpha, {mode}", "{how}", "distill", "alpha"),
     ("held-out greedy agreement", "argmax q = argmax p on {data}", "distill", "agree"),
 ]  # fmt: skip
-
-
-def mode_value(v: dict[str, Any], mode: str, key: str) -> Any:
-    """A validate report's figure for one serving mode (reports before `modes` existed held
-    greedy figures at top level and temperature-1 alpha/tau as `*_sampled`)."""
-    modes = v.get("modes")
-    if modes:
-        return (modes.get(mode) or {}).get(key)
-    greedy = not v.get("temperature")
-    if mode == "greedy":
-        return v.get(key) if greedy else None
-    if key in ("alpha", "tau"):
-        return v.get(key) if not greedy else v.get(f"{key}_sampled")
-    return v.get(key) if not greedy else None
 
 
 def _sampling_temperature(stages: dict[str, dict]) -> Any:

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
+from specdistill.distill.compose import format_override
 from specdistill.distill.losses import DIVERGENCES
 
 MODES = ("greedy", "sampling")
@@ -113,8 +114,6 @@ def _temperature(value: Any, serving: Serving) -> float:
 
 def _spec(key: str, sampling: Sampling) -> str:
     """One sampling spec as one override, e.g. `decoder.sampling={temperature:0.7,...}`."""
-    from specdistill.distill.pipeline.stage import format_override
-
     return format_override(key, sampling.as_dict())
 
 

@@ -34,7 +34,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from specdistill.data.runtime import ConfigError
+from specdistill.distill.pipeline.execute import is_done
 from specdistill.distill.pipeline.plan import Step, build_plan, step_file, write_plan
+from specdistill.distill.pipeline.step import run_job
 
 REQUIRED = ("SPECDISTILL_PARTITION", "SPECDISTILL_TIME", "SPECDISTILL_GPUS_PER_NODE")
 OPTIONAL = (
@@ -190,9 +192,6 @@ def _parameters(step: Step, r: Mapping[str, Any], settings: Mapping[str, str]) -
 
 def submit(cfg: DictConfig, out: Any = None) -> dict[str, str]:
     """Plan, write the step files, submit every unfinished step; returns {step: job id}."""
-    from specdistill.distill.pipeline.stage import is_done
-    from specdistill.distill.pipeline.step import run_job
-
     out = out or sys.stdout
     settings = load_settings()  # a missing setting stops here, before anything is written
     steps = build_plan(cfg)
@@ -202,7 +201,7 @@ def submit(cfg: DictConfig, out: Any = None) -> dict[str, str]:
         if shutil.which(tool) is None:
             raise ConfigError(f"launcher=slurm: no `{tool}` on PATH; run on a Slurm login node")
     try:
-        import submitit
+        import submitit  # an optional extra (`.[slurm]`): imported only when submitting
     except ImportError as e:
         raise ConfigError('launcher=slurm needs submitit: pip install -e ".[slurm]"') from e
 

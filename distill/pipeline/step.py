@@ -3,8 +3,8 @@
     python -m specdistill.distill.pipeline.step RUN_DIR/plan/validate.yaml
 
 loads the step that `build_plan` wrote (`specdistill ...` writes `RUN_DIR/plan/<step>.yaml`;
-`specdistill plan=true` prints the same) and runs it through the local executor's `run_step`:
-same config, same completion marker, same skip-if-done. `run_job` is the function the Slurm
+`specdistill plan=true` prints the same) and runs it through `run_step` (pipeline/execute.py),
+as the local executor does: same config, same completion marker, same skip-if-done. `run_job` is the function the Slurm
 executor submits (distill/pipeline/slurm.py); where the job runs only adds placement:
 
 - a generate array task takes `shard.index/count` (the last shard to finish merges);
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.data.runtime import run_or_exit
+from specdistill.distill.pipeline.execute import finish, run_step
 from specdistill.distill.pipeline.plan import load_step
 
 log = logging.getLogger("specdistill.pipeline")
@@ -56,13 +57,11 @@ def run_job(
     distributed: bool = False,
 ) -> Any:
     """Run the step written at `step_file` (a Slurm job's function; also `python -m`)."""
-    from specdistill.distill.pipeline import stage as pipeline
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     step = load_step(step_file)
     if step.stage == "report":  # wall time: from the plan's writing (submission) to now
         wall = round(time.time() - Path(step_file).stat().st_mtime, 1)
-        return pipeline.finish(step, wall_seconds=wall)
+        return finish(step, wall_seconds=wall)
     config = step.config
     if shard_count is not None:  # a generate array task: this task's shard of the prompts
         config = copy.deepcopy(config)
@@ -71,7 +70,7 @@ def run_job(
         env = export_torch_distributed()
         log.info("[%s] rank %s/%s, rendezvous %s:%s", step.name, env["RANK"],
                  env["WORLD_SIZE"], env["MASTER_ADDR"], env["MASTER_PORT"])  # fmt: skip
-    return pipeline.run_step(step, config)
+    return run_step(step, config)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,6 +18,14 @@ import torch
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import expected_alpha, probs_from_logits
+from specdistill.distill.parallel import (
+    acceptance_by_depth,
+    accepted_length,
+    choose_anchors,
+    gather_positions,
+    pack_parallel,
+    packed_forward,
+)
 from specdistill.distill.train.logits import masked_logits
 
 
@@ -115,15 +123,6 @@ def evaluate_parallel(
     """`evaluate` for a parallel drafter: acceptance at every draft depth 1..depth, with a mask
     chain at every completion anchor (distill.parallel), and the expected accepted drafts per
     round those imply (`accepted_length`, what best/ follows). Needs the target in the loop."""
-    from specdistill.distill.parallel import (
-        acceptance_by_depth,
-        accepted_length,
-        choose_anchors,
-        gather_positions,
-        pack_parallel,
-        packed_forward,
-    )
-
     if target is None:
         raise ConfigError(
             "drafting=parallel evaluates every draft depth with the target: use eval.source="

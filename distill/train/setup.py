@@ -30,6 +30,7 @@ from specdistill.decode.draft_vocab import (
     drafter_vocab_ids,
 )
 from specdistill.distill.losses import DIVERGENCES
+from specdistill.distill.parallel import check_parallel_config
 from specdistill.distill.train import zero
 from specdistill.distill.train.data import Example, has_topk, load_seqkd, reference_examples
 
@@ -67,8 +68,6 @@ def check_config(cfg: DictConfig) -> None:
     if drafting not in ("autoregressive", "parallel"):
         raise ConfigError(f"drafting={drafting!r}: use autoregressive or parallel")
     if drafting == "parallel":
-        from specdistill.distill.parallel import check_parallel_config
-
         check_parallel_config(cfg.parallel)
     if cfg.optim.schedule not in ("cosine", "linear", "constant"):
         raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: use cosine, linear or constant")

@@ -45,6 +45,7 @@ from specdistill.distill.train.data import (
 from specdistill.distill.train.evaluate import evaluate, evaluate_parallel
 from specdistill.distill.train.logits import masked_logits
 from specdistill.distill.train.predict import heldout_prediction
+from specdistill.distill.train.sweep_summary import write_summary
 
 log = logging.getLogger("specdistill.distill")
 
@@ -514,8 +515,6 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
         result.heldout_prediction = heldout_prediction(tr, _best_drafter(tr, state, step), cfg)
         atomic_write_json(out / "result.json", result)
         if OmegaConf.select(cfg, "sweep_dir"):
-            from specdistill.distill.pipeline.sweep_summary import write_summary
-
             write_summary(Path(str(cfg.sweep_dir)))
     tr.accelerator.end_training()
     return result

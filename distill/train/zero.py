@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.runtime import ConfigError
+from specdistill.distill.train.data import is_onpolicy
 
 OFFLOAD_DEVICES = ("none", "cpu")
 
@@ -168,8 +169,6 @@ def check_ranks(accelerator, rank: int, world: int) -> None:
 
 def any_rank_onpolicy(stream, step: int, accum_index: int, seed: int, lmbda: float) -> bool:
     """Whether any rank's micro-batch at (step, accum_index) is drafter-generated."""
-    from specdistill.distill.train.data import is_onpolicy
-
     return any(
         is_onpolicy(seed, stream.global_micro_index(step, accum_index, r), lmbda)
         for r in range(stream.world_size)

@@ -8,6 +8,8 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from specdistill.data.io import read_json
+from specdistill.data.runtime import ConfigError
+from specdistill.distill.pipeline import execute
 from specdistill.distill.pipeline import stage as pipeline
 
 FAST = [
@@ -75,20 +77,20 @@ def test_pipeline_end_to_end_and_resume(tmp_path, monkeypatch):
     def boom(stage):
         raise AssertionError(f"{stage} ran again")
 
-    monkeypatch.setattr(pipeline, "_stage_runner", boom)
+    monkeypatch.setattr(execute, "_stage_runner", boom)
     again = pipeline.run(_cfg(run_dir))
     assert again.stages["distill"] == result.stages["distill"]
 
     # A changed distill re-runs what reads its output (validate, export), not what comes before
     # it or the base drafter's validation. (The stand-in runner leaves the old result files.)
     ran: list[str] = []
-    monkeypatch.setattr(pipeline, "_stage_runner", lambda stage: lambda cfg: ran.append(stage))
+    monkeypatch.setattr(execute, "_stage_runner", lambda stage: lambda cfg: ran.append(stage))
     pipeline.run(_cfg(run_dir, ["++distill.max_steps=5"]))
     assert ran == ["distill", "validate", "export"]
 
 
 def test_pipeline_rejects_unknown_stage(tmp_path):
-    with pytest.raises(pipeline.ConfigError, match="stages"):
+    with pytest.raises(ConfigError, match="stages"):
         pipeline.run(_cfg(tmp_path, ["stages=[generate,train]"]))
 
 
@@ -107,13 +109,13 @@ def test_a_stage_thread_setting_does_not_leak_into_the_next(tmp_path, monkeypatc
         (tmp_path / cfg.name).mkdir()
         (tmp_path / cfg.name / "result.json").write_text("{}")
 
-    monkeypatch.setattr(pipeline, "_stage_runner", lambda name: run)
+    monkeypatch.setattr(execute, "_stage_runner", lambda name: run)
     own = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         for name in ("generate", "distill"):
             config = {"name": name}
-            pipeline.run_step(
+            execute.run_step(
                 Step(name, name, "m", str(tmp_path / name), "result.json", config=config)
             )
         assert seen == [2, 2] and torch.get_num_threads() == 2

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdistill.distill.pipeline.stage import flatten_overrides, format_override
+from specdistill.distill.compose import flatten_overrides, format_override
 
 
 def test_format_override_scalars_and_quoting():

@@ -20,7 +20,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from specdistill.data.runtime import ConfigError
-from specdistill.distill.pipeline import slurm
+from specdistill.distill.pipeline import execute, slurm
 from specdistill.distill.pipeline import stage as pipeline
 from specdistill.distill.pipeline.plan import build_plan, step_file
 
@@ -188,7 +188,7 @@ def test_finished_steps_are_not_submitted_again(tmp_path, monkeypatch):
     cfg = pipeline_cfg(run)
     gen = build_plan(cfg)[0]
     Path(gen.out_dir).mkdir(parents=True)
-    (Path(gen.out_dir) / pipeline.DONE).write_text(json.dumps({"fingerprint": gen.fingerprint}))
+    (Path(gen.out_dir) / execute.DONE).write_text(json.dumps({"fingerprint": gen.fingerprint}))
     out = io.StringIO()
     ids = slurm.submit(cfg, out=out)
     assert ids["generate"] == "done" and "generate=done" in out.getvalue()

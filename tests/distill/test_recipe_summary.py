@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_module
 from specdistill.data.prompts import load_prompts
 from specdistill.data.runtime import ConfigError
 from specdistill.data.toy.stream import group_prompts
-from specdistill.distill.pipeline import recipe_summary
+from specdistill.distill.bench import recipe_summary
 
 
 def _report(path, dataset, greedy, sampling):

@@ -12,7 +12,10 @@ from specdistill.data.io import read_json
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import verify_greedy, verify_sampling
+from specdistill.distill.compose import compose_stage
+from specdistill.distill.pipeline import execute
 from specdistill.distill.pipeline import stage as pipeline
+from specdistill.distill.pipeline.plan import serving_overrides
 from specdistill.distill.pipeline.serving import check_recipe, check_serving
 from specdistill.distill.train.evaluate import evaluate, serving_acceptance
 from tests.distill.test_pipeline import FAST
@@ -28,7 +31,7 @@ def _pipeline_cfg(*overrides: str):
 def _stage(stage: str, cfg):
     """The stage's config exactly as the pipeline composes it."""
     with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
-        return pipeline.compose_stage(stage, cfg, pipeline.serving_overrides(cfg).get(stage, []))
+        return compose_stage(stage, cfg, serving_overrides(cfg).get(stage, []))
 
 
 def test_greedy_serving_reaches_generate_distill_and_validate():
@@ -80,7 +83,7 @@ def test_sampled_seqkd_recipe_and_user_overrides_win():
     ],
 )
 def test_bad_serving_settings_fail_before_any_stage(tmp_path, monkeypatch, overrides, field):
-    monkeypatch.setattr(pipeline, "_stage_runner", lambda s: pytest.fail(f"{s} started"))
+    monkeypatch.setattr(execute, "_stage_runner", lambda s: pytest.fail(f"{s} started"))
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         pipeline.run(_pipeline_cfg(f"run_dir={tmp_path}", *overrides))
 
@@ -255,8 +258,8 @@ def test_parallel_drafting_reaches_distill_and_validate():
 
 def test_parallel_drafting_errors_name_the_setting():
     with pytest.raises(ConfigError, match="drafting='pard'"):
-        pipeline.serving_overrides(_pipeline_cfg("drafting=pard"))
+        serving_overrides(_pipeline_cfg("drafting=pard"))
     with pytest.raises(ConfigError, match="online"):
-        pipeline.serving_overrides(
+        serving_overrides(
             _pipeline_cfg("drafting=parallel", "stages=[generate,distill,online,validate]")
         )

@@ -1,6 +1,6 @@
 """Rank the runs of a loss sweep by held-out alpha (and greedy agreement for greedy decoding).
 
-    python -m specdistill.distill.pipeline.sweep_summary multirun/loss_sweep
+    python -m specdistill.distill.train.sweep_summary multirun/loss_sweep
 
 Reads every `*/result.json` under the folder and writes `summary.md` and `summary.json` there.
 DistillSpec found the best divergence depends on task and decoding mode; this picks it.

@@ -1,6 +1,6 @@
 """Rank the recipes of a recipe sweep by decode-time acceptance in each serving mode.
 
-    python -m specdistill.distill.pipeline.recipe_summary multirun/recipe_sweep
+    python -m specdistill.distill.bench.recipe_summary multirun/recipe_sweep
 
 Each sub-folder of the sweep is one recipe; every validate `report.json` under it is one
 prompt set (named from the report's dataset). Figures per recipe and prompt set: greedy alpha /
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.data.io import atomic_write_json, atomic_write_text, read_json
-from specdistill.distill.pipeline.report import mode_value
+from specdistill.decode.validate.report import mode_value
 
 log = logging.getLogger(__name__)
 MODES = ("greedy", "sampling")
