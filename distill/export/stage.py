@@ -39,8 +39,8 @@ from specdistill.data.pairs import (
 )
 from specdistill.data.runtime import ConfigError, parse_dtype, resolve_device, run_or_exit
 from specdistill.data.tokenizer_identity import check_drafter_tokenizer
+from specdistill.distill.export import check as export_check
 from specdistill.distill.export.card import model_card, usage_command
-from specdistill.distill.export.check import self_check
 from specdistill.distill.export.in_vllm import check_vllm_settings, validate_exported
 
 log = logging.getLogger("specdistill.export")
@@ -269,7 +269,7 @@ def run(cfg: DictConfig) -> ExportResult:
             )
             tok.save_pretrained(tmp)
         needed = _validated_context(report) if min_pos == "auto" else int(min_pos)
-        check = self_check(
+        check = export_check.self_check(
             tmp,
             spec,
             tok,
