@@ -1,4 +1,5 @@
-"""Prompt sources: a hub dataset, a local jsonl/parquet file, or the toy world's code prompts.
+"""Prompt sources: a hub dataset, a local jsonl/parquet file, the toy world's code prompts, or
+long-context prompts bucketed by length (`source: long`, `specdistill.data.long_documents`).
 
 Every stage that needs prompts (generate, distill's on-policy and eval data, validate) reads
 them through `load_prompts(cfg.dataset, tokenizer)`, so a source works everywhere once it works
@@ -15,11 +16,13 @@ from specdistill.data.runtime import ConfigError
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: its stable index in the source, text as the model sees it, and a reference."""
+    """One prompt: its stable index in the source, text as the model sees it, a reference, and
+    its context-length bucket (long prompt sets only) so reports can group by it."""
 
     index: int
     text: str
     reference: str | None = None
+    bucket: str | None = None
 
 
 def _get(cfg: Any, key: str, default=None):
@@ -42,13 +45,19 @@ def load_prompts(cfg: Any, tokenizer=None, *, default_split: str = "train") -> l
     elif source == "toy_stream":
         rows = _toy_stream_rows(_get(cfg, "group"), _get(cfg, "stride") or 1)
         ref_field = ref_field or "completion"
+    elif source == "long":
+        from specdistill.data.long_documents import load_long_rows
+
+        rows = load_long_rows(cfg, split, tokenizer)
+        ref_field = ref_field or "completion"
     elif source == "hub":
         rows = _hub_rows(cfg, split)
     elif source in ("jsonl", "json", "parquet", "csv"):
         rows = _file_rows(cfg, source, split)
     else:
         raise ConfigError(
-            f"dataset.source={source!r} is not known; use toy, toy_stream, hub, jsonl or parquet"
+            f"dataset.source={source!r} is not known; use toy, toy_stream, long, hub, jsonl or "
+            "parquet"
         )
     if not rows:
         raise ConfigError(
@@ -71,15 +80,23 @@ def load_prompts(cfg: Any, tokenizer=None, *, default_split: str = "train") -> l
                 f"dataset.field={field!r} holds {type(value).__name__} values, not text; "
                 "for a list of chat messages set dataset.chat=true"
             )
-        prompts.append(
-            Prompt(index=i, text=text, reference=row.get(ref_field) if ref_field else None)
-        )
+        reference = row.get(ref_field) if ref_field else None
+        prompts.append(Prompt(index=i, text=text, reference=reference, bucket=row.get("bucket")))
     limit = _get(cfg, "limit")
     if limit is not None:
         if int(limit) <= 0:
             raise ConfigError(f"dataset.limit={limit} must be positive (or null for all prompts)")
         prompts = prompts[: int(limit)]
     return prompts
+
+
+def check_prompt_settings(cfg: Any) -> None:
+    """Settings a source can check before any model loads (long sets' buckets and policy), so
+    a bad `dataset.bucket` is one error line, not one after a 30-second weight load."""
+    if _get(cfg, "source") == "long":
+        from specdistill.data.long_documents import long_settings
+
+        long_settings(cfg)
 
 
 def _apply_chat(messages: Any, tokenizer) -> str:
@@ -151,3 +168,34 @@ def _file_rows(cfg: Any, source: str, split: str) -> list[dict]:
     except Exception as e:  # malformed files surface as many exception types
         raise ConfigError(f"dataset.path={path!r} could not be read as {source}: {e}") from e
     return [dict(r) for r in ds]
+
+
+LONG_PROMPT_POLICIES = ("truncate", "skip", "error")
+
+
+def check_long_prompts(policy: Any) -> str:
+    """The `long_prompts` setting every stage shares: truncate (keep the end), skip, or error."""
+    if policy not in LONG_PROMPT_POLICIES:
+        raise ConfigError(
+            f"long_prompts={policy!r} must be one of {', '.join(LONG_PROMPT_POLICIES)}"
+        )
+    return str(policy)
+
+
+def fit_to_context(
+    ids: list[list[int]], budget: int, policy: str, *, context: str
+) -> tuple[list[int], list[list[int]], int]:
+    """(kept row indices, their ids, how many were over budget) for prompts that must fit
+    `budget` tokens: `truncate` keeps each long prompt's last `budget` tokens (those nearest
+    the continuation), `skip` drops it, `error` refuses the set in one line. Never silent:
+    callers log and record the count. `context` says where the budget comes from."""
+    over = sum(len(row) > budget for row in ids)
+    if over and policy == "error":
+        longest = max(len(row) for row in ids)
+        raise ConfigError(
+            f"{over} of {len(ids)} prompts are longer than the {budget} prompt tokens {context} "
+            f"(longest {longest}): set long_prompts=truncate (keep the end) or skip, choose "
+            "shorter prompts (dataset.bucket), or lower max_new_tokens"
+        )
+    kept = [i for i, row in enumerate(ids) if policy != "skip" or len(row) <= budget]
+    return kept, [ids[i][-budget:] for i in kept], over
