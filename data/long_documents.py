@@ -72,12 +72,12 @@ def long_settings(cfg: Any) -> dict[str, Any]:
     if task not in TASKS:
         raise ConfigError(f"dataset.task={task!r} must be one of {', '.join(TASKS)}")
     buckets = parse_buckets(_get(cfg, "buckets"), _get(cfg, "bucket"))
-    headroom = _int(cfg, "headroom", 0, 0)
+    max_tokens = _int(cfg, "max_tokens", None, 1)
     for b in buckets:
-        if b.hi - headroom <= b.lo:
+        if max_tokens is not None and max_tokens <= b.lo:
             raise ConfigError(
-                f"dataset.headroom={headroom} leaves no prompt length in bucket {b.name!r} "
-                f"({b.lo} < tokens <= {b.hi} - headroom): lower dataset.headroom"
+                f"dataset.max_tokens={max_tokens} leaves bucket {b.name!r} empty (its prompts "
+                f"have more than {b.lo} tokens): raise dataset.max_tokens or drop the bucket"
             )
     return {
         "documents": documents,
@@ -89,7 +89,7 @@ def long_settings(cfg: Any) -> dict[str, Any]:
         "task": task,
         "buckets": [(b.name, b.lo, b.hi) for b in buckets],
         "per_bucket": _int(cfg, "per_bucket", None, 1),
-        "headroom": headroom,
+        "max_tokens": max_tokens,
         "seed": _int(cfg, "seed", 0, 0),
         "completion_chars": _int(cfg, "completion_chars", 2000, 1),
     }
@@ -159,7 +159,7 @@ def long_rows(
         for i, cut in enumerate(cuts):
             n = approx(cut.offset)
             for b in buckets:  # the question adds ~30 tokens: the exact count below decides
-                if b.lo < n <= b.hi - s["headroom"]:
+                if b.lo < n <= _top(b, s):
                     candidates[b.name].setdefault(key, []).append(i)
     per_bucket: dict[str, list[dict]] = {}
     for b in buckets:
@@ -191,12 +191,17 @@ def _rows_at(
                 continue
             body, reference = prompt + qa[0], qa[1]
         n = count_tokens(body, tokenizer)
-        if b.lo < n <= b.hi - s["headroom"]:
+        if b.lo < n <= _top(b, s):
             out.append(
                 {"prompt": body, "completion": reference, "bucket": b.name, "tokens": n}
                 | {"module": key, "name": cut.name, "task": task, "offset": cut.offset}
             )
     return out
+
+
+def _top(b: Bucket, s: dict[str, Any]) -> int:
+    """The longest prompt bucket `b` takes: its HI, or `max_tokens` where that is lower."""
+    return b.hi if s["max_tokens"] is None else min(b.hi, s["max_tokens"])
 
 
 def tokenizer_digest(tokenizer: Any) -> str | None:
@@ -259,7 +264,7 @@ def load_long_rows(cfg: Any, split: str, tokenizer: Any) -> list[dict[str, Any]]
         names = ", ".join(name for name, _, _ in s["buckets"])
         raise ConfigError(
             f"no {split}-split {s['documents']} document has a cut whose prompt lands in "
-            f"dataset.buckets ({names}, less headroom {s['headroom']}): choose shorter buckets "
+            f"dataset.buckets ({names}; max_tokens {s['max_tokens']}): choose shorter buckets "
             "or longer documents"
         )
     counts = {name: sum(r["bucket"] == name for r in rows) for name, _, _ in s["buckets"]}
@@ -268,3 +273,38 @@ def load_long_rows(cfg: Any, split: str, tokenizer: Any) -> list[dict[str, Any]]
     if empty and rows:
         log.warning("no %s-split prompt lands in bucket(s) %s", split, ", ".join(empty))
     return rows
+
+
+def census(rows: list[dict[str, Any]], buckets: list[tuple[str, int, int]]) -> dict[str, dict]:
+    """Per bucket: prompts, distinct modules, and min / median / max prompt tokens."""
+    out = {}
+    for name, _, _ in buckets:
+        lengths = sorted(r["tokens"] for r in rows if r["bucket"] == name)
+        mid = lengths[len(lengths) // 2] if lengths else None
+        out[name] = {
+            "prompts": len(lengths),
+            "modules": len({r["module"] for r in rows if r["bucket"] == name}),
+            "tokens": [lengths[0], mid, lengths[-1]] if lengths else [],
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m specdistill.data.long_documents TOKENIZER [split] [per_bucket|all] [task]`:
+    how many prompts of each split land in each default bucket for a tokenizer (a folder)."""
+    from transformers import AutoTokenizer
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        raise SystemExit(main.__doc__)
+    tok = AutoTokenizer.from_pretrained(args[0])
+    split = args[1] if len(args) > 1 else "test"
+    per = None if len(args) < 3 or args[2] == "all" else int(args[2])
+    cfg = {"source": "long", "per_bucket": per, "max_tokens": 8192 - 128}
+    cfg["task"] = args[3] if len(args) > 3 else "complete"
+    rows = load_long_rows(cfg, split, tok)
+    print(json.dumps(census(rows, long_settings(cfg)["buckets"]), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -12,10 +12,11 @@ from and the caching are in `specdistill.data.long_documents`):
   with the next line's indentation, so the continuation starts with that whitespace token.
 - **buckets**: `LO-HI` in the target's tokens, LO exclusive and HI inclusive (`512-2k` holds
   513..2048 tokens; `0-512` holds 1..512, as every prompt has a token). `k` = 1024.
-- **selection**: for each bucket, cuts whose prompt lands in `(LO, HI - headroom]`, drawn with a
-  seeded RNG round-robin over documents (one per document before any document gives a second),
-  so a bucket's prompts come from as many modules as it can; `headroom` leaves room at the top
-  of a bucket for max_new_tokens + gamma + 1 (a `4k-8k` prompt then fits an 8192-token target).
+- **selection**: for each bucket, cuts whose prompt lands in `(LO, HI]` (and at most
+  `max_tokens`), drawn with a seeded RNG round-robin over documents (one per document before
+  any document gives a second), so a bucket's prompts come from as many modules as it can;
+  `max_tokens` leaves room for max_new_tokens + gamma + 1 (a `4k-8k` prompt then fits an
+  8192-token target instead of being truncated by the stages' context guard).
 """
 
 from __future__ import annotations

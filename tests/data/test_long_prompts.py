@@ -92,7 +92,7 @@ def test_bad_bucket_specs_name_the_field(buckets, bucket, field):
     "settings,field",
     [
         ({"per_bucket": 0}, "dataset.per_bucket=0"),
-        ({"headroom": 600}, "dataset.headroom=600"),
+        ({"max_tokens": 256, "buckets": ["0-256", "256-1k"]}, "dataset.max_tokens=256"),
         ({"documents": "web"}, "dataset.documents='web'"),
         ({"task": "chat"}, "dataset.task='chat'"),
         ({"kind": "prose"}, "dataset.kind='prose'"),
@@ -116,10 +116,11 @@ def test_rows_land_in_their_bucket_by_exact_target_tokens(rows, tok):
         assert len(mods) == 3 and len(set(mods)) == 3
 
 
-def test_headroom_keeps_the_top_of_a_bucket_free(tok, test_docs):
-    s = long_settings(SMALL | {"buckets": ["256-1k"], "headroom": 500, "per_bucket": 6})
+def test_max_tokens_caps_the_prompts(tok, test_docs):
+    s = long_settings(SMALL | {"buckets": ["0-256", "256-1k"], "max_tokens": 500})
     got = long_rows(test_docs, tok, s)
-    assert got and all(256 < r["tokens"] <= 1024 - 500 for r in got)
+    assert {r["bucket"] for r in got} == {"0-256", "256-1k"} and len(got) == 6
+    assert all(r["tokens"] <= 500 for r in got)
 
 
 # ----------------------------------------------------------------------------- split
