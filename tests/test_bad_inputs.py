@@ -177,13 +177,14 @@ CASES = [
     Case(
         "generate-long-prompts-error",
         "generate",
-        (
+        (  # the set of tests/data/test_long_prompts.py's generate test: one cached computation
             "dataset=stdlib-long",
-            "dataset.buckets=[1k-2k]",
-            "dataset.per_bucket=2",
+            "dataset.buckets=[0-256,1k-2k]",
+            "dataset.per_bucket=1",
+            "dataset.limit=null",
             "long_prompts=error",
         ),
-        ("2 of 2 prompts are longer than", "long_prompts=truncate"),
+        ("1 of 2 prompts are longer than", "long_prompts=truncate"),
     ),
     Case("generate-threads-0", "generate", ("threads=0",), ("threads=0",)),
     Case(

@@ -229,3 +229,22 @@ def test_long_source_needs_the_tokenizer_and_a_known_split():
         load_prompts(SMALL, None, default_split="test")
     with pytest.raises(ConfigError, match=r"^dataset\.split='validation'"):
         load_prompts(SMALL | {"split": "validation"}, object())
+
+
+def test_generate_runs_unchanged_on_long_prompts(generate_cfg, tmp_path, tok):
+    """The generate stage on `dataset=stdlib-long` (train split): its rows' prompts are the set's
+    prompts, and the one past toy-tiny's context is truncated to its end and counted."""
+    import datasets
+
+    from specdistill.data.generate import stage as gen
+
+    extra = ("dataset=stdlib-long", "dataset.buckets=[0-256,1k-2k]", "dataset.per_bucket=1")
+    cfg = generate_cfg(*extra, "dataset.limit=null")
+    res = gen.run(cfg)
+    ds = datasets.load_from_disk(str(tmp_path / "gen"))
+    prompts = load_prompts(cfg.dataset, tok, default_split="train")
+    assert res.merged and ds.num_rows == 2 and [p.bucket for p in prompts] == ["0-256", "1k-2k"]
+    assert ds["prompt"][0] == prompts[0].text
+    assert prompts[1].text.endswith(ds["prompt"][1][-200:])  # kept the end
+    result = json.loads((tmp_path / "gen" / "result.json").read_text())
+    assert result["truncated_long_prompts"] == 1
