@@ -199,3 +199,31 @@ def fit_to_context(
         )
     kept = [i for i, row in enumerate(ids) if policy != "skip" or len(row) <= budget]
     return kept, [ids[i][-budget:] for i in kept], over
+
+
+def fit_prompt_set(
+    prompts: list[Prompt], tok: Any, policy: str, budget: int, where: str
+) -> tuple[list[Prompt], list[list[int]], dict[str, Any]]:
+    """(prompts kept, their ids, a `prompt_fit` record) for a decoding stage (validate, bench):
+    `fit_to_context` on the prompts' ids (no special tokens added), the count logged as a
+    warning, so a long prompt is never silently wrapped. `where` says where `budget` comes from."""
+    import logging
+
+    ids = [tok(p.text, add_special_tokens=False).input_ids for p in prompts]
+    where = f"{where} and the verify's drafts"
+    kept, rows, over = fit_to_context(ids, budget, policy, context=where)
+    if not kept:
+        raise ConfigError(
+            f"every one of the {len(prompts)} prompts is longer than the {budget} prompt tokens "
+            f"{where} with long_prompts=skip: use long_prompts=truncate, shorter prompts "
+            "(dataset.bucket) or lower max_new_tokens"
+        )
+    fit: dict[str, Any] = {"policy": policy, "max_prompt_tokens": budget, "long": over}
+    fit |= {"truncated": over if policy == "truncate" else 0}
+    fit |= {"skipped": over if policy == "skip" else 0}
+    if over:
+        done = "truncated to their last" if policy == "truncate" else "skipped: longer than"
+        logging.getLogger(__name__).warning(
+            "%d of %d prompts %s %d tokens (long_prompts=%s)", over, len(ids), done, budget, policy
+        )
+    return [prompts[i] for i in kept], rows, fit

@@ -31,7 +31,7 @@ from specdistill.data.pairs import load_pair, resolve_pair
 from specdistill.data.prompts import (
     check_long_prompts,
     check_prompt_settings,
-    fit_to_context,
+    fit_prompt_set,
     load_prompts,
 )
 from specdistill.data.runtime import (
@@ -176,33 +176,6 @@ def _batches(rows: list[list[int]], pad_id: int, batch_size: int):
     return [pad_rows(rows[i : i + batch_size], pad_id) for i in range(0, len(rows), batch_size)]
 
 
-def fit_prompts(prompts: list, tok, cfg: DictConfig, context: int, budget: int):
-    """(prompts kept, their ids, prompt_fit record): every prompt fitted to `budget` tokens by
-    `long_prompts` (truncate keeps the end, skip drops, error refuses in one line), never
-    silently; the count is logged and goes into the report."""
-    policy = str(cfg.get("long_prompts", "truncate"))
-    ids = [tok(p.text, add_special_tokens=False).input_ids for p in prompts]
-    where = (
-        f"the target's {context}-token context leaves after max_new_tokens="
-        f"{cfg.max_new_tokens} and the verify's drafts"
-    )
-    kept, rows, over = fit_to_context(ids, budget, policy, context=where)
-    if not kept:
-        raise ConfigError(
-            f"every one of the {len(prompts)} prompts is longer than the {budget} prompt tokens "
-            f"{where} with long_prompts=skip: use long_prompts=truncate, shorter prompts "
-            "(dataset.bucket) or lower max_new_tokens"
-        )
-    fit = {"policy": policy, "max_prompt_tokens": budget, "context": context, "long": over}
-    fit |= {"truncated": over if policy == "truncate" else 0}
-    fit |= {"skipped": over if policy == "skip" else 0}
-    if over:
-        done = "truncated to their last" if policy == "truncate" else "skipped: longer than"
-        log.warning("%d of %d prompts %s %d tokens (long_prompts=%s)", over, len(ids), done,
-                    budget, policy)  # fmt: skip
-    return [prompts[i] for i in kept], rows, fit
-
-
 @dataclass
 class Setup:
     """A loaded pair and its prompts as left-padded batches (shared with decode.bench_modes)."""
@@ -220,7 +193,7 @@ class Setup:
     engines: tuple[str, ...] = ("ours",)
     vllm_settings: Any = None  # EngineSettings when engines include vllm
     # How prompts were fitted to the context: policy, budget, how many were long / truncated /
-    # skipped (`fit_prompts`); and each kept prompt's context-length bucket (long sets, else None).
+    # skipped (`fit_prompt_set`); and each kept prompt's context-length bucket (long sets, else None).
     prompt_fit: dict[str, Any] = field(default_factory=dict)
     buckets: list[str | None] = field(default_factory=list)
 
@@ -261,7 +234,11 @@ def setup(cfg: DictConfig, gamma_room: int) -> Setup:
             f"max_prompt_tokens={max_prompt}: the context ({context}) leaves {room} prompt tokens "
             f"after max_new_tokens={cfg.max_new_tokens}; lower max_new_tokens or max_prompt_tokens"
         )
-    prompts, rows, fit = fit_prompts(prompts, tok, cfg, context, max_prompt)
+    where = f"the target's {context}-token context leaves after max_new_tokens={cfg.max_new_tokens}"
+    prompts, rows, fit = fit_prompt_set(
+        prompts, tok, str(cfg.get("long_prompts", "truncate")), max_prompt, where
+    )
+    fit["context"] = context
     texts = [p.text for p in prompts]
     batches = _batches(rows, tok.pad_token_id, int(cfg.batch_size))
     warm = _batches(rows[:1], tok.pad_token_id, 1)
