@@ -1,4 +1,5 @@
-"""Prompt sources: a hub dataset, a local jsonl/parquet file, or the toy world's code prompts.
+"""Prompt sources: a hub dataset, a local jsonl/parquet file, the toy world's code prompts, or
+long-context prompts bucketed by length (`source: long`, `specdistill.data.long_documents`).
 
 Every stage that needs prompts (generate, distill's on-policy and eval data, validate) reads
 them through `load_prompts(cfg.dataset, tokenizer)`, so a source works everywhere once it works
@@ -10,24 +11,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from specdistill.data.dataset_rows import file_rows, hub_rows, node_get
 from specdistill.data.runtime import ConfigError
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: its stable index in the source, text as the model sees it, and a reference."""
+    """One prompt: its stable index in the source, text as the model sees it, a reference, and
+    its context-length bucket (long prompt sets only) so reports can group by it."""
 
     index: int
     text: str
     reference: str | None = None
+    bucket: str | None = None
 
 
-def _get(cfg: Any, key: str, default=None):
-    if cfg is None:
-        return default
-    if hasattr(cfg, "get"):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
+_get = node_get
 
 
 def load_prompts(cfg: Any, tokenizer=None, *, default_split: str = "train") -> list[Prompt]:
@@ -42,13 +41,19 @@ def load_prompts(cfg: Any, tokenizer=None, *, default_split: str = "train") -> l
     elif source == "toy_stream":
         rows = _toy_stream_rows(_get(cfg, "group"), _get(cfg, "stride") or 1)
         ref_field = ref_field or "completion"
+    elif source == "long":
+        from specdistill.data.long_documents import load_long_rows
+
+        rows = load_long_rows(cfg, split, tokenizer)
+        ref_field = ref_field or "completion"
     elif source == "hub":
-        rows = _hub_rows(cfg, split)
+        rows = hub_rows(cfg, split)
     elif source in ("jsonl", "json", "parquet", "csv"):
-        rows = _file_rows(cfg, source, split)
+        rows = file_rows(cfg, source, split)
     else:
         raise ConfigError(
-            f"dataset.source={source!r} is not known; use toy, toy_stream, hub, jsonl or parquet"
+            f"dataset.source={source!r} is not known; use toy, toy_stream, long, hub, jsonl or "
+            "parquet"
         )
     if not rows:
         raise ConfigError(
@@ -71,15 +76,23 @@ def load_prompts(cfg: Any, tokenizer=None, *, default_split: str = "train") -> l
                 f"dataset.field={field!r} holds {type(value).__name__} values, not text; "
                 "for a list of chat messages set dataset.chat=true"
             )
-        prompts.append(
-            Prompt(index=i, text=text, reference=row.get(ref_field) if ref_field else None)
-        )
+        reference = row.get(ref_field) if ref_field else None
+        prompts.append(Prompt(index=i, text=text, reference=reference, bucket=row.get("bucket")))
     limit = _get(cfg, "limit")
     if limit is not None:
         if int(limit) <= 0:
             raise ConfigError(f"dataset.limit={limit} must be positive (or null for all prompts)")
         prompts = prompts[: int(limit)]
     return prompts
+
+
+def check_prompt_settings(cfg: Any) -> None:
+    """Settings a source can check before any model loads (long sets' buckets and policy), so
+    a bad `dataset.bucket` is one error line, not one after a 30-second weight load."""
+    if _get(cfg, "source") == "long":
+        from specdistill.data.long_documents import long_settings
+
+        long_settings(cfg)
 
 
 def _apply_chat(messages: Any, tokenizer) -> str:
@@ -119,35 +132,60 @@ def _toy_stream_rows(group: Any, stride: Any) -> list[dict]:
     return group_prompts(group)[::stride]
 
 
-def _hub_rows(cfg: Any, split: str) -> list[dict]:
-    import datasets
+LONG_PROMPT_POLICIES = ("truncate", "skip", "error")
 
-    name = _get(cfg, "name")
-    if not name:
-        raise ConfigError("dataset.source=hub needs dataset.name (a `datasets.load_dataset` name)")
-    try:
-        ds = datasets.load_dataset(
-            name, _get(cfg, "config"), split=split, revision=_get(cfg, "revision")
+
+def check_long_prompts(policy: Any) -> str:
+    """The `long_prompts` setting every stage shares: truncate (keep the end), skip, or error."""
+    if policy not in LONG_PROMPT_POLICIES:
+        raise ConfigError(
+            f"long_prompts={policy!r} must be one of {', '.join(LONG_PROMPT_POLICIES)}"
         )
-    except Exception as e:  # datasets raises many types for a missing dataset/split
-        raise ConfigError(f"dataset.name={name!r} split={split!r} could not be loaded: {e}") from e
-    return [dict(r) for r in ds]
+    return str(policy)
 
 
-def _file_rows(cfg: Any, source: str, split: str) -> list[dict]:
-    from pathlib import Path
+def fit_to_context(
+    ids: list[list[int]], budget: int, policy: str, *, context: str
+) -> tuple[list[int], list[list[int]], int]:
+    """(kept row indices, their ids, how many were over budget) for prompts that must fit
+    `budget` tokens: `truncate` keeps each long prompt's last `budget` tokens (those nearest
+    the continuation), `skip` drops it, `error` refuses the set in one line. Never silent:
+    callers log and record the count. `context` says where the budget comes from."""
+    over = sum(len(row) > budget for row in ids)
+    if over and policy == "error":
+        longest = max(len(row) for row in ids)
+        raise ConfigError(
+            f"{over} of {len(ids)} prompts are longer than the {budget} prompt tokens {context} "
+            f"(longest {longest}): set long_prompts=truncate (keep the end) or skip, choose "
+            "shorter prompts (dataset.bucket), or lower max_new_tokens"
+        )
+    kept = [i for i, row in enumerate(ids) if policy != "skip" or len(row) <= budget]
+    return kept, [ids[i][-budget:] for i in kept], over
 
-    import datasets
 
-    path = _get(cfg, "path")
-    if not path or not Path(path).expanduser().exists():
-        raise ConfigError(f"dataset.path={path!r} does not exist: point it at a {source} file")
-    file = Path(path).expanduser()
-    if file.stat().st_size == 0:
-        return []
-    builder = "json" if source in ("jsonl", "json") else source
-    try:
-        ds = datasets.load_dataset(builder, data_files={split: str(file)}, split=split)
-    except Exception as e:  # malformed files surface as many exception types
-        raise ConfigError(f"dataset.path={path!r} could not be read as {source}: {e}") from e
-    return [dict(r) for r in ds]
+def fit_prompt_set(
+    prompts: list[Prompt], tok: Any, policy: str, budget: int, where: str
+) -> tuple[list[Prompt], list[list[int]], dict[str, Any]]:
+    """(prompts kept, their ids, a `prompt_fit` record) for a decoding stage (validate, bench):
+    `fit_to_context` on the prompts' ids (no special tokens added), the count logged as a
+    warning, so a long prompt is never silently wrapped. `where` says where `budget` comes from."""
+    import logging
+
+    ids = [tok(p.text, add_special_tokens=False).input_ids for p in prompts]
+    where = f"{where} and the verify's drafts"
+    kept, rows, over = fit_to_context(ids, budget, policy, context=where)
+    if not kept:
+        raise ConfigError(
+            f"every one of the {len(prompts)} prompts is longer than the {budget} prompt tokens "
+            f"{where} with long_prompts=skip: use long_prompts=truncate, shorter prompts "
+            "(dataset.bucket) or lower max_new_tokens"
+        )
+    fit: dict[str, Any] = {"policy": policy, "max_prompt_tokens": budget, "long": over}
+    fit |= {"truncated": over if policy == "truncate" else 0}
+    fit |= {"skipped": over if policy == "skip" else 0}
+    if over:
+        done = "truncated to their last" if policy == "truncate" else "skipped: longer than"
+        logging.getLogger(__name__).warning(
+            "%d of %d prompts %s %d tokens (long_prompts=%s)", over, len(ids), done, budget, policy
+        )
+    return [prompts[i] for i in kept], rows, fit

@@ -167,6 +167,25 @@ CASES = [
         ("pair.drafter_layers='copy:1'", "copy:K needs K >= 3"),
     ),
     Case("generate-batch-0", "generate", ("batch_size=0",), ("batch_size=0",)),
+    Case(
+        "long-bucket-reversed",
+        "validate",
+        ("dataset=stdlib-long", "dataset.bucket=8k-4k"),
+        ("dataset.bucket='8k-4k' is not a bucket",),
+    ),
+    Case("long-prompts-unknown", "validate", ("long_prompts=wrap",), ("long_prompts='wrap'",)),
+    Case(
+        "generate-long-prompts-error",
+        "generate",
+        (  # the set of tests/data/test_long_prompts.py's generate test: one cached computation
+            "dataset=stdlib-long",
+            "dataset.buckets=[0-256,1k-2k]",
+            "dataset.per_bucket=1",
+            "dataset.limit=null",
+            "long_prompts=error",
+        ),
+        ("1 of 2 prompts are longer than", "long_prompts=truncate"),
+    ),
     Case("generate-threads-0", "generate", ("threads=0",), ("threads=0",)),
     Case(
         "distill-freeze",

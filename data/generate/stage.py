@@ -52,7 +52,7 @@ from specdistill.data.generate.shards import (
 )
 from specdistill.data.io import read_json
 from specdistill.data.pairs import PairSpec, load_role, load_tokenizer, resolve_pair
-from specdistill.data.prompts import Prompt, load_prompts
+from specdistill.data.prompts import Prompt, check_long_prompts, fit_to_context, load_prompts
 from specdistill.data.runtime import (
     ConfigError,
     parse_dtype,
@@ -107,8 +107,7 @@ def check_settings(cfg: Any) -> GenerationSettings:
         )
     if int(cfg.topk_logprobs) < 0:
         raise ConfigError(f"topk_logprobs={cfg.topk_logprobs} must be >= 0 (0: not stored)")
-    if cfg.long_prompts not in ("truncate", "skip"):
-        raise ConfigError(f"long_prompts={cfg.long_prompts!r} must be `truncate` or `skip`")
+    check_long_prompts(cfg.long_prompts)
     return s
 
 
@@ -143,11 +142,16 @@ def prompt_budget(context: int | None, max_new_tokens: int, max_prompt_tokens: i
 def prepare_prompts(
     prompts: Sequence[Prompt], tokenizer: Any, budget: int, policy: str, add_special_tokens: bool
 ) -> tuple[list[PreparedPrompt], dict[str, int]]:
-    """Tokenize; truncate (keep the end, nearest the completion) or skip prompts over budget."""
+    """Tokenize; truncate (keep the end, nearest the completion) or skip prompts over budget,
+    or refuse the set (`error`)."""
     out: list[PreparedPrompt] = []
     stats = {"total": len(prompts), "skipped_long": 0, "skipped_empty": 0, "truncated_long": 0}
-    for p in prompts:
-        ids = tokenizer(p.text, add_special_tokens=add_special_tokens)["input_ids"]
+    encoded = [
+        tokenizer(p.text, add_special_tokens=add_special_tokens)["input_ids"] for p in prompts
+    ]
+    if policy == "error":  # one line naming the count and the fix, before anything is written
+        fit_to_context(encoded, budget, policy, context="the target's context leaves")
+    for p, ids in zip(prompts, encoded):
         text = p.text
         if not ids:
             stats["skipped_empty"] += 1

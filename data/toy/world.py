@@ -223,6 +223,12 @@ def _spec_files(spec: ToySpec) -> tuple[list[Path], list[Path]]:
 # ----------------------------------------------------------------------------- corpus
 
 
+def is_held_out(key: str) -> bool:
+    """The split rule, one place for every prompt set: a document (a stdlib module's relative
+    path, or a long document's key) is held out (test) for 1 in 10 hashes, else train."""
+    return int(hashlib.md5(key.encode()).hexdigest(), 16) % 10 == 0
+
+
 def corpus_files() -> tuple[list[Path], list[Path]]:
     """Stdlib modules split into (train, held-out) by a hash of the relative path."""
     base = _stdlib_dir()
@@ -231,8 +237,7 @@ def corpus_files() -> tuple[list[Path], list[Path]]:
         rel = path.relative_to(base)
         if any(part in _SKIP_DIRS for part in rel.parts[:-1]):
             continue
-        bucket = int(hashlib.md5(rel.as_posix().encode()).hexdigest(), 16) % 10
-        (held if bucket == 0 else train).append(path)
+        (held if is_held_out(rel.as_posix()) else train).append(path)
     return train, held
 
 

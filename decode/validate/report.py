@@ -68,6 +68,8 @@ class ValidateResult:
     # engines=[ours,vllm]: the same pair, prompts and modes in vLLM (decode/validate/two_engines)
     engines: list[str] = field(default_factory=lambda: ["ours"])
     vllm: dict[str, Any] | None = None
+    # long_prompts policy, prompt budget and how many prompts were truncated or skipped
+    prompt_fit: dict[str, Any] = field(default_factory=dict)
 
 
 def mode_value(v: dict[str, Any], mode: str, key: str) -> Any:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.pairs import load_pair, resolve_pair
-from specdistill.data.prompts import load_prompts
+from specdistill.data.prompts import (
+    check_long_prompts,
+    check_prompt_settings,
+    fit_prompt_set,
+    load_prompts,
+)
 from specdistill.data.runtime import (
     ConfigError,
     pad_rows,
@@ -103,17 +108,9 @@ def _gamma_setting(dcfg: Any) -> tuple[int | None, int]:
     return raw, max_gamma
 
 
-def _batches(prompts: list[str], tok, batch_size: int, max_prompt_tokens: int):
-    """Left-padded tensors, prompts cut to their last `max_prompt_tokens` tokens."""
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        rows = [
-            tok(p, add_special_tokens=False).input_ids[-max_prompt_tokens:]
-            for p in prompts[i : i + batch_size]
-        ]
-        ids, mask = pad_rows(rows, tok.pad_token_id)
-        out.append((ids, mask))
-    return out
+def _batches(rows: list[list[int]], pad_id: int, batch_size: int):
+    """Left-padded tensors of already fitted prompt ids."""
+    return [pad_rows(rows[i : i + batch_size], pad_id) for i in range(0, len(rows), batch_size)]
 
 
 @dataclass
@@ -132,6 +129,10 @@ class Setup:
     warm: list[tuple[torch.Tensor, torch.Tensor]]
     engines: tuple[str, ...] = ("ours",)
     vllm_settings: Any = None  # EngineSettings when engines include vllm
+    # How prompts were fitted to the context: policy, budget, how many were long / truncated /
+    # skipped (`fit_prompt_set`); and each kept prompt's context-length bucket (long sets, else None).
+    prompt_fit: dict[str, Any] = field(default_factory=dict)
+    buckets: list[str | None] = field(default_factory=list)
 
 
 def setup(cfg: DictConfig, gamma_room: int) -> Setup:
@@ -140,6 +141,8 @@ def setup(cfg: DictConfig, gamma_room: int) -> Setup:
     for key in ("max_new_tokens", "repeats", "batch_size", "step_time_iters"):
         if not isinstance(cfg.get(key), int) or cfg.get(key) < 1:
             raise ConfigError(f"{key}={cfg.get(key)!r} must be a positive integer")
+    check_long_prompts(cfg.get("long_prompts", "truncate"))
+    check_prompt_settings(cfg.dataset)
     device = resolve_device(str(cfg.get("device", "auto")))
     set_threads(cfg.get("threads", "auto"), device)
     dtype = parse_dtype(str(cfg.get("dtype", "auto")), device)
@@ -168,12 +171,18 @@ def setup(cfg: DictConfig, gamma_room: int) -> Setup:
             f"max_prompt_tokens={max_prompt}: the context ({context}) leaves {room} prompt tokens "
             f"after max_new_tokens={cfg.max_new_tokens}; lower max_new_tokens or max_prompt_tokens"
         )
-    texts = [p.text for p in prompts]
-    batches = _batches(texts, tok, int(cfg.batch_size), max_prompt)
-    warm = _batches(texts[:1], tok, 1, max_prompt)
-    return Setup(
-        spec, target, drafter, tok, device, dtype, eos, texts, batches, warm, engines, vllm_settings
+    where = f"the target's {context}-token context leaves after max_new_tokens={cfg.max_new_tokens}"
+    prompts, rows, fit = fit_prompt_set(
+        prompts, tok, str(cfg.get("long_prompts", "truncate")), max_prompt, where
     )
+    fit["context"] = context
+    texts = [p.text for p in prompts]
+    batches = _batches(rows, tok.pad_token_id, int(cfg.batch_size))
+    warm = _batches(rows[:1], tok.pad_token_id, 1)
+    return Setup(
+        spec, target, drafter, tok, device, dtype, eos, texts, batches, warm, engines,
+        vllm_settings, prompt_fit=fit, buckets=[p.bucket for p in prompts],
+    )  # fmt: skip
 
 
 def warm_up(dec: SpeculativeDecoder, batches, warm, seed: int) -> None:
@@ -283,6 +292,10 @@ def run(cfg: DictConfig) -> ValidateResult:
     st = setup(cfg, max(fixed_gamma or max_gamma, int(dcfg.get("max_draft", 8))))
     seed, repeats = int(cfg.get("seed", 0)), int(cfg.repeats)
     notes: list[str] = []
+    if st.prompt_fit.get("long"):
+        fit = st.prompt_fit
+        notes.append(f"long_prompts={fit['policy']}: {fit['long']} prompts over "
+                     f"{fit['max_prompt_tokens']} tokens")  # fmt: skip
 
     def make(gamma: int, dc: Any = dcfg) -> SpeculativeDecoder:
         return SpeculativeDecoder(
@@ -353,6 +366,7 @@ def run(cfg: DictConfig) -> ValidateResult:
         fixed_gamma_speedup=fixed_speedup,
         engines=list(st.engines),
         vllm=vllm_figures,
+        prompt_fit=st.prompt_fit,
     )
     result.wall_seconds = round(time.perf_counter() - t_start, 1)
     atomic_write_json(out_dir / "report.json", result)

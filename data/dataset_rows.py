@@ -1,0 +1,53 @@
+"""Rows of a prompt or document set read from a file or the hub, shared by the short prompt sets
+(`data/prompts.py`) and the long-context ones (`data/long_documents.py`): one reader, one error
+line per bad path or name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from specdistill.data.runtime import ConfigError
+
+
+def node_get(cfg: Any, key: str, default=None):
+    """`cfg[key]` for a DictConfig, a dict or an attribute object (None: the default)."""
+    if cfg is None:
+        return default
+    if hasattr(cfg, "get"):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def hub_rows(cfg: Any, split: str) -> list[dict]:
+    """`datasets.load_dataset(dataset.name, dataset.config, split)` as a list of row dicts."""
+    import datasets
+
+    name = node_get(cfg, "name")
+    if not name:
+        raise ConfigError("dataset.source=hub needs dataset.name (a `datasets.load_dataset` name)")
+    try:
+        ds = datasets.load_dataset(
+            name, node_get(cfg, "config"), split=split, revision=node_get(cfg, "revision")
+        )
+    except Exception as e:  # datasets raises many types for a missing dataset/split
+        raise ConfigError(f"dataset.name={name!r} split={split!r} could not be loaded: {e}") from e
+    return [dict(r) for r in ds]
+
+
+def file_rows(cfg: Any, source: str, split: str) -> list[dict]:
+    """A jsonl/json/parquet/csv file at `dataset.path` as row dicts (an empty file: none)."""
+    import datasets
+
+    path = node_get(cfg, "path")
+    if not path or not Path(path).expanduser().exists():
+        raise ConfigError(f"dataset.path={path!r} does not exist: point it at a {source} file")
+    file = Path(path).expanduser()
+    if file.stat().st_size == 0:
+        return []
+    builder = "json" if source in ("jsonl", "json") else source
+    try:
+        ds = datasets.load_dataset(builder, data_files={split: str(file)}, split=split)
+    except Exception as e:  # malformed files surface as many exception types
+        raise ConfigError(f"dataset.path={path!r} could not be read as {source}: {e}") from e
+    return [dict(r) for r in ds]
