@@ -170,3 +170,21 @@ def test_the_stage_trains_alike_with_the_fused_loss(
     assert len(on) == 3 and on == pytest.approx(off, rel=1e-4)
     assert runs[1].alpha_after == pytest.approx(runs[0].alpha_after, abs=1e-4)
     assert calls and set(calls) == {"HeadInput" if extra else "NoneType"}  # the fused path ran
+
+
+def test_the_vocab_bench_times_the_stage_paths(one_thread):
+    """bench/vocab.py's configurations run (small here): before and after give the same loss
+    values, the draft-vocabulary path trains that many rows, and the table prints the ratios."""
+    from argparse import Namespace
+
+    from specdistill.distill.bench import vocab as bench
+
+    args = Namespace(threads=1, layers=1, hidden=72, rows=2, prompt=4, completion=6, topk=4,
+                     loss="tvd", steps=1)  # fmt: skip
+    rows = [bench.measure(v, p, args) for v in (512, 1024) for p in ("before", "after")]
+    rows.append(bench.measure(1024, "draft:128", args))
+    for before, after in (rows[0:2], rows[2:4]):
+        assert after["losses"] == pytest.approx(before["losses"], rel=1e-5)
+    assert rows[-1]["head_rows"] == 128 and rows[-1]["losses"] != rows[3]["losses"]
+    table = "\n".join(bench._table(rows))
+    assert "tokens/s 1024 after / 512 after" in table and "1024 draft:128 / 512 before" in table
