@@ -28,6 +28,10 @@ What each divergence needs over every vocabulary row (why chunks of positions, n
   any row's gradient, so the head's matmul would run again in the backward (1 extra matmul of
   the 2-3); one chunk of positions holds all V rows, so its normalisers are local and nothing is
   recomputed. Memory is one chunk's [P, V] (`positions_per_chunk`: CHUNK_ELEMENTS / V).
+- Why an autograd.Function that makes the gradients in forward rather than
+  `torch.utils.checkpoint` per chunk: checkpointing runs each chunk's matmul again in the
+  backward and holds autograd's intermediates of that chunk (several [P, V] tensors) while it
+  does; here a top-k chunk holds one buffer and nothing is recomputed (reasoned, not measured).
 
 Library check (2026-11-26): Liger-Kernel 0.8.5 (PyPI) needs Triton for its fused linear cross
 entropy and fused linear JSD kernels (no CPU); its pure-torch `chunked_loss.LigerFusedLinearJSDLoss`
@@ -50,8 +54,9 @@ from specdistill.distill.losses import (
     token_divergence,
 )
 
-# Elements of one chunk's [P, V] fp32 logits (64 MiB): measured in distill/RESULTS.md (the
-# step time was flat from 2^22 to 2^26 at 262k rows, the peak grows with it).
+# Elements of one chunk's [P, V] fp32 logits (64 MiB). At 262k rows 2^22 / 2^24 / 2^26 took
+# 8.8 / 8.6 / 7.0 s per 512-position loss step on the loaded 2-core CPU (distill/RESULTS.md):
+# bigger chunks matmul a little better, 2^24 bounds a chunk at 64 MiB on a GPU too.
 CHUNK_ELEMENTS = 1 << 24
 # `distill.chunked_loss: auto` turns the fused loss on for heads this large (RESULTS.md).
 AUTO_MIN_VOCAB = 32768

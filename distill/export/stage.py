@@ -40,6 +40,7 @@ from specdistill.data.pairs import (
 from specdistill.data.runtime import ConfigError, parse_dtype, resolve_device, run_or_exit
 from specdistill.data.tokenizer_identity import check_drafter_tokenizer
 from specdistill.distill.export.card import model_card, usage_command
+from specdistill.distill.export.head import pad_head_rows, write_token_map
 from specdistill.distill.export.in_vllm import check_vllm_settings, validate_exported
 
 log = logging.getLogger("specdistill.export")
@@ -67,6 +68,7 @@ class ExportResult:
     notes: list[str] = field(default_factory=list)
     vllm: dict[str, Any] | None = None  # vllm.enabled: the folder validated in vLLM (in_vllm.py)
     draft_vocab: int = 0  # config.json draft_vocab_ids: tokens our decoder's head scores (0: all)
+    padded_head_rows: int = 0  # rows outside a trained-over draft vocabulary set to never win
 
 
 def check_destination(out: Path, overwrite: bool) -> None:
@@ -249,6 +251,11 @@ def run(cfg: DictConfig) -> ExportResult:
     except ConfigError as e:
         raise ConfigError(f"{field_name}={source!r}: {e}") from e
 
+    # Trained over its draft vocabulary: rows outside it set so they never win a greedy draft
+    # (export/head.py), before the probe, so the check below sees the head as exported.
+    ids = getattr(model.config, "draft_vocab_ids", None)
+    trained_sub = bool(((_distill_result(source) or {}).get("data") or {}).get("draft_vocab_train"))
+    padded_rows = pad_head_rows(model, ids) if ids and trained_sub else 0
     # Reference logits on one prompt, to prove the row surgery left the real tokens alone.
     probe = torch.tensor([tok(prompts[0], add_special_tokens=False).input_ids])
     with torch.no_grad():
@@ -269,6 +276,8 @@ def run(cfg: DictConfig) -> ExportResult:
                 tmp, safe_serialization=True, max_shard_size=str(cfg.max_shard_size)
             )
             tok.save_pretrained(tmp)
+            if ids:
+                write_token_map(tmp, ids)
         needed = _validated_context(report) if min_pos == "auto" else int(min_pos)
         check = self_check(
             tmp,
@@ -304,6 +313,7 @@ def run(cfg: DictConfig) -> ExportResult:
             notes=notes,
             vllm=vllm_figures,
             draft_vocab=len(getattr(model.config, "draft_vocab_ids", None) or ()),
+            padded_head_rows=padded_rows,
         )
         distill = _distill_result(source)
         (tmp / "README.md").write_text(model_card(result, report, distill), encoding="utf-8")
