@@ -261,6 +261,8 @@ def run(cfg: DictConfig) -> ExportResult:
     with torch.no_grad():
         before = model(probe).logits[0, :, : len(tok)].float()
     resize_vocab_rows(model, target_vocab)
+    if padded_rows:  # rows the resize added (zero: logit 0 could win) get the centroid too
+        padded_rows = pad_head_rows(model, ids)
     align_with_target(model, target_config, _target_generation(spec, target_config))
     mask_id = mark_parallel(model, target_vocab, field_name, source)
     model.config.dtype = model.dtype

@@ -70,4 +70,32 @@ def test_token_map_is_what_sglang_loads(tmp_path):
     path = write_token_map(tmp_path, [5, 1, 9])
     assert path.name == TOKEN_MAP_FILE
     loaded = torch.load(path, weights_only=True)  # SGLang's load_token_map reads it so
-    assert torch.tensor(loaded, dtype=torch.int64).tolist() == [5, 1, 9]
+    assert torch.as_tensor(loaded, dtype=torch.int64).tolist() == [5, 1, 9]
+
+
+def test_export_stage_pads_a_draft_vocabulary_trained_drafter(tmp_path, toy_tiny):
+    """The export stage reads the distill result beside the drafter: with draft_vocab_train it
+    writes the padded (untied) head, the token map and the card line; its self-check passes."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdistill.distill.export import stage as export
+    from tests.distill.test_export import _cfg
+
+    src = tmp_path / "run" / "best"
+    model = AutoModelForCausalLM.from_pretrained(str(toy_tiny.drafter_dir))
+    keep = list(range(0, model.config.vocab_size, 3))
+    model.config.draft_vocab_ids = keep
+    model.save_pretrained(str(src))
+    AutoTokenizer.from_pretrained(str(toy_tiny.drafter_dir)).save_pretrained(str(src))
+    (src.parent / "result.json").write_text(json.dumps({"data": {"draft_vocab_train": True}}))
+    out = tmp_path / "drafter"
+    result = export.run(_cfg(out, f"drafter={src}"))
+    assert result.padded_head_rows == result.vocab_size - len(keep)
+    assert torch.load(out / TOKEN_MAP_FILE, weights_only=True).tolist() == keep
+    exported = AutoModelForCausalLM.from_pretrained(str(out))
+    head = exported.lm_head.weight
+    outside = [t for t in range(head.shape[0]) if t not in set(keep)]
+    torch.testing.assert_close(head[outside[0]], head[keep].mean(0))
+    assert "centroid of the rows inside" in (out / "README.md").read_text()
