@@ -2,8 +2,8 @@
 
 Conventions (GKD, see DESIGN.md): p = target (teacher), q = drafter (student, the one trained);
 `beta` picks the generalised JSD (0 = forward KL(p||q), 1 = reverse KL(q||p)); positions whose
-mask is False (labels -100) contribute nothing. Every divergence is computed in fp32 from
-log-probabilities, whatever dtype the logits arrive in.
+mask is False (labels -100) contribute nothing. Every divergence is computed in fp32 (float64
+stays float64, for tests) from log-probabilities, whatever dtype the logits arrive in.
 
 The loss is a *sum* over unmasked tokens divided by `num_tokens`, the number of tokens in the
 whole gradient-accumulation window (across ranks), which the trainer passes in: normalising
@@ -101,6 +101,11 @@ def token_divergence(
     raise ValueError(f"unknown divergence {name!r}; use one of {DIVERGENCES}")
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """fp32, or float64 kept as is (so tests can check the math to 1e-12 against float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 # ---------------------------------------------------------------------------------------------
 # Target representations: full logits, or the generate stage's stored top-k log-probs.
 
@@ -109,8 +114,8 @@ def full_logprobs(
     student: torch.Tensor, target: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (log p, log q) over the full vocab at the distillation temperature."""
-    lq = F.log_softmax(student.float() / temperature, dim=-1)
-    lp = F.log_softmax(target.float() / temperature, dim=-1)
+    lq = F.log_softmax(at_least_fp32(student) / temperature, dim=-1)
+    lp = F.log_softmax(at_least_fp32(target) / temperature, dim=-1)
     return lp, lq
 
 
@@ -133,12 +138,21 @@ def topk_logprobs(
     top-k tokens outside it with log p = -inf: they join the rest bucket on p's side (q gives
     them nothing), and both sides carry the floor there, so they add nothing to any divergence.
     """
-    lq_full = F.log_softmax(student.float(), dim=-1)
+    lq_full = F.log_softmax(at_least_fp32(student), dim=-1)
     ids = topk_ids.long()
-    lp_k = topk_lp.float()
-    valid = lp_k > float("-inf")
-    lq_k = torch.where(valid, lq_full.gather(-1, ids), _REST_FLOOR)
     lq_rest = lq_full.scatter(-1, ids, float("-inf")).logsumexp(-1, keepdim=True)
+    return coarse_topk(lq_full.gather(-1, ids), lq_rest, topk_lp)
+
+
+def coarse_topk(
+    lq_k: torch.Tensor, lq_rest: torch.Tensor, topk_lp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (K+1)-way (log p, log q) of `topk_logprobs` from the drafter's log q at the top-k ids
+    [..., K] and over the rest [..., 1]: the one place the floors and the rest bucket are set,
+    shared with the fused head loss (distill/head_loss.py), which gets those from chunks."""
+    lp_k = topk_lp.to(lq_k.dtype)
+    valid = lp_k > float("-inf")
+    lq_k = torch.where(valid, lq_k, _REST_FLOOR)
     lp_k = torch.where(valid, lp_k, _REST_FLOOR)
     mass_k = lp_k.logsumexp(-1, keepdim=True).clamp(max=0.0)
     lp_rest = torch.log((-torch.expm1(mass_k)).clamp(min=0.0)).clamp(min=_REST_FLOOR)

@@ -146,7 +146,16 @@ def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, An
             f"- draft vocabulary: config.json `draft_vocab_ids` lists {result.draft_vocab} token "
             "ids (the most frequent in its training rows); specdistill's decoder scores only "
             "those in its draft steps (still lossless: q is 0 elsewhere), other engines ignore "
-            "the key and run the full head"
+            "the key and run the full head; `speculative_token_map.pt` holds the same ids for "
+            "SGLang's `--speculative-token-map`"
+        )
+    if getattr(result, "padded_head_rows", 0):
+        lines.append(
+            f"- trained over its draft vocabulary (`draft_vocab_train`): the {result.padded_head_rows}"
+            " LM-head rows outside it are the centroid of the rows inside (head untied), so "
+            "greedy drafts in engines that run the full head (vLLM, transformers) never leave the "
+            "draft vocabulary; sampled drafts there can (each outside row weighs an average kept "
+            "token): serve greedy, or with specdistill's decoder"
         )
     if distill:
         loss = distill.get("loss") or {}

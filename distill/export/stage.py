@@ -41,6 +41,7 @@ from specdistill.data.runtime import ConfigError, parse_dtype, resolve_device, r
 from specdistill.data.tokenizer_identity import check_drafter_tokenizer
 from specdistill.distill.export import check as export_check
 from specdistill.distill.export.card import model_card, usage_command
+from specdistill.distill.export.head import pad_head_rows, write_token_map
 from specdistill.distill.export.in_vllm import check_vllm_settings, validate_exported
 
 log = logging.getLogger("specdistill.export")
@@ -68,6 +69,7 @@ class ExportResult:
     notes: list[str] = field(default_factory=list)
     vllm: dict[str, Any] | None = None  # vllm.enabled: the folder validated in vLLM (in_vllm.py)
     draft_vocab: int = 0  # config.json draft_vocab_ids: tokens our decoder's head scores (0: all)
+    padded_head_rows: int = 0  # rows outside a trained-over draft vocabulary set to never win
 
 
 def check_destination(out: Path, overwrite: bool) -> None:
@@ -248,11 +250,18 @@ def run(cfg: DictConfig) -> ExportResult:
     except ConfigError as e:
         raise ConfigError(f"{field_name}={source!r}: {e}") from e
 
+    # Trained over its draft vocabulary: rows outside it set so they never win a greedy draft
+    # (export/head.py), before the probe, so the check below sees the head as exported.
+    ids = getattr(model.config, "draft_vocab_ids", None)
+    trained_sub = bool(((_distill_result(source) or {}).get("data") or {}).get("draft_vocab_train"))
+    padded_rows = pad_head_rows(model, ids) if ids and trained_sub else 0
     # Reference logits on one prompt, to prove the row surgery left the real tokens alone.
     probe = torch.tensor([tok(prompts[0], add_special_tokens=False).input_ids])
     with torch.no_grad():
         before = model(probe).logits[0, :, : len(tok)].float()
     resize_vocab_rows(model, target_vocab)
+    if padded_rows:  # rows the resize added (zero: logit 0 could win) get the centroid too
+        padded_rows = pad_head_rows(model, ids)
     align_with_target(model, target_config, _target_generation(spec, target_config))
     mask_id = mark_parallel(model, target_vocab, field_name, source)
     model.config.dtype = model.dtype
@@ -268,6 +277,8 @@ def run(cfg: DictConfig) -> ExportResult:
                 tmp, safe_serialization=True, max_shard_size=str(cfg.max_shard_size)
             )
             tok.save_pretrained(tmp)
+            if ids:
+                write_token_map(tmp, ids)
         needed = _validated_context(report) if min_pos == "auto" else int(min_pos)
         check = export_check.self_check(
             tmp,
@@ -303,6 +314,7 @@ def run(cfg: DictConfig) -> ExportResult:
             notes=notes,
             vllm=vllm_figures,
             draft_vocab=len(getattr(model.config, "draft_vocab_ids", None) or ()),
+            padded_head_rows=padded_rows,
         )
         distill = _distill_result(source)
         (tmp / "README.md").write_text(model_card(result, report, distill), encoding="utf-8")

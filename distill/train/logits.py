@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from specdistill.distill.head_loss import HeadInput
+
 # Causal-LM classes whose logits are exactly lm_head(last_hidden_state) (transformers 5.x).
 PLAIN_HEAD = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -57,3 +59,21 @@ def masked_logits(
         return head(hidden[mask])[..., :vocab]
     bias = None if head.bias is None else head.bias.index_select(0, head_ids)
     return torch.nn.functional.linear(hidden[mask], head.weight.index_select(0, head_ids), bias)
+
+
+def masked_head_input(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    mask: torch.Tensor,
+    vocab: int,
+) -> HeadInput:
+    """The final hidden states of the positions where `mask` [b, n] is True ([N, H], row order)
+    and the head cut to `vocab` rows, for `head_loss.fused_distill_loss`, which never
+    materialises the [N, vocab] logits. `model` must pass `has_plain_head`."""
+    hidden = model.get_decoder()(
+        input_ids=input_ids, attention_mask=attention_mask
+    ).last_hidden_state
+    head = model.get_output_embeddings()
+    bias = None if head.bias is None else head.bias[:vocab]
+    return HeadInput(hidden[mask.bool()], head.weight[:vocab], bias)

@@ -29,6 +29,7 @@ from specdistill.decode.draft_vocab import (
     draft_vocab_size,
     drafter_vocab_ids,
 )
+from specdistill.distill.head_loss import AUTO_MIN_VOCAB
 from specdistill.distill.losses import DIVERGENCES
 from specdistill.distill.parallel import check_parallel_config
 from specdistill.distill.train import zero
@@ -72,6 +73,19 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.optim.schedule not in ("cosine", "linear", "constant"):
         raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: use cosine, linear or constant")
     draft_vocab_size(cfg.get("draft_vocab", "auto"), 1 << 30)  # the setting's form only
+    chunked_loss(cfg, 0)
+
+
+def chunked_loss(cfg: DictConfig, vocab: int) -> bool:
+    """`chunked_loss`: compute the loss from the drafter's hidden states and head in chunks of
+    positions, never the full [N, V] logits (distill/head_loss.py; exact, same value). auto: on
+    for vocabularies >= head_loss.AUTO_MIN_VOCAB, where the head's logits dominate a step
+    (distill/RESULTS.md). Applies to the plain-process masked-head path (`masked_head`) of a
+    plain-head model; the draft-vocabulary head (`draft_vocab_train`) keeps its own path."""
+    setting = cfg.get("chunked_loss", "auto")
+    if setting not in ("auto", True, False):
+        raise ConfigError(f"chunked_loss={setting!r}: use auto, true or false")
+    return vocab >= AUTO_MIN_VOCAB if setting == "auto" else bool(setting)
 
 
 def train_head_ids(

@@ -32,6 +32,7 @@ from specdistill.data.io import atomic_write_json
 from specdistill.data.pairs import load_role, load_tokenizer, resolve_pair
 from specdistill.data.runtime import ConfigError, run_or_exit
 from specdistill.distill import parallel
+from specdistill.distill.head_loss import HeadInput, fused_distill_loss
 from specdistill.distill.losses import distill_loss, subset_topk
 from specdistill.distill.train import checkpoint as ckpt
 from specdistill.distill.train import setup, zero
@@ -43,7 +44,7 @@ from specdistill.distill.train.data import (
     sample_onpolicy,
 )
 from specdistill.distill.train.evaluate import evaluate, evaluate_parallel
-from specdistill.distill.train.logits import masked_logits
+from specdistill.distill.train.logits import has_plain_head, masked_head_input, masked_logits
 from specdistill.distill.train.predict import heldout_prediction
 from specdistill.distill.train.sweep_summary import write_summary
 
@@ -132,6 +133,7 @@ class Trainer:
     # draft vocabulary trained as decoded (setup.train_head_ids): its ids [K], token -> column
     head_ids: torch.Tensor | None = None
     head_index: torch.Tensor | None = None
+    chunked: bool = False  # the loss from hidden states + head (distill/head_loss.py)
 
     @property
     def device(self) -> torch.device:
@@ -229,6 +231,7 @@ def prepare(cfg: DictConfig) -> Trainer:
         frozen_params=frozen,
         head_ids=head_ids,
         head_index=head_index,
+        chunked=setup.chunked_loss(cfg, len(tok)),
     )
 
 
@@ -300,18 +303,23 @@ def micro_batches(tr: Trainer, step: int, lmbda: float) -> list[tuple[dict, bool
 
 def _logits_and_targets(
     tr: Trainer, batch: dict[str, torch.Tensor], onp: bool, masked: bool
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+) -> tuple[torch.Tensor | HeadInput, torch.Tensor, dict[str, Any]]:
     """(drafter logits, loss mask, the target's keywords for `distill_loss`) of one micro-batch.
 
     `masked`: logits of the loss positions only, as one [1, N, V] row (`logits.masked_logits`),
     and the target's logits or stored top-k gathered at the same positions; else the padded
-    [b, n, V] grid. The loss is a sum over positions, so both give the same value.
+    [b, n, V] grid. The loss is a sum over positions, so both give the same value. With
+    `tr.chunked` (and a plain head) the drafter comes as hidden states + head (`HeadInput`,
+    for `fused_distill_loss`), and so does a live target with a plain head.
     """
     ids, att, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     use_topk = tr.topk and not onp
     sub = masked and use_topk and tr.head_ids is not None  # the draft vocabulary's head only
+    fused = masked and not sub and tr.chunked and has_plain_head(tr.model)
     with tr.accelerator.autocast():
-        if masked:
+        if fused:
+            logits = masked_head_input(tr.model, ids, att, mask, tr.vocab)
+        elif masked:
             head = tr.head_ids if sub else None
             logits = masked_logits(tr.model, ids, att, mask, tr.vocab, head)[None]
         else:
@@ -326,13 +334,16 @@ def _logits_and_targets(
             )
     else:
         with torch.no_grad():
-            if masked:
+            if fused and has_plain_head(tr.target):
+                target = masked_head_input(tr.target, ids, att, mask, tr.vocab)
+            elif masked:
                 target = masked_logits(tr.target, ids, att, mask, tr.vocab)[None]
             else:
                 target = tr.target(input_ids=ids, attention_mask=att).logits[..., : tr.vocab]
         kwargs = {"target_logits": target}
     if masked:
-        mask = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)
+        rows = logits.hidden.shape[:1] if fused else logits.shape[:2]  # type: ignore[union-attr]
+        mask = torch.ones(rows, dtype=torch.bool, device=ids.device)
     return logits, mask, kwargs
 
 
@@ -392,14 +403,15 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
                 logits, mask, kwargs = _logits_and_targets(tr, batch, onp, masked)
             else:
                 logits, mask, kwargs = _packed_logits_and_targets(tr, batch, packed, onp)
-            loss = distill_loss(
-                logits,
+            fused = isinstance(logits, HeadInput)
+            loss = (fused_distill_loss if fused else distill_loss)(
+                logits,  # type: ignore[arg-type]
                 mask,
                 divergence=loss_name,
                 beta=beta,
                 temperature=float(cfg.loss.temperature),
                 num_tokens=max(n_window, 1),
-                chunk_size=cfg.loss_chunk_size,
+                chunk_size=None if fused else cfg.loss_chunk_size,
                 **kwargs,
             )
             accelerator.backward(loss * scale)
