@@ -25,19 +25,14 @@ the decoder's own steps (target step, verify of k drafts, draft step).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.acceptance import (
-    accept_prefix,
-    expected_alpha,
-    greedy_agreement,
     probs_from_logits,
     sample_from,
     uniforms,
-    verify_sampling,
 )
 from specdistill.decode.cache import (
     ModelRunner,
@@ -58,6 +53,7 @@ from specdistill.decode.draft_vocab import draft_vocab_of, subset_head
 from specdistill.decode.drafters import DRAFTERS, Drafter
 from specdistill.decode.outputs import DecodeOutput, RoundRecord
 from specdistill.decode.step_timer import StepTimer
+from specdistill.decode.verify import RoundState, Verifier
 
 # re-exported: callers import the decoder's types from here
 __all__ = [
@@ -69,23 +65,6 @@ __all__ = [
     "check_pair_for_decoding",
     "model_device_dtype",
 ]
-
-
-@dataclass
-class _Decode:
-    """One `generate` call's state, advanced round by round (p = target runner `tgt`)."""
-
-    tgt: ModelRunner
-    mask: torch.Tensor  # (B, capacity) shared slot mask of both caches
-    dense: bool  # batch 1: no mask, no explicit positions
-    policy: DraftLengthPolicy
-    adaptive: bool
-    out: DecodeOutput
-    done: list[bool]
-    t: torch.Tensor  # (B,) pending token, not yet in the target's cache
-    pos: torch.Tensor  # (B,) its position
-    steps: torch.Tensor  # arange over the widest verify
-    generator: torch.Generator | None
 
 
 class SpeculativeDecoder:
@@ -127,6 +106,9 @@ class SpeculativeDecoder:
             compiled=self.compile,
             make_runner=lambda slots: self._runner(self.drafter, slots),
             mask_token_id=cfg.mask_token_id,
+        )
+        self.verifier = Verifier(
+            cfg, self.vocab, self.device, self.verify_widths, self.compile_target and not fixed
         )
         self.parallel = self.drafting.parallel
         self.mask_token_id = getattr(self.drafting, "mask_token_id", None)
@@ -272,7 +254,7 @@ class SpeculativeDecoder:
             if len(pending) >= self.sync_every or out.target_forwards >= cfg.max_new_tokens:
                 for r, toks in enumerate(torch.stack(pending, 1).tolist()):
                     if not done[r]:
-                        done[r] = self._emit(out.tokens[r], toks)
+                        done[r] = self.verifier.emit(out.tokens[r], toks)
                 pending = []
         return out
 
@@ -309,7 +291,7 @@ class SpeculativeDecoder:
             self._round(st)
         return st.out
 
-    def _start(self, input_ids, attention_mask, generator) -> _Decode:
+    def _start(self, input_ids, attention_mask, generator) -> RoundState:
         """Prefill the target (and the drafter, unless the floor may spare it) and set up the
         shared slot mask, the policy and the counters of one decode."""
         cfg, kmax = self.cfg, self.max_draft
@@ -336,11 +318,11 @@ class SpeculativeDecoder:
         )
         steps = torch.arange(self.verify_widths[-1], device=self.device)
         policy.start(b)
-        return _Decode(
+        return RoundState(
             tgt, mask, dense, policy, adaptive, out, [False] * b, t, pos, steps, generator
         )
 
-    def _round(self, st: _Decode) -> None:
+    def _round(self, st: RoundState) -> None:
         """One round: plan k (policy), a plain target step when k = 0, else the drafter's k
         proposals (q, confidences), the verify of the drafts each row keeps, then both caches
         rolled back to the longest accepted prefix (shorter rows keep masked holes)."""
@@ -352,7 +334,7 @@ class SpeculativeDecoder:
             st.mask[:, length : length + k + 1] = True
         if k == 0:  # the floor: a plain target step, as lean as `baseline`'s
             self.drafting.skip(st.t, st.pos)
-            st.t = self._target_step(st, active)
+            st.t = self.verifier.target_step(st, active)
             st.pos = st.pos + 1
             st.policy.observe_step(active)
             return
@@ -373,11 +355,11 @@ class SpeculativeDecoder:
         if not st.dense and kv < k:  # slots planned for drafts that are not verified
             st.mask[:, length + kv + 1 : length + k + 1] = False
         row_cut = any(n < kv for n in lengths)
-        n, nxt, alpha_pos, t_logits, width = self._verify(
+        n, nxt, alpha_pos, t_logits, width = self.verifier.verify(
             st, draft_t, q, lengths if row_cut else None
         )
         st.out.target_forwards += 1
-        host = self._settle(
+        host = self.verifier.settle(
             st.out, st.done, active, (draft_t, n, nxt, alpha_pos), t_logits, lengths, row_cut
         )
         n_list = [row[kv] for row in host]
@@ -391,81 +373,6 @@ class SpeculativeDecoder:
         st.pos = st.pos + 1 + n
         st.t = nxt
 
-    def _verify(self, st: _Decode, draft_t, q, lengths):
-        """Verify [t, d_1..d_K] with p in one forward (a compiled target pads to a few widths;
-        batched: the padding's slots are opened in the mask) and apply the acceptance rule, the
-        same for every kind of drafter. q (B, K, V): the drafts' distributions (sampling; None
-        when greedy); lengths: drafts row r verifies, when rows were cut short. Returns
-        (accepted counts, next tokens, per-position alpha, target logits, verify width)."""
-        s, (b, kd), tgt, steps = self.cfg.sampling, draft_t.shape, st.tgt, st.steps
-        length, t, dense, generator = tgt.length, st.t, st.dense, st.generator
-        vin = torch.cat([t[:, None], draft_t], 1)
-        width = self._verify_width(kd)
-        if width > kd + 1:
-            vin = torch.cat([vin, t[:, None].expand(b, width - kd - 1)], 1)
-            if not dense:
-                st.mask[:, length + kd + 1 : length + width] = True
-        attn = None if dense else step_mask(tgt, st.mask, length + width)
-        vpos = None if dense else st.pos[:, None] + steps[:width]
-        t_logits = tgt.forward(vin, attn, vpos, keep=width)[:, : kd + 1, : self.vocab]
-        len_t = torch.tensor(lengths, device=self.device) if lengths is not None else None
-        if s.greedy:  # one argmax serves the verdict and the per-position agreement
-            ok, target_tok = greedy_agreement(draft_t, t_logits)
-            if len_t is not None:
-                ok &= steps[None, :kd] < len_t[:, None]
-            n, nxt = accept_prefix(ok, target_tok)
-            return n, nxt, ok.float(), t_logits, width
-        p = probs_from_logits(t_logits, s)
-        q = q if q is not None else torch.zeros_like(p[:, :0])
-        n, nxt = verify_sampling(
-            draft_t,
-            p,
-            q,
-            uniforms((b, kd), generator, self.device),
-            uniforms((b,), generator, self.device),
-            self.cfg.lenience,
-            lengths=len_t,
-        )
-        return n, nxt, expected_alpha(p[:, :kd], q), t_logits, width
-
-    def _target_step(self, st: _Decode, active: list[bool]) -> torch.Tensor:
-        """One target-only step inside a speculative decode (the floor); returns the next token."""
-        s, tgt, out, t = self.cfg.sampling, st.tgt, st.out, st.t
-        attn = None if st.dense else step_mask(tgt, st.mask, tgt.length + 1)
-        xpos = None if st.dense else st.pos[:, None]
-        logits = tgt.forward(t[:, None], attn, xpos, keep=1)[:, -1, : self.vocab]
-        if s.greedy:
-            nxt = logits.argmax(-1)
-        else:
-            probs = probs_from_logits(logits, s)
-            nxt = sample_from(probs, uniforms((t.shape[0],), st.generator, self.device))
-        out.target_forwards += 1
-        if self.cfg.record_probs:
-            out.rounds.append(
-                RoundRecord(
-                    start=[len(tk) for tk in out.tokens],
-                    draft=t[:, None][:, :0],
-                    accepted=torch.zeros_like(nxt),
-                    next_token=nxt,
-                    active=active,
-                    target_probs=torch.softmax(logits.float(), -1)[:, None],
-                )
-            )
-        for r, tok in enumerate(nxt.tolist()):
-            if active[r]:
-                out.row_rounds += 1
-                out.block_tokens += 1
-                out.draft_lengths[0] += 1
-                st.done[r] = self._emit(out.tokens[r], [tok])
-        return nxt
-
-    def _verify_width(self, k: int) -> int:
-        """Tokens the verify step feeds: k + 1, or the next of a few widths when the target's
-        steps are compiled (padding past the drafts is verified and rolled back unread)."""
-        if not self.compile_target or self.cfg.draft_length == "fixed":
-            return k + 1
-        return next(w for w in self.verify_widths if w >= k + 1)
-
     def _draft_width(self, tokens: list[list[int]], done: list[bool]) -> int:
         """Drafts this round: gamma, or fewer when no unfinished row has the budget left to use
         them (a round emits at most drafts + 1 tokens), so a decode's last round drafts and
@@ -476,47 +383,3 @@ class SpeculativeDecoder:
             return g
         left = max(self.cfg.max_new_tokens - len(row) for row, d in zip(tokens, done) if not d)
         return max(1, min(g, left - 1))
-
-    def _settle(
-        self,
-        out: DecodeOutput,
-        done: list[bool],
-        active: list[bool],
-        verdict: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-        t_logits: torch.Tensor,
-        lengths: list[int],
-        row_cut: bool = False,
-    ) -> list[list]:
-        """The round's one host sync (drafts, accepted counts, next tokens, per-position alpha;
-        token ids < 2^24 are exact in fp32), then its counters, its record and its tokens, the
-        same for every drafting mode. Marks finished rows in `done`; returns the host rows."""
-        draft_t, n, nxt, alpha_pos = verdict
-        k = draft_t.shape[1]
-        host = torch.cat([draft_t, n[:, None], nxt[:, None], alpha_pos], 1).float().tolist()
-        host = [[int(v) for v in row[: k + 2]] + row[k + 2 :] for row in host]
-        out.count_round(host, active, k, lengths)
-        if self.cfg.record_probs:
-            out.rounds.append(
-                RoundRecord(
-                    start=[len(tk) for tk in out.tokens],
-                    draft=draft_t,
-                    accepted=n,
-                    next_token=nxt,
-                    active=active,
-                    target_probs=torch.softmax(t_logits.float(), -1),
-                    lengths=lengths if row_cut else None,
-                )
-            )
-        for r, row in enumerate(host):
-            if not done[r]:
-                done[r] = self._emit(out.tokens[r], [*row[: row[k]], row[k + 1]])
-        return host
-
-    def _emit(self, row: list[int], tokens: list[int]) -> bool:
-        """Append up to the budget, stopping after an EOS; True when the row is finished."""
-        eos = self.cfg.eos_token_id
-        for tok in tokens:
-            row.append(tok)
-            if tok in eos or len(row) >= self.cfg.max_new_tokens:
-                return True
-        return False

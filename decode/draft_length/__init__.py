@@ -4,9 +4,9 @@ p = target, q = drafter, gamma = drafts per round, c = drafter step / target ste
 
 | module | what it holds |
 | --- | --- |
-| `costs.py` | the pure cost and stopping math: `DraftCosts`, expected tokens, the expected-gain rule, step widths |
+| `costs.py` | pure cost and stopping math: `DraftCosts`, expected-gain rule, step widths |
 | `calibration.py` | `Calibration`: acceptance predicted from q's confidence, fitted online |
-| `policies.py` | `fixed`, `heuristic`, `confidence` (`make_policy`), with the floor of plain target steps |
+| `policies.py` | `fixed`, `heuristic`, `confidence` (`make_policy`), the floor of target steps |
 | `figures.py` | `replay` (a policy over known outcomes) and a decode's `draft_figures` |
 | `measure.py` | `DraftCosts` from the config or timed through the decoder's `step_timer` |
 

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from specdistill.decode.validate.stage import ValidateResult
+from typing import Any
 
 
-def report_markdown(r: ValidateResult) -> str:
-    """A short side-by-side table (p = target, q = drafter)."""
+def report_markdown(r: Any) -> str:
+    """A short side-by-side table of `r`, a `validate.stage.ValidateResult` (typed `Any`: this
+    module is imported by the stage, and importing it back would make a cycle; p = target,
+    q = drafter)."""
     b, s = r.baseline_tokens_per_s, r.speculative_tokens_per_s
     rows = [
         (

@@ -1,4 +1,4 @@
-"""Parallel drafting (decode.drafters.parallel) is lossless and its drafter cache holds real tokens only.
+"""Parallel drafting (decode.drafters.parallel) is lossless; the drafter caches real tokens only.
 
 p = target, q = drafter. The drafters are untrained copies fed a mask token, so drafts past the
 first are often rejected and rows accept different lengths (every test asserts partial
