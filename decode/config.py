@@ -47,7 +47,7 @@ class DecoderConfig:
     probe_every: int = 8
     draft_costs: DraftCosts | None = None  # None: measured on the pair at first use
     # autoregressive: gamma drafter steps per round | parallel: one drafter forward over the
-    # new tokens + gamma-1 mask tokens proposes all gamma (decode.parallel; a PARD drafter)
+    # new tokens + gamma-1 mask tokens proposes all gamma (decode.drafters.parallel; PARD)
     drafting: str = "autoregressive"
     mask_token_id: int | None = None  # parallel: None reads the drafter's config.mask_token_id
     # auto: the drafter's head scores only its config's `draft_vocab_ids` when it has them (the
