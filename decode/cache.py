@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, padded_positions
 from specdistill.decode.cpu_matmul import has_two_column_weight, weight_major_linear
 from specdistill.decode.draft_vocab import SubsetHead, swapped_head
 
@@ -218,6 +218,26 @@ def compiled_forward(model):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         fn = _COMPILED[model] = torch.compile(model.forward, mode=mode, dynamic=False)
     return fn
+
+
+def step_mask(runner: ModelRunner, mask: torch.Tensor, width: int) -> torch.Tensor:
+    """The 2-D mask for a step of `runner` over the shared slot layout `mask` (B, capacity):
+    full width over a static cache (one shape for compiled steps; slots past the step are
+    causally masked anyway), else the `width` slots in use."""
+    return mask[:, : runner.capacity] if runner.static else mask[:, :width]
+
+
+def prefill_prompt(
+    runners: list[ModelRunner], ids: torch.Tensor, mask: torch.Tensor, dense: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed all prompt tokens but the last (it opens the first round) to each runner, in the
+    shared slot layout; returns the pending token and its position per row."""
+    if ids.shape[1] > 1:
+        attn = None if dense else mask[:, :-1]
+        pos = None if dense else padded_positions(mask)[:, :-1]
+        for r in runners:
+            r.forward(ids[:, :-1], attn, pos, keep=1, prefill=True)
+    return ids[:, -1], mask.long().sum(1) - 1
 
 
 def bucket_capacity(slots: int, bucket: int = 256) -> int:

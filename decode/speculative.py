@@ -1,236 +1,70 @@
 """The speculative decoder: a drafter q proposes gamma tokens, the target p verifies them at once.
 
 Works over any two `transformers` causal LMs sharing a vocabulary (a drafter padded differently
-is padded/trimmed to the target's size). Both KV caches share one slot layout (see
-`specdistill.decode.cache`): a round feeds the drafter gamma single-token steps and the target one
-(gamma+1)-token verify step, then rolls both caches back to the longest accepted prefix in the
-batch; rows that accepted less keep masked "holes", so rows may accept different lengths and
-nothing is recomputed. When a row accepts all gamma drafts, the drafter's cache lacks the last
-draft and catches it up in its next step. A round drafts fewer than gamma tokens only when no
-unfinished row could emit more before `max_new_tokens` (eager target steps; a compiled target
-keeps one verify shape). `baseline` decodes with the target alone through the same machinery, so
-a speedup compares like with like.
+is padded/trimmed to the target's size). `generate` is the one round loop, whatever the kind of
+drafter: each kind (autoregressive, parallel = PARD mask tokens; `decoder.drafting`) is a
+strategy behind the small interface of `specdistill.decode.drafters.base.Drafter` (propose k
+drafts with their q and confidences, skip a plain target step, accept / roll back, cost).
+
+Both KV caches share one slot layout (see `specdistill.decode.cache`): a round has the drafter
+propose k drafts and the target verify them in one (k+1)-token step, then rolls both caches
+back to the longest accepted prefix in the batch; rows that accepted less keep masked "holes",
+so rows may accept different lengths and nothing is recomputed. A round drafts fewer than gamma
+tokens only when no unfinished row could emit more before `max_new_tokens` (eager target steps;
+a compiled target keeps one verify shape). `baseline` decodes with the target alone through the
+same machinery, so a speedup compares like with like.
 
 `decoder.draft_length` other than `fixed` picks each round's length with a policy of
 `specdistill.decode.draft_length` (it reads q and earlier rounds only, so the rule stays
-lossless); a round of 0 drafts is a plain target step, after which the drafter lags and catches
-up on those tokens in the first step of its next round. A compiled target pads verifies to a few
-widths (`verify_widths`), a compiled drafter feeds a long catch-up in power-of-two chunks.
+lossless); a round of 0 drafts is a plain target step, whose token the drafter reads in its
+next round. A compiled target pads verifies to a few widths (`verify_widths`), a compiled
+drafter feeds a long catch-up in power-of-two chunks. `step_timer` is the public way to time
+the decoder's own steps (target step, verify of k drafts, draft step).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 import torch
 
-from specdistill.data.pairs import check_vocab, match_vocab, vocab_size
-from specdistill.data.runtime import ConfigError, padded_positions
-from specdistill.data.sampling import Sampling
+from specdistill.data.runtime import ConfigError
 from specdistill.decode.acceptance import (
-    accept_prefix,
-    expected_alpha,
-    greedy_agreement,
     probs_from_logits,
     sample_from,
     uniforms,
-    verify_sampling,
 )
-from specdistill.decode.cache import ModelRunner, bucket_capacity, check_rollback
-from specdistill.decode.draft_length import (
-    MIN_OVERHEAD,
-    POLICIES,
-    SCOPES,
-    DraftCosts,
-    chunk_widths,
-    make_policy,
-    measure_costs,
-    verify_widths,
+from specdistill.decode.cache import (
+    ModelRunner,
+    bucket_capacity,
+    check_rollback,
+    prefill_prompt,
+    step_mask,
 )
+from specdistill.decode.config import (
+    DecoderConfig,
+    check_decoder_config,
+    check_pair_for_decoding,
+    model_device_dtype,
+)
+from specdistill.decode.draft_length import DraftCosts, make_policy, measure_costs, verify_widths
+from specdistill.decode.draft_length.policies import DraftLengthPolicy
 from specdistill.decode.draft_vocab import draft_vocab_of, subset_head
-from specdistill.decode.parallel import DRAFTING, generate_parallel, resolve_mask_token
+from specdistill.decode.drafters import DRAFTERS, Drafter
+from specdistill.decode.outputs import DecodeOutput, RoundRecord
+from specdistill.decode.step_timer import StepTimer
+from specdistill.decode.verify import RoundState, Verifier
 
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    """How to decode; `lenience` < 1 is DistillSpec's lossy rule (report it as lossy)."""
-
-    gamma: int = 4
-    max_new_tokens: int = 64
-    sampling: Sampling = field(default_factory=Sampling)
-    lenience: float = 1.0
-    eos_token_id: tuple[int, ...] = ()
-    cache: str = "auto"  # auto (static on CUDA, dynamic on CPU) | static | dynamic
-    # auto: CUDA graphs on CUDA only; True: also inductor on CPU; "drafter": compile the drafter's
-    # steps only (the target, and so the target-only baseline, stays eager)
-    compile: str | bool = "auto"
-    record_probs: bool = False  # keep the target's probabilities per verified position
-    host_sync_every: int = 0  # target-only decoding: tokens reach the host every N steps; 0: auto
-    # auto: on CPU, verify and catch-up steps (2-16 tokens) run linears as weight @ x.T, which
-    # costs about one 1-token step (decode.cpu_matmul); linear: F.linear everywhere
-    cpu_matmul: str = "auto"
-    # Per-round draft length (decode.draft_length): fixed (gamma every round) | heuristic
-    # (transformers' +2/-1 schedule from gamma) | confidence (expected gain of the drafter's
-    # calibrated confidence); the adaptive ones draft at most `max_draft` per round, fall back to
-    # plain target steps when drafting does not pay (`draft_floor`), and probe every `probe_every`
-    # such steps. `draft_scope`: batch (one length for all rows) | row (each row its own).
-    draft_length: str = "fixed"
-    max_draft: int = 8
-    draft_scope: str = "batch"
-    draft_floor: bool = True
-    probe_every: int = 8
-    draft_costs: DraftCosts | None = None  # None: measured on the pair at first use
-    # autoregressive: gamma drafter steps per round | parallel: one drafter forward over the
-    # new tokens + gamma-1 mask tokens proposes all gamma (decode.parallel; a PARD drafter)
-    drafting: str = "autoregressive"
-    mask_token_id: int | None = None  # parallel: None reads the drafter's config.mask_token_id
-    # auto: the drafter's head scores only its config's `draft_vocab_ids` when it has them (the
-    # distill stage writes them for large vocabularies; decode.draft_vocab) | full: the whole head
-    draft_vocab: str = "auto"
-
-    @property
-    def lossy(self) -> bool:
-        return self.lenience != 1.0
-
-
-@dataclass
-class RoundRecord:
-    """One draft/verify round, for online adaptation (p = target, q = drafter).
-
-    `start[r]`: tokens row r had emitted before the round (the drafts continue from there);
-    `draft` (B, gamma): proposed tokens; `accepted` (B,): how many were kept; `next_token` (B,):
-    the target's correction or bonus token; `target_probs` (B, gamma+1, V) fp32 softmax of the
-    target's raw (temperature-1) logits at each verified position, if `record_probs`.
-    Rows that were already finished are flagged in `active`.
-    """
-
-    start: list[int]
-    draft: torch.Tensor
-    accepted: torch.Tensor
-    next_token: torch.Tensor
-    active: list[bool]
-    target_probs: torch.Tensor | None = None
-    lengths: list[int] | None = None  # drafts row r verified, when rows differ (draft_scope=row)
-
-
-@dataclass
-class DecodeOutput:
-    """New tokens per row (EOS included when hit) and the counters the report is built from."""
-
-    tokens: list[list[int]]
-    target_forwards: int = 0  # decode-time forwards of the target (prefill excluded)
-    drafter_forwards: int = 0
-    rounds: list[RoundRecord] = field(default_factory=list)
-    block_tokens: int = 0  # sum over active row-rounds of accepted + 1
-    row_rounds: int = 0
-    alpha_sum: float = 0.0  # sum over acceptance trials of sum_x min(p, q)
-    trials: int = 0
-    accepted: int = 0
-    accepted_at: list[int] = field(default_factory=list)  # by draft position
-    trials_at: list[int] = field(default_factory=list)
-    # row-rounds by drafts verified (index 0: plain target steps of the draft-length floor)
-    draft_lengths: list[int] = field(default_factory=list)
-
-    @property
-    def mean_draft_length(self) -> float:
-        return sum(k * n for k, n in enumerate(self.draft_lengths)) / max(self.row_rounds, 1)
-
-    @property
-    def tau(self) -> float:
-        return self.block_tokens / max(self.row_rounds, 1)
-
-    @property
-    def alpha(self) -> float:
-        return self.alpha_sum / max(self.trials, 1)
-
-
-def model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
-    param = next(model.parameters())
-    return param.device, param.dtype
-
-
-def check_decoder_config(cfg: DecoderConfig) -> None:
-    """Reject bad settings before any decoding, naming the config field."""
-    s = cfg.sampling
-    if not isinstance(cfg.gamma, int) or cfg.gamma < 1:
-        raise ConfigError(f"decoder.gamma={cfg.gamma!r} must be an integer >= 1 (or auto)")
-    if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={cfg.max_new_tokens!r} must be an integer >= 1")
-    s.check("decoder.sampling")
-    if not 0.0 < cfg.lenience <= 1.0:
-        raise ConfigError(f"decoder.lenience={cfg.lenience} must lie in (0, 1] (1 = lossless)")
-    if cfg.cache not in ("auto", "static", "dynamic"):
-        raise ConfigError(f"decoder.cache={cfg.cache!r}: use auto, static or dynamic")
-    if not isinstance(cfg.host_sync_every, int) or cfg.host_sync_every < 0:
-        raise ConfigError(
-            f"decoder.host_sync_every={cfg.host_sync_every!r} must be an integer >= 0 (0 = auto)"
-        )
-    if cfg.cpu_matmul not in ("auto", "linear"):
-        raise ConfigError(f"decoder.cpu_matmul={cfg.cpu_matmul!r}: use auto or linear")
-    if cfg.compile not in ("auto", True, False, "drafter"):
-        raise ConfigError(f"decoder.compile={cfg.compile!r}: use auto, true, false or drafter")
-    if cfg.draft_length not in POLICIES:
-        raise ConfigError(f"decoder.draft_length={cfg.draft_length!r}: use {', '.join(POLICIES)}")
-    if (
-        isinstance(cfg.max_draft, bool)
-        or not isinstance(cfg.max_draft, int)
-        or not (1 <= cfg.max_draft <= 15)
-    ):
-        raise ConfigError(f"decoder.max_draft={cfg.max_draft!r} must be an integer in 1..15")
-    if cfg.draft_scope not in SCOPES:
-        raise ConfigError(f"decoder.draft_scope={cfg.draft_scope!r}: use {' or '.join(SCOPES)}")
-    if not isinstance(cfg.draft_floor, bool):
-        raise ConfigError(f"decoder.draft_floor={cfg.draft_floor!r} must be true or false")
-    if (
-        isinstance(cfg.probe_every, bool)
-        or not isinstance(cfg.probe_every, int)
-        or not (1 <= cfg.probe_every <= 64)
-    ):
-        raise ConfigError(f"decoder.probe_every={cfg.probe_every!r} must be an integer in 1..64")
-    if cfg.draft_costs is not None:
-        dc = cfg.draft_costs
-        for name in ("c", "verify_per_token", "round_overhead", "draft_per_token"):
-            v = getattr(dc, name)
-            low = MIN_OVERHEAD if name == "round_overhead" else 0  # a verify may undercut a step
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v < 100:
-                raise ConfigError(f"decoder.draft_{name}={v!r} must be a number >= {low} (or auto)")
-    if cfg.drafting not in DRAFTING:
-        raise ConfigError(f"decoder.drafting={cfg.drafting!r}: use {' or '.join(DRAFTING)}")
-    if cfg.draft_vocab not in ("auto", "full"):
-        raise ConfigError(
-            f"decoder.draft_vocab={cfg.draft_vocab!r}: use auto (the drafter's config "
-            "draft_vocab_ids when present) or full"
-        )
-    if cfg.compile is True and cfg.cache == "dynamic":
-        raise ConfigError(
-            "decoder.compile=true compiles fixed-shape steps over a static cache: "
-            "set decoder.cache=static or auto"
-        )
-
-
-def check_pair_for_decoding(target, drafter, tokenizer_len: int | None = None) -> int:
-    """Same device, same dtype, compatible vocabularies; returns the common vocab size."""
-    t_dev, t_dtype = model_device_dtype(target)
-    d_dev, d_dtype = model_device_dtype(drafter)
-    if t_dev != d_dev:
-        raise ConfigError(
-            f"pair.drafter is on {d_dev} but pair.target is on {t_dev}: load both on one device"
-        )
-    if t_dtype != d_dtype:
-        raise ConfigError(
-            f"pair.drafter has dtype {d_dtype} but pair.target has {t_dtype}: load both with the "
-            "same dtype (the `dtype` setting)"
-        )
-    tv, dv = vocab_size(target), vocab_size(drafter)
-    if tokenizer_len is None:
-        if tv != dv:
-            raise ConfigError(
-                f"target and drafter vocab sizes differ ({tv} vs {dv}): pass the tokenizer's "
-                "length so padding can be told apart from a different tokenizer (pair.tokenizer)"
-            )
-        tokenizer_len = tv
-    return check_vocab(tv, dv, tokenizer_len)
+# re-exported: callers import the decoder's types from here
+__all__ = [
+    "DecodeOutput",
+    "DecoderConfig",
+    "RoundRecord",
+    "SpeculativeDecoder",
+    "check_decoder_config",
+    "check_pair_for_decoding",
+    "model_device_dtype",
+]
 
 
 class SpeculativeDecoder:
@@ -262,14 +96,25 @@ class SpeculativeDecoder:
         self.verify_widths = [self.max_draft + 1] if fixed else verify_widths(self.max_draft)
         self._costs = cfg.draft_costs
         self._measured: dict[int, DraftCosts] = {}  # by batch size
-        self._policy = None
-        self.parallel = cfg.drafting == "parallel"
-        self.mask_token_id = (
-            resolve_mask_token(drafter, cfg.mask_token_id, self.vocab) if self.parallel else None
+        self._policy: DraftLengthPolicy | None = None
+        self.drafting: Drafter = DRAFTERS[cfg.drafting](
+            drafter,
+            vocab=self.vocab,
+            sampling=cfg.sampling,
+            device=self.device,
+            max_draft=self.max_draft,
+            compiled=self.compile,
+            make_runner=lambda slots: self._runner(self.drafter, slots),
+            mask_token_id=cfg.mask_token_id,
         )
+        self.verifier = Verifier(
+            cfg, self.vocab, self.device, self.verify_widths, self.compile_target and not fixed
+        )
+        self.parallel = self.drafting.parallel
+        self.mask_token_id = getattr(self.drafting, "mask_token_id", None)
         ids = draft_vocab_of(drafter) if cfg.draft_vocab == "auto" else None
-        if ids is not None and self.mask_token_id is not None and self.mask_token_id in ids:
-            ids = [t for t in ids if t != self.mask_token_id]  # never draft the mask token
+        if ids is not None and self.drafting.reserved_ids:  # never draft the mask token
+            ids = [t for t in ids if t not in self.drafting.reserved_ids]
         self.draft_head = subset_head(drafter, ids) if ids and drafter is not target else None
 
     def get_policy(self, input_ids: torch.Tensor | None = None):
@@ -304,10 +149,6 @@ class SpeculativeDecoder:
             self._measured[batch] = measure_costs(self, ids.repeat(batch, 1))
         return self._measured[batch]
 
-    def _arange(self, n: int) -> torch.Tensor:
-        return torch.arange(n, device=self.device)
-
-    # ---------------------------------------------------------------- shared setup
     def _prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
         ids = input_ids.to(self.device)
         if attention_mask is None:
@@ -355,43 +196,19 @@ class SpeculativeDecoder:
         compile here, untimed): target 1-token and (gamma+1)-token, drafter 1- and 2-token."""
         ids, _ = self._prepare(input_ids, None)
         plen = ids.shape[1]
-        fixed = self.cfg.draft_length == "fixed"
-        # drafter catch-up widths: 2 after a fully accepted round, powers of two after the floor
-        catch = (2,) if fixed else (2, 4, 8, 16)
-        for model, cap, steps in (  # (tokens fed, logits kept) exactly as the loops call them
-            (self.target, plen + self.cfg.max_new_tokens + 1, ((1, 1),)),
-            (self.target, self.spec_slots(1, plen), tuple((w, w) for w in self.verify_widths)),
-            (self.drafter, self.spec_slots(1, plen), self._drafter_shapes(catch)),
+        adaptive = self.cfg.draft_length != "fixed"
+        dft_ids = self.drafting.drafter_ids(ids)
+        for model, x, cap, steps in (  # (tokens fed, logits kept) exactly as the loop calls them
+            (self.target, ids, plen + self.cfg.max_new_tokens + 1, ((1, 1),)),
+            (self.target, ids, self.spec_slots(1, plen), tuple((w, w) for w in self.verify_widths)),
+            (self.drafter, dft_ids, self.spec_slots(1, plen), self.drafting.warm_shapes(adaptive)),
         ):
             runner = self._runner(model, cap)
-            self._prefill([runner], ids, torch.ones_like(ids, dtype=torch.bool), True)
+            prefill_prompt([runner], x, torch.ones_like(x, dtype=torch.bool), True)
             for width, keep in steps:
                 for _ in range(2):
-                    runner.forward(ids[:, -1:].repeat(1, width), keep=keep)
+                    runner.forward(x[:, -1:].repeat(1, width), keep=keep)
                     runner.rollback(runner.length - width)
-
-    def _drafter_shapes(self, catch: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-        """(tokens fed, logits kept) of the drafter's decode steps: 1-token drafts and catch-ups,
-        or a parallel round's one forward over lag + t + gamma-1 masks (lag 0..gamma)."""
-        g = self.max_draft
-        if self.parallel:
-            return tuple((g + lag, g) for lag in range(g + 1))
-        return ((1, 1), *((w, 1) for w in catch))
-
-    @staticmethod
-    def _attn(runner: ModelRunner, mask: torch.Tensor, width: int) -> torch.Tensor:
-        """The 2-D mask for a step: full width over a static cache (one shape for compiled
-        steps; slots past the step are causally masked anyway), else the slots in use."""
-        return mask[:, : runner.capacity] if runner.static else mask[:, :width]
-
-    def _prefill(self, runners, ids, mask, dense):
-        """Feed all prompt tokens but the last (it opens the first round): both caches alike."""
-        if ids.shape[1] > 1:
-            attn = None if dense else mask[:, :-1]
-            pos = None if dense else padded_positions(mask)[:, :-1]
-            for r in runners:
-                r.forward(ids[:, :-1], attn, pos, keep=1, prefill=True)
-        return ids[:, -1], mask.long().sum(1) - 1  # pending token, its position
 
     # ---------------------------------------------------------------- target alone
     @torch.inference_mode()
@@ -411,7 +228,7 @@ class SpeculativeDecoder:
         runner = self._runner(self.target, slots)
         mask = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
         mask[:, :plen] = mask0
-        t, pos = self._prefill([runner], ids, mask0, dense)
+        t, pos = prefill_prompt([runner], ids, mask0, dense)
         out = DecodeOutput(tokens=[[] for _ in range(b)])
         done = [False] * b
         pending: list[torch.Tensor] = []  # tokens still on the device
@@ -419,7 +236,7 @@ class SpeculativeDecoder:
             length = runner.length
             if not dense:  # batch 1 runs without a mask: no per-step write to keep it current
                 mask[:, length] = True
-            attn = None if dense else self._attn(runner, mask, length + 1)
+            attn = None if dense else step_mask(runner, mask, length + 1)
             logits = runner.forward(t[:, None], attn, None if dense else pos[:, None], keep=1)[
                 :, -1
             ]
@@ -437,9 +254,27 @@ class SpeculativeDecoder:
             if len(pending) >= self.sync_every or out.target_forwards >= cfg.max_new_tokens:
                 for r, toks in enumerate(torch.stack(pending, 1).tolist()):
                     if not done[r]:
-                        done[r] = self._emit(out.tokens[r], toks)
+                        done[r] = self.verifier.emit(out.tokens[r], toks)
                 pending = []
         return out
+
+    def step_timer(self, input_ids: torch.Tensor, slots: int | None = None) -> StepTimer:
+        """The public way to time this decoder's own steps (a target step, a verify of k drafts,
+        a round's draft forwards) at the length of `input_ids` (B, P): B > 1 times the masked,
+        batched path. `slots`: the caches' size (default: prompt + widest verify + 2; pass a
+        decode's `spec_slots` so compiled steps reuse its graphs)."""
+        ids = input_ids.to(self.device)
+        slots = slots or ids.shape[1] + max(self.verify_widths[-1], self.max_draft + 1) + 2
+        return StepTimer(
+            ids,
+            slots,
+            {
+                "target": lambda n: self._runner(self.target, n),
+                "drafter": self.drafting.make_runner,
+            },
+            self.drafting.draft_widths,
+            self.drafting.drafter_ids,
+        )
 
     # ---------------------------------------------------------------- speculative
     @torch.inference_mode()
@@ -449,10 +284,17 @@ class SpeculativeDecoder:
         attention_mask: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> DecodeOutput:
-        """Speculative decoding of left-padded `input_ids` (B, P); see the module docstring."""
-        if self.parallel:
-            return generate_parallel(self, input_ids, attention_mask, generator)
-        cfg, s, kmax = self.cfg, self.cfg.sampling, self.max_draft
+        """Speculative decoding of left-padded `input_ids` (B, P); see the module docstring.
+        The one round loop: every kind of drafter runs through `self.drafting`."""
+        st = self._start(input_ids, attention_mask, generator)
+        while not all(st.done):
+            self._round(st)
+        return st.out
+
+    def _start(self, input_ids, attention_mask, generator) -> RoundState:
+        """Prefill the target (and the drafter, unless the floor may spare it) and set up the
+        shared slot mask, the policy and the counters of one decode."""
+        cfg, kmax = self.cfg, self.max_draft
         adaptive = cfg.draft_length != "fixed"
         ids, mask0 = self._prepare(input_ids, attention_mask)
         policy = self.get_policy(ids[:, mask0[0]][:1] if adaptive else None)
@@ -461,194 +303,75 @@ class SpeculativeDecoder:
         b, plen = ids.shape
         dense = b == 1
         slots = self.spec_slots(b, plen)
-        cap = self._capacity(slots)
-        tgt, dft = self._runner(self.target, slots), self._runner(self.drafter, slots)
-        mask = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
+        tgt = self._runner(self.target, slots)
+        mask = torch.zeros(b, self._capacity(slots), dtype=torch.bool, device=self.device)
         mask[:, :plen] = mask0
         # With the floor, the drafter reads the prompt only when a round first drafts: a decode
         # that never drafts costs what target-only decoding does (no drafter prefill).
-        drafter_ready = not (adaptive and cfg.draft_floor)
-        t, pos = self._prefill([tgt, dft] if drafter_ready else [tgt], ids, mask0, dense)
+        self.drafting.start(ids, mask0, mask, dense, slots, lazy=adaptive and cfg.draft_floor)
+        t, pos = prefill_prompt([tgt], ids, mask0, dense)
         out = DecodeOutput(
             tokens=[[] for _ in range(b)],
             accepted_at=[0] * kmax,
             trials_at=[0] * kmax,
             draft_lengths=[0] * (kmax + 1),
         )
-        done = [False] * b
-        # Tokens in the target's cache the drafter has not seen yet, oldest first: the last draft
-        # of a round some row accepted whole, and the tokens of plain target steps (floor).
-        lag: list[torch.Tensor] = []
         steps = torch.arange(self.verify_widths[-1], device=self.device)
         policy.start(b)
-        while not all(done):
-            length = tgt.length
-            active = [not d for d in done]
-            budget = self._draft_width(out.tokens, done)
-            k = policy.plan(budget, active).k if adaptive else budget
-            if not dense:
-                mask[:, length : length + k + 1] = True
-            if k == 0:  # the floor: a plain target step, as lean as `baseline`'s
-                lag.append(t)  # the target sees t now, the drafter in its next drafting round
-                t = self._target_step(tgt, mask, t, pos, dense, out, active, done, generator)
-                pos = pos + 1
-                policy.observe_step(active)
-                continue
-            # Draft up to k tokens with q (the first step also catches the drafter up).
-            draft, q_probs, confs = [], [], []
-            if k:
-                if not drafter_ready:
-                    self._prefill([dft], ids, mask0, dense)
-                    drafter_ready = True
-                x = torch.stack([*lag, t], 1)
-                lag = []
-                xpos = None if dense else pos[:, None] - x.shape[1] + 1 + self._arange(x.shape[1])
-                x, xpos = self._catch_up(dft, mask, x, xpos, dense)
-            for i in range(k):
-                attn = None if dense else self._attn(dft, mask, dft.length + x.shape[1])
-                logits = match_vocab(dft.forward(x, attn, xpos, keep=1)[:, -1], self.vocab)
-                if s.greedy:
-                    d = logits.argmax(-1)
-                    qd = torch.softmax(logits.float(), -1) if policy.reads_q else None
-                else:
-                    qd = probs_from_logits(logits, s)
-                    d = sample_from(qd, uniforms((b,), generator, self.device))
-                    q_probs.append(qd)
-                draft.append(d)
-                if policy.reads_q:  # the drafter's probability of its own draft (q only)
-                    conf = qd.gather(-1, d[:, None])[:, 0].tolist()
-                    confs.append(conf)
-                    if i + 1 < k and not policy.keep_drafting(i + 1, conf):
-                        break
-                if i + 1 < k:
-                    x = d[:, None]
-                    xpos = None if dense else pos[:, None] + i + 1
-            kd = len(draft)
-            out.drafter_forwards += kd
-            if not dense and kd < k:  # slots planned for drafts that were not drafted
-                mask[:, length + kd + 1 : length + k + 1] = False
-            lengths = policy.lengths(kd) if adaptive else [kd] * b
-            row_cut = adaptive and any(n < kd for n in lengths)
-            draft_t = (
-                torch.stack(draft, 1)
-                if draft
-                else torch.zeros(b, 0, dtype=t.dtype, device=t.device)
-            )
-            q = torch.stack(q_probs, 1) if q_probs else None
-            n, nxt, alpha_pos, t_logits, width = self._verify(
-                tgt, mask, t, pos, draft_t, q, lengths if row_cut else None, dense, generator, steps
-            )
-            out.target_forwards += 1
-            host = self._settle(
-                out, done, active, (draft_t, n, nxt, alpha_pos), t_logits, lengths, row_cut
-            )
-            n_list = [row[kd] for row in host]
-            if adaptive:
-                policy.observe(lengths, n_list, active, [list(c) for c in zip(*confs)] or None)
-            # Roll back to the longest accepted prefix; shorter rows keep masked holes.
-            maxn = max(n_list)
-            new_len = length + 1 + maxn
-            if not dense:
-                mask[:, length + 1 : length + width] &= steps[None, : width - 1] < n[:, None]
-            tgt.rollback(new_len)
-            if kd == 0:  # a plain target step: the drafter has not seen t
-                lag.append(t)
-            elif maxn == kd:  # the drafter never saw d_K: feed it first next round
-                lag = [draft_t[:, -1]]
-            else:
-                dft.rollback(new_len)
-            pos = pos + 1 + n
-            t = nxt
-        return out
-
-    def _verify(self, tgt, mask, t, pos, draft_t, q, lengths, dense: bool, generator, steps):
-        """Verify [t, d_1..d_K] with p in one forward (a compiled target pads to a few widths;
-        batched: the padding's slots are opened in `mask`) and apply the acceptance rule, the
-        same for every drafting mode. q (B, K, V): the drafts' distributions (sampling; None when
-        greedy or K = 0); lengths: drafts row r verifies, when rows were cut short. Returns
-        (accepted counts, next tokens, per-position alpha, target logits, verify width);
-        steps: the caller's arange over the widest verify."""
-        s, (b, kd), length = self.cfg.sampling, draft_t.shape, tgt.length
-        vin = torch.cat([t[:, None], draft_t], 1)
-        width = self._verify_width(kd)
-        if width > kd + 1:
-            vin = torch.cat([vin, t[:, None].expand(b, width - kd - 1)], 1)
-            if not dense:
-                mask[:, length + kd + 1 : length + width] = True
-        attn = None if dense else self._attn(tgt, mask, length + width)
-        vpos = None if dense else pos[:, None] + steps[:width]
-        t_logits = tgt.forward(vin, attn, vpos, keep=width)[:, : kd + 1, : self.vocab]
-        len_t = torch.tensor(lengths, device=self.device) if lengths is not None else None
-        if s.greedy:  # one argmax serves the verdict and the per-position agreement
-            ok, target_tok = greedy_agreement(draft_t, t_logits)
-            if len_t is not None:
-                ok &= steps[None, :kd] < len_t[:, None]
-            n, nxt = accept_prefix(ok, target_tok)
-            return n, nxt, ok.float(), t_logits, width
-        p = probs_from_logits(t_logits, s)
-        q = q if q is not None else torch.zeros_like(p[:, :0])
-        n, nxt = verify_sampling(
-            draft_t,
-            p,
-            q,
-            uniforms((b, kd), generator, self.device),
-            uniforms((b,), generator, self.device),
-            self.cfg.lenience,
-            lengths=len_t,
+        return RoundState(
+            tgt, mask, dense, policy, adaptive, out, [False] * b, t, pos, steps, generator
         )
-        return n, nxt, expected_alpha(p[:, :kd], q), t_logits, width
 
-    def _target_step(self, tgt, mask, t, pos, dense, out, active, done, generator):
-        """One target-only step inside a speculative decode (the floor); returns the next token."""
-        s, b = self.cfg.sampling, t.shape[0]
-        attn = None if dense else self._attn(tgt, mask, tgt.length + 1)
-        xpos = None if dense else pos[:, None]
-        logits = tgt.forward(t[:, None], attn, xpos, keep=1)[:, -1, : self.vocab]
-        if s.greedy:
-            nxt = logits.argmax(-1)
+    def _round(self, st: RoundState) -> None:
+        """One round: plan k (policy), a plain target step when k = 0, else the drafter's k
+        proposals (q, confidences), the verify of the drafts each row keeps, then both caches
+        rolled back to the longest accepted prefix (shorter rows keep masked holes)."""
+        length, b = st.tgt.length, len(st.done)
+        active = [not d for d in st.done]
+        budget = self._draft_width(st.out.tokens, st.done)
+        k = st.policy.plan(budget, active).k if st.adaptive else budget
+        if not st.dense:
+            st.mask[:, length : length + k + 1] = True
+        if k == 0:  # the floor: a plain target step, as lean as `baseline`'s
+            self.drafting.skip(st.t, st.pos)
+            st.t = self.verifier.target_step(st, active)
+            st.pos = st.pos + 1
+            st.policy.observe_step(active)
+            return
+        reads_q = st.policy.reads_q
+        keep = st.policy.keep_drafting if reads_q else None
+        prop = self.drafting.propose(st.t, st.pos, k, st.generator, keep)
+        st.out.drafter_forwards += prop.forwards
+        draft_t, q, kd = prop.tokens, prop.q, prop.tokens.shape[1]
+        if not st.adaptive:
+            lengths = [kd] * b
+        elif self.drafting.parallel and reads_q:  # all proposals known: verify the best prefix
+            lengths = st.policy.verify_lengths(prop.conf, active)
         else:
-            nxt = sample_from(probs_from_logits(logits, s), uniforms((b,), generator, self.device))
-        out.target_forwards += 1
-        if self.cfg.record_probs:
-            out.rounds.append(
-                RoundRecord(
-                    start=[len(tk) for tk in out.tokens],
-                    draft=t[:, None][:, :0],
-                    accepted=torch.zeros_like(nxt),
-                    next_token=nxt,
-                    active=active,
-                    target_probs=torch.softmax(logits.float(), -1)[:, None],
-                )
-            )
-        for r, tok in enumerate(nxt.tolist()):
-            if active[r]:
-                out.row_rounds += 1
-                out.block_tokens += 1
-                out.draft_lengths[0] += 1
-                done[r] = self._emit(out.tokens[r], [tok])
-        return nxt
-
-    def _catch_up(self, dft: ModelRunner, mask, x, xpos, dense: bool):
-        """Feed the drafter all but the last chunk of x (tokens it lags behind, then t) in
-        chunks of a few widths (compiled steps: powers of two); returns the last chunk."""
-        if x.shape[1] <= 2 or not (self.compile and dft.static):
-            return x, xpos
-        widths = chunk_widths(x.shape[1])
-        start = 0
-        for w in widths[:-1]:
-            cx = x[:, start : start + w]
-            cpos = None if dense else xpos[:, start : start + w]
-            attn = None if dense else self._attn(dft, mask, dft.length + w)
-            dft.forward(cx, attn, cpos, keep=1)
-            start += w
-        return x[:, start:], None if dense else xpos[:, start:]
-
-    def _verify_width(self, k: int) -> int:
-        """Tokens the verify step feeds: k + 1, or the next of a few widths when the target's
-        steps are compiled (padding past the drafts is verified and rolled back unread)."""
-        if not self.compile_target or self.cfg.draft_length == "fixed":
-            return k + 1
-        return next(w for w in self.verify_widths if w >= k + 1)
+            lengths = st.policy.lengths(kd)
+        kv = max(lengths)
+        if kv < kd:
+            draft_t, q = draft_t[:, :kv], None if q is None else q[:, :kv]
+        if not st.dense and kv < k:  # slots planned for drafts that are not verified
+            st.mask[:, length + kv + 1 : length + k + 1] = False
+        row_cut = any(n < kv for n in lengths)
+        n, nxt, alpha_pos, t_logits, width = self.verifier.verify(
+            st, draft_t, q, lengths if row_cut else None
+        )
+        st.out.target_forwards += 1
+        host = self.verifier.settle(
+            st.out, st.done, active, (draft_t, n, nxt, alpha_pos), t_logits, lengths, row_cut
+        )
+        n_list = [row[kv] for row in host]
+        if st.adaptive:
+            st.policy.observe(lengths, n_list, active, prop.conf)
+        maxn = max(n_list)
+        if not st.dense:
+            st.mask[:, length + 1 : length + width] &= st.steps[None, : width - 1] < n[:, None]
+        st.tgt.rollback(length + 1 + maxn)
+        self.drafting.accept(draft_t, maxn, length + 1 + maxn, st.pos)
+        st.pos = st.pos + 1 + n
+        st.t = nxt
 
     def _draft_width(self, tokens: list[list[int]], done: list[bool]) -> int:
         """Drafts this round: gamma, or fewer when no unfinished row has the budget left to use
@@ -660,67 +383,3 @@ class SpeculativeDecoder:
             return g
         left = max(self.cfg.max_new_tokens - len(row) for row, d in zip(tokens, done) if not d)
         return max(1, min(g, left - 1))
-
-    def _settle(
-        self,
-        out: DecodeOutput,
-        done: list[bool],
-        active: list[bool],
-        verdict: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-        t_logits: torch.Tensor,
-        lengths: list[int],
-        row_cut: bool = False,
-    ) -> list[list]:
-        """The round's one host sync (drafts, accepted counts, next tokens, per-position alpha;
-        token ids < 2^24 are exact in fp32), then its counters, its record and its tokens, the
-        same for every drafting mode. Marks finished rows in `done`; returns the host rows."""
-        draft_t, n, nxt, alpha_pos = verdict
-        k = draft_t.shape[1]
-        host = torch.cat([draft_t, n[:, None], nxt[:, None], alpha_pos], 1).float().tolist()
-        host = [[int(v) for v in row[: k + 2]] + row[k + 2 :] for row in host]
-        self._record(out, host, active, k, lengths)
-        if self.cfg.record_probs:
-            out.rounds.append(
-                RoundRecord(
-                    start=[len(tk) for tk in out.tokens],
-                    draft=draft_t,
-                    accepted=n,
-                    next_token=nxt,
-                    active=active,
-                    target_probs=torch.softmax(t_logits.float(), -1),
-                    lengths=lengths if row_cut else None,
-                )
-            )
-        for r, row in enumerate(host):
-            if not done[r]:
-                done[r] = self._emit(out.tokens[r], [*row[: row[k]], row[k + 1]])
-        return host
-
-    def _emit(self, row: list[int], tokens: list[int]) -> bool:
-        """Append up to the budget, stopping after an EOS; True when the row is finished."""
-        eos = self.cfg.eos_token_id
-        for tok in tokens:
-            row.append(tok)
-            if tok in eos or len(row) >= self.cfg.max_new_tokens:
-                return True
-        return False
-
-    @staticmethod
-    def _record(
-        out: DecodeOutput, host: list[list], active: list[bool], g: int, lengths: list[int]
-    ) -> None:
-        """Acceptance counters over the rows still decoding (trials stop at the first reject);
-        row r verified lengths[r] <= g of the round's g drafts."""
-        for row, a, kr in zip(host, active, lengths):
-            if not a:
-                continue
-            n = row[g]
-            out.row_rounds += 1
-            out.block_tokens += n + 1
-            out.accepted += n
-            out.draft_lengths[kr] += 1
-            for j in range(min(n + 1, kr)):  # positions that were put to the test
-                out.trials_at[j] += 1
-                out.accepted_at[j] += int(j < n)
-                out.alpha_sum += row[g + 2 + j]
-                out.trials += 1

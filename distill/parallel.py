@@ -1,7 +1,7 @@
 """Training a parallel (PARD) drafter: mask chains packed into one forward per sequence.
 
 p = target, q = drafter. A parallel drafter reads a context x_1..x_j followed by k-1 mask tokens
-and predicts x_{j+1} at x_j and x_{j+d} at the (d-1)-th mask (`specdistill.decode.parallel`).
+and predicts x_{j+1} at x_j and x_{j+d} at the (d-1)-th mask (`decode.drafters.parallel`).
 To train depth 2..K on a Seq-KD / on-policy sequence x_1..x_T without one forward per anchor,
 mask chains are appended to the real tokens and a 4-D attention mask keeps them apart (PARD):
 the chain of anchor j holds K-1 masks; its mask of depth d (d = 2..K) has position id j+d-1,

@@ -20,13 +20,6 @@ ROOTS = {f"specdistill.{name}": ROOT / name for name in ("data", "decode", "dist
 FLOORS = ["specdistill.data", "specdistill.decode", "specdistill.distill"]  # bottom first
 PIPELINE = "specdistill.distill.pipeline"
 
-# Cycles known on main and being removed on another branch. Each entry is one strongly connected
-# component (sorted module names). Nothing else may be added here: empty this list once the
-# round-loop branch (decode/speculative.py <-> decode/parallel.py, issue 35) has merged.
-KNOWN_CYCLES: list[list[str]] = [
-    ["specdistill.decode.parallel", "specdistill.decode.speculative"],
-]
-
 
 @pytest.fixture(scope="module")
 def graph() -> contract.Graph:
@@ -51,17 +44,10 @@ def test_no_stage_imports_the_pipeline(graph):
 
 
 def test_no_import_cycles(graph):
-    known = [c for c in contract.strongly_connected(graph.edges()) if c in KNOWN_CYCLES]
-    cycles = [c for c in contract.cycles(graph) if sorted(set(c)) not in known]
+    cycles = contract.cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(
         contract.describe_cycle(c, graph) for c in cycles
     )
-
-
-def test_the_allowlist_holds_only_cycles_that_still_exist(graph):
-    # So the allowlist cannot outlive the cycle it excuses.
-    stale = [c for c in KNOWN_CYCLES if c not in contract.strongly_connected(graph.edges())]
-    assert not stale, f"no longer cycles, remove from KNOWN_CYCLES: {stale}"
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

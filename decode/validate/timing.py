@@ -41,32 +41,13 @@ def measure_c(
     are preempted alike. `slots`: the decode's own cache size (`spec_slots`), so compiled steps
     reuse the decode's graphs instead of compiling a smaller bucket's."""
     ids = input_ids.to(dec.device)
-    plen, k = ids.shape[1], gamma + 1
-    runners = [dec._runner(m, slots or plen + k + 2) for m in (dec.target, dec.drafter)]
-    for r in runners:
-        if plen > 1:
-            r.forward(ids[:, :-1], keep=1, prefill=True)
-    one = ids[:, -1:]
-    block = ids[:, -1:].repeat(1, gamma + 1)
+    k = gamma + 1
+    timer = dec.step_timer(ids, slots or ids.shape[1] + k + 2)
     times: dict[str, list[float]] = {"target": [], "drafter": [], "verify": []}
-
-    def timed(runner, x) -> float:
-        base = runner.length
-        _sync(dec.device)
-        t0 = time.perf_counter()
-        for _ in range(k):
-            runner.forward(x, keep=x.shape[1])
-            if x.shape[1] > 1:
-                runner.rollback(base)
-        _sync(dec.device)
-        dt = time.perf_counter() - t0
-        runner.rollback(base)
-        return dt / k
-
     for i in range(iters + 2):  # the first two are warm-up
-        tt = timed(runners[0], one)
-        td = timed(runners[1], one)
-        tv = timed(runners[0], block)
+        tt = timer.forward("target", 1, k, grow=True)
+        td = timer.forward("drafter", 1, k, grow=True)
+        tv = timer.forward("target", k, k)
         if i >= 2:
             times["target"].append(tt)
             times["drafter"].append(td)
@@ -77,19 +58,6 @@ def measure_c(
     ) / t_target
 
 
-def _rolled_back(dec: SpeculativeDecoder, runner, x: torch.Tensor, reps: int) -> float:
-    """Seconds for `reps` forwards of `x` (all its logits kept), each rolled back: the cache
-    stays at its length, so every rep times the same step."""
-    base = runner.length
-    _sync(dec.device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        runner.forward(x, keep=x.shape[1])
-        runner.rollback(base)
-    _sync(dec.device)
-    return time.perf_counter() - t0
-
-
 @torch.inference_mode()
 def verify_costs(
     dec: SpeculativeDecoder, input_ids: torch.Tensor, gammas: list[int], iters: int = 4
@@ -97,18 +65,11 @@ def verify_costs(
     """The target's (gamma+1)-token verify step in its 1-token steps, per gamma (median over
     `iters` samples, each a 1-token block beside a verify block, as the decoder runs them)."""
     ids = input_ids.to(dec.device)
-    plen, wide = ids.shape[1], max(gammas) + 1
-    tgt = dec._runner(dec.target, plen + wide + 2)
-    if plen > 1:
-        tgt.forward(ids[:, :-1], keep=1, prefill=True)
-
-    def timed(w: int) -> float:
-        return _rolled_back(dec, tgt, ids[:, -1:].repeat(1, w), 2)
-
+    timer = dec.step_timer(ids, ids.shape[1] + max(gammas) + 1 + 2)
     ratios: dict[int, list[float]] = {g: [] for g in gammas}
     for i in range(iters + 1):  # the first pass warms the shapes up
         for g in gammas:
-            one, many = timed(1), timed(g + 1)
+            one, many = timer.forward("target", 1, 2), timer.verify(g, 2)
             if i:
                 ratios[g].append(many / one)
     return {g: statistics.median(r) for g, r in ratios.items()}
@@ -135,18 +96,12 @@ def forward_cost(dec: SpeculativeDecoder, input_ids: torch.Tensor, width: int, i
     """One drafter forward of `width` tokens in target 1-token steps (median of blocks of
     alternating timings, both caches at the prompt's length, as `measure_c` does)."""
     ids = input_ids.to(dec.device)
-    plen = ids.shape[1]
-    tgt = dec._runner(dec.target, plen + width + 2)
-    dft = dec._runner(dec.drafter, plen + width + 2)
-    for r in (tgt, dft):
-        r.forward(ids[:, :-1], keep=1, prefill=True)
+    timer = dec.step_timer(ids, ids.shape[1] + width + 2)
     ratios = []
     for i in range(iters + 2):
-        times = [
-            _rolled_back(dec, r, ids[:, -1:].repeat(1, w), 4) for r, w in ((tgt, 1), (dft, width))
-        ]
+        tt, td = timer.forward("target", 1, 4), timer.forward("drafter", width, 4)
         if i >= 2:
-            ratios.append(times[1] / times[0])
+            ratios.append(td / tt)
     return statistics.median(ratios)
 
 

@@ -1,4 +1,4 @@
-"""Parallel drafting (decode.parallel) is lossless and its drafter cache holds real tokens only.
+"""Parallel drafting (decode.drafters.parallel) is lossless; the drafter caches real tokens only.
 
 p = target, q = drafter. The drafters are untrained copies fed a mask token, so drafts past the
 first are often rejected and rows accept different lengths (every test asserts partial
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import specdistill.decode.parallel as parallel
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
+from specdistill.decode.drafters.parallel import ParallelDrafter
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.conftest import tiny_llama
 from tests.decode.test_distribution import (
@@ -103,14 +103,14 @@ def test_mask_slots_are_rolled_back(pair, monkeypatch, rows, cache):
     with holes)."""
     target, drafter = pair
     seen = []
-    real = parallel.draft_parallel
+    real = ParallelDrafter.propose
 
-    def spy(dec, dft, mask, lag, lag_pos, t, pos, k, dense, generator):
-        d, q = real(dec, dft, mask, lag, lag_pos, t, pos, k, dense, generator)
-        seen.append((pos.tolist(), q))
-        return d, q
+    def spy(self, t, pos, k, generator, keep_drafting=None):
+        prop = real(self, t, pos, k, generator, keep_drafting)
+        seen.append((pos.tolist(), prop.q))
+        return prop
 
-    monkeypatch.setattr(parallel, "draft_parallel", spy)
+    monkeypatch.setattr(ParallelDrafter, "propose", spy)
     dec = SpeculativeDecoder(
         target,
         drafter,

@@ -1,4 +1,4 @@
-"""Adaptive draft lengths with parallel drafting (decode.parallel + decode.draft_length).
+"""Adaptive draft lengths with parallel drafting (decode.drafters.parallel + decode.draft_length).
 
 p = target, q = drafter. A parallel round proposes k drafts in one forward; `confidence` then
 verifies the prefix whose calibrated expected tokens best pay for the verify, `heuristic`

@@ -1,0 +1,72 @@
+"""Per-round draft length: how many tokens the drafter q proposes before the target p verifies.
+
+p = target, q = drafter, gamma = drafts per round, c = drafter step / target step.
+
+| module | what it holds |
+| --- | --- |
+| `costs.py` | pure cost and stopping math: `DraftCosts`, expected-gain rule, step widths |
+| `calibration.py` | `Calibration`: acceptance predicted from q's confidence, fitted online |
+| `policies.py` | `fixed`, `heuristic`, `confidence` (`make_policy`), the floor of target steps |
+| `figures.py` | `replay` (a policy over known outcomes) and a decode's `draft_figures` |
+| `measure.py` | `DraftCosts` from the config or timed through the decoder's `step_timer` |
+
+The names below are re-exported so callers import them from `specdistill.decode.draft_length`.
+"""
+
+from specdistill.decode.draft_length.calibration import Calibration
+from specdistill.decode.draft_length.costs import (
+    MIN_OVERHEAD,
+    ROUND_GLUE,
+    DraftCosts,
+    best_length,
+    best_more,
+    chunk_widths,
+    draft_gain,
+    expected_tokens,
+    verify_widths,
+)
+from specdistill.decode.draft_length.figures import Replay, draft_figures, replay
+from specdistill.decode.draft_length.measure import (
+    draft_length_settings,
+    measure_costs,
+    realized_overhead,
+)
+from specdistill.decode.draft_length.policies import (
+    POLICIES,
+    POLICY_CLASSES,
+    SCOPES,
+    ConfidenceLength,
+    DraftLengthPolicy,
+    FixedLength,
+    HeuristicLength,
+    RoundPlan,
+    make_policy,
+)
+
+__all__ = [
+    "MIN_OVERHEAD",
+    "POLICIES",
+    "POLICY_CLASSES",
+    "ROUND_GLUE",
+    "SCOPES",
+    "Calibration",
+    "ConfidenceLength",
+    "DraftCosts",
+    "DraftLengthPolicy",
+    "FixedLength",
+    "HeuristicLength",
+    "Replay",
+    "RoundPlan",
+    "best_length",
+    "best_more",
+    "chunk_widths",
+    "draft_figures",
+    "draft_gain",
+    "draft_length_settings",
+    "expected_tokens",
+    "make_policy",
+    "measure_costs",
+    "realized_overhead",
+    "replay",
+    "verify_widths",
+]

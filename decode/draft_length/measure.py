@@ -1,0 +1,113 @@
+"""Where the pair's `DraftCosts` come from: the `decoder` config node, or timed on this device.
+
+p = target, q = drafter, c = one drafter step in target steps. The adaptive draft-length
+policies plan with these costs (`costs.py`); they are timed with the decoder's own caches
+(`SpeculativeDecoder.step_timer`), medians over blocks of steps, the models interleaved so load
+drifts on a shared machine hit both alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from specdistill.data.runtime import ConfigError
+from specdistill.decode.draft_length.costs import MIN_OVERHEAD, ROUND_GLUE, DraftCosts
+
+
+@torch.inference_mode()
+def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
+    """The pair's `DraftCosts` on this device (dec: a `SpeculativeDecoder`; p = target,
+    q = drafter): ratios to the target step timed beside each sample, then medians. ids: (B, P),
+    one prompt repeated; B > 1 is timed on the masked, batched path the decoder takes there."""
+    k = dec.max_draft
+    b, plen = ids.shape
+    timer = dec.step_timer(ids, plen + max(dec.verify_widths[-1], k + 1) + 2)
+    parallel = dec.parallel
+    # ratios per sample (each against the target step timed beside it), then medians: robust
+    # to load that drifts between samples on a shared machine
+    ratios: dict[str, list[float]] = {"d": [], "dk": [], "v1": [], "vk": []}
+    for i in range(iters + 1):  # the first round is warm-up
+        tt = timer.target_step()
+        got = {
+            # parallel: one drafter forward of 2 tokens (an accepted draft and the pending
+            # token) proposes 1 draft, each further proposal adds a mask (timed at k masks)
+            "d": timer.draft(1),
+            "dk": timer.draft(k) if parallel else 0.0,
+            "v1": timer.verify(1),
+            "vk": timer.verify(k),
+        }
+        tt = (tt + timer.target_step()) / 2
+        if i:
+            for key, v in got.items():
+                ratios[key].append(v / tt)
+    med = {key: statistics.median(v) for key, v in ratios.items()}
+    v1, vk = med["v1"], med["vk"]
+    per_token = max(0.0, (vk - v1) / (k - 1)) if k > 1 else 0.0
+    costs = DraftCosts(
+        c=round(med["d"], 4),
+        verify_per_token=round(per_token, 4),
+        round_overhead=round(max(MIN_OVERHEAD, v1 - 1.0 - per_token) + ROUND_GLUE, 4),
+        parallel=parallel,
+        draft_per_token=round(max(0.0, (med["dk"] - med["d"]) / (k - 1)), 4)
+        if parallel and k > 1
+        else 0.0,
+    )
+    if b > 1:  # a batched round's host-side glue grows with the batch: time real rounds
+        glue = realized_overhead(dec, ids, costs)
+        if glue > costs.round_overhead:
+            costs = dataclasses.replace(costs, round_overhead=round(glue, 4))
+    return costs
+
+
+def realized_overhead(
+    dec, ids: torch.Tensor, costs: DraftCosts, k: int = 2, tokens: int = 32
+) -> float:
+    """A speculative round's overhead beyond its forwards, from whole decodes: fixed-gamma k
+    rounds against target-only steps on `ids` (B rows), each decoded twice (the first warms),
+    interleaved. Forward timings alone miss the per-row bookkeeping of batched rounds, which on
+    CPU made adaptive lengths at batch 4 draft as if rounds were cheap."""
+    cfg = dataclasses.replace(
+        dec.cfg, draft_length="fixed", gamma=k, max_new_tokens=tokens, eos_token_id=()
+    )
+    fixed = type(dec)(dec.target, dec.drafter, cfg, tokenizer_len=dec.vocab)
+    ratios = []
+    for i in range(6):
+        t0 = time.perf_counter()
+        base = fixed.baseline(ids)
+        t1 = time.perf_counter()
+        spec = fixed.generate(ids)
+        t2 = time.perf_counter()
+        if i:
+            step = (t1 - t0) / max(base.target_forwards, 1)
+            ratios.append((t2 - t1) / max(spec.target_forwards, 1) / step)
+    forwards = costs.round_cost(k) - costs.round_overhead  # drafts + verify, no glue
+    return max(0.0, statistics.median(ratios) - forwards)
+
+
+def draft_length_settings(dcfg) -> dict:
+    """The `decoder` config node's draft-length keys as DecoderConfig keyword arguments
+    (`draft_costs: auto` -> None: measured on the pair; or {c, verify_per_token, round_overhead,
+    draft_per_token (parallel drafting)})."""
+    raw = dcfg.get("draft_costs", "auto")
+    costs = None
+    if raw not in (None, "auto"):
+        try:
+            costs = DraftCosts(**{k: float(v) for k, v in dict(raw).items()})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"decoder.draft_costs={raw!r}: auto, or a mapping of c, verify_per_token, "
+                "draft_per_token, "
+                f"round_overhead ({e})"
+            ) from None
+    return {
+        "draft_length": str(dcfg.get("draft_length", "fixed")),
+        "max_draft": dcfg.get("max_draft", 8),
+        "draft_scope": str(dcfg.get("draft_scope", "batch")),
+        "draft_floor": dcfg.get("draft_floor", True),
+        "probe_every": dcfg.get("probe_every", 8),
+        "draft_costs": costs,
+    }

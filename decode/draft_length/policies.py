@@ -1,0 +1,411 @@
+"""The draft-length policies: per round, how many drafts q proposes before the target p verifies.
+
+p = target, q = drafter. A fixed gamma pays gamma drafter steps every round however poor the
+drafts; these policies choose the length round by round from what the decoder already knows,
+and fall back to plain target steps (a round with 0 drafts) when drafting does not pay.
+
+Lossless by construction: a policy reads the drafter's own distributions q and the outcomes of
+*earlier* rounds, never the target's p of the round being drafted, so the acceptance rule stays
+exact for whatever length it picks (a length is just a stopping time of the draft; tests check
+greedy identity and the sampled distribution with a chi-square test).
+
+The cost model and the expected-gain rule the policies plan with are pure functions of
+`costs.py` (p = target, q = drafter, c = drafter step / target step, gamma = drafts per round).
+
+Policies (`decoder.draft_length`):
+- `fixed`: gamma drafts every round (the decoder's classic behaviour).
+- `confidence`: the expected-gain rule, with acceptance predicted by `Calibration`, a logistic
+  model of the drafter's confidence (its probability of the token it drafted: q only) and the
+  row's recent acceptance, fitted to the acceptance history of the decoder's lifetime: `accept`
+  (this draft, given the ones before were accepted) gives P_j, `follow` (the next draft, given
+  this one was accepted) the a of the drafts not yet run. Drafters are rarely calibrated: the
+  toy drafters' probabilities are flat (a distilled one's 0.03 means ~80% acceptance).
+- `heuristic`: `transformers`' assisted-generation schedule: start at gamma, +2 after a round
+  whose drafts were all accepted, -1 (at least 1) otherwise.
+Both adaptive policies draft at most `max_draft` per round and have the floor (`draft_floor`):
+before each round the rule above, with the row's moving averages of first-draft and later-draft
+acceptance, decides between drafting and a plain target step; once a target step wins, the next
+`interval` rounds are target steps, then a probe round drafts (the drafter catches up on the
+skipped tokens in one forward). A probe that does not pay for itself doubles the interval (up to
+8 probe_every, carried from call to call), one that does resets it to `probe_every`.
+
+Batches (`draft_scope`): `batch` picks one length for all rows from their summed gains (a batched
+drafter step costs the same however many rows use it); `row` lets each row stop on its own
+(the batch drafts while any row goes on, each row verifies only its own drafts).
+
+Parallel drafting (one drafter forward proposes all gamma tokens) fits the same functions: the
+drafter cost no longer grows with k (`DraftCosts.parallel`), and `best_length` picks how many of
+the proposals to verify from their known confidences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdistill.decode.draft_length.calibration import Calibration
+from specdistill.decode.draft_length.costs import DraftCosts, best_more
+
+POLICIES = ("fixed", "heuristic", "confidence")
+SCOPES = ("batch", "row")
+
+
+@dataclass
+class RoundPlan:
+    """What a round drafts: at most `k` tokens (0: a plain target step); `probe` marks a floor
+    probe."""
+
+    k: int
+    probe: bool = False
+
+
+class DraftLengthPolicy:
+    """Base: a fixed gamma. Subclasses choose k per round; the decoder calls, per generate:
+    `start(B)`, then per round `plan(budget, active)`, `keep_drafting(j, conf)` after each draft
+    (only when `reads_q`), `lengths(k)`, then `observe(...)` after a verify or `observe_step`
+    after a plain target step. Plain Python on a few floats per row: these run every drafter
+    step, where tensor ops on tiny tensors would cost a sizeable share of a step.
+
+    What the floor knows (per row, from earlier rounds only): `first` and `follow`, moving
+    averages of the acceptance of a round's first draft and of the drafts after it, and the
+    realized throughput (tokens per modeled cost, at least 1).
+    """
+
+    reads_q = False
+    max_backoff = 8  # a floor's probe interval grows to at most this many probe_every
+    ema = 0.3  # `recent`, the calibration's history feature
+    floor_ema = 0.1  # `first` / `follow`, what the floor decides on: slower, a few misses at a
+    # sequence's start should not switch a good drafter off (measured: 0.3 did, on the toy pair)
+
+    def __init__(
+        self,
+        gamma: int,
+        max_k: int,
+        costs: DraftCosts,
+        scope: str = "batch",
+        floor: bool = True,
+        probe_every: int = 8,
+    ) -> None:
+        self.gamma, self.max_k = gamma, max_k
+        self.scope, self.floor, self.probe_every = scope, floor, probe_every
+        self.set_costs(costs)
+        self.interval = probe_every  # plain target steps between floor probes (backs off)
+        # consecutive plain target steps, carried from call to call: with a backed-off interval
+        # longer than one decode, a per-call count would never reach a probe again
+        self.skipped = 0
+        # lifetime counts (accepted, tested): the next call's starting averages
+        self._life = {"first": [0.0, 0.0], "follow": [0.0, 0.0], "all": [0.0, 0.0]}
+
+    def set_costs(self, costs: DraftCosts) -> None:
+        """Plan with these step costs (the decoder sets them per batch size)."""
+        if getattr(self, "costs", None) == costs:
+            return
+        self.costs = costs
+        # increments[d][i] = cost(d + i + 1) - cost(d): the extra cost of i + 1 more drafts
+        self.increments = [
+            [costs.round_cost(d + i) - costs.round_cost(d) for i in range(1, self.max_k - d + 1)]
+            for d in range(self.max_k + 1)
+        ]
+
+    def _prior(self, key: str) -> float:
+        hits, seen = self._life[key]
+        return (hits + 0.5 * 2) / (seen + 2)  # 0.5 before any history
+
+    # -- per generate call
+    def start(self, batch: int) -> None:
+        self.b = batch
+        self.first = [self._prior("first")] * batch
+        self.follow = [self._prior("follow")] * batch
+        self.recent = [self._prior("all")] * batch
+        self.tokens = [1.0] * batch  # realized tokens and modeled cost (a prior of one step)
+        self.cost = [1.0] * batch
+        self.probing = False  # `interval` and `skipped` carry over from the last call
+        self.row_k: list[int] | None = None
+
+    def rate(self, r: int) -> float:
+        """Throughput to beat for row r: realized tokens per modeled cost so far, at least 1."""
+        return max(1.0, self.tokens[r] / self.cost[r])
+
+    def _best_m(self, active: list[bool]) -> int:
+        """The number of drafts m >= 0 that pays best at the rows' recent acceptance (0: a
+        target step beats every m). Batch scope: gains summed over the active rows; row scope:
+        the most any active row wants."""
+        inc = self.increments[0]
+        if self.scope == "row":
+            return max(
+                (
+                    best_more(1.0, self.first[r], self.follow[r], inc, self.rate(r))[0]
+                    for r in range(self.b)
+                    if active[r]
+                ),
+                default=0,
+            )
+        total = [0.0] * len(inc)
+        for r in range(self.b):
+            if active[r]:
+                reach, tokens, rate = self.first[r], 0.0, self.rate(r)
+                for i, c in enumerate(inc):
+                    if i:
+                        reach *= self.follow[r]
+                    tokens += reach
+                    total[i] += tokens - rate * c
+        best = max(range(len(total)), key=total.__getitem__, default=-1)
+        return best + 1 if best >= 0 and total[best] > 1e-12 else 0
+
+    def _pays(self, active: list[bool]) -> bool:
+        """Does drafting (some m >= 1 drafts at the rows' recent acceptance) beat a target step?"""
+        return self._best_m(active) > 0
+
+    def plan(self, budget: int, active: list[bool]) -> RoundPlan:
+        """Before drafting: this round's most drafts (<= budget), 0 for a plain target step.
+        Once the floor engages it holds for `interval` steps (nothing new is learnt during
+        them), then a probe round drafts; a probe that did not pay for itself doubles the
+        interval (up to `max_backoff` probe_every), one that did resets it."""
+        if not self.floor:
+            return RoundPlan(self._k(budget))
+        if 0 < self.skipped < self.interval:
+            self.skipped += 1
+            return RoundPlan(0)
+        if self.skipped:  # a probe is due
+            self.skipped, self.probing = 0, True
+            return RoundPlan(self._k(budget), probe=True)
+        if self._pays(active):
+            return RoundPlan(self._k(budget))
+        self.skipped = 1
+        return RoundPlan(0)
+
+    def _k(self, budget: int) -> int:
+        return min(self.gamma, budget)
+
+    def observe_step(self, active: list[bool]) -> None:
+        """After a plain target step: one token for one target step per active row."""
+        for r, a in enumerate(active):
+            if a:
+                self.tokens[r] += 1.0
+                self.cost[r] += 1.0
+
+    def keep_drafting(self, drafted: int, conf: list[float]) -> bool:
+        return True
+
+    def lengths(self, k: int) -> list[int]:
+        """Drafts each row verifies this round (row scope may cut rows short)."""
+        return [k] * self.b if self.row_k is None else [min(x, k) for x in self.row_k]
+
+    def observe(
+        self,
+        lengths: list[int],
+        accepted: list[int],
+        active: list[bool],
+        conf: list[list[float]] | None,
+    ) -> None:
+        """After the verify: row r verified lengths[r] drafts and accepted accepted[r]; conf
+        (B lists of K): the drafter's confidence per draft (confidence policy)."""
+        k = max(lengths) if lengths else 0
+        cost = self.costs.round_cost(k)
+        e, fe = self.ema, self.floor_ema
+        life = self._life
+        if self.probing:  # did the probe pay for itself (tokens >= cost in target steps)?
+            self.probing = False
+            got = sum(n + 1 for n, a in zip(accepted, active) if a)
+            paid = got >= cost * sum(active)
+            backoff = min(2 * self.interval, self.max_backoff * self.probe_every)
+            self.interval = self.probe_every if paid else backoff
+        for r, a in enumerate(active):
+            if not a:
+                continue
+            n, kr = accepted[r], lengths[r]
+            self.tokens[r] += n + 1
+            self.cost[r] += cost
+            for j in range(min(n + 1, kr)):  # positions put to the test
+                ok = 1.0 if j < n else 0.0
+                if j == 0:
+                    self.first[r] = (1 - fe) * self.first[r] + fe * ok
+                    key = "first"
+                else:
+                    self.follow[r] = (1 - fe) * self.follow[r] + fe * ok
+                    key = "follow"
+                self.recent[r] = (1 - e) * self.recent[r] + e * ok
+                life[key][0] += ok
+                life[key][1] += 1
+                life["all"][0] += ok
+                life["all"][1] += 1
+        self.row_k = None
+
+
+class FixedLength(DraftLengthPolicy):
+    """gamma drafts every round, no floor (the classic decoder)."""
+
+    def __init__(self, gamma: int, max_k: int, costs: DraftCosts, **_) -> None:
+        super().__init__(gamma, max_k, costs, floor=False)
+
+
+class HeuristicLength(DraftLengthPolicy):
+    """`transformers`' schedule: +2 when a round's drafts were all accepted, else -1 (>= 1)."""
+
+    def start(self, batch: int) -> None:
+        super().start(batch)
+        self.n = [min(self.gamma, self.max_k)] * batch
+
+    def _k(self, budget: int) -> int:
+        if self.scope == "row":
+            self.row_k = list(self.n)
+            return min(max(self.n), budget)
+        return min(self.n[0], budget)
+
+    def observe(self, lengths, accepted, active, conf) -> None:
+        super().observe(lengths, accepted, active, conf)
+        k = max(lengths) if lengths else 0
+        if k == 0:
+            return
+        if self.scope == "row":
+            for r, a in enumerate(active):
+                if a:
+                    full = accepted[r] >= lengths[r]
+                    self.n[r] = min(self.max_k, self.n[r] + 2) if full else max(1, self.n[r] - 1)
+            return
+        full = all(n >= kr for n, kr, a in zip(accepted, lengths, active) if a)
+        n = min(self.max_k, self.n[0] + 2) if full else max(1, self.n[0] - 1)
+        self.n = [n] * self.b
+
+
+class ConfidenceLength(DraftLengthPolicy):
+    """The expected-gain rule on the drafter's calibrated confidence (see the module docstring).
+
+    Two calibrations, of q and earlier rounds only: `accept` maps a draft's confidence (and the
+    row's recent acceptance) to its acceptance given the drafts before it were accepted, `follow`
+    maps them to the acceptance of the *next* draft given this one was accepted, which is what
+    the decision to spend another drafter step needs before that step runs; `follow`'s prior is
+    `accept`'s fit (the next draft predicted like this one until the history says otherwise).
+    """
+
+    reads_q = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.accept = Calibration()
+        self.follow_cal = Calibration()
+        # parallel drafting: one calibration per draft depth (a mask's confidence means less
+        # than the first draft's); depth d's prior is depth d-1's fit
+        self.depth = [Calibration() for _ in range(self.max_k)]
+
+    spare = 2  # parallel: proposals beyond the running averages' best m (see `_k`)
+
+    def plan(self, budget: int, active: list[bool]) -> RoundPlan:
+        self.prefix = [1.0] * self.b
+        self.r0 = list(self.recent)  # the history this round's predictions read
+        self.going = list(active)  # rows still drafting (finished rows never are)
+        self.active = active
+        self.row_k = [budget] * self.b if self.scope == "row" else None
+        return super().plan(budget, active)
+
+    def _k(self, budget: int) -> int:
+        """Autoregressive: up to max_k, `keep_drafting` stops. Parallel: the proposals of the
+        one forward, the best m at the rows' running acceptance plus `spare` (a proposal costs
+        `draft_per_token`, a mask in the forward, far less than verifying it), which the
+        confidences may then verify in a confident round."""
+        if not self.costs.parallel:
+            return min(self.max_k, budget)
+        return max(1, min(self.max_k, budget, self._best_m(self.active) + self.spare))
+
+    def keep_drafting(self, drafted: int, conf: list[float]) -> bool:
+        """After `drafted` drafts, the latest with confidence conf[r] per row: draft another?"""
+        inc = self.increments[drafted]
+        total, going = 0.0, False
+        for r in range(self.b):
+            if not self.going[r]:
+                continue
+            self.prefix[r] *= self.accept(conf[r], self.r0[r])
+            a = self.follow_cal(conf[r], self.r0[r])
+            m, g = best_more(self.prefix[r], a, a, inc, self.rate(r))
+            if self.scope == "batch":
+                total += g  # the batch goes on while the rows' summed gain is positive
+            elif m:
+                going = True
+            else:
+                assert self.row_k is not None
+                self.row_k[r] = drafted
+                self.going[r] = False
+        return total > 1e-12 if self.scope == "batch" else going
+
+    def verify_lengths(self, conf: list[list[float]], active: list[bool]) -> list[int]:
+        """Parallel drafting: all k proposals of a row and their confidences conf[r] are known
+        before the verify, so choose how many to verify (>= 1; the drafter forward is paid) by
+        E_L - rate * cost(L) over L = 1..k, with draft j's acceptance given the ones before
+        predicted by depth j's calibration. Batch scope: one L for the batch from the rows'
+        summed gains; row scope: each row its own."""
+        k = len(conf[0]) if conf else 0
+        inc = [self.costs.round_cost(j) - self.costs.round_cost(1) for j in range(1, k + 1)]
+        gains = []
+        for r in range(self.b):
+            if not active[r]:
+                gains.append(None)
+                continue
+            rate, reach, tokens, row = self.rate(r), 1.0, 0.0, []
+            for j in range(k):
+                reach *= self.depth[j](conf[r][j], self.r0[r])
+                tokens += reach
+                row.append(tokens - rate * inc[j])
+            gains.append(row)
+        if self.scope == "row":
+            self.row_k = [1 + max(range(k), key=g.__getitem__) if g else 1 for g in gains]
+            return list(self.row_k)
+        total = [sum(g[j] for g in gains if g) for j in range(k)]
+        best = 1 + max(range(k), key=total.__getitem__) if k else 0
+        return [best] * self.b
+
+    def observe(self, lengths, accepted, active, conf) -> None:
+        if conf and self.costs.parallel:
+            self._observe_depths(lengths, accepted, active, conf)
+            super().observe(lengths, accepted, active, None)
+            return
+        if conf:
+            cs, rs, oks, fc, fr, fok = [], [], [], [], [], []
+            for r, a in enumerate(active):
+                if not a:
+                    continue
+                n, t = accepted[r], min(accepted[r] + 1, lengths[r])
+                cs += conf[r][:t]
+                rs += [self.r0[r]] * t
+                oks += [1.0 if j < n else 0.0 for j in range(t)]
+                # pairs (confidence of an accepted draft, was the next one accepted?)
+                f = max(min(n, lengths[r] - 1), 0)
+                fc += conf[r][:f]
+                fr += [self.r0[r]] * f
+                fok += [1.0 if j < n else 0.0 for j in range(1, f + 1)]
+            self.accept.update(cs, rs, oks)
+            # without evidence of its own, the next draft is predicted like this one
+            self.follow_cal.set_prior(self.accept.w)
+            self.follow_cal.update(fc, fr, fok)
+        super().observe(lengths, accepted, active, conf)
+
+    def _observe_depths(self, lengths, accepted, active, conf) -> None:
+        """Each depth's calibration learns from the drafts put to the test at that depth (the
+        ones whose predecessors were all accepted), with the depth before's fit as its prior."""
+        per = [([], [], []) for _ in self.depth]
+        for r, a in enumerate(active):
+            if not a:
+                continue
+            n = accepted[r]
+            for j in range(min(n + 1, lengths[r])):
+                c, rs, ok = per[j]
+                c.append(conf[r][j])
+                rs.append(self.r0[r])
+                ok.append(1.0 if j < n else 0.0)
+        for j, (c, rs, ok) in enumerate(per):
+            if j:
+                self.depth[j].set_prior(self.depth[j - 1].w)
+            if c:
+                self.depth[j].update(c, rs, ok)
+
+
+POLICY_CLASSES: dict[str, type[DraftLengthPolicy]] = {
+    "fixed": FixedLength,
+    "heuristic": HeuristicLength,
+    "confidence": ConfidenceLength,
+}
+
+
+def make_policy(
+    name: str, gamma: int, max_k: int, costs: DraftCosts, **options
+) -> DraftLengthPolicy:
+    """`decoder.draft_length` -> its policy; options: scope, floor, probe_every."""
+    return POLICY_CLASSES[name](gamma, max_k, costs, **options)

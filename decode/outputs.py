@@ -1,0 +1,80 @@
+"""What a decode returns: the tokens per row, and the counters every report is built from.
+
+p = target, q = drafter, gamma = drafts per round, alpha = acceptance rate (E[sum_x min(p, q)]),
+tau = tokens emitted per target forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RoundRecord:
+    """One draft/verify round, for online adaptation (p = target, q = drafter).
+
+    `start[r]`: tokens row r had emitted before the round (the drafts continue from there);
+    `draft` (B, gamma): proposed tokens; `accepted` (B,): how many were kept; `next_token` (B,):
+    the target's correction or bonus token; `target_probs` (B, gamma+1, V) fp32 softmax of the
+    target's raw (temperature-1) logits at each verified position, if `record_probs`.
+    Rows that were already finished are flagged in `active`.
+    """
+
+    start: list[int]
+    draft: torch.Tensor
+    accepted: torch.Tensor
+    next_token: torch.Tensor
+    active: list[bool]
+    target_probs: torch.Tensor | None = None
+    lengths: list[int] | None = None  # drafts row r verified, when rows differ (draft_scope=row)
+
+
+@dataclass
+class DecodeOutput:
+    """New tokens per row (EOS included when hit) and the counters the report is built from."""
+
+    tokens: list[list[int]]
+    target_forwards: int = 0  # decode-time forwards of the target (prefill excluded)
+    drafter_forwards: int = 0
+    rounds: list[RoundRecord] = field(default_factory=list)
+    block_tokens: int = 0  # sum over active row-rounds of accepted + 1
+    row_rounds: int = 0
+    alpha_sum: float = 0.0  # sum over acceptance trials of sum_x min(p, q)
+    trials: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # by draft position
+    trials_at: list[int] = field(default_factory=list)
+    # row-rounds by drafts verified (index 0: plain target steps of the draft-length floor)
+    draft_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def mean_draft_length(self) -> float:
+        return sum(k * n for k, n in enumerate(self.draft_lengths)) / max(self.row_rounds, 1)
+
+    @property
+    def tau(self) -> float:
+        return self.block_tokens / max(self.row_rounds, 1)
+
+    @property
+    def alpha(self) -> float:
+        return self.alpha_sum / max(self.trials, 1)
+
+    def count_round(self, host: list[list], active: list[bool], g: int, lengths: list[int]) -> None:
+        """Add one verified round's acceptance counters over the rows still decoding (trials
+        stop at the first reject). host[r]: row r's drafts (g), accepted count, next token and
+        per-position alpha; row r verified lengths[r] <= g of the round's g drafts."""
+        for row, a, kr in zip(host, active, lengths):
+            if not a:
+                continue
+            n = row[g]
+            self.row_rounds += 1
+            self.block_tokens += n + 1
+            self.accepted += n
+            self.draft_lengths[kr] += 1
+            for j in range(min(n + 1, kr)):  # positions that were put to the test
+                self.trials_at[j] += 1
+                self.accepted_at[j] += int(j < n)
+                self.alpha_sum += row[g + 2 + j]
+                self.trials += 1

@@ -1,0 +1,105 @@
+"""The decoder's public timing interface: a target step, a verify of k drafts, a draft step.
+
+p = target, q = drafter, c = drafter step time / target step time. Whatever prices a round (the
+draft-length policies' `DraftCosts`, the validate stage's c and verify costs, the benches) times
+the decoder's own runners here: the same caches, compiled steps, CPU linears and draft head as a
+decode, with no reach into the decoder's private parts. Each model's cache is prefilled with the
+prompt but its last token; a timed step feeds that token repeated `width` times. Batched ids
+(B > 1) are timed on the masked path with explicit positions, as batched decodes run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from specdistill.decode.cache import ModelRunner, step_mask
+
+ROLES = ("target", "drafter")
+
+
+class StepTimer:
+    """Seconds per forward of the target p or the drafter q at a prompt's length.
+
+    `make_runner[role](slots)` builds that role's runner exactly as the decoder would;
+    `draft_widths(k)` gives the tokens fed by each drafter forward of a round of k drafts (a
+    drafting strategy's steady state: k 1-token steps, or one forward for a parallel drafter);
+    `drafter_ids` maps the target's token ids into the drafter's (identity for a shared vocabulary).
+    """
+
+    def __init__(
+        self,
+        ids: torch.Tensor,
+        slots: int,
+        make_runner: dict[str, Callable[[int], ModelRunner]],
+        draft_widths: Callable[[int], tuple[int, ...]],
+        drafter_ids: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+    ) -> None:
+        self.ids, self.slots, self.device = ids, slots, ids.device
+        self.make_runner, self.draft_widths = make_runner, draft_widths
+        self.role_ids = {"target": ids, "drafter": drafter_ids(ids)}
+        self.dense = ids.shape[0] == 1
+        self.runners: dict[str, tuple[ModelRunner, torch.Tensor]] = {}
+
+    def _runner(self, role: str) -> tuple[ModelRunner, torch.Tensor]:
+        """The role's runner (built and prefilled on first use) and its all-ones slot mask."""
+        if role not in self.runners:
+            runner = self.make_runner[role](self.slots)
+            b, plen = self.ids.shape
+            mask = torch.ones(b, runner.capacity, dtype=torch.bool, device=self.device)
+            self.runners[role] = (runner, mask)
+            if plen > 1:
+                self._step(role, self.role_ids[role][:, :-1], prefill=True)
+        return self.runners[role]
+
+    def _step(self, role: str, x: torch.Tensor, prefill: bool = False) -> None:
+        runner, mask = self.runners[role]
+        n = x.shape[1]
+        keep = 1 if prefill else n
+        if self.dense:
+            runner.forward(x, keep=keep, prefill=prefill)
+            return
+        attn = mask[:, :n] if prefill else step_mask(runner, mask, runner.length + n)
+        pos = (runner.length + torch.arange(n, device=self.device)).expand(x.shape[0], n)
+        runner.forward(x, attn, pos, keep=keep, prefill=prefill)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def forward(self, role: str, width: int, reps: int = 4, grow: bool = False) -> float:
+        """Seconds per forward of `width` tokens (all logits kept) by `role` (target or drafter),
+        over `reps` forwards. Each forward is rolled back, so every rep times the same step;
+        `grow`: 1-token forwards run back to back as a decode runs them (the cache grows, then
+        is rolled back once the block is timed)."""
+        if role not in ROLES:
+            raise ValueError(f"role={role!r}: use target or drafter")
+        runner, _ = self._runner(role)
+        base, x = runner.length, self.role_ids[role][:, -1:].repeat(1, width)
+        self._sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            self._step(role, x)
+            if width > 1 or not grow:
+                runner.rollback(base)
+        self._sync()
+        seconds = time.perf_counter() - t0
+        runner.rollback(base)
+        return seconds / reps
+
+    def target_step(self, reps: int = 4, grow: bool = True) -> float:
+        """One 1-token target step (the unit every cost is expressed in)."""
+        return self.forward("target", 1, reps, grow)
+
+    def verify(self, k: int, reps: int = 4) -> float:
+        """The target's verify of k drafts: one (k+1)-token forward."""
+        return self.forward("target", k + 1, reps)
+
+    def draft(self, k: int = 1, reps: int = 4, grow: bool = True) -> float:
+        """The drafter's forwards of a round of k drafts, in the drafting strategy's steady state
+        (autoregressive: k 1-token steps; parallel: one forward over an accepted draft, the
+        pending token and k-1 masks)."""
+        return sum(self.forward("drafter", w, reps, grow) for w in self.draft_widths(k))

@@ -1,0 +1,182 @@
+"""The target's side of a round: verify the drafts in one forward, plain target steps, settle.
+
+p = target, q = drafter, k = drafts verified this round. The same for every kind of drafter:
+`verify` feeds [t, d_1..d_k] to p and applies the acceptance rule of `acceptance.py` (greedy
+agreement, or speculative sampling with q), `target_step` is the floor's plain step, and
+`settle` makes the round's one host sync, then its counters (alpha, tau), its record and its
+emitted tokens. The round loop itself is `SpeculativeDecoder.generate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdistill.decode.acceptance import (
+    accept_prefix,
+    expected_alpha,
+    greedy_agreement,
+    probs_from_logits,
+    sample_from,
+    uniforms,
+    verify_sampling,
+)
+from specdistill.decode.cache import ModelRunner, step_mask
+from specdistill.decode.config import DecoderConfig
+from specdistill.decode.draft_length.policies import DraftLengthPolicy
+from specdistill.decode.outputs import DecodeOutput, RoundRecord
+
+
+@dataclass
+class RoundState:
+    """One `SpeculativeDecoder.generate` call's state, advanced round by round (`tgt`: the
+    target p's runner; the drafter q's state lives in its `Drafter`)."""
+
+    tgt: ModelRunner
+    mask: torch.Tensor  # (B, capacity) shared slot mask of both caches
+    dense: bool  # batch 1: no mask, no explicit positions
+    policy: DraftLengthPolicy
+    adaptive: bool
+    out: DecodeOutput
+    done: list[bool]
+    t: torch.Tensor  # (B,) pending token, not yet in the target's cache
+    pos: torch.Tensor  # (B,) its position
+    steps: torch.Tensor  # arange over the widest verify
+    generator: torch.Generator | None
+
+
+class Verifier:
+    """p's side of every round, for one decoder's settings (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        vocab: int,
+        device: torch.device,
+        verify_widths: list[int],
+        pad_widths: bool,
+    ) -> None:
+        """vocab: the target's vocabulary size; pad_widths: a compiled target with adaptive
+        lengths pads each verify to the next of `verify_widths` (few compiled shapes)."""
+        self.cfg, self.vocab, self.device = cfg, vocab, device
+        self.verify_widths, self.pad_widths = verify_widths, pad_widths
+
+    def verify(self, st: RoundState, draft_t, q, lengths):
+        """Verify [t, d_1..d_K] with p in one forward (a compiled target pads to a few widths;
+        batched: the padding's slots are opened in the mask) and apply the acceptance rule, the
+        same for every kind of drafter. q (B, K, V): the drafts' distributions (sampling; None
+        when greedy); lengths: drafts row r verifies, when rows were cut short. Returns
+        (accepted counts, next tokens, per-position alpha, target logits, verify width)."""
+        s, (b, kd), tgt, steps = self.cfg.sampling, draft_t.shape, st.tgt, st.steps
+        length, t, dense, generator = tgt.length, st.t, st.dense, st.generator
+        vin = torch.cat([t[:, None], draft_t], 1)
+        width = self.width(kd)
+        if width > kd + 1:
+            vin = torch.cat([vin, t[:, None].expand(b, width - kd - 1)], 1)
+            if not dense:
+                st.mask[:, length + kd + 1 : length + width] = True
+        attn = None if dense else step_mask(tgt, st.mask, length + width)
+        vpos = None if dense else st.pos[:, None] + steps[:width]
+        t_logits = tgt.forward(vin, attn, vpos, keep=width)[:, : kd + 1, : self.vocab]
+        len_t = torch.tensor(lengths, device=self.device) if lengths is not None else None
+        if s.greedy:  # one argmax serves the verdict and the per-position agreement
+            ok, target_tok = greedy_agreement(draft_t, t_logits)
+            if len_t is not None:
+                ok &= steps[None, :kd] < len_t[:, None]
+            n, nxt = accept_prefix(ok, target_tok)
+            return n, nxt, ok.float(), t_logits, width
+        p = probs_from_logits(t_logits, s)
+        q = q if q is not None else torch.zeros_like(p[:, :0])
+        n, nxt = verify_sampling(
+            draft_t,
+            p,
+            q,
+            uniforms((b, kd), generator, self.device),
+            uniforms((b,), generator, self.device),
+            self.cfg.lenience,
+            lengths=len_t,
+        )
+        return n, nxt, expected_alpha(p[:, :kd], q), t_logits, width
+
+    def target_step(self, st: RoundState, active: list[bool]) -> torch.Tensor:
+        """One target-only step inside a speculative decode (the floor); returns the next token."""
+        s, tgt, out, t = self.cfg.sampling, st.tgt, st.out, st.t
+        attn = None if st.dense else step_mask(tgt, st.mask, tgt.length + 1)
+        xpos = None if st.dense else st.pos[:, None]
+        logits = tgt.forward(t[:, None], attn, xpos, keep=1)[:, -1, : self.vocab]
+        if s.greedy:
+            nxt = logits.argmax(-1)
+        else:
+            probs = probs_from_logits(logits, s)
+            nxt = sample_from(probs, uniforms((t.shape[0],), st.generator, self.device))
+        out.target_forwards += 1
+        if self.cfg.record_probs:
+            out.rounds.append(
+                RoundRecord(
+                    start=[len(tk) for tk in out.tokens],
+                    draft=t[:, None][:, :0],
+                    accepted=torch.zeros_like(nxt),
+                    next_token=nxt,
+                    active=active,
+                    target_probs=torch.softmax(logits.float(), -1)[:, None],
+                )
+            )
+        for r, tok in enumerate(nxt.tolist()):
+            if active[r]:
+                out.row_rounds += 1
+                out.block_tokens += 1
+                out.draft_lengths[0] += 1
+                st.done[r] = self.emit(out.tokens[r], [tok])
+        return nxt
+
+    def width(self, k: int) -> int:
+        """Tokens the verify step feeds: k + 1, or the next of a few widths when the target's
+        steps are compiled (padding past the drafts is verified and rolled back unread)."""
+        if not self.pad_widths:
+            return k + 1
+        return next(w for w in self.verify_widths if w >= k + 1)
+
+    def settle(
+        self,
+        out: DecodeOutput,
+        done: list[bool],
+        active: list[bool],
+        verdict: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        t_logits: torch.Tensor,
+        lengths: list[int],
+        row_cut: bool = False,
+    ) -> list[list]:
+        """The round's one host sync (drafts, accepted counts, next tokens, per-position alpha;
+        token ids < 2^24 are exact in fp32), then its counters, its record and its tokens, the
+        same for every drafting mode. Marks finished rows in `done`; returns the host rows."""
+        draft_t, n, nxt, alpha_pos = verdict
+        k = draft_t.shape[1]
+        host = torch.cat([draft_t, n[:, None], nxt[:, None], alpha_pos], 1).float().tolist()
+        host = [[int(v) for v in row[: k + 2]] + row[k + 2 :] for row in host]
+        out.count_round(host, active, k, lengths)
+        if self.cfg.record_probs:
+            out.rounds.append(
+                RoundRecord(
+                    start=[len(tk) for tk in out.tokens],
+                    draft=draft_t,
+                    accepted=n,
+                    next_token=nxt,
+                    active=active,
+                    target_probs=torch.softmax(t_logits.float(), -1),
+                    lengths=lengths if row_cut else None,
+                )
+            )
+        for r, row in enumerate(host):
+            if not done[r]:
+                done[r] = self.emit(out.tokens[r], [*row[: row[k]], row[k + 1]])
+        return host
+
+    def emit(self, row: list[int], tokens: list[int]) -> bool:
+        """Append up to the budget, stopping after an EOS; True when the row is finished."""
+        eos = self.cfg.eos_token_id
+        for tok in tokens:
+            row.append(tok)
+            if tok in eos or len(row) >= self.cfg.max_new_tokens:
+                return True
+        return False
