@@ -91,7 +91,7 @@ class TextContextDrafter(MappedDrafter):
         (B, 1, V) and each row's drafter length."""
         self._log_fed()
         self.pending = t.tolist()
-        news = [self._retokenize(row + [x]) for row, x in zip(self.rows, self.pending)]
+        news = [self._retokenize([*row, x]) for row, x in zip(self.rows, self.pending)]
         b = len(news)
         keep = [common_prefix(c, n, len(n) - 1) for c, n in zip(self.cached, news)]
         kept_end = max((s[k - 1] + 1 if k else 0) for s, k in zip(self.cslots, keep))

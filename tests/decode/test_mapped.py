@@ -132,7 +132,7 @@ def test_greedy_identity_batched(bpe_pair, context, cache, draft_length):
 def test_text_context_reads_the_drafters_own_tokenization(bpe_pair):
     """Text mode: the drafter's cache holds its tokenizer's split of the target's text, not a
     token-by-token mapping (which would put unk where the target has a token it lacks)."""
-    _, _, m, t_tok, d_tok = bpe_pair
+    _, _, _m, t_tok, d_tok = bpe_pair
     dec = decoder(bpe_pair, "text", gamma=2, max_new_tokens=6)
     ids = t_tok(TEXTS[1], return_tensors="pt").input_ids
     out = dec.generate(ids)
@@ -166,7 +166,7 @@ def test_q_in_target_ids_sums_to_one_and_matches_brute_force():
 
 
 def test_tli_maps_ids_in_with_unk_and_drafts_back(bpe_pair):
-    target, drafter, m, t_tok, d_tok = bpe_pair
+    _target, _drafter, m, _t_tok, d_tok = bpe_pair
     dec = decoder(bpe_pair, "tli", gamma=2, max_new_tokens=4)
     dr: MappedDrafter = dec.drafting
     unk = d_tok.unk_token_id
@@ -272,5 +272,67 @@ def test_chi_square_catches_unrestricted_drafts(small_pair, monkeypatch):
 
 
 def test_small_pair_tokenizers_round_trip(small_pair):
-    _, _, _, t_tok, d_tok = small_pair
+    _, _, _, _t_tok, d_tok = small_pair
     assert json.dumps(d_tok.encode("abcd", add_special_tokens=False)) == "[5, 4, 1]"
+
+
+# ------------------------------------------------------------------ validate end to end
+
+
+@pytest.fixture(scope="module")
+def mapped_drafter_dir(toy_tiny, tmp_path_factory):
+    """A drafter with its own tokenizer for the toy-tiny target: the target's first layer over
+    another byte-level BPE's ids (rows copied where the two spell the same bytes)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("mapped_validate")
+    d = fx.byte_level(fx.TEXT_A + fx.TEXT_B, 320, ["</s>", "<unk>"])
+    d_dir = fx.save(d, root / "drafter", **D_ROLES)
+    m = mapping_of(toy_tiny.target_dir, d_dir)
+    target = AutoModelForCausalLM.from_pretrained(toy_tiny.target_dir)
+    m = m.resized(target.get_output_embeddings().weight.shape[0], m.draft_vocab)
+    mapped_copy(target, m.draft_to_target, noise=0.05).save_pretrained(d_dir)
+    return d_dir
+
+
+@pytest.mark.parametrize("context", ["tli", "text"])
+def test_validate_runs_a_mapped_pair(mapped_drafter_dir, tmp_path, context):
+    from hydra import compose, initialize_config_module
+
+    from specdistill.decode.validate.stage import run
+
+    overrides = [
+        "pair=toy-tiny", f"pair.drafter={mapped_drafter_dir}", "pair.vocab=mapped",
+        "pair.min_vocab_coverage=0", f"decoder.mapped_context={context}", "decoder.gamma=2",
+        f"output_dir={tmp_path}", "num_prompts=2", "max_new_tokens=8", "repeats=1",
+        "step_time_iters=2", "plot=false", "both_modes=true",
+    ]  # fmt: skip
+    with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+        cfg = compose(config_name="validate", overrides=overrides)
+    r = run(cfg)
+    assert r.lossless is True and r.mismatched_sequences == 0
+    v = r.vocab_mapping
+    assert v["context"] == context and 0 < v["intersection"] < v["draft_vocab"]
+    assert 0 < v["output_coverage"] <= 1 and "sampling" in r.modes
+    assert r.hf_assisted is not None  # universal assisted generation, or its one error line
+    assert "vocabulary mapping" in (tmp_path / "report.md").read_text()
+
+
+def test_bench_compares_a_mapped_drafter_beside_a_shared_one(
+    mapped_drafter_dir, toy_tiny, tmp_path
+):
+    from hydra import compose, initialize_config_module
+
+    from specdistill.decode.bench.drafters import run_drafters
+
+    overrides = [
+        "pair=toy-tiny", f"pair.drafter={mapped_drafter_dir}", "pair.vocab=mapped",
+        "pair.min_vocab_coverage=0", f"compare_drafters=[{toy_tiny.drafter_dir}]",
+        f"output_dir={tmp_path}", "num_prompts=2", "max_new_tokens=8", "repeats=1",
+        "step_time_iters=2", "plot=false", "both_modes=false", "hf_assisted=false",
+    ]  # fmt: skip
+    with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+        rows = run_drafters(compose(config_name="validate", overrides=overrides))
+    assert [r["lossless"] for r in rows] == [True, True]
+    assert rows[0]["vocab_mapping"]["context"] == "tli" and rows[1]["vocab_mapping"] is None
+    assert "shared ids" in (tmp_path / "drafters.md").read_text()
