@@ -81,8 +81,7 @@ class SpeculativeDecoder:
         tokenizer_len: int | None = None,
         mapped: MappedVocab | None = None,
     ) -> None:
-        """mapped: the drafter has its own tokenizer and decodes through this vocabulary
-        mapping (`decode.drafters.mapped`); None: the two share the target's ids."""
+        """mapped: the drafter's own vocabulary mapping (decode.drafters.mapped); None: shared."""
         check_decoder_config(cfg)
         if mapped is None:
             self.vocab = check_pair_for_decoding(target, drafter, tokenizer_len)
