@@ -23,7 +23,7 @@ earlier drafts, and each draft is drawn from it: the acceptance rule (greedy agr
 speculative sampling min(1, p/q) with the residual max(0, p - q)) stays exact, so decoding is
 lossless in both serving modes. Target tokens outside the intersection get q = 0: they are never
 drafted and come only from the residual (or the target's own next token). Vocabulary mapping
-(data/vocab_mapping.py) differs from vLLM's only where its docstring says.
+(data/models/vocab_mapping.py) differs from vLLM's only where its docstring says.
 
 Unsupported with a mapping (one `error:` line each): `decoder.drafting=parallel` (its mask token
 is an id of a drafter trained on the target's ids) and `decoder.lenience` < 1 (a lossy rule over
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
+from specdistill.data.models.vocab_mapping import VocabMapping
 from specdistill.data.runtime import ConfigError
-from specdistill.data.vocab_mapping import VocabMapping
 from specdistill.decode.drafters.autoregressive import AutoregressiveDrafter
 
 CONTEXTS = ("tli", "text")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdistill.data.pair_vocab import pair_mapping
-from specdistill.data.pairs import load_drafter_tokenizer, vocab_size
+from specdistill.data.models.pair_vocab import pair_mapping
+from specdistill.data.models.pairs import load_drafter_tokenizer, vocab_size
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.drafters.mapped import MappedVocab, check_context, make_mapped_vocab
 

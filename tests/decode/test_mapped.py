@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 
+from specdistill.data.models.vocab_mapping import VocabMapping, build_mapping, read_source
 from specdistill.data.runtime import ConfigError, pad_rows
 from specdistill.data.sampling import Sampling
-from specdistill.data.vocab_mapping import VocabMapping, build_mapping, read_source
 from specdistill.decode.drafters.mapped import (
     MappedDrafter,
     check_context,
