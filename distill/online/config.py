@@ -7,8 +7,7 @@ import hashlib
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.runtime import ConfigError
-from specdistill.decode.speculative import check_decoder_config
-from specdistill.decode.validate.stage import decoder_config
+from specdistill.decode.config import DecoderSettings
 from specdistill.distill.losses import DIVERGENCES
 from specdistill.distill.online.buffer import RECORD_MODES
 from specdistill.distill.online.stream import Segment, parse_stream
@@ -49,8 +48,8 @@ def _in_range_or_null(value, lo: float, hi: float) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float) and lo <= value <= hi
 
 
-def check_config(cfg: DictConfig) -> list[Segment]:
-    """The stream's segments, once every setting is known to be usable."""
+def check_config(cfg: DictConfig) -> tuple[list[Segment], DecoderSettings]:
+    """The stream's segments and the typed `decoder` node, once every setting is usable."""
     for key in _POSITIVE:
         if _int(cfg, key) <= 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be a positive integer")
@@ -111,18 +110,21 @@ def check_config(cfg: DictConfig) -> list[Segment]:
         )
     if cfg.optim.schedule not in ("cosine", "linear", "constant"):
         raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: use cosine, linear or constant")
-    if cfg.decoder.get("gamma") == "auto":
+    return segments, decoder_settings(cfg)
+
+
+def decoder_settings(cfg: DictConfig) -> DecoderSettings:
+    """The `decoder` node typed and checked, with what online adaptation needs of it: a fixed
+    gamma and autoregressive drafts."""
+    settings = DecoderSettings.from_node(cfg.decoder, "decoder")
+    if settings.gamma is None:
         raise ConfigError("decoder.gamma=auto is not supported online: set an integer gamma")
-    if cfg.decoder.get("drafting", "autoregressive") != "autoregressive":
+    if settings.drafting != "autoregressive":
         raise ConfigError(
-            f"decoder.drafting={cfg.decoder.drafting} is not supported online: online updates "
+            f"decoder.drafting={settings.drafting} is not supported online: online updates "
             "train autoregressive drafts only; set decoder.drafting=autoregressive"
         )
-    check_decoder_config(decoder_config(cfg.decoder, int(cfg.max_new_tokens), (), 1))
-    check_decoder_config(
-        decoder_config(cfg.decoder, int(cfg.max_new_tokens), (), int(cfg.decoder.gamma))
-    )
-    return segments
+    return settings
 
 
 # `gate_agreement: auto` per serving mode (toy pair, distilled drafter, 8-request windows).

@@ -44,7 +44,6 @@ from specdistill.data.runtime import (
     set_threads,
 )
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
-from specdistill.decode.validate.stage import decoder_config
 from specdistill.distill.online.buffer import Entry, ReplayBuffer, entries_from_output
 from specdistill.distill.online.config import check_config, check_topk, fingerprint
 from specdistill.distill.online.drift import DriftGate
@@ -282,7 +281,7 @@ class OnlineRun:
 
 def run(cfg: DictConfig) -> OnlineResult:
     t_start = time.perf_counter()
-    segments = check_config(cfg)
+    segments, decoder = check_config(cfg)
     out = Path(str(cfg.output_dir)).expanduser().absolute()
     device = resolve_device(str(cfg.device))
     set_threads(cfg.threads, device)
@@ -321,10 +320,8 @@ def run(cfg: DictConfig) -> OnlineResult:
     target.requires_grad_(False)
     frozen = copy.deepcopy(drafter).requires_grad_(False) if cfg.compare_frozen else None
     eos = tuple(sorted({i for i in [tok.eos_token_id] if i is not None}))
-    dcfg = dataclasses.replace(
-        decoder_config(cfg.decoder, int(cfg.max_new_tokens), eos, int(cfg.decoder.gamma)),
-        record_probs=True,
-    )
+    # the online learner reads the target's probabilities from every verification
+    dcfg = decoder.replace(record_probs=True).decoder_config(int(cfg.max_new_tokens), eos)
     out.mkdir(parents=True, exist_ok=True)
     job = OnlineRun(cfg, out, plan, prompts, target, drafter, frozen, tok, dcfg, topk)
     if state is not None:
