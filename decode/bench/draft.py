@@ -134,20 +134,10 @@ def _measure_mode(
     assert base_out is not None
     base = statistics.median(base_rates)
     greedy = probe.cfg.sampling.greedy
-    rows = []
-    for label, dec in decs.items():
-        spec = statistics.median(rates[label])
-        # paired: each repeat's entry over the same repeat's target-only pass
-        ratios = [r / b for r, b in zip(rates[label], base_rates)]
-        row = {"entry": label, "gamma": dec.max_draft, "alpha": round(first[label].alpha, 4)}
-        row |= {"tau": round(first[label].tau, 3), **draft_figures(first[label])}
-        row |= {
-            "speedup": round(statistics.median(ratios), 3),
-            "speedup_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
-            "tokens_per_s": round(spec, 2),
-            "lossless": first[label].tokens == base_out.tokens if greedy else None,
-        }
-        rows.append(row)
+    rows = [
+        _row(label, dec, first[label], rates[label], base_rates, base_out, greedy)
+        for label, dec in decs.items()
+    ]
     hf = None
     if vs.hf_assisted:
         hf = hf_assisted_speed(
@@ -166,6 +156,21 @@ def _measure_mode(
         "hf_assisted": hf,
         "seconds": round(time.perf_counter() - t0, 1),
         "notes": notes,
+    }
+
+
+def _row(label: str, dec, out: DecodeOutput, rates: list[float], base_rates: list[float],
+         base_out: DecodeOutput, greedy: bool) -> dict[str, Any]:  # fmt: skip
+    """One entry's figures; the speedup is paired: each repeat over the same repeat's
+    target-only pass."""
+    ratios = [r / b for r, b in zip(rates, base_rates)]
+    row = {"entry": label, "gamma": dec.max_draft, "alpha": round(out.alpha, 4)}
+    row |= {"tau": round(out.tau, 3), **draft_figures(out)}
+    return row | {
+        "speedup": round(statistics.median(ratios), 3),
+        "speedup_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+        "tokens_per_s": round(statistics.median(rates), 2),
+        "lossless": out.tokens == base_out.tokens if greedy else None,
     }
 
 

@@ -166,46 +166,10 @@ def _measure_mode(
             first.setdefault(k, merge(outs[k]))
     base = first[""]
     greedy = probe.cfg.sampling.greedy
-    rows = []
-    for (mode, g), dec in decs.items():
-        key, o = f"{mode}:{g}", first[f"{mode}:{g}"]
-        alpha_at = [a / t if t else 0.0 for a, t in zip(o.accepted_at, o.trials_at)]
-        fixed = isinstance(g, int)
-        # an adaptive row's verify is priced at its mean drafts per round
-        kv = g if fixed else max(1, round(o.mean_draft_length))
-        _, verify = measure_c(dec, st.warm[0][0], max(4, iters // 4), kv)
-        if mode == "parallel":  # one forward over the accepted lag + t + g-1 masks
-            lag = round(o.accepted / max(o.row_rounds, 1))
-            width = (g if fixed else top) + lag  # adaptive: priced at the most proposals
-            draft_cost = forward_cost(dec, st.warm[0][0], width, max(4, iters // 2))
-            draft_cost *= o.drafter_forwards / max(o.target_forwards, 1)
-        else:
-            draft_cost = c * o.drafter_forwards / max(o.target_forwards, 1)
-        # fixed: per-position acceptance over the round's cost; adaptive: tau over it
-        theory = (
-            round_speedup(alpha_at, draft_cost, verify) if fixed else o.tau / (draft_cost + verify)
-        )
-        ratios = [r / b for r, b in zip(rates[key], rates[""])]
-        rows.append(
-            {
-                "drafting": mode,
-                "gamma": g,
-                "alpha": round(o.alpha, 4),
-                "alpha_at": [round(a, 3) for a in alpha_at],
-                "tau": round(o.tau, 3),
-                "drafter_forwards_per_round": round(
-                    o.drafter_forwards / max(o.target_forwards, 1), 2
-                ),
-                "drafter_cost_per_round": round(draft_cost, 3),
-                "verify_cost": round(verify, 3),
-                "mean_draft_length": round(o.mean_draft_length, 3),
-                "theoretical_speedup": round(theory, 3),
-                "speedup": round(statistics.median(ratios), 3),
-                "speedup_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
-                "tokens_per_s": round(statistics.median(rates[key]), 2),
-                "lossless": o.tokens == base.tokens if greedy else None,
-            }
-        )
+    rows = [
+        _row(st, dec, mode, g, first[f"{mode}:{g}"], base, rates, f"{mode}:{g}", c, iters, top)
+        for (mode, g), dec in decs.items()
+    ]
     best = {
         m: max((r for r in rows if r["drafting"] == m), key=lambda r: r["speedup"])["gamma"]
         for m in ("autoregressive", "parallel")
@@ -234,6 +198,43 @@ def _measure_mode(
         "best_gamma": best,
         "hf_assisted": hf,
         "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _row(st, dec, mode: str, g: int | str, o: DecodeOutput, base: DecodeOutput, rates,
+         key: str, c: float, iters: int, top: int) -> dict[str, Any]:  # fmt: skip
+    """One drafting mode at one gamma (or adaptive policy): acceptance, the round's measured
+    costs, the theoretical and the measured speedup (paired with the same repeat's baseline)."""
+    alpha_at = [a / t if t else 0.0 for a, t in zip(o.accepted_at, o.trials_at)]
+    fixed = isinstance(g, int)
+    # an adaptive row's verify is priced at its mean drafts per round
+    kv = g if fixed else max(1, round(o.mean_draft_length))
+    _, verify = measure_c(dec, st.warm[0][0], max(4, iters // 4), kv)
+    if mode == "parallel":  # one forward over the accepted lag + t + g-1 masks
+        lag = round(o.accepted / max(o.row_rounds, 1))
+        width = (g if fixed else top) + lag  # adaptive: priced at the most proposals
+        draft_cost = forward_cost(dec, st.warm[0][0], width, max(4, iters // 2))
+        draft_cost *= o.drafter_forwards / max(o.target_forwards, 1)
+    else:
+        draft_cost = c * o.drafter_forwards / max(o.target_forwards, 1)
+    # fixed: per-position acceptance over the round's cost; adaptive: tau over it
+    theory = round_speedup(alpha_at, draft_cost, verify) if fixed else o.tau / (draft_cost + verify)
+    ratios = [r / b for r, b in zip(rates[key], rates[""])]
+    return {
+        "drafting": mode,
+        "gamma": g,
+        "alpha": round(o.alpha, 4),
+        "alpha_at": [round(a, 3) for a in alpha_at],
+        "tau": round(o.tau, 3),
+        "drafter_forwards_per_round": round(o.drafter_forwards / max(o.target_forwards, 1), 2),
+        "drafter_cost_per_round": round(draft_cost, 3),
+        "verify_cost": round(verify, 3),
+        "mean_draft_length": round(o.mean_draft_length, 3),
+        "theoretical_speedup": round(theory, 3),
+        "speedup": round(statistics.median(ratios), 3),
+        "speedup_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+        "tokens_per_s": round(statistics.median(rates[key]), 2),
+        "lossless": o.tokens == base.tokens if dec.cfg.sampling.greedy else None,
     }
 
 
