@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from specdistill.data.pairs import check_vocab, vocab_size
+from specdistill.data.models.pairs import check_vocab, vocab_size
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
 from specdistill.decode.draft_length import MIN_OVERHEAD, POLICIES, SCOPES, DraftCosts

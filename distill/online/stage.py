@@ -32,7 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json, atomic_write_text, guard_write
-from specdistill.data.pairs import load_pair, load_tokenizer, resolve_pair
+from specdistill.data.models.pairs import load_pair, load_tokenizer, resolve_pair
 from specdistill.data.runtime import (
     pad_rows,
     parse_dtype,

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from specdistill.data.checkpoints import check_saved_file
 from specdistill.data.io import guard_write, param_bytes, replace_dir
+from specdistill.data.models.checkpoints import check_saved_file
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.train.setup import init_logger
 
