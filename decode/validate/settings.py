@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.data.prompts import check_long_prompts
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, setting
 from specdistill.data.sampling import Sampling
 from specdistill.decode.config import DecoderSettings
 from specdistill.decode.validate.modes import both_modes, other_decoder
@@ -67,7 +67,7 @@ class ValidateSettings:
             value = cfg.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{key}={value!r} must be a positive integer")
-        long_prompts = cfg.get("long_prompts", "truncate")
+        long_prompts = setting(cfg, cls, "long_prompts")
         check_long_prompts(long_prompts)
         other = other_decoder(decoder, cfg.get("other_sampling")) if both_modes(cfg) else None
         engines = parse_engines(cfg)
@@ -77,18 +77,18 @@ class ValidateSettings:
             decoder=decoder,
             other=other,
             max_new_tokens=int(cfg.max_new_tokens),
-            num_prompts=int(cfg.num_prompts) if cfg.get("num_prompts") else None,
+            num_prompts=int(cfg.num_prompts) if cfg.get("num_prompts") else None,  # 0/null: all
             max_prompt_tokens=cfg.get("max_prompt_tokens") or None,
             long_prompts=str(long_prompts),
             batch_size=int(cfg.batch_size),
             repeats=int(cfg.repeats),
             step_time_iters=int(cfg.step_time_iters),
-            seed=int(cfg.get("seed", 0)),
-            device=str(cfg.get("device", "auto")),
-            dtype=str(cfg.get("dtype", "auto")),
-            threads=cfg.get("threads", "auto"),
-            hf_assisted=bool(cfg.get("hf_assisted", True)),
-            plot=bool(cfg.get("plot", True)),
+            seed=int(setting(cfg, cls, "seed")),
+            device=str(setting(cfg, cls, "device")),
+            dtype=str(setting(cfg, cls, "dtype")),
+            threads=setting(cfg, cls, "threads"),
+            hf_assisted=bool(setting(cfg, cls, "hf_assisted")),
+            plot=bool(setting(cfg, cls, "plot")),
             engines=engines,
             vllm_draft_sample_method=method,
         )

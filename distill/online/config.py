@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, setting
 from specdistill.decode.config import DecoderSettings
 from specdistill.distill.losses import DIVERGENCES
 from specdistill.distill.online.buffer import RECORD_MODES
@@ -101,7 +101,6 @@ class OnlineSettings:
     def from_cfg(cls, cfg: DictConfig) -> OnlineSettings:
         """The online config checked and typed; a ConfigError names the field."""
         segments = _check(cfg)
-        get = cfg.get
         return cls(
             output_dir=Path(str(cfg.output_dir)).expanduser().absolute(),
             decoder=decoder_settings(cfg),
@@ -113,20 +112,20 @@ class OnlineSettings:
             guard_every=int(cfg.guard_every),
             guard_probe=int(cfg.guard_probe),
             guard_margin=float(cfg.guard_margin),
-            guard_start=bool(get("guard_start", False)),
-            gate_agreement=_number_or(get("gate_agreement")),
-            gate_relax_margin=_number_or(get("gate_relax_margin")),
-            gate_relaxed=_number_or(get("gate_relaxed")),
-            anchor_kl=float(get("anchor_kl", 0.0)),
-            loss_chunk_size=int(get("loss_chunk_size", 256)),
-            compare_frozen=bool(get("compare_frozen", True)),
-            seed=int(get("seed", 0)),
-            resume=bool(get("resume", False)),
-            device=str(get("device", "auto")),
-            dtype=str(get("dtype", "auto")),
-            threads=get("threads", "auto"),
-            log_tokens=bool(get("log_tokens", False)),
-            plot=bool(get("plot", True)),
+            guard_start=bool(setting(cfg, cls, "guard_start")),
+            gate_agreement=_number_or(setting(cfg, cls, "gate_agreement")),
+            gate_relax_margin=_number_or(setting(cfg, cls, "gate_relax_margin")),
+            gate_relaxed=_number_or(setting(cfg, cls, "gate_relaxed")),
+            anchor_kl=float(setting(cfg, cls, "anchor_kl")),
+            loss_chunk_size=int(setting(cfg, cls, "loss_chunk_size")),
+            compare_frozen=bool(setting(cfg, cls, "compare_frozen")),
+            seed=int(setting(cfg, cls, "seed")),
+            resume=bool(setting(cfg, cls, "resume")),
+            device=str(setting(cfg, cls, "device")),
+            dtype=str(setting(cfg, cls, "dtype")),
+            threads=setting(cfg, cls, "threads"),
+            log_tokens=bool(setting(cfg, cls, "log_tokens")),
+            plot=bool(setting(cfg, cls, "plot")),
         )
 
 

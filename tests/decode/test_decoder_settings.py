@@ -100,3 +100,12 @@ def test_validate_settings_name_the_field():
         ValidateSettings.from_cfg(_compose("validate", "other_sampling.temperature=0"))
     off = ValidateSettings.from_cfg(_compose("validate", "both_modes=false"))
     assert off.other is None and off.samplings == [Sampling()]
+
+
+def test_a_key_the_config_lacks_takes_the_dataclass_default_and_null_stays_null():
+    cfg = _compose("validate", "seed=5")
+    OmegaConf.set_struct(cfg, False)
+    del cfg["seed"], cfg["plot"]
+    cfg.threads = None  # null means something for threads (torch's own choice)
+    vs = ValidateSettings.from_cfg(cfg)
+    assert (vs.seed, vs.plot, vs.threads) == (0, True, None)
