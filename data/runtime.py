@@ -129,3 +129,13 @@ def spread(values: Sequence[float]) -> dict[str, float]:
         "min": round(min(values), 2),
         "max": round(max(values), 2),
     }
+
+
+def setting(node: Any, settings_type: type, key: str) -> Any:
+    """`node[key]`, or the default that the typed settings dataclass `settings_type` declares for
+    `key` when the node lacks it: the default is written once, on the dataclass (a key set to
+    null stays None: for some settings null means something, e.g. `threads: null`)."""
+    if key in node:
+        return node[key]
+    field = settings_type.__dataclass_fields__[key]
+    return field.default_factory() if callable(field.default_factory) else field.default

@@ -1,4 +1,11 @@
-"""The decoder's settings (`DecoderConfig`) and the checks that run before any decoding.
+"""The decoder's settings and the checks that run before any decoding.
+
+Two types, one per side of the config boundary. `DecoderSettings` is the `decoder` config node
+typed once (`DecoderSettings.from_node(cfg.decoder)`): every key of conf/decoder/*.yaml with its
+default, gamma `auto` as None, `draft_costs` as DraftCosts, checked. `DecoderConfig` is what one
+`SpeculativeDecoder` runs with: the node's settings plus what the stage adds (a resolved gamma,
+max_new_tokens, the tokenizer's EOS ids). The defaults live here and nowhere else;
+tests/decode/test_decoder_settings.py holds the yaml's listed values equal to them.
 
 p = target, q = drafter, gamma = drafts per round. Every bad setting is one `ConfigError`
 naming its config field, raised before weights are touched where possible.
@@ -6,7 +13,10 @@ naming its config field, raised before weights are touched where possible.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -15,13 +25,17 @@ from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
 from specdistill.decode.draft_length import MIN_OVERHEAD, POLICIES, SCOPES, DraftCosts
 from specdistill.decode.drafters import DRAFTING
+from specdistill.decode.drafters.mapped import check_context
+
+DEFAULT_GAMMA = 4  # drafts per round when the config does not say; also gamma=auto's pilot
+DEFAULT_MAX_GAMMA = 12  # gamma=auto searches 1..max_gamma
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
     """How to decode; `lenience` < 1 is DistillSpec's lossy rule (report it as lossy)."""
 
-    gamma: int = 4
+    gamma: int = DEFAULT_GAMMA
     max_new_tokens: int = 64
     sampling: Sampling = field(default_factory=Sampling)
     lenience: float = 1.0
@@ -72,7 +86,7 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
     if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={cfg.max_new_tokens!r} must be an integer >= 1")
     s.check("decoder.sampling")
-    if not 0.0 < cfg.lenience <= 1.0:
+    if not isinstance(cfg.lenience, int | float) or not 0.0 < cfg.lenience <= 1.0:
         raise ConfigError(f"decoder.lenience={cfg.lenience} must lie in (0, 1] (1 = lossless)")
     if cfg.cache not in ("auto", "static", "dynamic"):
         raise ConfigError(f"decoder.cache={cfg.cache!r}: use auto, static or dynamic")
@@ -121,6 +135,146 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
             "decoder.compile=true compiles fixed-shape steps over a static cache: "
             "set decoder.cache=static or auto"
         )
+
+
+# The `decoder` node's keys that DecoderSettings carries straight into DecoderConfig.
+_SHARED = (
+    "sampling", "lenience", "cache", "compile", "record_probs", "host_sync_every", "cpu_matmul",
+    "draft_length", "max_draft", "draft_scope", "draft_floor", "probe_every", "draft_costs",
+    "drafting", "mask_token_id", "draft_vocab",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DecoderSettings:
+    """The `decoder` config node, typed once: what conf/decoder/*.yaml lists, with its defaults.
+
+    Built by `from_node` at the top of a stage and passed down as a value, so no stage parses
+    the node again. gamma None means `auto` (validate picks it from a pilot run, searching
+    1..max_gamma). `decoder_config` turns it into the DecoderConfig one decoder runs with.
+    """
+
+    gamma: int | None = DEFAULT_GAMMA
+    max_gamma: int = DEFAULT_MAX_GAMMA
+    sampling: Sampling = field(default_factory=Sampling)
+    lenience: float = 1.0
+    cache: str = "auto"
+    compile: str | bool = "auto"
+    record_probs: bool = False
+    host_sync_every: int = 0
+    cpu_matmul: str = "auto"
+    draft_length: str = "fixed"
+    max_draft: int = 8
+    draft_scope: str = "batch"
+    draft_floor: bool = True
+    probe_every: int = 8
+    draft_costs: DraftCosts | None = None  # yaml `auto`: measured on the pair at first use
+    drafting: str = "autoregressive"
+    mask_token_id: int | None = None
+    draft_vocab: str = "auto"
+    # a drafter with its own tokenizer (decode/drafters/mapped.py): tli | text; read where the
+    # mapped pair is loaded (decode/validate/mapped.py), not by DecoderConfig
+    mapped_context: str = "tli"
+
+    @classmethod
+    def from_node(cls, node: Any, field: str = "decoder") -> DecoderSettings:
+        """The node (DictConfig or mapping) as checked settings; a missing key takes the
+        default. Every bad value is one ConfigError naming `field.<key>`, as the CLI spells it."""
+        if not isinstance(node, Mapping):
+            raise ConfigError(f"{field}={node!r} must be a mapping of decoder settings")
+        defaults = cls()
+
+        def get(key: str) -> Any:
+            value = node.get(key)
+            return getattr(defaults, key) if value is None and key != "mask_token_id" else value
+
+        settings = cls(
+            gamma=_gamma(node.get("gamma", DEFAULT_GAMMA), field),
+            max_gamma=get("max_gamma"),
+            sampling=Sampling.from_parent(
+                node if "sampling" in node else {**node, "sampling": {}}, f"{field}.sampling"
+            ),
+            lenience=_float(get("lenience")),
+            cache=str(get("cache")),
+            compile=get("compile"),
+            record_probs=bool(get("record_probs")),
+            host_sync_every=get("host_sync_every"),
+            cpu_matmul=str(get("cpu_matmul")),
+            draft_length=str(get("draft_length")),
+            max_draft=get("max_draft"),
+            draft_scope=str(get("draft_scope")),
+            draft_floor=get("draft_floor"),
+            probe_every=get("probe_every"),
+            draft_costs=_draft_costs(node.get("draft_costs", "auto"), field),
+            drafting=str(get("drafting")),
+            mask_token_id=node.get("mask_token_id"),
+            draft_vocab=str(get("draft_vocab")),
+            mapped_context=check_context(get("mapped_context")),
+        )
+        return settings.check(field)
+
+    def check(self, field: str = "decoder") -> DecoderSettings:
+        """These settings, or a ConfigError naming the field (the decoder's own checks, on a
+        DecoderConfig at this gamma or, for auto, at 1)."""
+        if self.gamma is None and (
+            isinstance(self.max_gamma, bool)
+            or not isinstance(self.max_gamma, int)
+            or self.max_gamma < 1
+        ):
+            raise ConfigError(f"{field}.max_gamma={self.max_gamma!r} must be >= 1 for gamma=auto")
+        check_decoder_config(self.decoder_config(1, (), self.gamma or 1))
+        return self
+
+    @property
+    def gamma_or_default(self) -> int:
+        """The fixed gamma, or DEFAULT_GAMMA where gamma is auto (a pilot's or a probe's)."""
+        return DEFAULT_GAMMA if self.gamma is None else self.gamma
+
+    def replace(self, **changes: Any) -> DecoderSettings:
+        """A copy with `changes` (e.g. another sampling spec, a step mode), unchecked here: the
+        decoder checks its DecoderConfig when it is built."""
+        return dataclasses.replace(self, **changes)
+
+    def decoder_config(
+        self, max_new_tokens: int, eos: tuple[int, ...], gamma: int | None = None
+    ) -> DecoderConfig:
+        """The DecoderConfig of one decoder: these settings at `gamma` (default: the fixed
+        gamma; gamma=auto needs the caller's resolved one)."""
+        g = self.gamma if gamma is None else gamma
+        if g is None:
+            raise ValueError("gamma=auto: pass the resolved gamma")
+        shared = {key: getattr(self, key) for key in _SHARED}
+        return DecoderConfig(gamma=g, max_new_tokens=max_new_tokens, eos_token_id=eos, **shared)
+
+
+def _gamma(raw: Any, field: str) -> int | None:
+    """`auto` -> None; otherwise an integer >= 1, or a ConfigError naming `field.gamma`."""
+    if raw == "auto":
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        raise ConfigError(f"{field}.gamma={raw!r} must be an integer >= 1 or `auto`")
+    return raw
+
+
+def _float(value: Any) -> Any:
+    """A float for a number (ints too); anything else unchanged, for the check to name."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _draft_costs(raw: Any, field: str) -> DraftCosts | None:
+    """`auto` (or null) -> None: measured on the pair; else a mapping of DraftCosts' fields
+    ({c, verify_per_token, round_overhead, draft_per_token (parallel drafting)})."""
+    if raw in (None, "auto"):
+        return None
+    try:
+        return DraftCosts(**{k: float(v) for k, v in dict(raw).items()})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(
+            f"{field}.draft_costs={raw!r}: auto, or a mapping of c, verify_per_token, "
+            f"draft_per_token, round_overhead ({e})"
+        ) from None
 
 
 def check_pair_for_decoding(target, drafter, tokenizer_len: int | None = None) -> int:

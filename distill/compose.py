@@ -1,5 +1,13 @@
-"""A stage's config composed from outside it: Hydra overrides formatted, the primary config
-composed with a pair and overrides, the user's `STAGE.KEY=VALUE` keys on top.
+"""A stage's config composed from outside it: the primary config composed with the pipeline's
+group choices and the user's `STAGE.KEY=VALUE` keys, then the pipeline's typed values merged
+in, the user's keys still winning.
+
+What the pipeline sets into a stage is a `StageOverrides`: Hydra group choices (`decoder=sampling`,
+`loss=fkl`: they pick a yaml file, so Hydra composes them) and typed values (`decoder.sampling`
+as the dict of a checked `Sampling`, `lmbda` as a float, paths as strings) merged into the
+composed node with `OmegaConf.update`, never formatted into override strings and parsed back.
+The user's section of the pipeline config arrives as command-line text, so it goes through
+Hydra's override grammar as before (`format_override`), which also names an unknown key.
 
 Shared by the pipeline's plan (distill/pipeline/plan.py), its serving-mode overrides
 (pipeline/serving.py) and the export's vLLM check (export/in_vllm.py, which composes a validate
@@ -11,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from importlib.resources import files
 from typing import Any
 
 import hydra
@@ -20,6 +30,20 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.runtime import ConfigError
+
+
+@dataclass(frozen=True)
+class StageOverrides:
+    """What the pipeline sets into one stage's config: Hydra group choices (`decoder=greedy`)
+    and typed values by dotted key (`{"decoder.sampling": {"temperature": 0.7, ...}}`), applied
+    in order after composition. The user's own `STAGE.KEY=VALUE` keys win over both."""
+
+    groups: tuple[str, ...] = ()
+    values: dict[str, Any] = field(default_factory=dict)
+
+    def __add__(self, other: StageOverrides) -> StageOverrides:
+        """Both, `other`'s values after (so over) these."""
+        return StageOverrides((*self.groups, *other.groups), {**self.values, **other.values})
 
 
 def format_override(key: str, value: Any) -> str:
@@ -79,15 +103,50 @@ def config_module() -> Iterator[None]:
             yield
 
 
-def compose_stage(stage: str, cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """The stage's primary config with the pipeline's pair and the given overrides, then the
-    user's keys under the stage's section (`distill.lmbda=0.5`), which win."""
-    user = flatten_overrides(cfg.get(stage) or {})
+_CONF = files("specdistill.conf")
+
+
+def _picks_group(key: str, value: Any) -> bool:
+    """Whether a user's `key=value` picks a config group (`decoder=sampling`) rather than
+    setting a value: groups are the folders of conf/."""
+    return isinstance(value, str) and _CONF.joinpath(*key.split(".")).is_dir()
+
+
+def _user_values(node: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of the user's stage section that set values (not group choices)."""
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
+    out: list[str] = []
+    for key, value in (node or {}).items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.extend(_user_values(value, dotted + "."))
+        elif not _picks_group(dotted, value):
+            out.append(dotted)
+    return out
+
+
+def compose_stage(
+    stage: str, cfg: DictConfig, overrides: StageOverrides | list[str] | None = None
+) -> DictConfig:
+    """The stage's primary config with the pipeline's pair and `overrides` (a StageOverrides,
+    or plain Hydra override strings), then the user's keys under the stage's section
+    (`distill.lmbda=0.5`), which win over both."""
+    if not isinstance(overrides, StageOverrides):
+        overrides = StageOverrides(tuple(overrides or ()))
+    section = cfg.get(stage) or {}
+    user = flatten_overrides(section)
     try:
         with config_module():
-            stage_cfg = hydra.compose(config_name=stage, overrides=[*overrides, *user])
+            stage_cfg = hydra.compose(config_name=stage, overrides=[*overrides.groups, *user])
     except Exception as e:  # hydra's errors name the bad key; add which section it came from
         raise ConfigError(_one_line(stage, e)) from e
     OmegaConf.set_struct(stage_cfg, False)
+    if overrides.values:
+        keep = {key: OmegaConf.select(stage_cfg, key) for key in _user_values(section)}
+        for key, value in overrides.values.items():
+            OmegaConf.update(stage_cfg, key, value, merge=True)
+        for key, value in keep.items():  # the user's keys, as Hydra composed them, win
+            OmegaConf.update(stage_cfg, key, value, merge=False)
     stage_cfg.pair = OmegaConf.merge(stage_cfg.pair, cfg.pair)
     return stage_cfg

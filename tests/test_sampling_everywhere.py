@@ -70,17 +70,21 @@ def test_no_stage_spells_sampling_key_by_key(name):
 
 
 def test_the_pipeline_hands_each_stage_one_spec():
-    """What serving=sampling writes into each stage: whole spec nodes, not per-key overrides."""
+    """What serving=sampling writes into each stage: whole spec nodes, not per-key overrides,
+    as typed values (a checked Sampling's dict), not override strings."""
     from specdistill.distill.pipeline.plan import serving_overrides
 
     cfg = _compose("pipeline", ["serving=sampling", "serving.sampling.top_p=0.9"])
     overrides = serving_overrides(cfg)
-    spec = "{temperature:1.0,top_k:0,top_p:0.9}"
-    assert f"decoder.sampling={spec}" in overrides["validate"]
-    assert f"decoder.sampling={spec}" in overrides["online"]
-    assert f"eval.sampling={spec}" in overrides["distill"]
-    assert overrides["generate"] == ["sampling={temperature:0.0,top_k:0,top_p:1.0}"]
-    keys = [o.split("=")[0] for v in overrides.values() for o in v]
+    spec = {"temperature": 1.0, "top_k": 0, "top_p": 0.9}
+    assert overrides["validate"].values["decoder.sampling"] == spec
+    assert overrides["online"].values["decoder.sampling"] == spec
+    assert overrides["distill"].values["eval.sampling"] == spec
+    assert overrides["generate"].values == {
+        "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    }
+    assert overrides["generate"].groups == ()
+    keys = [k for v in overrides.values() for k in v.values]
     stray = [k for k in keys if k.rsplit(".", 1)[-1] in (*KEYS, "do_sample")]
     assert stray == ["loss.temperature"]  # the loss's own temperature, not a sampling spec
 

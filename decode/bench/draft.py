@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.runtime import ConfigError
-from specdistill.data.sampling import Sampling
-from specdistill.decode.draft_length import draft_figures
+from specdistill.decode.config import DEFAULT_GAMMA, DecoderSettings
+from specdistill.decode.draft_length import DraftCosts, draft_figures
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
-from specdistill.decode.validate.modes import merge, mode_name, other_decoder, run_all
-from specdistill.decode.validate.stage import decoder_config, setup, warm_up
+from specdistill.decode.validate.modes import merge, mode_name, run_all
+from specdistill.decode.validate.settings import ValidateSettings
+from specdistill.decode.validate.stage import setup, warm_up
 from specdistill.decode.validate.timing import auto_gamma, hf_assisted_speed, measure_c
 
 POLICY_SUFFIXES = {"row": {"draft_scope": "row"}, "nofloor": {"draft_floor": False}}
@@ -68,46 +68,45 @@ def parse_entries(entries: list[Any]) -> list[tuple[str, dict[str, Any] | None]]
 def run_draft(cfg: DictConfig) -> dict[str, Any]:
     """Measure every entry of `compare_draft` in each serving mode; writes draft.json/.md."""
     entries = parse_entries(list(cfg.compare_draft or []))
+    vs = ValidateSettings.from_cfg(cfg)
     gammas = [o["gamma"] for _, o in entries if o and "gamma" in o]
-    room = max(
-        [*gammas, int(cfg.decoder.get("max_draft", 8)), int(cfg.decoder.get("max_gamma", 12))]
-    )
-    out_dir = Path(str(cfg.output_dir)).expanduser().absolute()
-    st = setup(cfg, room)
-    seed, reps, iters = int(cfg.get("seed", 0)), int(cfg.repeats), int(cfg.step_time_iters)
-    modes = [cfg.decoder]
-    if cfg.get("both_modes", True):
-        modes.append(other_decoder(cfg.decoder, cfg.get("other_sampling")))
+    room = max([*gammas, vs.decoder.max_draft, vs.decoder.max_gamma])
+    st = setup(cfg, room, vs)
     report: dict[str, Any] = {"modes": {}, "entries": [label for label, _ in entries]}
-    for dcfg in modes:
-        name = mode_name(Sampling.from_parent(dcfg, "decoder.sampling").temperature)
-        report["modes"][name] = _measure_mode(cfg, st, dcfg, entries, seed, reps, iters)
-        atomic_write_json(out_dir / "draft.json", report)  # a run cut short keeps its modes
-    atomic_write_text(out_dir / "draft.md", draft_markdown(report))
+    for ds in [vs.decoder, *([vs.other] if vs.other else [])]:
+        name = mode_name(ds.sampling.temperature)
+        report["modes"][name] = _measure_mode(vs, st, ds, entries)
+        atomic_write_json(vs.output_dir / "draft.json", report)  # a run cut short keeps its modes
+    atomic_write_text(vs.output_dir / "draft.md", draft_markdown(report))
     return report
 
 
-def _measure_mode(cfg, st, dcfg, entries, seed: int, reps: int, iters: int) -> dict[str, Any]:
+def _measure_mode(
+    vs: ValidateSettings, st, ds: DecoderSettings, entries: list[tuple[str, dict[str, Any] | None]]
+) -> dict[str, Any]:
+    seed, reps, iters = vs.seed, vs.repeats, vs.step_time_iters
+
     def make(over: dict[str, Any]) -> SpeculativeDecoder:
-        node = OmegaConf.merge(dcfg, over)
-        gamma = int(over.get("gamma", dcfg.get("gamma", 4) if dcfg.get("gamma") != "auto" else 4))
+        """A decoder on `ds` with an entry's settings (gamma, draft_length, ...) over it."""
+        gamma = int(over.get("gamma", ds.gamma_or_default))
+        settings = ds.replace(**{k: v for k, v in over.items() if k != "gamma"})
         return SpeculativeDecoder(
             st.target,
             st.drafter,
-            decoder_config(node, int(cfg.max_new_tokens), st.eos, gamma),
+            settings.decoder_config(vs.max_new_tokens, st.eos, gamma),
             tokenizer_len=len(st.tok),
         )
 
     t0 = time.perf_counter()
-    probe = make({"draft_length": "fixed", "gamma": 4})
-    c, verify = measure_c(probe, st.warm[0][0], iters, 4)
+    probe = make({"draft_length": "fixed", "gamma": DEFAULT_GAMMA})
+    c, verify = measure_c(probe, st.warm[0][0], iters, DEFAULT_GAMMA)
     decs: dict[str, SpeculativeDecoder] = {}
     notes = []
-    shared: dict[str, float] | None = None  # the adaptive policies' step costs
+    shared: DraftCosts | None = None  # the adaptive policies' step costs
     for label, over in entries:
         if over is None:  # gamma=auto: a pilot on a quarter of the prompts measures alpha
             _, pilot = run_all(probe.generate, st.batches[: max(1, len(st.batches) // 4)], seed)
-            alpha, most = merge(pilot).alpha, int(dcfg.get("max_gamma", 12))
+            alpha, most = merge(pilot).alpha, ds.max_gamma
             g, note = auto_gamma(probe, st.warm[0][0], alpha, c, most)
             notes.append(note)
             over = {"draft_length": "fixed", "gamma": g}
@@ -115,8 +114,9 @@ def _measure_mode(cfg, st, dcfg, entries, seed: int, reps: int, iters: int) -> d
             over = over | {"draft_costs": shared}  # one measurement for all: like for like
         dec = decs[label] = make(over)
         if dec.cfg.draft_length != "fixed" and shared is None:
-            costs = dec.draft_costs(st.warm[0][0], int(cfg.batch_size))  # once, untimed
-            shared = {k: getattr(costs, k) for k in ("c", "verify_per_token", "round_overhead")}
+            costs = dec.draft_costs(st.warm[0][0], vs.batch_size)  # once, untimed
+            shared = DraftCosts(c=costs.c, verify_per_token=costs.verify_per_token,
+                                round_overhead=costs.round_overhead)  # fmt: skip
         warm_up(dec, st.batches, st.warm, seed)
     base_rates: list[float] = []
     rates: dict[str, list[float]] = {label: [] for label in decs}
@@ -134,22 +134,12 @@ def _measure_mode(cfg, st, dcfg, entries, seed: int, reps: int, iters: int) -> d
     assert base_out is not None
     base = statistics.median(base_rates)
     greedy = probe.cfg.sampling.greedy
-    rows = []
-    for label, dec in decs.items():
-        spec = statistics.median(rates[label])
-        # paired: each repeat's entry over the same repeat's target-only pass
-        ratios = [r / b for r, b in zip(rates[label], base_rates)]
-        row = {"entry": label, "gamma": dec.max_draft, "alpha": round(first[label].alpha, 4)}
-        row |= {"tau": round(first[label].tau, 3), **draft_figures(first[label])}
-        row |= {
-            "speedup": round(statistics.median(ratios), 3),
-            "speedup_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
-            "tokens_per_s": round(spec, 2),
-            "lossless": first[label].tokens == base_out.tokens if greedy else None,
-        }
-        rows.append(row)
+    rows = [
+        _row(label, dec, first[label], rates[label], base_rates, base_out, greedy)
+        for label, dec in decs.items()
+    ]
     hf = None
-    if cfg.get("hf_assisted", True):
+    if vs.hf_assisted:
         hf = hf_assisted_speed(
             st.target, st.drafter, st.tok, st.warm, st.batches, probe.cfg, reps, base_out
         )
@@ -166,6 +156,21 @@ def _measure_mode(cfg, st, dcfg, entries, seed: int, reps: int, iters: int) -> d
         "hf_assisted": hf,
         "seconds": round(time.perf_counter() - t0, 1),
         "notes": notes,
+    }
+
+
+def _row(label: str, dec, out: DecodeOutput, rates: list[float], base_rates: list[float],
+         base_out: DecodeOutput, greedy: bool) -> dict[str, Any]:  # fmt: skip
+    """One entry's figures; the speedup is paired: each repeat over the same repeat's
+    target-only pass."""
+    ratios = [r / b for r, b in zip(rates, base_rates)]
+    row = {"entry": label, "gamma": dec.max_draft, "alpha": round(out.alpha, 4)}
+    row |= {"tau": round(out.tau, 3), **draft_figures(out)}
+    return row | {
+        "speedup": round(statistics.median(ratios), 3),
+        "speedup_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+        "tokens_per_s": round(statistics.median(rates), 2),
+        "lossless": out.tokens == base_out.tokens if greedy else None,
     }
 
 

@@ -18,23 +18,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.acceptance import theoretical_speedup
 from specdistill.decode.speculative import SpeculativeDecoder
-from specdistill.decode.validate.stage import (
-    _gamma_setting,
-    _merge,
-    _run_all,
-    decoder_config,
-    setup,
-    warm_up,
-)
+from specdistill.decode.validate.settings import ValidateSettings
+from specdistill.decode.validate.stage import _merge, _run_all, setup, warm_up
 from specdistill.decode.validate.timing import hf_assisted_speed, measure_c
 
 MODES: dict[str, dict[str, Any]] = {
@@ -54,20 +47,21 @@ def run_modes(cfg: DictConfig) -> list[dict[str, Any]]:
         raise ConfigError(
             f"compare_modes={modes}: pick from {sorted(MODES)}, e.g. [eager,compiled]"
         )
-    gamma, _ = _gamma_setting(cfg.decoder)
+    vs = ValidateSettings.from_cfg(cfg)
+    gamma = vs.decoder.gamma
     if gamma is None:
         raise ConfigError("decoder.gamma=auto: compare_modes needs a fixed gamma (e.g. 4)")
-    out = Path(str(cfg.output_dir)).expanduser().absolute()
-    st = setup(cfg, gamma)
-    seed, reps, iters = int(cfg.get("seed", 0)), int(cfg.repeats), int(cfg.step_time_iters)
+    out = vs.output_dir
+    st = setup(cfg, gamma, vs)
+    seed, reps, iters = vs.seed, vs.repeats, vs.step_time_iters
     decs: dict[str, SpeculativeDecoder] = {}
     rows: dict[str, dict[str, Any]] = {}
     for mode in modes:
-        dcfg = OmegaConf.merge(cfg.decoder, MODES[mode])
+        settings = vs.decoder.replace(**MODES[mode])
         dec = SpeculativeDecoder(
             st.target,
             st.drafter,
-            decoder_config(dcfg, int(cfg.max_new_tokens), st.eos, gamma),
+            settings.decoder_config(vs.max_new_tokens, st.eos, gamma),
             tokenizer_len=len(st.tok),
         )
         t0 = time.perf_counter()
@@ -115,7 +109,7 @@ def run_modes(cfg: DictConfig) -> list[dict[str, Any]]:
             else None,
         }
     hf = None
-    if cfg.get("hf_assisted", True):
+    if vs.hf_assisted:
         dec = decs[modes[0]]
         hf = hf_assisted_speed(
             st.target, st.drafter, st.tok, st.warm, st.batches, dec.cfg, reps, first[modes[0]][0]

@@ -30,12 +30,13 @@ from omegaconf import DictConfig, OmegaConf
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.models.pairs import load_role, resolve_pair
 from specdistill.data.runtime import ConfigError
-from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import round_speedup
 from specdistill.decode.bench.draft import interleaved
+from specdistill.decode.config import DEFAULT_GAMMA, DecoderSettings
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
-from specdistill.decode.validate.modes import merge, mode_name, other_decoder
-from specdistill.decode.validate.stage import decoder_config, setup, warm_up
+from specdistill.decode.validate.modes import merge, mode_name
+from specdistill.decode.validate.settings import ValidateSettings
+from specdistill.decode.validate.stage import setup, warm_up
 from specdistill.decode.validate.timing import forward_cost, hf_assisted_speed, measure_c
 
 
@@ -103,12 +104,10 @@ def run_parallel(cfg: DictConfig) -> dict[str, Any]:
     """Measure autoregressive and parallel drafting at every gamma, in each serving mode."""
     gammas = parse_gammas(cfg.get("parallel_gammas"))
     policies = parse_policies(cfg.get("parallel_policies"))
-    out_dir = Path(str(cfg.output_dir)).expanduser().absolute()
-    st = setup(cfg, max(gammas))
+    vs = ValidateSettings.from_cfg(cfg)
+    out_dir = vs.output_dir
+    st = setup(cfg, max(gammas), vs)
     par = load_parallel_drafter(cfg, st)
-    modes = [cfg.decoder]
-    if cfg.get("both_modes", True):
-        modes.append(other_decoder(cfg.decoder, cfg.get("other_sampling")))
     report: dict[str, Any] = {
         "target": str(st.spec.target),
         "drafter_autoregressive": str(st.spec.drafter),
@@ -118,37 +117,37 @@ def run_parallel(cfg: DictConfig) -> dict[str, Any]:
         "policies": policies,
         "modes": {},
     }
-    for dcfg in modes:
-        name = mode_name(Sampling.from_parent(dcfg, "decoder.sampling").temperature)
-        report["modes"][name] = _measure_mode(cfg, st, par, dcfg, gammas, policies)
+    for ds in [vs.decoder, *([vs.other] if vs.other else [])]:
+        name = mode_name(ds.sampling.temperature)
+        report["modes"][name] = _measure_mode(vs, st, par, ds, gammas, policies)
         atomic_write_json(out_dir / "parallel.json", report)  # a run cut short keeps its modes
     atomic_write_text(out_dir / "parallel.md", parallel_markdown(report))
     return report
 
 
-def _measure_mode(cfg, st, par, dcfg, gammas: list[int], policies: list[str]) -> dict[str, Any]:
-    seed, reps, iters = int(cfg.get("seed", 0)), int(cfg.repeats), int(cfg.step_time_iters)
-    n_new = int(cfg.max_new_tokens)
+def _measure_mode(
+    vs: ValidateSettings, st, par, ds: DecoderSettings, gammas: list[int], policies: list[str]
+) -> dict[str, Any]:
+    seed, reps, iters = vs.seed, vs.repeats, vs.step_time_iters
+    n_new = vs.max_new_tokens
     top = max(gammas)
 
     def make(drafter, drafting: str, gamma: int | str) -> SpeculativeDecoder:
         """gamma: an int (fixed) or an adaptive policy's name (at most `top` drafts, starting
         from 4 for the heuristic)."""
         length = "fixed" if isinstance(gamma, int) else gamma
-        node = OmegaConf.merge(
-            dcfg, {"drafting": drafting, "draft_length": length, "max_draft": top}
-        )
-        g = gamma if isinstance(gamma, int) else min(4, top)
+        settings = ds.replace(drafting=drafting, draft_length=length, max_draft=top)
+        g = gamma if isinstance(gamma, int) else min(DEFAULT_GAMMA, top)
         return SpeculativeDecoder(
             st.target,
             drafter,
-            decoder_config(node, n_new, st.eos, g),
+            settings.decoder_config(n_new, st.eos, g),
             tokenizer_len=len(st.tok),
         )
 
     t0 = time.perf_counter()
-    probe = make(st.drafter, "autoregressive", 4)
-    c, _ = measure_c(probe, st.warm[0][0], iters, 4)
+    probe = make(st.drafter, "autoregressive", DEFAULT_GAMMA)
+    c, _ = measure_c(probe, st.warm[0][0], iters, DEFAULT_GAMMA)
     decs: dict[tuple[str, int | str], SpeculativeDecoder] = {}
     for g in [*gammas, *policies]:
         decs[("autoregressive", g)] = make(st.drafter, "autoregressive", g)
@@ -167,52 +166,16 @@ def _measure_mode(cfg, st, par, dcfg, gammas: list[int], policies: list[str]) ->
             first.setdefault(k, merge(outs[k]))
     base = first[""]
     greedy = probe.cfg.sampling.greedy
-    rows = []
-    for (mode, g), dec in decs.items():
-        key, o = f"{mode}:{g}", first[f"{mode}:{g}"]
-        alpha_at = [a / t if t else 0.0 for a, t in zip(o.accepted_at, o.trials_at)]
-        fixed = isinstance(g, int)
-        # an adaptive row's verify is priced at its mean drafts per round
-        kv = g if fixed else max(1, round(o.mean_draft_length))
-        _, verify = measure_c(dec, st.warm[0][0], max(4, iters // 4), kv)
-        if mode == "parallel":  # one forward over the accepted lag + t + g-1 masks
-            lag = round(o.accepted / max(o.row_rounds, 1))
-            width = (g if fixed else top) + lag  # adaptive: priced at the most proposals
-            draft_cost = forward_cost(dec, st.warm[0][0], width, max(4, iters // 2))
-            draft_cost *= o.drafter_forwards / max(o.target_forwards, 1)
-        else:
-            draft_cost = c * o.drafter_forwards / max(o.target_forwards, 1)
-        # fixed: per-position acceptance over the round's cost; adaptive: tau over it
-        theory = (
-            round_speedup(alpha_at, draft_cost, verify) if fixed else o.tau / (draft_cost + verify)
-        )
-        ratios = [r / b for r, b in zip(rates[key], rates[""])]
-        rows.append(
-            {
-                "drafting": mode,
-                "gamma": g,
-                "alpha": round(o.alpha, 4),
-                "alpha_at": [round(a, 3) for a in alpha_at],
-                "tau": round(o.tau, 3),
-                "drafter_forwards_per_round": round(
-                    o.drafter_forwards / max(o.target_forwards, 1), 2
-                ),
-                "drafter_cost_per_round": round(draft_cost, 3),
-                "verify_cost": round(verify, 3),
-                "mean_draft_length": round(o.mean_draft_length, 3),
-                "theoretical_speedup": round(theory, 3),
-                "speedup": round(statistics.median(ratios), 3),
-                "speedup_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
-                "tokens_per_s": round(statistics.median(rates[key]), 2),
-                "lossless": o.tokens == base.tokens if greedy else None,
-            }
-        )
+    rows = [
+        _row(st, dec, mode, g, first[f"{mode}:{g}"], base, rates, f"{mode}:{g}", c, iters, top)
+        for (mode, g), dec in decs.items()
+    ]
     best = {
         m: max((r for r in rows if r["drafting"] == m), key=lambda r: r["speedup"])["gamma"]
         for m in ("autoregressive", "parallel")
     }
     hf = {}
-    if cfg.get("hf_assisted", True):
+    if vs.hf_assisted:
         for label, drafter in (("autoregressive", st.drafter), ("parallel", par)):
             hf[label] = hf_assisted_speed(
                 st.target, drafter, st.tok, st.warm, st.batches, probe.cfg, reps, base
@@ -235,6 +198,43 @@ def _measure_mode(cfg, st, par, dcfg, gammas: list[int], policies: list[str]) ->
         "best_gamma": best,
         "hf_assisted": hf,
         "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _row(st, dec, mode: str, g: int | str, o: DecodeOutput, base: DecodeOutput, rates,
+         key: str, c: float, iters: int, top: int) -> dict[str, Any]:  # fmt: skip
+    """One drafting mode at one gamma (or adaptive policy): acceptance, the round's measured
+    costs, the theoretical and the measured speedup (paired with the same repeat's baseline)."""
+    alpha_at = [a / t if t else 0.0 for a, t in zip(o.accepted_at, o.trials_at)]
+    fixed = isinstance(g, int)
+    # an adaptive row's verify is priced at its mean drafts per round
+    kv = g if fixed else max(1, round(o.mean_draft_length))
+    _, verify = measure_c(dec, st.warm[0][0], max(4, iters // 4), kv)
+    if mode == "parallel":  # one forward over the accepted lag + t + g-1 masks
+        lag = round(o.accepted / max(o.row_rounds, 1))
+        width = (g if fixed else top) + lag  # adaptive: priced at the most proposals
+        draft_cost = forward_cost(dec, st.warm[0][0], width, max(4, iters // 2))
+        draft_cost *= o.drafter_forwards / max(o.target_forwards, 1)
+    else:
+        draft_cost = c * o.drafter_forwards / max(o.target_forwards, 1)
+    # fixed: per-position acceptance over the round's cost; adaptive: tau over it
+    theory = round_speedup(alpha_at, draft_cost, verify) if fixed else o.tau / (draft_cost + verify)
+    ratios = [r / b for r, b in zip(rates[key], rates[""])]
+    return {
+        "drafting": mode,
+        "gamma": g,
+        "alpha": round(o.alpha, 4),
+        "alpha_at": [round(a, 3) for a in alpha_at],
+        "tau": round(o.tau, 3),
+        "drafter_forwards_per_round": round(o.drafter_forwards / max(o.target_forwards, 1), 2),
+        "drafter_cost_per_round": round(draft_cost, 3),
+        "verify_cost": round(verify, 3),
+        "mean_draft_length": round(o.mean_draft_length, 3),
+        "theoretical_speedup": round(theory, 3),
+        "speedup": round(statistics.median(ratios), 3),
+        "speedup_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+        "tokens_per_s": round(statistics.median(rates[key]), 2),
+        "lossless": o.tokens == base.tokens if dec.cfg.sampling.greedy else None,
     }
 
 

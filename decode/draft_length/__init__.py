@@ -8,7 +8,7 @@ p = target, q = drafter, gamma = drafts per round, c = drafter step / target ste
 | `calibration.py` | `Calibration`: acceptance predicted from q's confidence, fitted online |
 | `policies.py` | `fixed`, `heuristic`, `confidence` (`make_policy`), the floor of target steps |
 | `figures.py` | `replay` (a policy over known outcomes) and a decode's `draft_figures` |
-| `measure.py` | `DraftCosts` from the config or timed through the decoder's `step_timer` |
+| `measure.py` | `DraftCosts` timed through the decoder's `step_timer` (the config's: `decode.config`) |
 
 The names below are re-exported so callers import them from `specdistill.decode.draft_length`.
 """
@@ -27,7 +27,6 @@ from specdistill.decode.draft_length.costs import (
 )
 from specdistill.decode.draft_length.figures import Replay, draft_figures, replay
 from specdistill.decode.draft_length.measure import (
-    draft_length_settings,
     measure_costs,
     realized_overhead,
 )
@@ -62,7 +61,6 @@ __all__ = [
     "chunk_widths",
     "draft_figures",
     "draft_gain",
-    "draft_length_settings",
     "expected_tokens",
     "make_policy",
     "measure_costs",

@@ -1,4 +1,4 @@
-"""Where the pair's `DraftCosts` come from: the `decoder` config node, or timed on this device.
+"""Where the pair's `DraftCosts` come from when the config says `auto`: timed on this device.
 
 p = target, q = drafter, c = one drafter step in target steps. The adaptive draft-length
 policies plan with these costs (`costs.py`); they are timed with the decoder's own caches
@@ -14,7 +14,6 @@ import time
 
 import torch
 
-from specdistill.data.runtime import ConfigError
 from specdistill.decode.draft_length.costs import MIN_OVERHEAD, ROUND_GLUE, DraftCosts
 
 
@@ -86,28 +85,3 @@ def realized_overhead(
             ratios.append((t2 - t1) / max(spec.target_forwards, 1) / step)
     forwards = costs.round_cost(k) - costs.round_overhead  # drafts + verify, no glue
     return max(0.0, statistics.median(ratios) - forwards)
-
-
-def draft_length_settings(dcfg) -> dict:
-    """The `decoder` config node's draft-length keys as DecoderConfig keyword arguments
-    (`draft_costs: auto` -> None: measured on the pair; or {c, verify_per_token, round_overhead,
-    draft_per_token (parallel drafting)})."""
-    raw = dcfg.get("draft_costs", "auto")
-    costs = None
-    if raw not in (None, "auto"):
-        try:
-            costs = DraftCosts(**{k: float(v) for k, v in dict(raw).items()})
-        except (TypeError, ValueError) as e:
-            raise ConfigError(
-                f"decoder.draft_costs={raw!r}: auto, or a mapping of c, verify_per_token, "
-                "draft_per_token, "
-                f"round_overhead ({e})"
-            ) from None
-    return {
-        "draft_length": str(dcfg.get("draft_length", "fixed")),
-        "max_draft": dcfg.get("max_draft", 8),
-        "draft_scope": str(dcfg.get("draft_scope", "batch")),
-        "draft_floor": dcfg.get("draft_floor", True),
-        "probe_every": dcfg.get("probe_every", 8),
-        "draft_costs": costs,
-    }

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from specdistill.data.runtime import ConfigError, spread
 from specdistill.data.sampling import Sampling
+from specdistill.decode.config import DecoderSettings
 from specdistill.decode.speculative import DecodeOutput
 
 
@@ -62,12 +62,11 @@ def both_modes(cfg: Any) -> bool:
     return bool(cfg.get("both_modes", True) and cfg.get("sampled_alpha", True))
 
 
-def other_decoder(dcfg: Any, other_sampling: Any) -> Any:
-    """The decoder node of the other serving mode: greedy when `dcfg` samples, else sampling
-    with `other_sampling` (gamma, cache, compile kept). Checks both specs (ConfigError)."""
-    own = Sampling.from_parent(dcfg, "decoder.sampling")
-    if not own.greedy:
-        return OmegaConf.merge(dcfg, {"sampling": Sampling().as_dict()})
+def other_decoder(decoder: DecoderSettings, other_sampling: Any) -> DecoderSettings:
+    """The decoder settings of the other serving mode: greedy when `decoder` samples, else
+    sampling with `other_sampling` (gamma, cache, compile kept). Checks that spec (ConfigError)."""
+    if not decoder.sampling.greedy:
+        return decoder.replace(sampling=Sampling())
     side = Sampling.from_node(
         other_sampling if other_sampling is not None else {"temperature": 1.0}, "other_sampling"
     )
@@ -76,7 +75,7 @@ def other_decoder(dcfg: Any, other_sampling: Any) -> Any:
             "other_sampling.temperature=0: the mode decoded beside a greedy decoder samples; "
             "set other_sampling.temperature > 0 (e.g. 1.0), or both_modes=false"
         )
-    return OmegaConf.merge(dcfg, {"sampling": side.as_dict()})
+    return decoder.replace(sampling=side)
 
 
 def timed_repeats(dec, batches, seed: int, repeats: int):
@@ -117,10 +116,11 @@ def mode_figures(dec, base_rates, spec_rates, spec_out: DecodeOutput) -> dict[st
 
 
 def measure_other_mode(
-    make, dcfg: Any, other_sampling: Any, batches, warm, seed: int, repeats: int
-):
+    make: Callable[[DecoderSettings], Any], other: DecoderSettings, batches, warm, seed: int,
+    repeats: int,
+):  # fmt: skip
     """Decode the other serving mode with a fresh decoder (same gamma), warmed up untimed."""
-    dec = make(other_decoder(dcfg, other_sampling))
+    dec = make(other)
     run_all(dec.baseline, warm, seed)
     run_all(dec.generate, warm, seed)
     base_rates, spec_rates, _, spec_out = timed_repeats(dec, batches, seed, repeats)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import hydra
@@ -28,12 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.models.pairs import load_pair, resolve_pair
-from specdistill.data.prompts import (
-    check_long_prompts,
-    check_prompt_settings,
-    fit_prompt_set,
-    load_prompts,
-)
+from specdistill.data.prompts import check_prompt_settings, fit_prompt_set, load_prompts
 from specdistill.data.runtime import (
     ConfigError,
     pad_rows,
@@ -43,70 +38,31 @@ from specdistill.data.runtime import (
     set_threads,
     spread,
 )
-from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import expected_tau, theoretical_speedup
 from specdistill.decode.cache import check_rollback_config
-from specdistill.decode.draft_length import draft_figures, draft_length_settings
-from specdistill.decode.speculative import (
-    DecoderConfig,
-    SpeculativeDecoder,
-    check_decoder_config,
-)
+from specdistill.decode.config import DecoderSettings
+from specdistill.decode.draft_length import draft_figures
+from specdistill.decode.speculative import SpeculativeDecoder
 from specdistill.decode.validate.mapped import check_mapped_stage, load_mapped, mapping_figures
 from specdistill.decode.validate.modes import (
-    both_modes,
     measure_other_mode,
     mode_figures,
     mode_name,
-    other_decoder,
     timed_repeats,
 )
 from specdistill.decode.validate.modes import merge as _merge
 from specdistill.decode.validate.modes import run_all as _run_all
 from specdistill.decode.validate.report import ValidateResult, plot_acceptance, report_markdown
+from specdistill.decode.validate.settings import ValidateSettings
 from specdistill.decode.validate.timing import (
     auto_gamma,
     forward_cost,
     hf_assisted_speed,
     measure_c,
 )
-from specdistill.decode.validate.vllm_engine import draft_sample_method, parse_engines, preflight
+from specdistill.decode.validate.vllm_engine import preflight
 
 log = logging.getLogger(__name__)
-
-
-def decoder_config(
-    dcfg: Any, max_new_tokens: int, eos: tuple[int, ...], gamma: int
-) -> DecoderConfig:
-    """The `decoder` config node as a DecoderConfig (gamma resolved by the caller)."""
-    sampling = Sampling.from_parent(dcfg, "decoder.sampling")
-    return DecoderConfig(
-        gamma=gamma,
-        max_new_tokens=max_new_tokens,
-        sampling=sampling,
-        lenience=float(dcfg.get("lenience", 1.0)),
-        eos_token_id=eos,
-        cache=str(dcfg.get("cache", "auto")),
-        compile=dcfg.get("compile", "auto"),
-        record_probs=bool(dcfg.get("record_probs", False)),
-        host_sync_every=int(dcfg.get("host_sync_every", 0)),
-        cpu_matmul=str(dcfg.get("cpu_matmul", "auto")),
-        drafting=str(dcfg.get("drafting", "autoregressive")),
-        mask_token_id=dcfg.get("mask_token_id"),
-        draft_vocab=str(dcfg.get("draft_vocab", "auto")),
-        **draft_length_settings(dcfg),
-    )
-
-
-def _gamma_setting(dcfg: Any) -> tuple[int | None, int]:
-    raw, max_gamma = dcfg.get("gamma", 4), int(dcfg.get("max_gamma", 12))
-    if raw == "auto":
-        if max_gamma < 1:
-            raise ConfigError(f"decoder.max_gamma={max_gamma} must be >= 1 for gamma=auto")
-        return None, max_gamma
-    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
-        raise ConfigError(f"decoder.gamma={raw!r} must be an integer >= 1 or `auto`")
-    return raw, max_gamma
 
 
 def _batches(rows: list[list[int]], pad_id: int, batch_size: int):
@@ -137,51 +93,43 @@ class Setup:
     mapped: Any = None  # MappedVocab: the drafter has its own tokenizer (decode/validate/mapped.py)
 
 
-def setup(cfg: DictConfig, gamma_room: int) -> Setup:
-    """Check the settings, then load the pair and the prompts (bad input fails before loading)."""
-    dcfg = cfg.decoder
-    for key in ("max_new_tokens", "repeats", "batch_size", "step_time_iters"):
-        if not isinstance(cfg.get(key), int) or cfg.get(key) < 1:
-            raise ConfigError(f"{key}={cfg.get(key)!r} must be a positive integer")
-    check_long_prompts(cfg.get("long_prompts", "truncate"))
+def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) -> Setup:
+    """Check the settings, then load the pair and the prompts (bad input fails before loading).
+
+    `vs`: the stage's settings when the caller typed them already (`run` does, at its top)."""
+    vs = vs or ValidateSettings.from_cfg(cfg)  # the stage's and the decoder's checks
     check_prompt_settings(cfg.dataset)
-    device = resolve_device(str(cfg.get("device", "auto")))
-    set_threads(cfg.get("threads", "auto"), device)
-    dtype = parse_dtype(str(cfg.get("dtype", "auto")), device)
+    device = resolve_device(vs.device)
+    set_threads(vs.threads, device)
+    dtype = parse_dtype(vs.dtype, device)
     spec = resolve_pair(cfg.pair, stage="validate", mapped_ok=True)
-    # Check the decoder settings before loading anything heavy.
-    check_decoder_config(decoder_config(dcfg, int(cfg.max_new_tokens), (), 1))
-    if both_modes(cfg):
-        other_decoder(dcfg, cfg.get("other_sampling"))  # checks other_sampling
     for key, name, rev in (
         ("pair.target", spec.target, spec.revision),
         ("pair.drafter", spec.drafter, spec.drafter_revision),
     ):  # refuse an un-rollbackable cache before any weights load
         check_rollback_config(key, name, rev, spec.trust_remote_code)
-    engines = parse_engines(cfg)
+    engines = vs.engines
     check_mapped_stage(cfg, spec, engines)
     vllm_settings = preflight(cfg, spec) if "vllm" in engines else None
     target, drafter, tok = load_pair(spec, device=device, dtype=dtype)
     mapped = load_mapped(cfg, spec, target, drafter, tok)
     prompts = load_prompts(cfg.dataset, tok, default_split="test")
-    if cfg.get("num_prompts"):
-        prompts = prompts[: int(cfg.num_prompts)]
+    if vs.num_prompts:
+        prompts = prompts[: vs.num_prompts]
     eos = tuple(sorted({i for i in [tok.eos_token_id] if i is not None}))
     context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
-    room = context - int(cfg.max_new_tokens) - gamma_room - 2
-    max_prompt = int(cfg.get("max_prompt_tokens") or room)
+    room = context - vs.max_new_tokens - gamma_room - 2
+    max_prompt = int(vs.max_prompt_tokens or room)
     if max_prompt < 1 or max_prompt > room:
         raise ConfigError(
             f"max_prompt_tokens={max_prompt}: the context ({context}) leaves {room} prompt tokens "
-            f"after max_new_tokens={cfg.max_new_tokens}; lower max_new_tokens or max_prompt_tokens"
+            f"after max_new_tokens={vs.max_new_tokens}; lower max_new_tokens or max_prompt_tokens"
         )
-    where = f"the target's {context}-token context leaves after max_new_tokens={cfg.max_new_tokens}"
-    prompts, rows, fit = fit_prompt_set(
-        prompts, tok, str(cfg.get("long_prompts", "truncate")), max_prompt, where
-    )
+    where = f"the target's {context}-token context leaves after max_new_tokens={vs.max_new_tokens}"
+    prompts, rows, fit = fit_prompt_set(prompts, tok, vs.long_prompts, max_prompt, where)
     fit["context"] = context
     texts = [p.text for p in prompts]
-    batches = _batches(rows, tok.pad_token_id, int(cfg.batch_size))
+    batches = _batches(rows, tok.pad_token_id, vs.batch_size)
     warm = _batches(rows[:1], tok.pad_token_id, 1)
     return Setup(
         spec, target, drafter, tok, device, dtype, eos, texts, batches, warm, engines,
@@ -200,21 +148,25 @@ def warm_up(dec: SpeculativeDecoder, batches, warm, seed: int) -> None:
     _run_all(dec.generate, warm, seed)
 
 
-def choose_gamma(cfg: DictConfig, st: Setup, make, notes: list[str]):
+Make = Callable[..., SpeculativeDecoder]  # make(gamma, settings=vs.decoder) -> a decoder
+
+
+def choose_gamma(vs: ValidateSettings, st: Setup, make: Make, notes: list[str]):
     """(gamma, decoder, c, verify cost): c and the verify cost measured with the decoder's own
     caches; gamma=auto picks gamma from a pilot run's alpha and c with the speedup model."""
-    fixed_gamma, max_gamma = _gamma_setting(cfg.decoder)
-    seed, iters, probe = int(cfg.get("seed", 0)), int(cfg.step_time_iters), st.warm[0][0]
-    c, verify_cost = measure_c(make(fixed_gamma or 4), probe, iters, fixed_gamma or 4)
+    fixed_gamma, probe = vs.decoder.gamma, st.warm[0][0]
+    pilot_gamma, iters = vs.decoder.gamma_or_default, vs.step_time_iters
+    c, verify_cost = measure_c(make(pilot_gamma), probe, iters, pilot_gamma)
     gamma = fixed_gamma
     if gamma is None:
-        pilot_dec = make(4)
-        _, pilot = _run_all(pilot_dec.generate, st.batches[: max(1, len(st.batches) // 4)], seed)
-        gamma, note = auto_gamma(pilot_dec, probe, _merge(pilot).alpha, c, max_gamma)
+        pilot_dec = make(pilot_gamma)
+        batches = st.batches[: max(1, len(st.batches) // 4)]
+        _, pilot = _run_all(pilot_dec.generate, batches, vs.seed)
+        gamma, note = auto_gamma(pilot_dec, probe, _merge(pilot).alpha, c, vs.decoder.max_gamma)
         notes.append(note)
     dec = make(gamma)
     if dec.cfg.draft_length != "fixed":  # the policy's step costs at this batch size (untimed)
-        dec.draft_costs(probe, int(cfg.batch_size))
+        dec.draft_costs(probe, vs.batch_size)
     if fixed_gamma is None:  # the verify cost depends on gamma: measure it for the one picked
         c, verify_cost = measure_c(dec, probe, iters, gamma)
     return gamma, dec, c, verify_cost
@@ -257,7 +209,7 @@ def headline(spec_out, base_rates, spec_rates, gamma: int, c: float, verify_cost
     }
 
 
-def settings(cfg: DictConfig, st: Setup, dec: SpeculativeDecoder, gamma: int) -> dict:
+def settings(vs: ValidateSettings, st: Setup, dec: SpeculativeDecoder, gamma: int) -> dict:
     """What was validated and how: the pair, device, decoder settings, prompt budget."""
     s = dec.cfg.sampling
     return {
@@ -266,135 +218,162 @@ def settings(cfg: DictConfig, st: Setup, dec: SpeculativeDecoder, gamma: int) ->
         "device": str(st.device),
         "dtype": str(st.dtype).removeprefix("torch."),
         "gamma": gamma,
-        "gamma_auto": _gamma_setting(cfg.decoder)[0] is None,
+        "gamma_auto": vs.decoder.gamma is None,
         "temperature": s.temperature,
         "top_k": s.top_k,
         "top_p": s.top_p,
         "lenience": dec.cfg.lenience,
         "lossy": dec.cfg.lossy,
-        "batch_size": int(cfg.batch_size),
+        "batch_size": vs.batch_size,
         "prompts": len(st.texts),
-        "max_new_tokens": int(cfg.max_new_tokens),
-        "repeats": int(cfg.repeats),
+        "max_new_tokens": vs.max_new_tokens,
+        "repeats": vs.repeats,
         "cache": "static" if dec.static else "dynamic",
         "compiled": dec.compile,
         "draft_length": dec.cfg.draft_length,
     }
 
 
+def decoder_factory(vs: ValidateSettings, st: Setup) -> Make:
+    """make(gamma, settings=vs.decoder): a decoder on the loaded pair at that gamma."""
+
+    def make(gamma: int, settings: DecoderSettings = vs.decoder) -> SpeculativeDecoder:
+        config = settings.decoder_config(vs.max_new_tokens, st.eos, gamma)
+        return SpeculativeDecoder(
+            st.target, st.drafter, config, tokenizer_len=len(st.tok), mapped=st.mapped
+        )
+
+    return make
+
+
+@dataclass
+class ServingMeasurement:
+    """The serving mode's measurement: its decoder, gamma and figures (`headline`), with the
+    first pass's outputs and the timed rates the side measurements compare against."""
+
+    dec: SpeculativeDecoder
+    gamma: int
+    figures: dict[str, Any]
+    modes: dict[str, dict[str, Any]]
+    base_out: Any
+    spec_out: Any
+    lossless: bool | None
+    mismatched: int
+    warmup_seconds: float
+
+
+def measure_serving(
+    vs: ValidateSettings, st: Setup, make: Make, notes: list[str]
+) -> ServingMeasurement:
+    """Choose gamma (measuring c), warm up untimed, time target-only against speculative
+    decoding in interleaved repeats, and check losslessness: the report's headline."""
+    t_warm = time.perf_counter()
+    gamma, dec, c, verify_cost = choose_gamma(vs, st, make, notes)
+    if dec.parallel:  # one drafter forward per round: the formula's gamma c is its cost
+        c = forward_cost(dec, st.warm[0][0], gamma + 1, vs.step_time_iters) / gamma
+        notes.append(
+            f"parallel drafting: c = one drafter forward of gamma+1 tokens / gamma = {c:.3f} "
+            "(the theoretical speedup's gamma c is one forward per round)"
+        )
+    warm_up(dec, st.batches, st.warm, vs.seed)  # untimed, then interleaved timed repeats
+    warmup_seconds = time.perf_counter() - t_warm
+    base_rates, spec_rates, base_out, spec_out = timed_repeats(dec, st.batches, vs.seed, vs.repeats)
+    lossless, mismatched = lossless_check(dec, base_out, spec_out, st.dtype, notes)
+    figures = headline(spec_out, base_rates, spec_rates, gamma, c, verify_cost)
+    modes = {
+        mode_name(dec.cfg.sampling.temperature): mode_figures(dec, base_rates, spec_rates, spec_out)
+    }
+    return ServingMeasurement(
+        dec, gamma, figures, modes, base_out, spec_out, lossless, mismatched, warmup_seconds
+    )
+
+
+def side_measurements(
+    vs: ValidateSettings, st: Setup, make: Make, sv: ServingMeasurement, notes: list[str]
+) -> dict[str, Any]:
+    """The other serving mode (into `sv.modes`), fixed gamma beside an adaptive policy,
+    `transformers` assisted generation and vLLM, each on the same prompts as the headline."""
+    dec, gamma, seed, repeats = sv.dec, sv.gamma, vs.seed, vs.repeats
+    if vs.other is not None:  # both serving modes, always (unless turned off), timed too
+        name, other = measure_other_mode(
+            lambda ds: make(gamma, ds), vs.other, st.batches, st.warm, seed, repeats
+        )
+        sv.modes[name] = other
+    fixed_speedup = None
+    if dec.cfg.draft_length != "fixed":  # the policy beside fixed gamma, same interleaving
+        fdec = make(gamma, vs.decoder.replace(draft_length="fixed"))
+        warm_up(fdec, st.batches, st.warm, seed)
+        fb, fs, _, _ = timed_repeats(fdec, st.batches, seed, repeats)
+        fixed_speedup = round(statistics.median(fs) / statistics.median(fb), 3)
+    hf = None
+    if vs.hf_assisted:
+        hf = hf_assisted_speed(
+            st.target, st.drafter, st.tok, st.warm, st.batches, dec.cfg, repeats, sv.base_out,
+            assistant_tokenizer=st.mapped.draft_tokenizer if st.mapped else None,
+        )  # fmt: skip
+        if hf.get("speedup"):
+            hf["ours_over_hf"] = round(sv.figures["speedup"] / hf["speedup"], 3)
+    vllm_figures = None
+    if st.vllm_settings is not None:  # last: vLLM takes over the process's threads
+        vllm_figures = in_vllm(vs, st, dec, gamma, sv.modes, sv.base_out, notes)
+    return {"hf_assisted": hf, "fixed_gamma_speedup": fixed_speedup, "vllm": vllm_figures}
+
+
 def run(cfg: DictConfig) -> ValidateResult:
     """Validate one pair; see the module docstring. Writes report.json and report.md.
 
-    Steps: set up the pair and prompts, choose gamma (measuring c), time target-only against
-    speculative decoding, check losslessness, then the side measurements (the other serving
-    mode, fixed gamma beside an adaptive policy, `transformers` assisted generation).
+    Steps: type the settings, set up the pair and prompts, measure the serving mode
+    (`measure_serving`), then the side measurements (`side_measurements`), then the report.
     """
     t_start = time.perf_counter()
-    out_dir = Path(str(cfg.output_dir)).expanduser().absolute()
-    dcfg = cfg.decoder
-    fixed_gamma, max_gamma = _gamma_setting(dcfg)
-    st = setup(cfg, max(fixed_gamma or max_gamma, int(dcfg.get("max_draft", 8))))
-    seed, repeats = int(cfg.get("seed", 0)), int(cfg.repeats)
+    vs = ValidateSettings.from_cfg(cfg)
+    st = setup(cfg, vs.gamma_room, vs)
     notes: list[str] = []
     if st.prompt_fit.get("long"):
         fit = st.prompt_fit
         notes.append(f"long_prompts={fit['policy']}: {fit['long']} prompts over "
                      f"{fit['max_prompt_tokens']} tokens")  # fmt: skip
-
-    def make(gamma: int, dc: Any = dcfg) -> SpeculativeDecoder:
-        return SpeculativeDecoder(
-            st.target,
-            st.drafter,
-            decoder_config(dc, int(cfg.max_new_tokens), st.eos, gamma),
-            tokenizer_len=len(st.tok),
-            mapped=st.mapped,
-        )
-
-    t_warm = time.perf_counter()
-    gamma, dec, c, verify_cost = choose_gamma(cfg, st, make, notes)
-    if dec.parallel:  # one drafter forward per round: the formula's gamma c is its cost
-        c = forward_cost(dec, st.warm[0][0], gamma + 1, int(cfg.step_time_iters)) / gamma
-        notes.append(
-            f"parallel drafting: c = one drafter forward of gamma+1 tokens / gamma = {c:.3f} "
-            "(the theoretical speedup's gamma c is one forward per round)"
-        )
-    warm_up(dec, st.batches, st.warm, seed)  # untimed, then interleaved timed repeats
-    warmup_seconds = time.perf_counter() - t_warm
-    base_rates, spec_rates, base_out, spec_out = timed_repeats(dec, st.batches, seed, repeats)
-    lossless, mismatched = lossless_check(dec, base_out, spec_out, st.dtype, notes)
-    figures = headline(spec_out, base_rates, spec_rates, gamma, c, verify_cost)
-
-    # Both serving modes, always (unless turned off): the other one decoded and timed too.
-    modes = {
-        mode_name(dec.cfg.sampling.temperature): mode_figures(dec, base_rates, spec_rates, spec_out)
-    }
-    if both_modes(cfg):
-        name, other = measure_other_mode(
-            lambda dc: make(gamma, dc), dcfg, cfg.get("other_sampling"), st.batches, st.warm,
-            seed, repeats,
-        )  # fmt: skip
-        modes[name] = other
+    make = decoder_factory(vs, st)
+    sv = measure_serving(vs, st, make, notes)
+    side = side_measurements(vs, st, make, sv, notes)
+    dec, modes = sv.dec, sv.modes
     adaptive = dec.cfg.draft_length != "fixed"
-    fixed_speedup = None
-    if adaptive:  # the policy beside fixed gamma, same prompts, same interleaved repeats
-        fdec = make(gamma, OmegaConf.merge(dcfg, {"draft_length": "fixed"}))
-        warm_up(fdec, st.batches, st.warm, seed)
-        fb, fs, _, _ = timed_repeats(fdec, st.batches, seed, repeats)
-        fixed_speedup = round(statistics.median(fs) / statistics.median(fb), 3)
-    hf = None
-    if cfg.get("hf_assisted", True):
-        hf = hf_assisted_speed(
-            st.target, st.drafter, st.tok, st.warm, st.batches, dec.cfg, repeats, base_out,
-            assistant_tokenizer=st.mapped.draft_tokenizer if st.mapped else None,
-        )  # fmt: skip
-        if hf.get("speedup"):
-            hf["ours_over_hf"] = round(figures["speedup"] / hf["speedup"], 3)
-    vllm_figures = None
-    if st.vllm_settings is not None:  # last: vLLM takes over the process's threads
-        vllm_figures = in_vllm(cfg, st, dec, gamma, modes, base_out, notes)
-
     result = ValidateResult(
-        output_dir=str(out_dir),
-        **settings(cfg, st, dec, gamma),
-        **figures,
-        lossless=lossless,
-        mismatched_sequences=mismatched,
+        output_dir=str(vs.output_dir),
+        **settings(vs, st, dec, sv.gamma),
+        **sv.figures,
+        lossless=sv.lossless,
+        mismatched_sequences=sv.mismatched,
         alpha_sampled=(modes.get("sampling") or {}).get("alpha"),
         tau_sampled=(modes.get("sampling") or {}).get("tau"),
         modes=modes,
-        hf_assisted=hf,
-        warmup_seconds=round(warmup_seconds, 1),
+        warmup_seconds=round(sv.warmup_seconds, 1),
         notes=notes,
         config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
         draft_figures=draft_figures(
-            spec_out, dec.draft_costs(st.warm[0][0], int(cfg.batch_size)) if adaptive else None
+            sv.spec_out, dec.draft_costs(st.warm[0][0], vs.batch_size) if adaptive else None
         )
         | {"max_draft": dec.max_draft},
-        fixed_gamma_speedup=fixed_speedup,
         engines=list(st.engines),
-        vllm=vllm_figures,
         prompt_fit=st.prompt_fit,
-        vocab_mapping=mapping_figures(st.mapped, base_out.tokens),
+        vocab_mapping=mapping_figures(st.mapped, sv.base_out.tokens),
+        **side,
     )
     result.wall_seconds = round(time.perf_counter() - t_start, 1)
-    atomic_write_json(out_dir / "report.json", result)
-    atomic_write_text(out_dir / "report.md", report_markdown(result))
-    if cfg.get("plot", True):
-        plot_acceptance(figures["acceptance_by_position"], out_dir / "report.png", notes)
+    atomic_write_json(vs.output_dir / "report.json", result)
+    atomic_write_text(vs.output_dir / "report.md", report_markdown(result))
+    if vs.plot:
+        plot_acceptance(sv.figures["acceptance_by_position"], vs.output_dir / "report.png", notes)
     return result
 
 
 def in_vllm(
-    cfg: DictConfig, st: Setup, dec: SpeculativeDecoder, gamma: int, modes, base_out, notes
+    vs: ValidateSettings, st: Setup, dec: SpeculativeDecoder, gamma: int, modes, base_out, notes
 ):
     """vLLM's side of the report: the same prompts and modes, the target plain and with q."""
     from specdistill.decode.validate.two_engines import validate_in_vllm
 
-    samplings = {mode_name(dec.cfg.sampling.temperature): dec.cfg.sampling}
-    if both_modes(cfg):
-        side = other_decoder(cfg.decoder, cfg.get("other_sampling"))
-        other = Sampling.from_parent(side, "decoder.sampling")
-        samplings[mode_name(other.temperature)] = other
+    samplings = {mode_name(s.temperature): s for s in vs.samplings}
     if dec.cfg.draft_length != "fixed":
         notes.append(
             f"vLLM drafts a fixed gamma={gamma}; ours used draft_length={dec.cfg.draft_length}"
@@ -404,9 +383,9 @@ def in_vllm(
     figures, more = validate_in_vllm(
         st.spec, st.vllm_settings, st.target.config, st.batches, samplings, modes,
         base_out.tokens if dec.cfg.sampling.greedy else None,
-        gamma=gamma, max_new_tokens=int(cfg.max_new_tokens), repeats=int(cfg.repeats),
-        seed=int(cfg.get("seed", 0)), dtype=st.dtype, eos=st.eos,
-        draft_sample_method=draft_sample_method(cfg.vllm),
+        gamma=gamma, max_new_tokens=vs.max_new_tokens, repeats=vs.repeats,
+        seed=vs.seed, dtype=st.dtype, eos=st.eos,
+        draft_sample_method=vs.vllm_draft_sample_method,
         parallel_drafting=dec.cfg.drafting == "parallel",
     )  # fmt: skip
     notes.extend(more)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from specdistill.decode.config import DEFAULT_GAMMA
+
 
 def _fmt(v: Any, digits: int = 3) -> str:
     if v is None:
@@ -116,7 +118,7 @@ def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, An
     """README.md for the exported folder (result: an ExportResult)."""
     name = Path(result.output_dir).name
     target = result.target
-    gamma = int(report["gamma"]) if report else 4
+    gamma = int(report["gamma"]) if report else DEFAULT_GAMMA
     lines = [
         "---",
         "library_name: transformers",

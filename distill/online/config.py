@@ -1,14 +1,20 @@
-"""Checks of the online stage's config: every bad setting named before any model loads."""
+"""The online stage's config typed once: `OnlineSettings.from_cfg(cfg)` at the top of `run`
+holds the stage's own settings, every check (each error names its field, before any model
+loads) and the typed `decoder` node. The `loss`, `optim` and `logger` groups stay nodes: the
+optimizer is instantiated from `optim.optimizer`'s `_target_` and the loss node is shared with
+the distill stage's loss code."""
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.runtime import ConfigError
-from specdistill.decode.speculative import check_decoder_config
-from specdistill.decode.validate.stage import decoder_config
+from specdistill.data.runtime import ConfigError, setting
+from specdistill.decode.config import DecoderSettings
 from specdistill.distill.losses import DIVERGENCES
 from specdistill.distill.online.buffer import RECORD_MODES
 from specdistill.distill.online.stream import Segment, parse_stream
@@ -49,7 +55,91 @@ def _in_range_or_null(value, lo: float, hi: float) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float) and lo <= value <= hi
 
 
-def check_config(cfg: DictConfig) -> list[Segment]:
+@dataclass(frozen=True)
+class OnlineSettings:
+    """conf/online.yaml's own settings, checked (`loss`, `optim`, `logger` stay nodes)."""
+
+    output_dir: Path
+    decoder: DecoderSettings
+    segments: tuple[Segment, ...]
+    batch_size: int
+    max_new_tokens: int
+    max_prompt_tokens: int
+    window: int
+    buffer_tokens: int
+    update_every: int
+    update_steps: int
+    update_batch: int
+    save_every: int
+    topk: int | str = "auto"  # auto: by the decoder's serving mode (resolve_topk)
+    stream_blend: int = 0
+    record: str = "all"
+    guard_every: int = 4
+    guard_probe: int = 2
+    guard_margin: float = 0.05
+    guard_start: bool = False
+    gate_agreement: float | str | None = "auto"  # auto: by serving mode (resolve_gate)
+    gate_relax_margin: float | None = 0.15
+    gate_relaxed: float | None = None
+    anchor_kl: float = 0.0
+    loss_chunk_size: int = 256
+    compare_frozen: bool = True
+    seed: int = 0
+    resume: bool = False
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: Any = "auto"
+    log_tokens: bool = False
+    plot: bool = True
+
+    @property
+    def gate(self) -> float | None:
+        """The agreement gate's threshold for this decoder's serving mode (None: no gate)."""
+        return resolve_gate(self.gate_agreement, self.decoder.sampling.temperature)
+
+    @classmethod
+    def from_cfg(cls, cfg: DictConfig) -> OnlineSettings:
+        """The online config checked and typed; a ConfigError names the field."""
+        segments = _check(cfg)
+        return cls(
+            output_dir=Path(str(cfg.output_dir)).expanduser().absolute(),
+            decoder=decoder_settings(cfg),
+            segments=tuple(segments),
+            **{key: int(cfg[key]) for key in _POSITIVE},
+            topk=cfg.topk,
+            stream_blend=int(cfg.stream_blend),
+            record=str(cfg.record),
+            guard_every=int(cfg.guard_every),
+            guard_probe=int(cfg.guard_probe),
+            guard_margin=float(cfg.guard_margin),
+            guard_start=bool(setting(cfg, cls, "guard_start")),
+            gate_agreement=_number_or(setting(cfg, cls, "gate_agreement")),
+            gate_relax_margin=_number_or(setting(cfg, cls, "gate_relax_margin")),
+            gate_relaxed=_number_or(setting(cfg, cls, "gate_relaxed")),
+            anchor_kl=float(setting(cfg, cls, "anchor_kl")),
+            loss_chunk_size=int(setting(cfg, cls, "loss_chunk_size")),
+            compare_frozen=bool(setting(cfg, cls, "compare_frozen")),
+            seed=int(setting(cfg, cls, "seed")),
+            resume=bool(setting(cfg, cls, "resume")),
+            device=str(setting(cfg, cls, "device")),
+            dtype=str(setting(cfg, cls, "dtype")),
+            threads=setting(cfg, cls, "threads"),
+            log_tokens=bool(setting(cfg, cls, "log_tokens")),
+            plot=bool(setting(cfg, cls, "plot")),
+        )
+
+
+def _number_or(value: Any) -> Any:
+    """A float for a number; `auto` and None unchanged (checked before)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+
+
+def check_config(cfg: DictConfig) -> OnlineSettings:
+    """The online config typed, once every setting is known to be usable."""
+    return OnlineSettings.from_cfg(cfg)
+
+
+def _check(cfg: DictConfig) -> list[Segment]:
     """The stream's segments, once every setting is known to be usable."""
     for key in _POSITIVE:
         if _int(cfg, key) <= 0:
@@ -111,18 +201,21 @@ def check_config(cfg: DictConfig) -> list[Segment]:
         )
     if cfg.optim.schedule not in ("cosine", "linear", "constant"):
         raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: use cosine, linear or constant")
-    if cfg.decoder.get("gamma") == "auto":
+    return segments
+
+
+def decoder_settings(cfg: DictConfig) -> DecoderSettings:
+    """The `decoder` node typed and checked, with what online adaptation needs of it: a fixed
+    gamma and autoregressive drafts."""
+    settings = DecoderSettings.from_node(cfg.decoder, "decoder")
+    if settings.gamma is None:
         raise ConfigError("decoder.gamma=auto is not supported online: set an integer gamma")
-    if cfg.decoder.get("drafting", "autoregressive") != "autoregressive":
+    if settings.drafting != "autoregressive":
         raise ConfigError(
-            f"decoder.drafting={cfg.decoder.drafting} is not supported online: online updates "
+            f"decoder.drafting={settings.drafting} is not supported online: online updates "
             "train autoregressive drafts only; set decoder.drafting=autoregressive"
         )
-    check_decoder_config(decoder_config(cfg.decoder, int(cfg.max_new_tokens), (), 1))
-    check_decoder_config(
-        decoder_config(cfg.decoder, int(cfg.max_new_tokens), (), int(cfg.decoder.gamma))
-    )
-    return segments
+    return settings
 
 
 # `gate_agreement: auto` per serving mode (toy pair, distilled drafter, 8-request windows).
@@ -152,12 +245,13 @@ def resolve_topk(topk: int | str, temperature: float, vocab: int) -> int:
     return int(topk)
 
 
-def check_topk(cfg: DictConfig, vocab: int) -> int:
+def check_topk(settings: OnlineSettings, vocab: int) -> int:
     """The resolved top-k, once it fits the vocabulary."""
-    k = resolve_topk(cfg.topk, float(cfg.decoder.sampling.temperature), vocab)
+    k = resolve_topk(settings.topk, settings.decoder.sampling.temperature, vocab)
     if k > vocab:
         raise ConfigError(
-            f"topk={cfg.topk} is larger than the vocabulary ({vocab} tokens): use topk <= {vocab}"
+            f"topk={settings.topk} is larger than the vocabulary ({vocab} tokens): use topk <= "
+            f"{vocab}"
         )
     return k
 

@@ -25,7 +25,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import hydra
@@ -33,10 +32,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json, atomic_write_text, guard_write
-from specdistill.data.models.checkpoints import check_saved_file
 from specdistill.data.models.pairs import load_pair, load_tokenizer, resolve_pair
 from specdistill.data.runtime import (
-    ConfigError,
     pad_rows,
     parse_dtype,
     resolve_device,
@@ -44,9 +41,13 @@ from specdistill.data.runtime import (
     set_threads,
 )
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
-from specdistill.decode.validate.stage import decoder_config
 from specdistill.distill.online.buffer import Entry, ReplayBuffer, entries_from_output
-from specdistill.distill.online.config import check_config, check_topk, fingerprint
+from specdistill.distill.online.config import (
+    OnlineSettings,
+    check_config,
+    check_topk,
+    fingerprint,
+)
 from specdistill.distill.online.drift import DriftGate
 from specdistill.distill.online.report import Window, markdown, plot, segment_summary, write_jsonl
 from specdistill.distill.online.stream import (
@@ -56,11 +57,7 @@ from specdistill.distill.online.stream import (
     plan_requests,
 )
 from specdistill.distill.online.update import Updater
-from specdistill.distill.online.util import (
-    StopOnSignal,
-    export_atomic,
-    wandb_tracker,
-)
+from specdistill.distill.online.util import StopOnSignal, export_atomic, saved_state, wandb_tracker
 
 log = logging.getLogger("specdistill.online")
 STATE_FILE = "online_state.pt"
@@ -102,9 +99,20 @@ def _entry_rows(entries: list[Entry]) -> list[tuple]:
 class OnlineRun:
     """The serving loop's state and steps; `run` below wires it to the config."""
 
-    def __init__(self, cfg, out, plan, prompts, target, drafter, frozen, tok, dcfg, topk) -> None:
-        self.cfg, self.out, self.plan, self.prompts, self.tok = cfg, out, plan, prompts, tok
+    def __init__(
+        self, cfg: DictConfig, settings: OnlineSettings, plan, prompts, target, drafter, frozen,
+        tok, dcfg, topk,
+    ) -> None:  # fmt: skip
+        """`cfg`: the stage's config (its `optim` and `loss` nodes); `settings`: the rest, typed."""
+        self.s, self.out, self.plan, self.prompts, self.tok = (
+            settings,
+            settings.output_dir,
+            plan,
+            prompts,
+            tok,
+        )
         self.topk = topk
+        s = settings
         n = len(tok)
         self.dec = SpeculativeDecoder(target, drafter, dcfg, tokenizer_len=n)
         plain = dataclasses.replace(dcfg, record_probs=False)
@@ -112,18 +120,19 @@ class OnlineRun:
         self.frozen_dec = (
             SpeculativeDecoder(target, frozen, plain, tokenizer_len=n) if frozen else None
         )
-        total = (len(plan) // int(cfg.update_every)) * int(cfg.update_steps)
-        self.updater = Updater(drafter, cfg, total, self.dec.vocab, tok.pad_token_id, anchor=frozen)
+        total = (len(plan) // s.update_every) * s.update_steps
+        self.updater = Updater(
+            drafter, cfg, total, self.dec.vocab, tok.pad_token_id, anchor=frozen, settings=s
+        )
         # the start drafter for guard_start without a frozen twin (the anchor's copy if any)
         start = frozen or self.updater.anchor
-        if start is None and cfg.guard_start and int(cfg.guard_every) > 0:
+        if start is None and s.guard_start and s.guard_every > 0:
             start = copy.deepcopy(drafter).requires_grad_(False)
         self.start_dec = (
             SpeculativeDecoder(target, start, plain, tokenizer_len=n) if start else None
         )
-        self.buffer = ReplayBuffer(int(cfg.buffer_tokens))
-        margin = cfg.get("gate_relax_margin")
-        self.drift = DriftGate(None if margin is None else float(margin), int(cfg.window))
+        self.buffer = ReplayBuffer(s.buffer_tokens)
+        self.drift = DriftGate(s.gate_relax_margin, s.window)
         self.pos, self.updates, self.rollbacks = 0, 0, 0
         self.pending: list[Entry] = []  # kept positions of requests since the last update
         self.recent: list[dict] = []  # served alpha of batches since the last update
@@ -135,7 +144,7 @@ class OnlineRun:
 
     # ------------------------------------------------------------ serving
     def _seed(self, first_request: int) -> torch.Generator:
-        return torch.Generator().manual_seed(int(self.cfg.seed) * 1_000_003 + first_request)
+        return torch.Generator().manual_seed(self.s.seed * 1_000_003 + first_request)
 
     def _decode(self, dec: SpeculativeDecoder, first: int, rows: list[list[int]]):
         ids, mask = pad_rows(rows, self.tok.pad_token_id)
@@ -144,11 +153,11 @@ class OnlineRun:
         return out, time.perf_counter() - t
 
     def serve_batch(self) -> None:
-        reqs = self.plan[self.pos : self.pos + int(self.cfg.batch_size)]
+        reqs = self.plan[self.pos : self.pos + self.s.batch_size]
         rows = [self.prompts[r.source][r.prompt] for r in reqs]
         out, secs = self._decode(self.dec, reqs[0].id, rows)
         ids = [r.id for r in reqs]
-        kept = entries_from_output(out, rows, ids, self.topk, self.cfg.record)
+        kept = entries_from_output(out, rows, ids, self.topk, self.s.record)
         self.totals["mass"] += sum(float(e.topk_lp.exp().sum()) for e in kept)
         self.totals["kept"] += sum(e.tokens for e in kept)
         self.pending += kept
@@ -164,7 +173,7 @@ class OnlineRun:
             self.totals["frozen"] += fsecs
             self.recent[-1]["start"] = (frozen.alpha_sum, frozen.trials)  # for guard_start
         self.window.segments += [r.segment for r in reqs]
-        if self.cfg.log_tokens:
+        if self.s.log_tokens:
             for j, r in enumerate(reqs):
                 row = {"request": r.id, "adapted": out.tokens[j]}
                 self.outputs.append(row | ({"frozen": frozen.tokens[j]} if frozen else {}))
@@ -172,9 +181,9 @@ class OnlineRun:
 
     # ------------------------------------------------------------ updates and guard
     def update(self) -> None:
-        cfg = self.cfg
-        guarded = int(cfg.guard_every) > 0 and (self.updates + 1) % int(cfg.guard_every) == 0
-        probe_batches = int(cfg.guard_probe) // int(cfg.batch_size) if guarded else 0
+        s = self.s
+        guarded = s.guard_every > 0 and (self.updates + 1) % s.guard_every == 0
+        probe_batches = s.guard_probe // s.batch_size if guarded else 0
         probe = self.recent[len(self.recent) - probe_batches :] if probe_batches else []
         held = {r.request for r in self.pending} & {
             b["first"] + i for b in probe for i in range(len(b["rows"]))
@@ -203,15 +212,15 @@ class OnlineRun:
             before = sum(b["alpha_sum"] for b in probe) / max(1, sum(b["trials"] for b in probe))
             outs = [self._decode(self.guard_dec, b["first"], b["rows"])[0] for b in probe]
             after = sum(o.alpha_sum for o in outs) / max(1, sum(o.trials for o in outs))
-            start = self._start_alpha(probe) if cfg.guard_start else None
-            if after < max(before, start or 0.0) - float(cfg.guard_margin):
+            start = self._start_alpha(probe) if s.guard_start else None
+            if after < max(before, start or 0.0) - s.guard_margin:
                 self.updater.load_state_dict(snapshot)  # type: ignore[arg-type]
                 self.rollbacks += 1
                 self.window.rollbacks += 1
                 log.warning(
                     "guard: update %d rolled back (probe alpha %.3f before, %.3f after, start "
                     "drafter %s, margin %.3f)", self.updates, before, after,
-                    "-" if start is None else f"{start:.3f}", float(cfg.guard_margin),
+                    "-" if start is None else f"{start:.3f}", s.guard_margin,
                 )  # fmt: skip
             secs = time.perf_counter() - t
             self.window.guard_seconds += secs
@@ -281,36 +290,25 @@ class OnlineRun:
 
 
 def run(cfg: DictConfig) -> OnlineResult:
+    """Serve the stream with the drafter learning from the target's verdicts; see the module
+    docstring. Resumes from OUT/online_state.pt with resume=true."""
     t_start = time.perf_counter()
-    segments = check_config(cfg)
-    out = Path(str(cfg.output_dir)).expanduser().absolute()
-    device = resolve_device(str(cfg.device))
-    set_threads(cfg.threads, device)
-    dtype = parse_dtype(str(cfg.dtype), device)
+    s = check_config(cfg)
+    out = s.output_dir
+    device = resolve_device(s.device)
+    set_threads(s.threads, device)
+    dtype = parse_dtype(s.dtype, device)
     spec = resolve_pair(cfg.pair, stage="online")
     tok = load_tokenizer(spec)
-    topk = check_topk(cfg, len(tok))
-    sources = load_sources(segments, spec.toy, tok)
+    topk = check_topk(s, len(tok))
+    sources = load_sources(list(s.segments), spec.toy, tok)
     plan = plan_requests(
-        segments, {k: len(v) for k, v in sources.items()}, int(cfg.stream_blend), int(cfg.seed)
+        list(s.segments), {k: len(v) for k, v in sources.items()}, s.stream_blend, s.seed
     )
     fp = fingerprint(cfg, plan_fingerprint(plan))
-    state_path = out / STATE_FILE
-    state = None
-    if cfg.resume and state_path.exists():
-        check_saved_file(
-            "resume=true", state_path, "delete it (and drafter/) to start afresh, or resume=false"
-        )
-        state = torch.load(state_path, weights_only=False)
-        if state["fingerprint"] != fp:
-            raise ConfigError(
-                f"resume=true but {state_path} was written by a different config or stream: "
-                "resume with the same settings, or use a fresh output_dir"
-            )
-    elif cfg.resume:
-        log.warning("resume=true but no %s: starting fresh", state_path)
+    state = saved_state(out / STATE_FILE, s.resume, fp)
     # Prompts are tokenised once, cut to their last max_prompt_tokens tokens.
-    keep = int(cfg.max_prompt_tokens)
+    keep = s.max_prompt_tokens
     prompts = {
         label: [tok(p.text, add_special_tokens=False).input_ids[-keep:] or [tok.eos_token_id]
                 for p in plist]
@@ -319,65 +317,33 @@ def run(cfg: DictConfig) -> OnlineResult:
 
     target, drafter, tok = load_pair(spec, device=device, dtype=dtype)
     target.requires_grad_(False)
-    frozen = copy.deepcopy(drafter).requires_grad_(False) if cfg.compare_frozen else None
+    frozen = copy.deepcopy(drafter).requires_grad_(False) if s.compare_frozen else None
     eos = tuple(sorted({i for i in [tok.eos_token_id] if i is not None}))
-    dcfg = dataclasses.replace(
-        decoder_config(cfg.decoder, int(cfg.max_new_tokens), eos, int(cfg.decoder.gamma)),
-        record_probs=True,
-    )
+    # the online learner reads the target's probabilities from every verification
+    dcfg = s.decoder.replace(record_probs=True).decoder_config(s.max_new_tokens, eos)
     out.mkdir(parents=True, exist_ok=True)
-    job = OnlineRun(cfg, out, plan, prompts, target, drafter, frozen, tok, dcfg, topk)
+    job = OnlineRun(cfg, s, plan, prompts, target, drafter, frozen, tok, dcfg, topk)
     if state is not None:
         job.load_state_dict(state)
         log.info("resumed at request %d (%d updates)", job.pos, job.updates)
-    tracker = wandb_tracker(cfg, device)
-    bounds, labels = boundaries(segments), [s.label for s in segments]
-    update_every, window = int(cfg.update_every), int(cfg.window)
-    with StopOnSignal() as stop:
-        while job.pos < len(plan) and stop.signum is None:
-            job.serve_batch()
-            updated = job.pos % update_every == 0
-            if updated:
-                job.update()
-            if job.pos % window == 0 or job.pos == len(plan):
-                row = job.close_window()
-                log.info(
-                    "requests %d: alpha adapted %s frozen %s, tau %s/%s, %.0f tok/s, update "
-                    "share %.3f, buffer %.2f",
-                    row["requests"], row["alpha_adapted"], row["alpha_frozen"],
-                    row["tau_adapted"], row["tau_frozen"], row["tokens_per_s"],
-                    row["update_share"], row["buffer_fill"],
-                )  # fmt: skip
-                if tracker is not None:
-                    tracker.log({f"online/{k}": v for k, v in row.items()}, step=row["requests"])
-            if updated and job.updates % int(cfg.save_every) == 0:
-                job.save(fp)
-        job.save(fp)
-        if stop.signum is not None:
-            log.warning(
-                "stopped by signal %d at request %d; resume=true continues", stop.signum, job.pos
-            )
-            if tracker is not None:
-                tracker.end_training()
-            sys.exit(128 + stop.signum)
-    if tracker is not None:
-        tracker.end_training()
-
+    segments = list(s.segments)
+    bounds, labels = boundaries(segments), [seg.label for seg in segments]
+    _serve(cfg, s, job, plan, fp, device)
     seg = segment_summary(job.rows, bounds, labels)
     t = job.totals
     serve = t["decode"] + t["update"] + t["guard"]
-    s = dcfg.sampling
+    sp = dcfg.sampling
     result = OnlineResult(
         output_dir=str(out),
         drafter_path=str(out / "drafter"),
         drafter_start=spec.drafter,
         requests=job.pos,
         decoder="greedy"
-        if s.greedy
-        else f"sampling T={s.temperature} top_k={s.top_k} top_p={s.top_p}",
+        if sp.greedy
+        else f"sampling T={sp.temperature} top_k={sp.top_k} top_p={sp.top_p}",
         gamma=dcfg.gamma,
         loss=str(cfg.loss.name),
-        record=str(cfg.record),
+        record=s.record,
         topk=topk,
         topk_mass=round(t["mass"] / max(t["kept"], 1), 4),
         updates=job.updates,
@@ -396,13 +362,49 @@ def run(cfg: DictConfig) -> OnlineResult:
         wall_seconds=round(time.perf_counter() - t_start, 1),
         config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
     )
-    if cfg.log_tokens:
+    if s.log_tokens:
         write_jsonl(out / "outputs.jsonl", job.outputs)
-    if cfg.plot:
+    if s.plot:
         plot(job.rows, bounds, labels, out / "online.png")
     atomic_write_text(out / "online.md", markdown(dataclasses.asdict(result), seg))
     atomic_write_json(out / "result.json", result)
     return result
+
+
+def _serve(cfg: DictConfig, s: OnlineSettings, job: OnlineRun, plan, fp: str, device) -> None:
+    """The serving loop: batches, updates every `update_every` requests, a metrics row per
+    window, checkpoints; SIGINT/SIGTERM save and exit (resume=true continues)."""
+    tracker = wandb_tracker(cfg, device)
+    update_every, window = s.update_every, s.window
+    with StopOnSignal() as stop:
+        while job.pos < len(plan) and stop.signum is None:
+            job.serve_batch()
+            updated = job.pos % update_every == 0
+            if updated:
+                job.update()
+            if job.pos % window == 0 or job.pos == len(plan):
+                row = job.close_window()
+                log.info(
+                    "requests %d: alpha adapted %s frozen %s, tau %s/%s, %.0f tok/s, update "
+                    "share %.3f, buffer %.2f",
+                    row["requests"], row["alpha_adapted"], row["alpha_frozen"],
+                    row["tau_adapted"], row["tau_frozen"], row["tokens_per_s"],
+                    row["update_share"], row["buffer_fill"],
+                )  # fmt: skip
+                if tracker is not None:
+                    tracker.log({f"online/{k}": v for k, v in row.items()}, step=row["requests"])
+            if updated and job.updates % s.save_every == 0:
+                job.save(fp)
+        job.save(fp)
+        if stop.signum is not None:
+            log.warning(
+                "stopped by signal %d at request %d; resume=true continues", stop.signum, job.pos
+            )
+            if tracker is not None:
+                tracker.end_training()
+            sys.exit(128 + stop.signum)
+    if tracker is not None:
+        tracker.end_training()
 
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="online", version_base="1.3")

@@ -20,7 +20,7 @@ from specdistill.data.models.pairs import match_vocab
 from specdistill.data.runtime import pad_rows
 from specdistill.distill.losses import distill_loss
 from specdistill.distill.online.buffer import Entry, ReplayBuffer
-from specdistill.distill.online.config import resolve_gate
+from specdistill.distill.online.config import OnlineSettings
 from specdistill.distill.train.stage import _schedule
 
 
@@ -107,11 +107,21 @@ class Updater:
     """The drafter's optimizer and LR schedule (the `optim` group), stepping on the buffer."""
 
     def __init__(
-        self, drafter, cfg: DictConfig, total_steps: int, vocab: int, pad_id: int, anchor=None
+        self,
+        drafter,
+        cfg: DictConfig,
+        total_steps: int,
+        vocab: int,
+        pad_id: int,
+        anchor=None,
+        settings: OnlineSettings | None = None,
     ):
-        """`anchor`: the starting drafter q0 for the `anchor_kl` trust region (frozen)."""
+        """`cfg`: the online config (its `optim` and `loss` nodes); `settings`: the rest, typed
+        (built from `cfg` when not given); `anchor`: the starting drafter q0 for the `anchor_kl`
+        trust region (frozen)."""
         self.drafter, self.cfg, self.vocab, self.pad_id = drafter, cfg, vocab, pad_id
-        self.anchor_kl = float(cfg.get("anchor_kl", 0.0))
+        self.s = settings or OnlineSettings.from_cfg(cfg)
+        self.anchor_kl = self.s.anchor_kl
         if self.anchor_kl > 0 and anchor is None:
             anchor = copy.deepcopy(drafter).requires_grad_(False)
         self.anchor = anchor.eval() if anchor is not None and self.anchor_kl > 0 else None
@@ -128,7 +138,7 @@ class Updater:
             vocab=self.vocab,
             loss=self.cfg.loss,
             pad_id=self.pad_id,
-            chunk=self.cfg.loss_chunk_size,
+            chunk=self.s.loss_chunk_size,
             anchor=self.anchor,
             anchor_kl=self.anchor_kl,
         )
@@ -150,18 +160,16 @@ class Updater:
         `specdistill.distill.online.drift`): the threshold is `gate_relaxed` instead (never
         stricter than G; null: no gate).
         """
-        gen = torch.Generator().manual_seed(int(self.cfg.seed) * 1_000_003 + update_index)
-        gate = resolve_gate(
-            self.cfg.get("gate_agreement"), float(self.cfg.decoder.sampling.temperature)
-        )
+        gen = torch.Generator().manual_seed(self.s.seed * 1_000_003 + update_index)
+        gate = self.s.gate
         if relaxed and gate is not None:
-            loose = self.cfg.get("gate_relaxed")
+            loose = self.s.gate_relaxed
             gate = None if loose is None else min(gate, float(loose))
         losses = []
         self.drafter.train()
-        for _ in range(int(self.cfg.update_steps)):
+        for _ in range(self.s.update_steps):
             if gate is None:
-                batch = buffer.sample(int(self.cfg.update_batch), gen)
+                batch = buffer.sample(self.s.update_batch, gen)
                 if not batch:
                     break
                 loss = self._loss(batch)
@@ -169,7 +177,7 @@ class Updater:
                 self._step()
                 losses.append(float(loss.detach()))
             else:
-                halves = buffer.sample_halves(int(self.cfg.update_batch), gen)
+                halves = buffer.sample_halves(self.s.update_batch, gen)
                 if halves is None:
                     break
                 grads, pair = [], []

@@ -1,4 +1,4 @@
-"""Small serving helpers of the online stage: padding, atomic export, signals, threads."""
+"""Small serving helpers of the online stage: padding, atomic export, resume, signals, threads."""
 
 from __future__ import annotations
 
@@ -13,9 +13,30 @@ import torch
 from omegaconf import DictConfig
 
 from specdistill.data.io import guard_write, param_bytes, replace_dir
+from specdistill.data.models.checkpoints import check_saved_file
+from specdistill.data.runtime import ConfigError
 from specdistill.distill.train.setup import init_logger
 
 log = logging.getLogger("specdistill.online")
+
+
+def saved_state(state_path: Path, resume: bool, fp: str) -> dict | None:
+    """The checkpoint to resume from (resume=true and one exists), refused when another config
+    or stream wrote it (`fp`: the run's fingerprint)."""
+    if resume and state_path.exists():
+        check_saved_file(
+            "resume=true", state_path, "delete it (and drafter/) to start afresh, or resume=false"
+        )
+        state = torch.load(state_path, weights_only=False)
+        if state["fingerprint"] != fp:
+            raise ConfigError(
+                f"resume=true but {state_path} was written by a different config or stream: "
+                "resume with the same settings, or use a fresh output_dir"
+            )
+        return state
+    if resume:
+        log.warning("resume=true but no %s: starting fresh", state_path)
+    return None
 
 
 def export_atomic(drafter, tok, path: Path) -> None:

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from specdistill.data.io import atomic_write_text
 from specdistill.data.models.pair_vocab import refuse_mapped_early
 from specdistill.data.runtime import ConfigError
-from specdistill.distill.compose import compose_stage, config_module, format_override
+from specdistill.distill.compose import StageOverrides, compose_stage, config_module
 from specdistill.distill.pipeline.serving import (
     check_recipe,
     check_serving,
@@ -79,10 +79,10 @@ class Step:
         return dataclasses.asdict(self)
 
 
-def serving_overrides(cfg: DictConfig) -> dict[str, list[str]]:
+def serving_overrides(cfg: DictConfig) -> dict[str, StageOverrides]:
     """Each stage's overrides from the `serving` mode and `recipe` (none when absent), then the
     `drafting` mode's."""
-    out: dict[str, list[str]] = {}
+    out: dict[str, StageOverrides] = {}
     if cfg.get("serving") is not None:
         if cfg.get("recipe") is None:
             raise ConfigError(
@@ -91,7 +91,7 @@ def serving_overrides(cfg: DictConfig) -> dict[str, list[str]]:
         out = stage_overrides(check_serving(cfg.serving), check_recipe(cfg.recipe))
     stages = list(cfg.get("stages") or [])
     for stage, extra in drafting_overrides(cfg.get("drafting", "autoregressive"), stages).items():
-        out[stage] = [*out.get(stage, []), *extra]
+        out[stage] = out.get(stage, StageOverrides()) + extra
     return out
 
 
@@ -117,7 +117,7 @@ def build_plan(cfg: DictConfig) -> list[Step]:
     if any(s != "generate" for s in stages):  # generate runs the target alone
         refuse_mapped_early(cfg.pair, "pipeline's stages after generate")
     run_dir = Path(str(cfg.run_dir)).expanduser().absolute()
-    seed = f"seed={cfg.seed}"
+    seed = cfg.seed
     sv = serving_overrides(cfg)  # checked before anything is composed
     steps: list[Step] = []
 
@@ -129,36 +129,35 @@ def build_plan(cfg: DictConfig) -> list[Step]:
         steps.append(step)
         return step
 
-    def compose(stage: str, *extra: str) -> DictConfig:
-        stage_cfg = compose_stage(stage, cfg, [*sv.get(stage, []), *extra, seed])
+    def compose(stage: str, dataset: str | None = None, **values: Any) -> DictConfig:
+        """The stage's config: the serving mode's overrides, then this step's values (its
+        folders, hand-offs; dotted keys spelled with `__`), the seed; `dataset` picks a set."""
+        typed = {k.replace("__", "."): v for k, v in values.items()} | {"seed": seed}
+        own_groups = (f"dataset={dataset}",) if dataset else ()
+        extra = StageOverrides(own_groups, typed)
+        stage_cfg = compose_stage(stage, cfg, sv.get(stage, StageOverrides()) + extra)
         own = (cfg.get(stage) or {}).get("dataset")
-        picked = isinstance(own, str) or any(e.startswith("dataset=") for e in extra)
+        picked = isinstance(own, str) or dataset is not None
         if cfg.get("dataset") is not None and stage in DATASET_STAGES and not picked:
             # the pipeline's prompt set (`dataset=ultrachat`), then the stage's own dataset keys
             stage_cfg.dataset = OmegaConf.merge(cfg.dataset, own or {})
         return stage_cfg
-
-    def out_dir(path: Path) -> str:
-        return format_override("output_dir", str(path))
 
     with config_module():
         data = drafter = report = None  # the steps whose output later steps read
         drafter_path: str | None = None
         if "generate" in stages:  # generate_dir: one Seq-KD run shared by several runs (sweeps)
             out = Path(str(cfg.get("generate_dir") or run_dir / "generate")).expanduser().absolute()
-            data = add("generate", "generate", out, compose("generate", out_dir(out)), [])
+            data = add("generate", "generate", out, compose("generate", output_dir=str(out)), [])
         if "distill" in stages:
             out = run_dir / "distill"
-            extra = [out_dir(out)]
-            if data:
-                extra.append(format_override("data.path", data.out_dir))
-            drafter = add(
-                "distill", "distill", out, compose("distill", *extra), [data] if data else []
-            )
+            hand_off = {"data__path": data.out_dir} if data else {}
+            dcfg = compose("distill", output_dir=str(out), **hand_off)
+            drafter = add("distill", "distill", out, dcfg, [data] if data else [])
             drafter_path = str(out / "best")  # what distill ships (its held-out best)
         if "online" in stages:  # adapt the (distilled) drafter on the stream; validate the result
             out = run_dir / "online"
-            ocfg = compose("online", out_dir(out))
+            ocfg = compose("online", output_dir=str(out))
             if drafter_path:
                 ocfg.pair.drafter = drafter_path
             drafter = add("online", "online", out, ocfg, [drafter] if drafter else [])
@@ -168,13 +167,12 @@ def build_plan(cfg: DictConfig) -> list[Step]:
             if drafter_path and cfg.get("validate_base", True):  # the undistilled drafter
                 out = run_dir / "validate_base"
                 # an autoregressive base drafter: validated as one, whatever `drafting` is
-                base = compose("validate", out_dir(out), "decoder.drafting=autoregressive")
+                base = compose("validate", output_dir=str(out), decoder__drafting="autoregressive")
                 add("validate_base", "validate", out, base, [])
             sets = [None, *(cfg.get("validate_sets") or [])]  # more prompt distributions
             for name in sets:
                 out = run_dir / ("validate" if name is None else f"validate_{name}")
-                extra = [out_dir(out)] if name is None else [f"dataset={name}", out_dir(out)]
-                vcfg = compose("validate", *extra)
+                vcfg = compose("validate", name, output_dir=str(out))
                 if drafter_path:
                     vcfg.pair.drafter = drafter_path
                 step = add(out.name, "validate", out, vcfg, reads)
@@ -182,14 +180,15 @@ def build_plan(cfg: DictConfig) -> list[Step]:
         if "export" in stages:
             # The stage folder holds the marker; the shipped folder holds only the drafter.
             out = run_dir / "export"
-            extra = [out_dir(out / "drafter"), "overwrite=true"]
+            values: dict[str, Any] = {"output_dir": str(out / "drafter"), "overwrite": True}
             if drafter_path:
-                extra.append(format_override("drafter", drafter_path))
+                values["drafter"] = drafter_path
             if report:
-                extra.append(format_override("report", str(Path(report.result_path))))
+                values["report"] = str(Path(report.result_path))
             if cfg.get("vllm", False):  # validate the exported folder in vLLM before publishing
-                extra.append("vllm.enabled=true")
-            ecfg = compose_stage("export", cfg, extra)  # no serving keys, no seed: a copy
+                values["vllm.enabled"] = True
+            # no serving keys, no seed: a copy
+            ecfg = compose_stage("export", cfg, StageOverrides(values=values))
             add("export", "export", out, ecfg, [*reads, *([report] if report else [])])
 
     serving = recipe = None

@@ -4,7 +4,8 @@ The best recipe depends on the serving mode (DistillSpec; on the toy pair greedy
 triples greedy acceptance but barely moves sampled acceptance, on-policy TVD does the reverse).
 The pipeline's `serving` group (greedy | sampling, with `serving.sampling`, the one sampling spec
 `{temperature, top_k, top_p}`) and its `recipe` group (defaulting to the shipped recipe of that
-mode) become each stage's overrides, one spec per place that samples:
+mode) become each stage's `StageOverrides` (distill/compose.py: group choices, and typed values
+merged into the composed config), one spec per place that samples:
 
 - generate: Seq-KD greedy or sampled (recipe.seqkd) -> `sampling`;
 - distill: loss, beta, loss temperature, lmbda, the on-policy drafter's `onpolicy.sampling`, and
@@ -13,7 +14,7 @@ mode) become each stage's overrides, one spec per place that samples:
 - validate (and online): the decoder in the serving mode (`decoder.sampling`), the other mode
   reported beside it (`other_sampling`).
 
-User overrides under a stage's key (`distill.lmbda=0.5`) still win: they come after these.
+User overrides under a stage's key (`distill.lmbda=0.5`) still win: they are applied after these.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
-from specdistill.distill.compose import format_override
+from specdistill.distill.compose import StageOverrides
 from specdistill.distill.losses import DIVERGENCES
 
 MODES = ("greedy", "sampling")
@@ -112,14 +113,10 @@ def _temperature(value: Any, serving: Serving) -> float:
     return float(value)
 
 
-def _spec(key: str, sampling: Sampling) -> str:
-    """One sampling spec as one override, e.g. `decoder.sampling={temperature:0.7,...}`."""
-    return format_override(key, sampling.as_dict())
-
-
-def stage_overrides(serving: Serving, recipe: dict[str, Any]) -> dict[str, list[str]]:
-    """Hydra overrides per stage (`generate`, `distill`, `validate`, `online`) for this
-    serving mode and recipe. Pure: the pipeline composes each stage with them."""
+def stage_overrides(serving: Serving, recipe: dict[str, Any]) -> dict[str, StageOverrides]:
+    """What this serving mode and recipe set into each stage (`generate`, `distill`,
+    `validate`, `online`): group choices and typed values. Pure: the pipeline composes each
+    stage with them."""
     s = serving.sampling
     if recipe["seqkd"] == "greedy":
         seqkd = Sampling()
@@ -128,34 +125,34 @@ def stage_overrides(serving: Serving, recipe: dict[str, Any]) -> dict[str, list[
         seqkd = Sampling(temperature=t, top_k=s.top_k, top_p=s.top_p)
     # The drafter samples its on-policy batches at the recipe's temperature, nothing cut.
     onpolicy = Sampling(temperature=_temperature(recipe.get("onpolicy_temperature", 1.0), serving))
-    distill = [
-        f"loss={recipe['loss']}",
+    distill: dict[str, Any] = {
         # sampling serving: p and q are compared at the serving temperature, as the decoder does
-        f"loss.temperature={s.temperature if serving.mode == 'sampling' else 1.0}",
-        f"lmbda={float(recipe['lmbda'])}",
-        _spec("onpolicy.sampling", onpolicy),
-        "eval.source=target",
-        _spec("eval.sampling", s),
-    ]
+        "loss.temperature": s.temperature if serving.mode == "sampling" else 1.0,
+        "lmbda": float(recipe["lmbda"]),
+        "onpolicy.sampling": onpolicy.as_dict(),
+        "eval.source": "target",
+        "eval.sampling": s.as_dict(),
+    }
     if recipe.get("beta") is not None:
-        distill.append(f"loss.beta={float(recipe['beta'])}")
+        distill["loss.beta"] = float(recipe["beta"])
     switch = recipe.get("switch") or {}
     if switch.get("at") is not None:  # a schedule: a second phase from at*max_steps on
-        distill.append(f"switch.at={float(switch['at'])}")
+        distill["switch.at"] = float(switch["at"])
         for key in ("loss", "beta", "lmbda"):
             if switch.get(key) is not None:
-                distill.append(f"switch.{key}={switch[key]}")
-    decoder = [f"decoder={serving.mode}", _spec("decoder.sampling", s)]
-    validate = [*decoder, _spec("other_sampling", serving.report)]
+                distill[f"switch.{key}"] = switch[key]
+    decoder = {"decoder.sampling": s.as_dict()}
     return {
-        "generate": [_spec("sampling", seqkd)],
-        "distill": distill,
-        "validate": validate,
-        "online": decoder,
+        "generate": StageOverrides(values={"sampling": seqkd.as_dict()}),
+        "distill": StageOverrides((f"loss={recipe['loss']}",), distill),
+        "validate": StageOverrides(
+            (f"decoder={serving.mode}",), {**decoder, "other_sampling": serving.report.as_dict()}
+        ),
+        "online": StageOverrides((f"decoder={serving.mode}",), decoder),
     }
 
 
-def drafting_overrides(drafting: Any, stages: list[str]) -> dict[str, list[str]]:
+def drafting_overrides(drafting: Any, stages: list[str]) -> dict[str, StageOverrides]:
     """Stage overrides for the pipeline's `drafting` (autoregressive | parallel, like the
     serving mode a setting of every stage): parallel trains a PARD drafter (distill
     `drafting=parallel`) and validates it with one drafter forward per round
@@ -169,4 +166,7 @@ def drafting_overrides(drafting: Any, stages: list[str]) -> dict[str, list[str]]
             "drafting=parallel with the online stage: online adaptation trains autoregressive "
             "drafts only; drop online from stages"
         )
-    return {"distill": ["drafting=parallel"], "validate": ["decoder.drafting=parallel"]}
+    return {
+        "distill": StageOverrides(values={"drafting": "parallel"}),
+        "validate": StageOverrides(values={"decoder.drafting": "parallel"}),
+    }

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from specdistill.decode.config import DEFAULT_GAMMA
 from specdistill.decode.draft_length import DraftCosts, Replay, make_policy, replay
 
 POLICIES = ("fixed", "heuristic", "confidence")
@@ -83,7 +84,7 @@ def heldout_prediction(tr: Any, drafter, cfg) -> dict[str, Any] | None:
         return None
     if str(cfg.get("drafting", "autoregressive")) != "autoregressive":
         return None  # a parallel round's drafts do not read their predecessors: no AR replay
-    gamma, max_draft = int(pcfg.get("gamma", 4)), int(pcfg.get("max_draft", 8))
+    gamma, max_draft = int(pcfg.get("gamma", DEFAULT_GAMMA)), int(pcfg.get("max_draft", 8))
     raw = pcfg.get("costs", "auto")
     source = "configured"
     if raw not in (None, "auto"):
