@@ -469,6 +469,7 @@ def evaluate_and_save(
         rec |= {"alpha": ev["alpha"], "greedy_agreement": ev["greedy_agreement"]}
         if "alpha_at" in ev:
             rec |= {"alpha_at": ev["alpha_at"], "accepted_length": ev["accepted_length"]}
+            rec["round_accepted"] = ev.get("round_accepted")
         if score(ev) > state.get("best_score", state["best_alpha"]):
             state["best_alpha"], state["best_step"] = ev["alpha"], step
             state["best_score"] = score(ev)

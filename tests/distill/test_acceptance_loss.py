@@ -231,3 +231,26 @@ def test_objective_config_errors_name_the_field():
     for key, bad in (("objective", "length"), ("length_weight", 0), ("depth", 16)):
         with pytest.raises(ConfigError, match=f"parallel.{key}="):
             check_parallel_config(ok | {key: bad})
+
+
+@pytest.mark.slow  # ~1 min each on 2 shared CPU cores (Seq-KD set, training, per-depth evaluation)
+@pytest.mark.parametrize(
+    ("objective", "topk"), [("acceptance_length", False), ("cat", True)], ids=["al", "cat-topk"]
+)
+def test_parallel_training_with_the_objective_raises_round_acceptance(
+    distill_cfg, tmp_path, request, objective, topk
+):
+    """The distill stage with parallel.objective: held-out drafts kept per round (measured per
+    chain, greedy) rise, and result.json names the objective."""
+    from specdistill.distill.train import stage as train
+
+    data = request.getfixturevalue("seqkd_topk_dir" if topk else "seqkd_dir")
+    cfg = distill_cfg(
+        tmp_path / "run", f"data.path={data}", "drafting=parallel", "parallel.depth=6",
+        f"parallel.objective={objective}", "max_steps=12", "eval_every=6",
+        "eval.source=target", "eval.sampling.temperature=0",
+    )  # fmt: skip
+    par = train.run(cfg).parallel
+    assert par is not None and par["objective"] == objective
+    assert par["round_accepted_best"] > par["round_accepted_before"] + 0.05, par
+    assert par["accepted_length_best"] > par["accepted_length_before"]
