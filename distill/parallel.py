@@ -11,9 +11,15 @@ tokens attend causally among themselves only, so their logits are exactly the au
 ones (depth 1). The target's distributions come from its one forward over the real sequence
 (or the stored top-k log-probs): masks add no target cost.
 
-Loss weights: depth d counts decay^(d-1) (depth 1: 1). A draft at depth d only matters when the
-d-1 before it were accepted, which a drafter's acceptance makes roughly geometric in d; the
-decay puts the capacity where acceptance length is made. Anchors are subsampled (`anchors` per
+Loss weights (`parallel.objective`): `token` weighs depth d by decay^(d-1) (depth 1: 1). A draft at
+depth d only matters when the d-1 before it were accepted, which a drafter's acceptance makes
+roughly geometric in d; the decay puts the capacity where acceptance length is made, alike for
+every chain. `cat` weighs each chain's depths by the gradient of that chain's own expected
+accepted length, dE/da_d = P(drafts before d kept) * (1 + what keeping d unlocks)
+(distill.acceptance_loss), from the drafter's current soft acceptance: a chain whose first draft
+the drafter misses (as after a rejection) keeps its depth-1 term and little else, one it gets
+right trains its deep masks. `acceptance_length` adds -E itself (summed over chains, divided by
+the window's chains, times `length_weight`) to the `cat`-weighted divergence. Anchors are subsampled (`anchors` per
 sequence, at random among completion positions) to bound the packed length T + anchors (K-1).
 """
 
@@ -24,6 +30,16 @@ from collections.abc import Sequence
 import torch
 
 from specdistill.data.runtime import ConfigError
+from specdistill.distill.acceptance_loss import (
+    chain_values,
+    expected_accepted,
+    length_weights,
+    scatter_chain_weights,
+    soft_acceptance,
+)
+
+OBJECTIVES = ("token", "cat", "acceptance_length")
+MAX_DEPTH = 15  # the decoder drafts at most 15 tokens a round (decoder.max_draft 1..15)
 
 
 def resolve_train_mask_token(configured, tokenizer) -> int:
@@ -51,8 +67,17 @@ def resolve_train_mask_token(configured, tokenizer) -> int:
 def check_parallel_config(node) -> None:
     """One line naming the field for bad `parallel.*` settings."""
     depth, anchors, decay = node.get("depth"), node.get("anchors"), node.get("decay")
-    if isinstance(depth, bool) or not isinstance(depth, int) or not 2 <= depth <= 16:
-        raise ConfigError(f"parallel.depth={depth!r} must be an integer in 2..16 (drafts/forward)")
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 2 <= depth <= MAX_DEPTH:
+        raise ConfigError(
+            f"parallel.depth={depth!r} must be an integer in 2..{MAX_DEPTH} (drafts/forward; "
+            f"the decoder's max_draft is at most {MAX_DEPTH})"
+        )
+    objective = node.get("objective", "token")
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"parallel.objective={objective!r}: use one of {', '.join(OBJECTIVES)}")
+    lw = node.get("length_weight", 1.0)
+    if isinstance(lw, bool) or not isinstance(lw, (int, float)) or not lw > 0:
+        raise ConfigError(f"parallel.length_weight={lw!r} must be a number > 0")
     if isinstance(anchors, bool) or not isinstance(anchors, int) or anchors < 1:
         raise ConfigError(f"parallel.anchors={anchors!r} must be an integer >= 1 (chains/seq)")
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
@@ -92,7 +117,7 @@ def pack_parallel(
 ) -> dict[str, torch.Tensor]:
     """Real tokens (right-padded, as `collate` makes them) + one chain of depth-1 masks per anchor.
 
-    Returns input_ids, position_ids (B, N), allowed (B, N, N) bool (query attends key),
+    Returns input_ids, anchors (B, A), position_ids (B, N), allowed (B, N, N) bool (query attends key),
     label_pos (B, N) (the real position whose target distribution labels each packed position),
     depth (B, N) (1 for real tokens) and weight (B, N) fp32 (0 where there is no loss).
     N = T + A (depth - 1).
@@ -130,6 +155,7 @@ def pack_parallel(
     weight = torch.cat([loss_mask.float(), chain_w], 1)
     return {
         "input_ids": ids,
+        "anchors": anchors,
         "position_ids": position_ids,
         "allowed": allowed,
         "label_pos": label,
@@ -213,3 +239,85 @@ def pack_batch(batch: dict, node, mask_token_id: int, seed: int, micro: int) -> 
         mask_token_id,
         float(node.decay),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Acceptance-length objectives (`parallel.objective`), over the chains of a packed batch.
+
+
+def chain_index(packed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, A, K) packed position of each chain's depth 1..K (depth 1 = the anchor's real
+    position, depth d = the chain's (d-1)-th mask) and whether it carries a label."""
+    anchors, weight = packed["anchors"], packed["weight"]
+    b, a = anchors.shape
+    t = int((packed["depth"][0] == 1).sum())  # real positions come first
+    k = (weight.shape[1] - t) // max(a, 1) + 1
+    slots = t + torch.arange(a, device=anchors.device)[:, None] * (k - 1)
+    slots = slots + torch.arange(k - 1, device=anchors.device)[None]  # (A, K-1)
+    index = torch.cat([anchors[..., None], slots.expand(b, a, k - 1)], -1)
+    has = weight.gather(1, index.clamp(min=0).reshape(b, -1)).reshape(b, a, k) > 0
+    return index, has & (anchors[..., None] >= 0)
+
+
+def packed_acceptance(
+    logits: torch.Tensor, targets: dict[str, torch.Tensor], greedy: bool, temperature: float
+) -> torch.Tensor:
+    """Soft acceptance a (B, N) of each packed position's draft (drafter logits q, the target's
+    figures at its label: `target_logits` or stored `topk_ids`/`topk_lp`), differentiable in q:
+    q(target's argmax) for a greedy target, sum_x min(p, q) at `temperature` for sampling
+    (over the stored top-k a lower bound, as the held-out eval scores it)."""
+    if "topk_ids" in targets:
+        ids, lpk = targets["topk_ids"].long(), targets["topk_lp"].float()
+        lq = torch.log_softmax(logits.float(), -1)
+        if greedy:
+            top = ids.gather(-1, lpk.argmax(-1, keepdim=True)).squeeze(-1)
+            return soft_acceptance(lq, target_ids=top)
+        return soft_acceptance(lq.gather(-1, ids), lp=lpk)
+    p = targets["target_logits"].float()
+    if greedy:
+        return soft_acceptance(torch.log_softmax(logits.float(), -1), target_ids=p.argmax(-1))
+    lq = torch.log_softmax(logits.float() / temperature, -1)
+    return soft_acceptance(lq, lp=torch.log_softmax(p / temperature, -1))
+
+
+def objective_weights(accept: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The `cat` loss weights (B, N) from the soft acceptance (B, N) (detached): each chain's
+    depths get dE/da_d of the chain's own E (`acceptance_loss.length_weights`); a real position
+    that anchors no chain in this micro-batch gets its row's mean depth-1 weight (it is the
+    depth 1 of a round too, whose continuation was not drawn). Scaled so the micro-batch's
+    weights sum to the `token` objective's: the window's normaliser, and so the learning rate's
+    meaning, stay those of `token`; only their split between positions changes."""
+    base = packed["weight"]
+    index, valid = chain_index(packed)
+    a, usable = chain_values(accept.detach().float(), index, valid)
+    w_chain, hit = scatter_chain_weights(length_weights(a) * usable, index, usable, base.shape[1])
+    first = torch.where(usable[..., 0], length_weights(a)[..., 0], torch.zeros(()))
+    n_first = usable[..., 0].sum(1, keepdim=True)
+    row_mean = torch.where(n_first > 0, first.sum(1, keepdim=True) / n_first.clamp(min=1), 1.0)
+    real = packed["depth"] == 1
+    w = torch.where(hit, w_chain, torch.where(real, row_mean.expand_as(base), 0.0))
+    w = torch.where(base > 0, w, torch.zeros(()))
+    total = w.sum()
+    return w * (base.sum() / total) if float(total) > 0 else base
+
+
+def chains_expected_length(accept: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """sum over the micro-batch's chains of E[accepted drafts] from the per-position soft
+    acceptance (B, N), differentiable: the `acceptance_length` objective maximises it."""
+    index, valid = chain_index(packed)
+    a, _ = chain_values(accept, index, valid)
+    return expected_accepted(a).sum()
+
+
+def chain_count(packed: dict[str, torch.Tensor]) -> int:
+    """Chains (anchors) of a packed micro-batch: the normaliser of the E term."""
+    return int((packed["anchors"] >= 0).sum())
+
+
+def round_accepted(accept: torch.Tensor, packed: dict[str, torch.Tensor]) -> tuple[float, int]:
+    """(sum over chains of sum_j prod_{i<=j} a_i, chains) from per-position acceptance (B, N):
+    with greedy 0/1 agreement it is, per anchor, the drafts a round started there keeps (the
+    drafts before the first miss), measured per round, not from per-depth means."""
+    index, valid = chain_index(packed)
+    a, _ = chain_values(accept.double(), index, valid)
+    return float(expected_accepted(a).sum()), chain_count(packed)

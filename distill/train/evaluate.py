@@ -25,6 +25,7 @@ from specdistill.distill.parallel import (
     gather_positions,
     pack_parallel,
     packed_forward,
+    round_accepted,
 )
 from specdistill.distill.train.logits import masked_logits
 
@@ -131,7 +132,7 @@ def evaluate_parallel(
     was_training = drafter.training
     drafter.eval()
     sums, counts = [0.0] * depth, [0] * depth
-    agree = 0
+    agree, rounds, n_rounds = 0, 0.0, 0
     for batch in batches:
         b = {k: v.to(device) for k, v in batch.items()}
         anchors = choose_anchors(b["loss_mask"].cpu(), b["loss_mask"].shape[1]).to(device)
@@ -143,6 +144,8 @@ def evaluate_parallel(
         p = gather_positions(p_real[..., :vocab].float(), packed["label_pos"])
         acc = serving_acceptance(p, q, sampling)
         means, n = acceptance_by_depth(acc, packed, depth)
+        r_sum, r_n = round_accepted(acc, packed)
+        rounds, n_rounds = rounds + r_sum, n_rounds + r_n
         for d in range(depth):
             sums[d] += means[d] * n[d]
             counts[d] += n[d]
@@ -156,4 +159,7 @@ def evaluate_parallel(
         "tokens": counts[0],
         "alpha_at": [round(a, 4) for a in alpha_at],
         "accepted_length": accepted_length(alpha_at),
+        # per round (chain), not from per-depth means: greedy, the drafts kept before the first
+        # miss of a round started at each held-out anchor (mean over anchors)
+        "round_accepted": rounds / max(n_rounds, 1),
     }

@@ -365,6 +365,13 @@ def _packed_logits_and_targets(
             }
     kwargs = {k: parallel.gather_positions(v, packed["label_pos"]) for k, v in kwargs.items()}
     kwargs["weights"] = packed["weight"]
+    objective = str(tr.cfg.parallel.get("objective", "token"))
+    if objective != "token":  # weights (and -E) from the drafter's own soft acceptance
+        s = tr.eval_sampling  # the serving mode: greedy target or sampling at its temperature
+        accept = parallel.packed_acceptance(logits, kwargs, s.greedy, float(s.temperature or 1))
+        kwargs["weights"] = parallel.objective_weights(accept.detach(), packed)
+        if objective == "acceptance_length":
+            kwargs["length_sum"] = parallel.chains_expected_length(accept, packed)
     return logits, packed["weight"] > 0, kwargs
 
 
@@ -376,9 +383,12 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
     A, world, ds_on = int(cfg.grad_accum), accelerator.num_processes, bool(cfg.deepspeed.enabled)
     n_local = sum(int(b["loss_mask"].sum()) for b, _ in window)
     n_tokens = n_window = int(accelerator.reduce(torch.tensor(n_local, device=device), "sum"))
+    n_chains = 1.0
     if tr.mask_token_id is not None:  # the normaliser: the summed depth weights of all positions
         w_local = sum(float(b["packed"]["weight"].sum()) for b, _ in window)
         n_window = float(accelerator.reduce(torch.tensor(w_local, device=device), "sum"))
+        c_local = sum(parallel.chain_count(b["packed"]) for b, _ in window)
+        n_chains = float(accelerator.reduce(torch.tensor(c_local, device=device), "sum"))
     # DDP averages gradients over processes and DeepSpeed divides by its accumulation steps:
     # undo both so the gradient is exactly sum(token losses) / n_window.
     scale = world * (A if ds_on else 1)
@@ -403,6 +413,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
                 logits, mask, kwargs = _logits_and_targets(tr, batch, onp, masked)
             else:
                 logits, mask, kwargs = _packed_logits_and_targets(tr, batch, packed, onp)
+            length_sum = kwargs.pop("length_sum", None)  # parallel.objective=acceptance_length
             fused = isinstance(logits, HeadInput)
             loss = (fused_distill_loss if fused else distill_loss)(
                 logits,  # type: ignore[arg-type]
@@ -414,6 +425,9 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
                 chunk_size=None if fused else cfg.loss_chunk_size,
                 **kwargs,
             )
+            if length_sum is not None:  # maximise E[accepted] per chain of the window
+                w_len = float(cfg.parallel.get("length_weight", 1.0))
+                loss = loss - w_len * length_sum / max(n_chains, 1)
             accelerator.backward(loss * scale)
         loss_sum += loss.detach()
     grad_norm = None
@@ -455,6 +469,7 @@ def evaluate_and_save(
         rec |= {"alpha": ev["alpha"], "greedy_agreement": ev["greedy_agreement"]}
         if "alpha_at" in ev:
             rec |= {"alpha_at": ev["alpha_at"], "accepted_length": ev["accepted_length"]}
+            rec["round_accepted"] = ev.get("round_accepted")
         if score(ev) > state.get("best_score", state["best_alpha"]):
             state["best_alpha"], state["best_step"] = ev["alpha"], step
             state["best_score"] = score(ev)
@@ -545,11 +560,14 @@ def parallel_summary(tr: Trainer, state: dict[str, Any], after: dict | None) -> 
         "depth": int(tr.cfg.parallel.depth),
         "anchors": int(tr.cfg.parallel.anchors),
         "decay": float(tr.cfg.parallel.decay),
+        "objective": str(tr.cfg.parallel.get("objective", "token")),
         "alpha_at_before": before["alpha_at"],
         "alpha_at_after": (after or before)["alpha_at"],
         "alpha_at_best": best.get("alpha_at", before["alpha_at"]),
         "accepted_length_before": before["accepted_length"],
         "accepted_length_best": state["best_score"],
+        "round_accepted_before": before.get("round_accepted"),
+        "round_accepted_best": best.get("round_accepted", before.get("round_accepted")),
     }
 
 

@@ -57,7 +57,7 @@ def test_parallel_needs_a_mask_token(pair):
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize("gamma", [1, 3, 5, 15])  # 15: the deepest round the decoder drafts
 def test_parallel_greedy_is_token_identical(pair, gamma, cache):
     target, drafter = pair
     dec = SpeculativeDecoder(
@@ -148,6 +148,22 @@ def test_parallel_sampling_matches_target_distribution(models, sampling):
     assert 0.05 < probe.alpha < 0.95
     assert probe.accepted_at[1] > 0  # the mask draft is put to the test and sometimes kept
     assert chi2_pvalue(exact, counts, n) > 1e-3
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_deep_parallel_rounds_match_target_distribution(models, cache):
+    """15 drafts per round (14 masks, more than the 3-token horizon): the sequence law is the
+    target's, with mask drafts put to the test and kept."""
+    target, drafter = models
+    s = Sampling(1.0)
+    cfg = parallel_cfg(3, gamma=15, max_draft=15, max_new_tokens=H, sampling=s, cache=cache)
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    n = 8192
+    counts = empirical(dec, n, seed=17)
+    ids = torch.tensor([PROMPT] * 256)
+    probe = dec.generate(ids, torch.ones_like(ids), generator=torch.Generator().manual_seed(2))
+    assert probe.accepted_at[1] > 0 and probe.accepted < probe.trials
+    assert chi2_pvalue(exact_sequence_probs(target, s), counts, n) > 1e-3
 
 
 def test_parallel_lossy_lenience_is_detected(models):

@@ -120,6 +120,20 @@ def test_parallel_adaptive_greedy_is_token_identical_batch1(pair, policy, costs,
         assert lengths[0] > 0 and sum(lengths[1:]) > 0  # plain target steps and probes
 
 
+@pytest.mark.parametrize("scope", ["batch", "row"])
+def test_parallel_confidence_up_to_15_drafts_is_token_identical(pair, scope):
+    """Deep rounds: one forward proposes up to 15 drafts, `confidence` picks how many to verify."""
+    target, drafter = pair
+    cfg = _cfg("confidence", PAR, max_draft=15, max_new_tokens=40, draft_scope=scope)
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    rows = prompts(4, 8, seed=9)
+    ids, mask = left_pad(rows)
+    for _ in range(2):  # the second call starts from a fitted calibration
+        out = dec.generate(ids, mask)
+        assert out.tokens == [greedy_reference(target, r, 40) for r in rows]
+        assert len(out.draft_lengths) == 16 and 0 < out.accepted < out.trials
+
+
 @pytest.mark.parametrize("policy", ["confidence", "heuristic"])
 @pytest.mark.parametrize("scope", ["batch", "row"])
 @pytest.mark.parametrize("costs", [PAR, DEAR], ids=["cheap", "dear"])
