@@ -52,6 +52,7 @@ from specdistill.decode.speculative import (
     SpeculativeDecoder,
     check_decoder_config,
 )
+from specdistill.decode.validate.buckets import measure_buckets, regroup
 from specdistill.decode.validate.modes import (
     both_modes,
     measure_other_mode,
@@ -290,6 +291,8 @@ def run(cfg: DictConfig) -> ValidateResult:
     dcfg = cfg.decoder
     fixed_gamma, max_gamma = _gamma_setting(dcfg)
     st = setup(cfg, max(fixed_gamma or max_gamma, int(dcfg.get("max_draft", 8))))
+    st, plan = regroup(st, int(cfg.batch_size))  # long prompt sets: batches within one bucket
+    passes: dict[str, list] = {}  # each mode's timed repeats batch by batch (for `plan`)
     seed, repeats = int(cfg.get("seed", 0)), int(cfg.repeats)
     notes: list[str] = []
     if st.prompt_fit.get("long"):
@@ -315,20 +318,26 @@ def run(cfg: DictConfig) -> ValidateResult:
         )
     warm_up(dec, st.batches, st.warm, seed)  # untimed, then interleaved timed repeats
     warmup_seconds = time.perf_counter() - t_warm
-    base_rates, spec_rates, base_out, spec_out = timed_repeats(dec, st.batches, seed, repeats)
+    mode = mode_name(dec.cfg.sampling.temperature)
+    base_rates, spec_rates, base_out, spec_out = timed_repeats(
+        dec, st.batches, seed, repeats, passes.setdefault(mode, []) if plan else None
+    )
     lossless, mismatched = lossless_check(dec, base_out, spec_out, st.dtype, notes)
     figures = headline(spec_out, base_rates, spec_rates, gamma, c, verify_cost)
 
     # Both serving modes, always (unless turned off): the other one decoded and timed too.
-    modes = {
-        mode_name(dec.cfg.sampling.temperature): mode_figures(dec, base_rates, spec_rates, spec_out)
-    }
+    modes = {mode: mode_figures(dec, base_rates, spec_rates, spec_out)}
     if both_modes(cfg):
+        other_passes: list = []
         name, other = measure_other_mode(
             lambda dc: make(gamma, dc), dcfg, cfg.get("other_sampling"), st.batches, st.warm,
-            seed, repeats,
+            seed, repeats, other_passes if plan else None,
         )  # fmt: skip
-        modes[name] = other
+        modes[name], passes[name] = other, other_passes
+    by_bucket = None
+    if plan:  # per bucket: both modes' figures, c and verify cost timed at its length, KV
+        iters, new = int(cfg.step_time_iters), int(cfg.max_new_tokens)
+        by_bucket = measure_buckets(plan, st.batches, dec, gamma, iters, new, passes)
     adaptive = dec.cfg.draft_length != "fixed"
     fixed_speedup = None
     if adaptive:  # the policy beside fixed gamma, same prompts, same interleaved repeats
@@ -367,6 +376,7 @@ def run(cfg: DictConfig) -> ValidateResult:
         engines=list(st.engines),
         vllm=vllm_figures,
         prompt_fit=st.prompt_fit,
+        buckets=by_bucket,
     )
     result.wall_seconds = round(time.perf_counter() - t_start, 1)
     atomic_write_json(out_dir / "report.json", result)
