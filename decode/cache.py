@@ -4,14 +4,15 @@ The speculative decoder keeps the target's (p) and the drafter's (q) caches in o
 layout: slot i of both caches holds the same token, a shared 2-D mask marks the slots a row may
 attend to (left padding, and "holes" where one row rejected drafts another row kept), and
 explicit position ids count only a row's real tokens. Rolling back is then a pure position
-change: `DynamicLayer.crop(-k)` or, for a preallocated `StaticLayer`, moving its write pointer;
-the prefix is never recomputed. With batch 1 and no padding the layout is dense, so the mask and
+change: a `SlotLayer` (`specdistill.decode.cache_layers`: a dynamic layer written in place
+into one buffer per decode) shortens its views, a preallocated `StaticLayer` moves its write
+pointer; the prefix is never recomputed nor re-copied. With batch 1 and no padding the layout is dense, so the mask and
 position ids are left to the model (less per-step overhead, and the shapes compiled steps want).
 
 Sliding-window layers: `transformers`' own sliding caches keep only the last `window` states
 (a ring buffer once full), so the states a rollback must restore are gone (`crop` refuses; the
 static ring buffer cannot move back at all). Here every attention layer keeps the whole history
-(a full `DynamicLayer` / `StaticLayer`), and the window is enforced by the attention mask, as
+(a full `SlotLayer` / `StaticLayer`), and the window is enforced by the attention mask, as
 the model does when it runs without a cache: batch 1 uses the model's own sliding mask (slot ==
 position); batched layouts with holes get 4-D masks built from real positions, because the
 model's mask counts slots and a hole would shrink the window. The cost is memory: sliding layers
