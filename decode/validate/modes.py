@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,10 +22,29 @@ from specdistill.decode.speculative import DecodeOutput
 
 
 def run_all(fn: Callable, batches, seed: int) -> tuple[float, list[DecodeOutput]]:
+    seconds, outs = run_each(fn, batches, seed)
+    return sum(seconds), outs
+
+
+def run_each(fn: Callable, batches, seed: int) -> tuple[list[float], list[DecodeOutput]]:
+    """Decode each batch with `fn` (one generator for all, seeded once): seconds and output per
+    batch, so figures can be grouped by batch (validate's context-length buckets)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    t0 = time.perf_counter()
-    outs = [fn(ids, mask, generator=gen) for ids, mask in batches]
-    return time.perf_counter() - t0, outs
+    seconds, outs = [], []
+    for ids, mask in batches:
+        t0 = time.perf_counter()
+        outs.append(fn(ids, mask, generator=gen))
+        seconds.append(time.perf_counter() - t0)
+    return seconds, outs
+
+
+class TimedPass(NamedTuple):
+    """One timed repeat, batch by batch: target-only then speculative (p = target, q = drafter)."""
+
+    base_seconds: list[float]
+    base_outs: list[DecodeOutput]
+    spec_seconds: list[float]
+    spec_outs: list[DecodeOutput]
 
 
 def merge(outs: list[DecodeOutput]) -> DecodeOutput:
@@ -38,6 +57,8 @@ def merge(outs: list[DecodeOutput]) -> DecodeOutput:
         total.accepted += o.accepted
         total.target_forwards += o.target_forwards
         total.drafter_forwards += o.drafter_forwards
+        total.prefill_target_s += o.prefill_target_s
+        total.prefill_drafter_s += o.prefill_drafter_s
         if o.draft_lengths:
             total.draft_lengths = [
                 a + b
@@ -78,17 +99,21 @@ def other_decoder(decoder: DecoderSettings, other_sampling: Any) -> DecoderSetti
     return decoder.replace(sampling=side)
 
 
-def timed_repeats(dec, batches, seed: int, repeats: int):
+def timed_repeats(dec, batches, seed: int, repeats: int, passes: list[TimedPass] | None = None):
     """Interleaved target-only / speculative passes (load drifts hit both alike).
 
     Returns (baseline tokens/s per repeat, speculative tokens/s per repeat, first baseline
-    output, first speculative output), the outputs merged over batches.
+    output, first speculative output), the outputs merged over batches. `passes`: a list that
+    receives every repeat batch by batch (validate's per-bucket figures read it).
     """
     base_rates, spec_rates = [], []
     base_out = spec_out = None
     for rep in range(repeats):
-        tb, bo = run_all(dec.baseline, batches, seed + rep)
-        ts, so = run_all(dec.generate, batches, seed + rep)
+        tbs, bo = run_each(dec.baseline, batches, seed + rep)
+        tss, so = run_each(dec.generate, batches, seed + rep)
+        tb, ts = sum(tbs), sum(tss)
+        if passes is not None:
+            passes.append(TimedPass(tbs, bo, tss, so))
         base_rates.append(sum(len(t) for o in bo for t in o.tokens) / tb)
         spec_rates.append(sum(len(t) for o in so for t in o.tokens) / ts)
         if rep == 0:
@@ -117,13 +142,14 @@ def mode_figures(dec, base_rates, spec_rates, spec_out: DecodeOutput) -> dict[st
 
 def measure_other_mode(
     make: Callable[[DecoderSettings], Any], other: DecoderSettings, batches, warm, seed: int,
-    repeats: int,
+    repeats: int, passes: list[TimedPass] | None = None,
 ):  # fmt: skip
-    """Decode the other serving mode with a fresh decoder (same gamma), warmed up untimed."""
+    """Decode the other serving mode with a fresh decoder (same gamma), warmed up untimed;
+    `passes` receives its repeats batch by batch (see `timed_repeats`)."""
     dec = make(other)
     run_all(dec.baseline, warm, seed)
     run_all(dec.generate, warm, seed)
-    base_rates, spec_rates, _, spec_out = timed_repeats(dec, batches, seed, repeats)
+    base_rates, spec_rates, _, spec_out = timed_repeats(dec, batches, seed, repeats, passes)
     return mode_name(dec.cfg.sampling.temperature), mode_figures(
         dec, base_rates, spec_rates, spec_out
     )

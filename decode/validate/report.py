@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdistill.decode.validate.buckets import bucket_markdown
+
 
 @dataclass
 class ValidateResult:
@@ -71,6 +73,10 @@ class ValidateResult:
     # long_prompts policy, prompt budget and how many prompts were truncated or skipped
     prompt_fit: dict[str, Any] = field(default_factory=dict)
     vocab_mapping: dict[str, Any] | None = None  # mapped pairs: intersection, coverage, context
+    # Long prompt sets: one row per context-length bucket (decode/validate/buckets.py): prompts,
+    # prompt tokens, c and verify cost at its length, prefill seconds and KV-cache bytes of p
+    # and q, and per serving mode alpha, tau, speedup (end to end and decode only), lossless.
+    buckets: list[dict[str, Any]] | None = None
 
 
 def mode_value(v: dict[str, Any], mode: str, key: str) -> Any:
@@ -153,6 +159,7 @@ def report_markdown(r: ValidateResult) -> str:
         *[f"| {k} | {v} |" for k, v in rows],
         "",
     ]
+    lines += bucket_markdown(r.buckets)
     if r.vllm:
         lines += two_engine_table(r.vllm)
     lines += [f"- {n}" for n in r.notes]

@@ -43,6 +43,7 @@ from specdistill.decode.cache import check_rollback_config
 from specdistill.decode.config import DecoderSettings
 from specdistill.decode.draft_length import draft_figures
 from specdistill.decode.speculative import SpeculativeDecoder
+from specdistill.decode.validate.buckets import measure_buckets, regroup
 from specdistill.decode.validate.mapped import check_mapped_stage, load_mapped, mapping_figures
 from specdistill.decode.validate.modes import (
     measure_other_mode,
@@ -263,7 +264,7 @@ class ServingMeasurement:
 
 
 def measure_serving(
-    vs: ValidateSettings, st: Setup, make: Make, notes: list[str]
+    vs: ValidateSettings, st: Setup, make: Make, notes: list[str], passes: dict | None = None
 ) -> ServingMeasurement:
     """Choose gamma (measuring c), warm up untimed, time target-only against speculative
     decoding in interleaved repeats, and check losslessness: the report's headline."""
@@ -277,7 +278,14 @@ def measure_serving(
         )
     warm_up(dec, st.batches, st.warm, vs.seed)  # untimed, then interleaved timed repeats
     warmup_seconds = time.perf_counter() - t_warm
-    base_rates, spec_rates, base_out, spec_out = timed_repeats(dec, st.batches, vs.seed, vs.repeats)
+    mode = mode_name(dec.cfg.sampling.temperature)
+    base_rates, spec_rates, base_out, spec_out = timed_repeats(
+        dec,
+        st.batches,
+        vs.seed,
+        vs.repeats,
+        None if passes is None else passes.setdefault(mode, []),
+    )
     lossless, mismatched = lossless_check(dec, base_out, spec_out, st.dtype, notes)
     figures = headline(spec_out, base_rates, spec_rates, gamma, c, verify_cost)
     modes = {
@@ -289,16 +297,25 @@ def measure_serving(
 
 
 def side_measurements(
-    vs: ValidateSettings, st: Setup, make: Make, sv: ServingMeasurement, notes: list[str]
+    vs: ValidateSettings,
+    st: Setup,
+    make: Make,
+    sv: ServingMeasurement,
+    notes: list[str],
+    passes: dict | None = None,
 ) -> dict[str, Any]:
     """The other serving mode (into `sv.modes`), fixed gamma beside an adaptive policy,
     `transformers` assisted generation and vLLM, each on the same prompts as the headline."""
     dec, gamma, seed, repeats = sv.dec, sv.gamma, vs.seed, vs.repeats
     if vs.other is not None:  # both serving modes, always (unless turned off), timed too
+        other_passes: list = []
         name, other = measure_other_mode(
-            lambda ds: make(gamma, ds), vs.other, st.batches, st.warm, seed, repeats
-        )
+            lambda ds: make(gamma, ds), vs.other, st.batches, st.warm, seed, repeats,
+            None if passes is None else other_passes,
+        )  # fmt: skip
         sv.modes[name] = other
+        if passes is not None:
+            passes[name] = other_passes
     fixed_speedup = None
     if dec.cfg.draft_length != "fixed":  # the policy beside fixed gamma, same interleaving
         fdec = make(gamma, vs.decoder.replace(draft_length="fixed"))
@@ -328,15 +345,23 @@ def run(cfg: DictConfig) -> ValidateResult:
     t_start = time.perf_counter()
     vs = ValidateSettings.from_cfg(cfg)
     st = setup(cfg, vs.gamma_room, vs)
+    st, plan = regroup(st, vs.batch_size)  # long prompt sets: batches within one bucket
+    # each mode's timed repeats batch by batch, kept only when there are buckets to regroup
+    passes: dict[str, list] | None = {} if plan else None
     notes: list[str] = []
     if st.prompt_fit.get("long"):
         fit = st.prompt_fit
         notes.append(f"long_prompts={fit['policy']}: {fit['long']} prompts over "
                      f"{fit['max_prompt_tokens']} tokens")  # fmt: skip
     make = decoder_factory(vs, st)
-    sv = measure_serving(vs, st, make, notes)
-    side = side_measurements(vs, st, make, sv, notes)
+    sv = measure_serving(vs, st, make, notes, passes)
+    side = side_measurements(vs, st, make, sv, notes, passes)
     dec, modes = sv.dec, sv.modes
+    by_bucket = None
+    if plan:  # per bucket: both modes' figures, c and verify cost timed at its length, KV
+        by_bucket = measure_buckets(
+            plan, st.batches, dec, sv.gamma, vs.step_time_iters, vs.max_new_tokens, passes
+        )
     adaptive = dec.cfg.draft_length != "fixed"
     result = ValidateResult(
         output_dir=str(vs.output_dir),
@@ -357,6 +382,7 @@ def run(cfg: DictConfig) -> ValidateResult:
         engines=list(st.engines),
         prompt_fit=st.prompt_fit,
         vocab_mapping=mapping_figures(st.mapped, sv.base_out.tokens),
+        buckets=by_bucket,
         **side,
     )
     result.wall_seconds = round(time.perf_counter() - t_start, 1)

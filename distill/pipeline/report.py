@@ -141,6 +141,55 @@ def comparison_table(stages: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _bucket_cell(rows: dict[str, dict], name: str, mode: str, key: str) -> str:
+    return _shown(((rows.get(name) or {}).get("modes", {}).get(mode) or {}).get(key))
+
+
+def bucket_table(stages: dict[str, dict]) -> list[str]:
+    """One per-bucket table when the validate reports have context-length buckets (long prompt
+    sets, decode/validate/buckets.py): base / distilled drafter in each cell; c, the verify
+    cost, prefill and KV memory are the distilled pair's (the base's when it alone ran)."""
+    base = {r["bucket"]: r for r in (stages.get("validate_base") or {}).get("buckets") or []}
+    dist = {r["bucket"]: r for r in (stages.get("validate") or {}).get("buckets") or []}
+    names = list(dict.fromkeys([*base, *dist]))
+    if not names:
+        return []
+    t = _sampling_temperature(stages)
+    lines = [
+        "",
+        "By context-length bucket (decode-time, base / distilled drafter; speedups end to end, "
+        "prefills included; c and the verify cost timed at the bucket's length):",
+        "",
+        f"| bucket | prompts (mean tokens) | alpha, greedy | alpha, temperature {t} | "
+        "tau, greedy | speedup, greedy | speedup, decode only, greedy | "
+        f"speedup, temperature {t} | c / verify cost | prefill s, target / drafter | "
+        "KV MiB, target / drafter |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in names:
+        own = dist.get(name) or base[name]
+        pf, kv = own["prefill_seconds"], own["kv_cache"]
+        cells = [
+            f"{own['prompts']} ({own['mean_prompt_tokens']:g})",
+            *(
+                f"{_bucket_cell(base, name, mode, key)} / {_bucket_cell(dist, name, mode, key)}"
+                for mode, key in (
+                    ("greedy", "alpha"),
+                    ("sampling", "alpha"),
+                    ("greedy", "tau"),
+                    ("greedy", "speedup"),
+                    ("greedy", "decode_speedup"),
+                    ("sampling", "speedup"),
+                )
+            ),
+            f"{_shown(own['c'])} / {_shown(own['verify_cost'])}",
+            f"{_shown(pf['target'])} / {_shown(pf['drafter'])}",
+            f"{kv['target_bytes'] / 2**20:.1f} / {kv['drafter_bytes'] / 2**20:.1f}",
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def summary_markdown(
     run_dir: str,
     stages: dict[str, dict],
@@ -160,6 +209,7 @@ def summary_markdown(
             "",
         ]
     lines += comparison_table(stages)
+    lines += bucket_table(stages)
     d = stages.get("distill")
     if d:
         loss = (d.get("loss") or {}).get("name", "?")

@@ -181,3 +181,30 @@ def test_an_uncalibrated_prediction_is_priced_with_validates_measured_costs():
     measured = {k: v for k, v in pred.items() if k != "outcomes"}
     assert reprice(measured, validate) is measured
     assert "uncalibrated" in "\n".join(prediction_lines(pred))
+
+
+def _bucket(name, alpha, speedup, c=0.2):
+    return {
+        "bucket": name, "prompts": 2, "mean_prompt_tokens": 300.5, "c": c, "verify_cost": 1.5,
+        "prefill_seconds": {"target": 1.25, "drafter": 0.25},
+        "kv_cache": {"tokens": 400, "target_bytes": 3 * 2**20, "drafter_bytes": 2**19},
+        "modes": {"greedy": {"alpha": alpha, "tau": 2.0, "speedup": speedup,
+                             "decode_speedup": speedup + 0.1},
+                  "sampling": {"alpha": alpha / 2, "tau": 1.5, "speedup": 0.9,
+                               "decode_speedup": 1.0}},
+    }  # fmt: skip
+
+
+def test_per_bucket_table_when_the_validate_reports_have_buckets():
+    assert report.bucket_table({"validate_base": BASE, "validate": DIST}) == []
+    base = {**BASE, "buckets": [_bucket("0-512", 0.4, 1.1), _bucket("4k-8k", 0.3, 1.0)]}
+    dist = {**DIST, "buckets": [_bucket("0-512", 0.7, 1.4, c=0.25), _bucket("4k-8k", 0.6, 1.5)]}
+    lines = report.bucket_table({"validate_base": base, "validate": dist})
+    rows = [line for line in lines if line.startswith("| 0-512") or line.startswith("| 4k-8k")]
+    assert rows[0] == (
+        "| 0-512 | 2 (300.5) | 0.4 / 0.7 | 0.2 / 0.35 | 2 / 2 | 1.1 / 1.4 | 1.2 / 1.5 | "
+        "0.9 / 0.9 | 0.25 / 1.5 | 1.25 / 0.25 | 3.0 / 0.5 |"
+    )
+    assert rows[1].startswith("| 4k-8k | 2 (300.5) | 0.3 / 0.6 |")
+    text = report.summary_markdown("RUN", {"validate_base": base, "validate": dist}, None)
+    assert "By context-length bucket" in text and rows[1] in text

@@ -1,0 +1,202 @@
+"""Cache layers and attention for long contexts, and the KV cache's size.
+
+p = target, q = drafter. At long context a decode step's cost should grow only with the
+attention over the context, never with re-work of it. `transformers`' defaults do re-work, and
+the decoder's runners (`specdistill.decode.cache.ModelRunner`) avoid it here:
+
+- `SlotLayer`: `DynamicLayer.update` concatenates the whole history every forward; a slot
+  layer writes in place into one buffer allocated once per decode.
+- `packed_gqa_attention`: a masked multi-token step (a verify) of a grouped-query model
+  expands K and V of the whole context per layer (`repeat_kv`); packing the query onto the KV
+  heads does the same attention without the copy.
+- `kv_cache_bytes`: what the caches hold, from the config (tested against the tensors).
+
+Measured: decode/RESULTS.md (2026-11-26, long context); tested: tests/decode/test_buckets.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def cache_layer_types(config) -> tuple[list[str], int | None]:
+    """Per-layer cache types as `transformers` would build them, and the sliding window (or None)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    windows = {kw["sliding_window"] for t, kw in zip(types, kwargs) if t == "sliding_attention"}
+    if len(windows) > 1:
+        return [*types, f"sliding windows of several sizes {sorted(windows)}"], None
+    return list(types), next(iter(windows), None)
+
+
+KV_FORMULA = "layers x 2 x kv_heads x head_dim x tokens x dtype bytes (from the config)"
+
+
+def kv_cache_bytes(config, tokens: int, dtype: torch.dtype, batch: int = 1) -> int:
+    """Bytes of K and V the decoder's cache holds for `tokens` slots of `batch` rows, from the
+    config alone (`KV_FORMULA`): every attention layer counts, sliding ones included, since
+    here they keep their whole history so a rollback can restore it (`rollback_cache`); dummy
+    layers hold nothing. A static cache allocates its whole capacity: pass that as `tokens`.
+    Tested against the cache tensors' nbytes (tests/decode/test_buckets.py)."""
+    text = config.get_text_config(decoder=True)
+    types, _ = cache_layer_types(config)
+    layers = sum(t != "dummy" for t in types)
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return layers * 2 * kv_heads * head_dim * tokens * batch * dtype.itemsize
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes of the K and V tensors a cache's layers hold now (a `SlotLayer` or `StaticLayer`
+    counts its whole buffer, as allocated)."""
+    total = 0
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False):
+            continue
+        buffers = getattr(layer, "_kv", None) or (layer.keys, layer.values)
+        total += sum(x.nbytes for x in buffers)
+    return total
+
+
+def slot_layer(capacity: int):
+    """A `SlotLayer` of `capacity` slots (the class is built on first use: importing
+    `transformers` stays out of this module's import)."""
+    global _SLOT_LAYER
+    if _SLOT_LAYER is None:
+        from transformers.cache_utils import DynamicLayer
+
+        class SlotLayer(DynamicLayer):
+            """A dynamic layer without the re-copy: `DynamicLayer.update` concatenates the whole
+            history with the new states on every forward, so each 1-token step at context L
+            copies L slots of K and V per layer (SmolLM2 in fp32 at 8k tokens: 377 MB per
+            target step), quadratic over a decode. Here one buffer of `capacity` slots is
+            allocated at the first write (once per decode: the decoder sizes its runners to the
+            decode); a forward writes only its new slots and `keys` / `values` are views of the
+            slots in use, so attention still spans exactly those (as a dynamic layer's, unlike
+            a static layer's masked capacity) and `crop` (a rollback) only shortens the views.
+            Writing past the capacity grows the buffer (doubling, counted in `allocations`)."""
+
+            def __init__(self, capacity: int) -> None:
+                super().__init__()
+                self.capacity = capacity
+                self.allocations = 0  # buffers allocated: 1 for a decode that fits its runner
+
+            def lazy_initialization(self, key_states, value_states) -> None:
+                self.device = key_states.device
+                self._kv = self._allocate(key_states, value_states, self.capacity)
+                self._view(0)
+                self.is_initialized = True
+
+            def _allocate(self, key_states, value_states, slots: int):
+                self.allocations += 1
+                return tuple(
+                    x.new_empty((*x.shape[:2], slots, x.shape[3]))
+                    for x in (key_states, value_states)
+                )
+
+            def _view(self, length: int) -> None:
+                self.keys = self._kv[0][:, :, :length]
+                self.values = self._kv[1][:, :, :length]
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                if not self.is_initialized:
+                    self.lazy_initialization(key_states, value_states)
+                start = self.keys.shape[-2]
+                end = start + key_states.shape[-2]
+                if end > self._kv[0].shape[-2]:  # past the planned capacity: double it
+                    grown = self._allocate(key_states, value_states, max(end, 2 * start))
+                    for new, old in zip(grown, self._kv):
+                        new[:, :, :start].copy_(old[:, :, :start])
+                    self._kv = grown
+                self._kv[0][:, :, start:end].copy_(key_states)
+                self._kv[1][:, :, start:end].copy_(value_states)
+                self._view(end)
+                return self.keys, self.values
+
+            def crop(self, tokens_to_remove: int) -> None:
+                if tokens_to_remove > 0:
+                    raise ValueError(f"crop({tokens_to_remove}): pass minus the tokens to drop")
+                if tokens_to_remove and self.is_initialized:
+                    self._view(max(self.keys.shape[-2] + tokens_to_remove, 0))
+
+        _SLOT_LAYER = SlotLayer
+    return _SLOT_LAYER(capacity)
+
+
+_SLOT_LAYER = None
+
+
+PACKED_SDPA = "specdistill_packed_gqa_sdpa"
+
+
+def packed_gqa_attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA for a multi-token step of a grouped-query model, without expanding K and V.
+
+    `transformers`' SDPA path packs a 1-token query onto the KV heads, but a masked query of
+    q > 1 tokens (a verify of gamma drafts, a drafter's catch-up) takes `repeat_kv`: K and V of
+    the whole context are copied num_key_value_groups times, every layer, every round (SmolLM2
+    at 8k tokens, fp32: 1.1 GB written per verify; 9.4 ms per layer against 3.6 ms here,
+    decode/RESULTS.md 2026-11-26). Here the query's heads are folded onto their KV head
+    ((B, H, q, D) -> (B, H_kv, groups * q, D), head h = kv * groups + g as `repeat_kv` orders
+    them) and the mask repeated per group: the same attention, exactly, over unexpanded K, V.
+    Anything else (1 token, no mask, position bias, softcap) goes to `transformers`' SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    b, h, q, d = query.shape
+    plain = kwargs.get("position_bias") is None and not kwargs.get("softcap")
+    mask = attention_mask
+    if (
+        groups > 1
+        and q > 1
+        and plain
+        and mask is not None
+        and mask.dim() == 4
+        and mask.shape[1] == 1
+    ):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.reshape(b, h // groups, groups * q, d),
+            key,
+            value,
+            attn_mask=mask.repeat(1, 1, groups, 1),
+            dropout_p=float(kwargs.get("dropout", 0.0)),
+            scale=kwargs.get("scaling"),
+        )
+        return out.reshape(b, h, q, value.shape[-1]).transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def packed_sdpa_for(model) -> bool:
+    """Whether `model`'s multi-token steps run `packed_gqa_attention` (an SDPA model with
+    grouped-query attention and one config for all its layers); registers it once."""
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if config._attn_implementation != "sdpa" or not heads or kv_heads == heads:
+        return False
+    if config.get_text_config(decoder=True) is not config:
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED_SDPA, packed_gqa_attention)
+    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
+    return True
+
+
+class Attention:
+    """Run a forward with the config's attention implementation set to `name` (None: as is)."""
+
+    def __init__(self, config, name: str | None) -> None:
+        self.config, self.name = config, name
+
+    def __enter__(self) -> None:
+        if self.name is not None:
+            self.saved = self.config._attn_implementation_internal
+            self.config._attn_implementation_internal = self.name
+
+    def __exit__(self, *exc) -> None:
+        if self.name is not None:
+            self.config._attn_implementation_internal = self.saved

@@ -1,0 +1,297 @@
+"""Validate by context-length bucket (issue 36): every figure of the report, per bucket.
+
+p = target, q = drafter, gamma = drafts per round, alpha = acceptance rate, tau = tokens per
+target forward, c = drafter step time / target step time. A long-context prompt set
+(`dataset=stdlib-long`) tags each prompt with its bucket (`0-512`, `512-2k`, ...). A step's
+cost grows with the context, and so may the drafter's acceptance fall, so one average over
+short and long prompts says little: here every bucket gets its own
+
+- **prompts, mean / max prompt tokens** (as decoded, after the `long_prompts` fit);
+- **alpha, tau, measured speedup** in both serving modes, from the validate run's own timed,
+  interleaved repeats (`modes.timed_repeats` records each batch; no extra decoding): the
+  speedup is target-only vs speculative tokens/s over that bucket's decodes, end to end
+  (prefills included, what a user waits for) and **decode only** (each decode's own measured
+  prefill subtracted, so a long prompt's prefill does not hide the decode's speedup);
+- **c and the verify cost** measured at that bucket's context length, on its median-length
+  prompt, with the decoder's public `StepTimer` (`timing.measure_c`), and the theoretical
+  speedup they imply with the bucket's alpha;
+- **prefill time** of the target and the drafter (seconds per decode call: time to first
+  token, apart from the decode tokens/s), measured inside the timed decodes;
+- **KV-cache memory** of target and drafter at the end of the bucket's longest prompt +
+  max_new_tokens, from the config (`cache.KV_FORMULA`; tested against the cache tensors'
+  nbytes), batch 1 as decoded per row.
+
+The aggregation is pure (`bucket_mode_figures`, `bucket_prefill`) and tested against
+hand-computed values; `measure_buckets` is the stage's one call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specdistill.data.runtime import pad_rows, spread
+from specdistill.decode.acceptance import expected_tau, theoretical_speedup
+from specdistill.decode.cache_layers import KV_FORMULA, kv_cache_bytes
+from specdistill.decode.validate.modes import TimedPass, merge
+from specdistill.decode.validate.timing import forward_cost, measure_c
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Which batches hold which bucket's prompts (no batch crosses a bucket)."""
+
+    names: tuple[str, ...]  # buckets in the prompt set's order
+    of_batch: tuple[str, ...]  # each batch's bucket
+    tokens: dict[str, list[int]]  # each bucket's prompt lengths, as decoded
+
+    def batches_of(self, name: str) -> list[int]:
+        return [i for i, b in enumerate(self.of_batch) if b == name]
+
+
+# ----------------------------------------------------------------------------- grouping
+
+
+def _rows(batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list[int]]:
+    """Each prompt's ids without its left padding, in batch order."""
+    return [ids[j, mask[j].bool()].tolist() for ids, mask in batches for j in range(ids.shape[0])]
+
+
+def group_batches(
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    buckets: Sequence[str | None],
+    pad_id: int,
+    batch_size: int,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int], BucketPlan] | None:
+    """Batches that never mix buckets, the prompts' new order, and the plan; None when the
+    prompts carry no buckets (short prompt sets). Batches already within one bucket (batch 1)
+    stay as they are; mixed ones are rebuilt bucket by bucket (stable order), so a batch's time
+    belongs to one bucket."""
+    if not buckets or any(b is None for b in buckets):
+        return None
+    rows = _rows(batches)
+    names = tuple(dict.fromkeys(b for b in buckets if b is not None))
+    order = list(range(len(rows)))
+    sizes = [int(ids.shape[0]) for ids, _ in batches]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    mixed = any(len({buckets[s + j] for j in range(n)}) > 1 for s, n in zip(starts, sizes))
+    if mixed:
+        order = sorted(order, key=lambda i: names.index(buckets[i]))  # type: ignore[arg-type]
+        batches, sizes = [], []
+        for name in names:
+            mine = [i for i in order if buckets[i] == name]
+            for k in range(0, len(mine), batch_size):
+                part = mine[k : k + batch_size]
+                batches.append(pad_rows([rows[i] for i in part], pad_id))
+                sizes.append(len(part))
+    of_batch, seen = [], 0
+    for n in sizes:
+        of_batch.append(str(buckets[order[seen]]))
+        seen += n
+    tokens = {name: [len(rows[i]) for i in order if buckets[i] == name] for name in names}
+    return batches, order, BucketPlan(names, tuple(of_batch), tokens)
+
+
+def regroup(st: Any, batch_size: int) -> tuple[Any, BucketPlan | None]:
+    """The validate `Setup` with bucket-pure batches (texts and buckets reordered alike), and
+    its plan; (st, None) when its prompts have no buckets."""
+    grouped = group_batches(st.batches, st.buckets, st.tok.pad_token_id, batch_size)
+    if grouped is None:
+        return st, None
+    batches, order, plan = grouped
+    st = dataclasses.replace(
+        st,
+        batches=batches,
+        texts=[st.texts[i] for i in order],
+        buckets=[st.buckets[i] for i in order],
+    )
+    return st, plan
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def _tokens(outs) -> int:
+    return sum(len(t) for o in outs for t in o.tokens)
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / max(seconds, 1e-9)
+
+
+def bucket_mode_figures(
+    idx: Sequence[int], passes: Sequence[TimedPass], greedy: bool
+) -> dict[str, Any]:
+    """One serving mode's figures over the batches `idx` of each timed repeat (pure).
+
+    Tokens/s of a repeat = the bucket's new tokens / the seconds of its decodes; `decode_*`
+    subtracts each decode's own prefill seconds (target, plus drafter when speculative). The
+    speedups are medians over repeats, as the headline's; alpha, tau and `lossless` (greedy:
+    every row token-identical to target-only) come from the first repeat, as the headline's.
+    """
+    base, spec, base_dec, spec_dec = [], [], [], []
+    for p in passes:
+        bo, so = [p.base_outs[i] for i in idx], [p.spec_outs[i] for i in idx]
+        tb, ts = sum(p.base_seconds[i] for i in idx), sum(p.spec_seconds[i] for i in idx)
+        pb = sum(o.prefill_target_s + o.prefill_drafter_s for o in bo)
+        ps = sum(o.prefill_target_s + o.prefill_drafter_s for o in so)
+        base.append(_rate(_tokens(bo), tb))
+        spec.append(_rate(_tokens(so), ts))
+        base_dec.append(_rate(_tokens(bo), tb - pb))
+        spec_dec.append(_rate(_tokens(so), ts - ps))
+    first = passes[0]
+    spec_out = merge([first.spec_outs[i] for i in idx])
+    base_out = merge([first.base_outs[i] for i in idx])
+    same = base_out.tokens == spec_out.tokens
+    return {
+        "alpha": round(spec_out.alpha, 4),
+        "tau": round(spec_out.tau, 3),
+        "speedup": round(statistics.median(spec) / statistics.median(base), 3),
+        "decode_speedup": round(statistics.median(spec_dec) / statistics.median(base_dec), 3),
+        "baseline_tokens_per_s": spread(base),
+        "speculative_tokens_per_s": spread(spec),
+        "baseline_decode_tokens_per_s": spread(base_dec),
+        "speculative_decode_tokens_per_s": spread(spec_dec),
+        "lossless": same if greedy else None,
+    }
+
+
+def bucket_prefill(idx: Sequence[int], passes: Sequence[TimedPass]) -> dict[str, float]:
+    """Mean seconds per decode call to prefill the prompt (pure): the target's over every
+    target-only and speculative decode of the bucket, the drafter's over the speculative ones."""
+    target = [o.prefill_target_s for p in passes for outs in (p.base_outs, p.spec_outs)
+              for o in (outs[i] for i in idx)]  # fmt: skip
+    drafter = [p.spec_outs[i].prefill_drafter_s for p in passes for i in idx]
+    return {
+        "target": round(statistics.fmean(target), 4),
+        "drafter": round(statistics.fmean(drafter), 4),
+    }
+
+
+def with_theory(fig: dict[str, Any], gamma: int, c: float, verify_cost: float) -> dict[str, Any]:
+    """A mode's bucket figures plus the speedups its alpha implies at the bucket's c: the classic
+    formula and the one with the measured verify cost (pure)."""
+    alpha = min(max(fig["alpha"], 0.0), 1.0)
+    return fig | {
+        "theoretical_speedup": round(theoretical_speedup(alpha, gamma, c), 3),
+        "theoretical_speedup_measured_verify": round(
+            expected_tau(alpha, gamma) / (gamma * c + verify_cost), 3
+        ),
+    }
+
+
+def kv_memory(target_config, drafter_config, tokens: int, target_dtype, drafter_dtype) -> dict:
+    """KV-cache bytes of p and q holding `tokens` slots (one row), from their configs."""
+    return {
+        "tokens": tokens,
+        "target_bytes": kv_cache_bytes(target_config, tokens, target_dtype),
+        "drafter_bytes": kv_cache_bytes(drafter_config, tokens, drafter_dtype),
+    }
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def probe_prompt(batches, idx: Sequence[int]) -> torch.Tensor:
+    """(1, P): the bucket's median-length prompt (the lower median), unpadded."""
+    rows = sorted(_rows([batches[i] for i in idx]), key=len)
+    return torch.tensor([rows[(len(rows) - 1) // 2]])
+
+
+def step_costs(dec, probe: torch.Tensor, iters: int, gamma: int) -> tuple[float, float]:
+    """(c, verify cost) at the probe's context length, timed as validate times the headline's
+    (`measure_c`; a parallel drafter's c is one forward of gamma+1 tokens / gamma)."""
+    slots = dec.spec_slots(1, probe.shape[1])
+    c, verify = measure_c(dec, probe, iters, gamma, slots)
+    if dec.parallel:
+        c = forward_cost(dec, probe, gamma + 1, iters) / gamma
+    return c, verify
+
+
+def measure_buckets(
+    plan: BucketPlan,
+    batches,
+    dec,
+    gamma: int,
+    iters: int,
+    max_new_tokens: int,
+    passes: dict[str, list[TimedPass]],
+) -> list[dict[str, Any]]:
+    """report.json's `buckets`: one row per bucket (see the module docstring). `passes`: each
+    serving mode's timed repeats, batch by batch (main mode first, its prefill times are the
+    ones reported); c and the verify cost are timed here, per bucket, with `dec`."""
+    target, drafter = dec.target, dec.drafter
+    first = next(iter(passes.values()))
+    rows = []
+    for name in plan.names:
+        idx = plan.batches_of(name)
+        tokens = plan.tokens[name]
+        probe = probe_prompt(batches, idx)
+        c, verify = step_costs(dec, probe, iters, gamma)
+        modes = {
+            mode: with_theory(bucket_mode_figures(idx, ps, mode == "greedy"), gamma, c, verify)
+            for mode, ps in passes.items()
+        }
+        kv = kv_memory(
+            target.config, drafter.config, max(tokens) + max_new_tokens, target.dtype, drafter.dtype
+        )
+        rows.append(
+            {
+                "bucket": name,
+                "prompts": len(tokens),
+                "mean_prompt_tokens": round(statistics.fmean(tokens), 1),
+                "max_prompt_tokens": max(tokens),
+                "probe_tokens": int(probe.shape[1]),
+                "c": round(c, 4),
+                "verify_cost": round(verify, 3),
+                "prefill_seconds": bucket_prefill(idx, first),
+                "kv_cache": kv,
+                "modes": modes,
+            }
+        )
+    return rows
+
+
+# ----------------------------------------------------------------------------- markdown
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def bucket_markdown(rows: list[dict[str, Any]] | None) -> list[str]:
+    """report.md's per-bucket table: one row per bucket and serving mode."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## By context-length bucket",
+        "",
+        "| bucket | mode | prompts | mean prompt tokens | alpha | tau | c | verify cost | "
+        "speedup, end to end | speedup, decode only | theoretical (measured verify) | "
+        "prefill s, target / drafter | KV MiB, target / drafter (tokens) | lossless |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        pf, kv = r["prefill_seconds"], r["kv_cache"]
+        for mode, m in r["modes"].items():
+            lossless = "" if m["lossless"] is None else str(m["lossless"])
+            lines.append(
+                f"| {r['bucket']} | {mode} | {r['prompts']} | {r['mean_prompt_tokens']} | "
+                f"{m['alpha']} | {m['tau']} | {r['c']} | {r['verify_cost']} | {m['speedup']}x | "
+                f"{m['decode_speedup']}x | {m['theoretical_speedup_measured_verify']}x | "
+                f"{pf['target']} / {pf['drafter']} | {_mib(kv['target_bytes'])} / "
+                f"{_mib(kv['drafter_bytes'])} ({kv['tokens']}) | {lossless} |"
+            )
+    lines += [
+        "",
+        "c and the verify cost (in target steps) are timed at each bucket's median-length "
+        "prompt; prefill: seconds per decode call (the prompt but its last token); KV: one "
+        f"row at the bucket's longest prompt + max_new_tokens, {KV_FORMULA}.",
+    ]
+    return lines
