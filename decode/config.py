@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdistill.data.pairs import check_vocab, vocab_size
+from specdistill.data.models.pairs import check_vocab, vocab_size
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
 from specdistill.decode.draft_length import MIN_OVERHEAD, POLICIES, SCOPES, DraftCosts

@@ -31,7 +31,7 @@ def toy_tiny():
 @pytest.fixture(scope="session")
 def toy_tiny_pair(toy_tiny):
     """(target, drafter, tokenizer) of the tiny toy world, fp32 on CPU, eval mode."""
-    from specdistill.data.pairs import load_pair, resolve_pair
+    from specdistill.data.models.pairs import load_pair, resolve_pair
 
     return load_pair(resolve_pair({"toy": "toy-tiny"}))
 

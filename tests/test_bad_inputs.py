@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdistill.data.pairs import resolve_pair
+from specdistill.data.models.pairs import resolve_pair
 from specdistill.data.runtime import ConfigError
 from tests.conftest import main_in_process
 
@@ -303,7 +303,7 @@ def test_drafter_without_tokenizer_is_accepted_with_a_warning(toy_tiny, tmp_path
 
 
 def _info(tokens, added=(), merges=None, eos="<eos>"):
-    from specdistill.data.tokenizer_identity import TokenizerInfo
+    from specdistill.data.models.tokenizer_identity import TokenizerInfo
 
     return TokenizerInfo(
         "t", "BPE", dict(enumerate(tokens)), set(added), merges, {"eos_token": eos}
@@ -311,7 +311,7 @@ def _info(tokens, added=(), merges=None, eos="<eos>"):
 
 
 def test_tokenizer_differences():
-    from specdistill.data.tokenizer_identity import tokenizer_differences
+    from specdistill.data.models.tokenizer_identity import tokenizer_differences
 
     base = ["a", "b", "ab", "<eos>"]
     same = _info(base, merges=[("a", "b")])
@@ -333,7 +333,7 @@ def test_tokenizer_differences():
 def test_integrity_names_the_file(tmp_path):
     from safetensors.torch import save_file
 
-    from specdistill.data.checkpoints import weight_problem
+    from specdistill.data.models.checkpoints import weight_problem
 
     save_file({"w": torch.zeros(64, 8)}, tmp_path / "model.safetensors")
     assert weight_problem(tmp_path) is None

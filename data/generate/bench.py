@@ -40,7 +40,7 @@ from specdistill.data.generate.stage import (
     prompt_budget,
 )
 from specdistill.data.io import atomic_write_json
-from specdistill.data.pairs import load_role, load_tokenizer, resolve_pair
+from specdistill.data.models.pairs import load_role, load_tokenizer, resolve_pair
 from specdistill.data.runtime import ConfigError, eos_ids, parse_dtype, resolve_device, run_or_exit
 
 log = logging.getLogger(__name__)

@@ -51,7 +51,7 @@ from specdistill.data.generate.shards import (
     write_done,
 )
 from specdistill.data.io import read_json
-from specdistill.data.pairs import PairSpec, load_role, load_tokenizer, resolve_pair
+from specdistill.data.models.pairs import PairSpec, load_role, load_tokenizer, resolve_pair
 from specdistill.data.prompts import Prompt, check_long_prompts, fit_to_context, load_prompts
 from specdistill.data.runtime import (
     ConfigError,

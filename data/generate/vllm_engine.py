@@ -27,7 +27,7 @@ from specdistill.data.generate.batched import (
     completion_row,
     split_completion,
 )
-from specdistill.data.pairs import PairSpec
+from specdistill.data.models.pairs import PairSpec
 from specdistill.data.runtime import ConfigError, eos_ids
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
-from specdistill.data.pairs import load_role, resolve_pair
+from specdistill.data.models.pairs import load_role, resolve_pair
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import round_speedup

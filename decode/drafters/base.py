@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdistill.data.pairs import match_vocab
+from specdistill.data.models.pairs import match_vocab
 from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import probs_from_logits, sample_from, uniforms
 from specdistill.decode.cache import ModelRunner, prefill_prompt, step_mask

@@ -27,7 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
-from specdistill.data.pairs import load_pair, resolve_pair
+from specdistill.data.models.pairs import load_pair, resolve_pair
 from specdistill.data.prompts import (
     check_long_prompts,
     check_prompt_settings,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from specdistill.data.generate.vllm_engine import EngineSettings
-from specdistill.data.pairs import PairSpec
+from specdistill.data.models.pairs import PairSpec
 from specdistill.data.sampling import Sampling
 from specdistill.decode.validate.agreement import Acceptance, agreement, agreement_note
 from specdistill.decode.validate.vllm_engine import (

@@ -34,7 +34,7 @@ from specdistill.data.generate.vllm_engine import (
     require_vllm,
     row_seed,
 )
-from specdistill.data.pairs import PairSpec
+from specdistill.data.models.pairs import PairSpec
 from specdistill.data.runtime import ConfigError, spread
 from specdistill.data.sampling import Sampling
 from specdistill.decode.validate.agreement import Acceptance

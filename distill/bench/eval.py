@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
-from specdistill.data.pairs import load_role, load_tokenizer, resolve_pair
+from specdistill.data.models.pairs import load_role, load_tokenizer, resolve_pair
 from specdistill.distill.bench.recipe_summary import collect
 from specdistill.distill.train import setup
 from specdistill.distill.train.data import collate

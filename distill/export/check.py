@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from specdistill.data.pairs import PairSpec, load_role
+from specdistill.data.models.pairs import PairSpec, load_role
 
 
 class ExportCheckError(RuntimeError):

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from specdistill.data.pairs import PairSpec, load_model, load_role
+from specdistill.data.models.pairs import PairSpec, load_model, load_role
+from specdistill.data.models.vocab_mapping import load_source, read_source, vocab_mapping
 from specdistill.data.runtime import ConfigError
-from specdistill.data.vocab_mapping import load_source, read_source, vocab_mapping
 from specdistill.distill.export.check import _fail, _greedy, check_config
 from specdistill.distill.intersection import Intersection, served_argmax
 from specdistill.distill.train.mapped import draft_unk_id, map_ids, read_ids

@@ -31,14 +31,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import guard_write, param_bytes, read_json, replace_dir, to_jsonable
-from specdistill.data.pairs import (
+from specdistill.data.models.pairs import (
     PairSpec,
     check_vocab,
     load_model,
     resolve_pair,
 )
+from specdistill.data.models.tokenizer_identity import check_drafter_tokenizer
 from specdistill.data.runtime import ConfigError, parse_dtype, resolve_device, run_or_exit
-from specdistill.data.tokenizer_identity import check_drafter_tokenizer
 from specdistill.distill.export import check as export_check
 from specdistill.distill.export import mapped as export_mapped
 from specdistill.distill.export.card import model_card, usage_command

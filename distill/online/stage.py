@@ -32,9 +32,9 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.checkpoints import check_saved_file
 from specdistill.data.io import atomic_write_json, atomic_write_text, guard_write
-from specdistill.data.pairs import load_pair, load_tokenizer, resolve_pair
+from specdistill.data.models.checkpoints import check_saved_file
+from specdistill.data.models.pairs import load_pair, load_tokenizer, resolve_pair
 from specdistill.data.runtime import (
     ConfigError,
     pad_rows,

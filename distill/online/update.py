@@ -16,7 +16,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.pairs import match_vocab
+from specdistill.data.models.pairs import match_vocab
 from specdistill.data.runtime import pad_rows
 from specdistill.distill.losses import distill_loss
 from specdistill.distill.online.buffer import Entry, ReplayBuffer

@@ -27,7 +27,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_text
-from specdistill.data.pair_vocab import refuse_mapped_early
+from specdistill.data.models.pair_vocab import refuse_mapped_early
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.compose import compose_stage, config_module, format_override
 from specdistill.distill.pipeline.serving import (

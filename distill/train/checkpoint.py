@@ -13,7 +13,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from specdistill.data.checkpoints import check_checkpoint_files
 from specdistill.data.io import (
     atomic_write_json,
     atomic_write_text,
@@ -21,6 +20,7 @@ from specdistill.data.io import (
     param_bytes,
     replace_dir,
 )
+from specdistill.data.models.checkpoints import check_checkpoint_files
 
 STATE_FILE = "trainer_state.json"
 

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.pairs import PairSpec, load_role, vocab_size
+from specdistill.data.models.pairs import PairSpec, load_role, vocab_size
+from specdistill.data.models.vocab_mapping import VocabMapping, load_source, vocab_mapping
 from specdistill.data.runtime import ConfigError, parse_dtype
 from specdistill.data.sampling import Sampling
-from specdistill.data.vocab_mapping import VocabMapping, load_source, vocab_mapping
 from specdistill.distill.intersection import (
     Intersection,
     served_argmax,
@@ -211,7 +211,7 @@ def check_mapped_config(cfg: DictConfig) -> bool:
 
 def prepare_mapped(cfg: DictConfig, spec: PairSpec, tok, drafter, device) -> MappedPair:
     """The intersection, the read map and the drafter's own tokenizer, from tokenizer files
-    (the mapping is cached per pair: data/vocab_mapping.py)."""
+    (the mapping is cached per pair: data/models/vocab_mapping.py)."""
     mask_unreachable = check_mapped_config(cfg)
     from transformers import AutoTokenizer
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.pairs import (
+from specdistill.data.models.pairs import (
     PairSpec,
     check_same_tokenizer,
     check_vocab,

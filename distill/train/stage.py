@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from specdistill.data.io import atomic_write_json
-from specdistill.data.pairs import load_role, load_tokenizer, resolve_pair
+from specdistill.data.models.pairs import load_role, load_tokenizer, resolve_pair
 from specdistill.data.runtime import ConfigError, run_or_exit
 from specdistill.distill import parallel
 from specdistill.distill.head_loss import HeadInput, fused_distill_loss

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from specdistill.data.copy_layers import _stack_scores, choose_copy_layers, induction_score
-from specdistill.data.drafter_from_target import CopyLayers, ensure_drafter, parse_layers
+from specdistill.data.models.copy_layers import _stack_scores, choose_copy_layers, induction_score
+from specdistill.data.models.drafter_from_target import CopyLayers, ensure_drafter, parse_layers
 from specdistill.data.runtime import ConfigError
 from tests.data.gguf_models import tiny_bpe, tiny_llama
 
@@ -104,8 +104,8 @@ def test_stack_scores_are_those_of_the_built_drafter(target_dir):
 
 
 def test_copy_choice_builds_once_and_caches_the_probe(target_dir, monkeypatch):
-    import specdistill.data.copy_layers as probe
-    from specdistill.data.drafter_from_target import INFO_FILE
+    import specdistill.data.models.copy_layers as probe
+    from specdistill.data.models.drafter_from_target import INFO_FILE
 
     out = ensure_drafter(str(target_dir), "copy:4")
     info = json.loads((out / INFO_FILE).read_text())

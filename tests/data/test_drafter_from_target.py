@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from specdistill.data.drafter_from_target import (
+from specdistill.data.models.drafter_from_target import (
     INFO_FILE,
     ensure_drafter,
     parse_layers,
@@ -101,7 +101,7 @@ def test_built_drafter_is_the_chosen_layers(target_dir):
 
 
 def test_cache_is_keyed_by_the_layer_list(target_dir, monkeypatch):
-    import specdistill.data.drafter_from_target as mod
+    import specdistill.data.models.drafter_from_target as mod
 
     a = ensure_drafter(str(target_dir), "first:2")
 
@@ -116,7 +116,7 @@ def test_cache_is_keyed_by_the_layer_list(target_dir, monkeypatch):
 
 
 def test_cli_prints_path_and_info(target_dir, capsys):
-    from specdistill.data.drafter_from_target import main
+    from specdistill.data.models.drafter_from_target import main
 
     main(["--target", str(target_dir), "--layers", "first:1"])
     info = json.loads(capsys.readouterr().out)
@@ -126,8 +126,8 @@ def test_cli_prints_path_and_info(target_dir, capsys):
 def test_disk_full_is_one_line_exit_3_and_no_temp_left(target_dir, capsys, monkeypatch):
     import errno
 
-    import specdistill.data.drafter_from_target as mod
-    from specdistill.data.drafter_from_target import main
+    import specdistill.data.models.drafter_from_target as mod
+    from specdistill.data.models.drafter_from_target import main
 
     real_build = mod.build_drafter
 

@@ -13,15 +13,15 @@ import torch
 
 pytest.importorskip("gguf")
 
-from specdistill.data import gguf as gguf_mod
-from specdistill.data.drafter_from_target import main as builder_main
-from specdistill.data.gguf import (
+from specdistill.data.models import gguf as gguf_mod
+from specdistill.data.models.drafter_from_target import main as builder_main
+from specdistill.data.models.gguf import (
     INFO_FILE,
     check_gguf,
     ensure_gguf_checkpoint,
     read_gguf_metadata,
 )
-from specdistill.data.pairs import load_pair, resolve_pair
+from specdistill.data.models.pairs import load_pair, resolve_pair
 from specdistill.data.runtime import ConfigError
 from tests.data.gguf_models import tiny_bpe, tiny_llama, write_llama_gguf
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdistill.data.pairs import check_same_tokenizer, check_vocab, match_vocab, resolve_pair
+from specdistill.data.models.pairs import (
+    check_same_tokenizer,
+    check_vocab,
+    match_vocab,
+    resolve_pair,
+)
 from specdistill.data.runtime import ConfigError, parse_dtype
 
 

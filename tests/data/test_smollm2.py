@@ -26,7 +26,7 @@ pytestmark = [
 def test_conversion_matches_transformers_gguf_loading(one_thread):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdistill.data.gguf import ensure_packaged, packaged_gguf
+    from specdistill.data.models.gguf import ensure_packaged, packaged_gguf
 
     out = ensure_packaged("smollm2")
     src = packaged_gguf("smollm2")
@@ -53,7 +53,7 @@ def test_default_drafter_keeps_the_copying_layers():
     from transformers import AutoModelForCausalLM
 
     import specdistill.conf
-    from specdistill.data.pairs import resolve_pair
+    from specdistill.data.models.pairs import resolve_pair
 
     pair = OmegaConf.load(Path(specdistill.conf.__file__).parent / "pair" / "smollm2.yaml")
     assert pair.drafter_layers == "copy:5"

@@ -1,5 +1,5 @@
-"""The vocabulary mapping (data/vocab_mapping.py) against brute force on hand-made tokenizers,
-its cache, its coverage, and `pair.vocab` (data/pair_vocab.py): mapped pairs resolved from
+"""The vocabulary mapping (data/models/vocab_mapping.py) against brute force on hand-made tokenizers,
+its cache, its coverage, and `pair.vocab` (data/models/pair_vocab.py): mapped pairs resolved from
 tokenizer files before any weight, refused in one line where they cannot pay or not run yet."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdistill.data import vocab_mapping as vm
-from specdistill.data.pairs import resolve_pair
+from specdistill.data.models import vocab_mapping as vm
+from specdistill.data.models.pairs import resolve_pair
+from specdistill.data.models.token_bytes import piece_bytes, token_table
 from specdistill.data.runtime import ConfigError
-from specdistill.data.token_bytes import piece_bytes, token_table
 from tests.data import vocab_fixtures as fx
 
 ROLES_A = {"eos_token": "<|endoftext|>", "pad_token": "<|pad|>"}
@@ -310,7 +310,7 @@ def test_mapped_bare_drafter_is_refused(toy_tiny, tmp_path):
 
 
 def test_the_pipeline_refuses_a_mapped_pair_before_any_stage(toy_tiny, tmp_path):
-    from specdistill.data.pair_vocab import refuse_mapped_early
+    from specdistill.data.models.pair_vocab import refuse_mapped_early
 
     with pytest.raises(ConfigError, match="pair.vocab=mapped: .* not supported by the pipeline"):
         refuse_mapped_early({"toy": "toy-tiny", "vocab": "mapped"}, "pipeline")
@@ -328,7 +328,7 @@ def test_smollm2_and_the_toy_drafter(tmp_path, monkeypatch):
     """The real cross-tokenizer pair (~25 s: SmolLM2's tokenizer read from its GGUF file, the
     toy tokenizer trained alone): figures of data/RESULTS.md (2026-11-26)."""
     try:
-        from specdistill.data.gguf import packaged_gguf
+        from specdistill.data.models.gguf import packaged_gguf
 
         packaged_gguf("smollm2")
     except ConfigError as e:

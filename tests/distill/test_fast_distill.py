@@ -104,7 +104,7 @@ def test_stored_full_vocab_topk_trains_like_the_live_target(
 def test_freeze_embeddings_freezes_the_head_and_nothing_else(distill_cfg, tmp_path, seqkd_dir):
     common = (f"data.path={seqkd_dir}", "max_steps=2", "eval_every=2", "save_every=2")
     res = train.run(distill_cfg(tmp_path / "frozen", *common, "freeze_embeddings=true"))
-    from specdistill.data.pairs import resolve_pair
+    from specdistill.data.models.pairs import resolve_pair
 
     before = load_file(f"{resolve_pair({'toy': 'toy-tiny'}).drafter}/model.safetensors")
     after = load_file(str(tmp_path / "frozen" / "final" / "model.safetensors"))

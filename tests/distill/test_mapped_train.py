@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdistill.data import vocab_mapping as vm
+from specdistill.data.models import vocab_mapping as vm
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.intersection import Intersection
 from specdistill.distill.train import mapped, setup

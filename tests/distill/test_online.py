@@ -142,7 +142,7 @@ def test_online_run_reports_the_resolved_topk_and_its_mass(tmp_path, decoder):
     cfg = online_cfg(tmp_path, f"decoder={decoder}", "guard_every=0", "record=all")
     cfg.stream = [{"dataset": "toy-test", "requests": 2}]
     result = online.run(cfg)
-    from specdistill.data.pairs import load_tokenizer, resolve_pair
+    from specdistill.data.models.pairs import load_tokenizer, resolve_pair
 
     vocab = len(load_tokenizer(resolve_pair(cfg.pair)))
     if decoder == "sampling":
@@ -235,7 +235,7 @@ def test_guard_rolls_back_a_harmful_update(tmp_path, caplog, toy_tiny):
     assert caplog.text.count("rolled back") == 2
     from transformers import AutoModelForCausalLM
 
-    from specdistill.data.pairs import resolve_pair
+    from specdistill.data.models.pairs import resolve_pair
 
     start = AutoModelForCausalLM.from_pretrained(resolve_pair(cfg.pair).drafter)
     adapted = AutoModelForCausalLM.from_pretrained(result.drafter_path)

@@ -3,7 +3,7 @@
 Model names stay plain strings handed to `from_pretrained`; the toy world only fills them in
 (building itself first) when `pair.toy` is set, and `pair.real` (a packaged GGUF model),
 `.gguf` paths and `pair.drafter_layers` (a drafter built from the target) become cached
-checkpoint folders (data/gguf.py, data/drafter_from_target.py). Vocabulary problems are caught here, before any
+checkpoint folders (data/models/gguf.py, data/models/drafter_from_target.py). Vocabulary problems are caught here, before any
 heavy work, with an error that names the field and the fix.
 """
 
@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from specdistill.data.checkpoints import check_checkpoint_files
-from specdistill.data.pair_vocab import check_pair_vocab, mapped_unsupported
-from specdistill.data.runtime import ConfigError
-from specdistill.data.tokenizer_identity import (
+from specdistill.data.models.checkpoints import check_checkpoint_files
+from specdistill.data.models.pair_vocab import check_pair_vocab, mapped_unsupported
+from specdistill.data.models.tokenizer_identity import (
     TokenizerInfo,
     check_drafter_tokenizer,
     check_tokenizers,
 )
+from specdistill.data.runtime import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +40,14 @@ class PairSpec:
     trust_remote_code: bool = False
     toy: str | None = None
     real: str | None = None
-    vocab: str = "shared"  # shared | mapped (pair.vocab resolved; data/pair_vocab.py)
+    vocab: str = "shared"  # shared | mapped (pair.vocab resolved; data/models/pair_vocab.py)
     drafter_tokenizer: str | None = None  # mapped: where the drafter's own tokenizer loads from
 
 
 def resolve_pair(pair: Any, *, stage: str = "this", mapped_ok: bool = False) -> PairSpec:
     """Turn a `pair` config node into concrete names/paths, building the toy world if asked.
 
-    `pair.vocab` is resolved here from tokenizer files (data/pair_vocab.py). A stage that can
+    `pair.vocab` is resolved here from tokenizer files (data/models/pair_vocab.py). A stage that can
     run a drafter with its own tokenizer passes `mapped_ok=True`; any other stage is refused a
     mapped pair in one line naming `stage`, rather than running it as if the ids were shared.
     """
@@ -69,7 +69,7 @@ def resolve_pair(pair: Any, *, stage: str = "this", mapped_ok: bool = False) -> 
         or any(str(n).lower().endswith(".gguf") for n in (target, drafter, tokenizer))
     ):
         # Packaged models, .gguf files and drafters built from the target's layers.
-        from specdistill.data.drafter_from_target import resolve_built_pair
+        from specdistill.data.models.drafter_from_target import resolve_built_pair
 
         target, drafter, tokenizer = resolve_built_pair(
             real=real,
@@ -252,7 +252,7 @@ def match_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
 
 def check_same_tokenizer(target_tok, drafter_tok, *, field: str = "pair.drafter") -> None:
     """Both tokenizers must be the same tokenizer (vocabulary, merges, added tokens); embedding
-    padding rows aside. See `specdistill.data.tokenizer_identity`."""
+    padding rows aside. See `specdistill.data.models.tokenizer_identity`."""
 
     def info(tok):
         return TokenizerInfo.from_tokenizer(str(getattr(tok, "name_or_path", "") or "?"), tok)

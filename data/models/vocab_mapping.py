@@ -7,7 +7,7 @@ intersection, and its proposals are mapped back to target ids; verification stay
 q, restricted to the intersection and moved into the target's ids, is an ordinary distribution
 over the target's vocabulary.
 
-Tokens are compared by their canonical bytes (data/token_bytes.py), never by their spelling.
+Tokens are compared by their canonical bytes (data/models/token_bytes.py), never by their spelling.
 Special tokens map by role (eos, bos, unk, pad: in that order, the first mapping of an id wins)
 and, where both tokenizers have a special token spelled identically, by that spelling; a special
 token never maps to text. Where one side spells the same bytes with several ids (SentencePiece's
@@ -30,7 +30,7 @@ matches `get_vocab()` strings after turning one detected space marker (`Ġ` or `
 
 Built once per pair and cached under `$SPECDISTILL_HOME/vocab_maps/<key>`, the key a hash of both
 tokenizers' files (tokenizer.json and the role tokens); the coverage on a text set is cached
-beside it. CLI: `python -m specdistill.data.vocab_mapping --target T --drafter D`.
+beside it. CLI: `python -m specdistill.data.models.vocab_mapping --target T --drafter D`.
 """
 
 from __future__ import annotations
@@ -45,9 +45,14 @@ import numpy as np
 import torch
 
 from specdistill.data.io import atomic_write_json, build_once, read_json
+from specdistill.data.models.token_bytes import (
+    ROLES,
+    TokenTable,
+    UnsupportedTokenizer,
+    role_contents,
+)
+from specdistill.data.models.token_bytes import token_table as _token_table
 from specdistill.data.runtime import ConfigError, specdistill_home
-from specdistill.data.token_bytes import ROLES, TokenTable, UnsupportedTokenizer, role_contents
-from specdistill.data.token_bytes import token_table as _token_table
 
 MAPPING_VERSION = 1  # bump when the rules change what a mapping holds
 
@@ -288,9 +293,9 @@ def load_source(
     toy world (`toy`, `toy-tiny`: its tokenizer, trained alone if the world is not built), a
     packaged model (`smollm2`) or a `.gguf` file (the tokenizer in the GGUF header, no weights
     read), else a hub name (`AutoTokenizer`: tokenizer files only)."""
-    from specdistill.data.checkpoints import local_folder
-    from specdistill.data.gguf import PACKAGED, is_gguf, packaged_gguf
-    from specdistill.data.tokenizer_identity import has_tokenizer_files
+    from specdistill.data.models.checkpoints import local_folder
+    from specdistill.data.models.gguf import PACKAGED, is_gguf, packaged_gguf
+    from specdistill.data.models.tokenizer_identity import has_tokenizer_files
     from specdistill.data.toy.world import SPECS, toy_tokenizer_dir
 
     folder = local_folder(name)
@@ -334,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     from specdistill.data.runtime import run_or_exit
 
     ap = argparse.ArgumentParser(
-        prog="python -m specdistill.data.vocab_mapping", description=main.__doc__
+        prog="python -m specdistill.data.models.vocab_mapping", description=main.__doc__
     )
     ap.add_argument(
         "--target", required=True, help="folder, hub name, .gguf, smollm2, toy, toy-tiny"

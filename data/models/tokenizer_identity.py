@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdistill.data.checkpoints import local_folder
+from specdistill.data.models.checkpoints import local_folder
 from specdistill.data.runtime import ConfigError
 
 log = logging.getLogger(__name__)

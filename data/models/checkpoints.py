@@ -5,7 +5,7 @@ header size and the file size (a truncated copy is caught here, not as a `Safete
 after the other model loaded); a shard index's files must all exist and hold the tensors it
 maps to them; torch `.bin`/`.pt` zip archives must have their central directory (their end).
 Only headers are read. Local folders only: hub downloads are size-checked by `from_pretrained`.
-Tokenizer identity is `specdistill.data.tokenizer_identity`.
+Tokenizer identity is `specdistill.data.models.tokenizer_identity`.
 """
 
 from __future__ import annotations
