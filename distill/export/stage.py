@@ -40,6 +40,7 @@ from specdistill.data.models.pairs import (
 from specdistill.data.models.tokenizer_identity import check_drafter_tokenizer
 from specdistill.data.runtime import ConfigError, parse_dtype, resolve_device, run_or_exit
 from specdistill.distill.export import check as export_check
+from specdistill.distill.export import mapped as export_mapped
 from specdistill.distill.export.card import model_card, usage_command
 from specdistill.distill.export.head import pad_head_rows, write_token_map
 from specdistill.distill.export.in_vllm import check_vllm_settings, validate_exported
@@ -70,6 +71,7 @@ class ExportResult:
     vllm: dict[str, Any] | None = None  # vllm.enabled: the folder validated in vLLM (in_vllm.py)
     draft_vocab: int = 0  # config.json draft_vocab_ids: tokens our decoder's head scores (0: all)
     padded_head_rows: int = 0  # rows outside a trained-over draft vocabulary set to never win
+    mapped: dict[str, Any] | None = None  # its own tokenizer: how to serve it (export/mapped.py)
 
 
 def check_destination(out: Path, overwrite: bool) -> None:
@@ -117,7 +119,7 @@ def resolve_sources(cfg: DictConfig) -> tuple[PairSpec, str]:
                 f"drafter={drafter!r} is not a saved checkpoint (no config.json): point it at a "
                 "folder written by save_pretrained, e.g. the distill stage's best/"
             )
-    spec = resolve_pair(cfg.pair, stage="export")
+    spec = resolve_pair(cfg.pair, stage="export", mapped_ok=True)
     return spec, str(drafter or spec.drafter)
 
 
@@ -221,6 +223,8 @@ def run(cfg: DictConfig) -> ExportResult:
     tok = AutoTokenizer.from_pretrained(
         spec.tokenizer, revision=spec.revision, trust_remote_code=spec.trust_remote_code
     )
+    if spec.vocab == "mapped":
+        return _run_mapped(cfg, spec, source, tok, report, prompts, device, check_dtype, t0)
     target_config = AutoConfig.from_pretrained(
         spec.target, revision=spec.revision, trust_remote_code=spec.trust_remote_code
     )
@@ -325,6 +329,80 @@ def run(cfg: DictConfig) -> ExportResult:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("exported %s -> %s (%s)", source, out, check)
+    return result
+
+
+def _run_mapped(
+    cfg: DictConfig, spec: PairSpec, source: str, tok, report: dict[str, Any] | None,
+    prompts: list[str], device: torch.device, check_dtype: torch.dtype, t0: float,
+) -> ExportResult:  # fmt: skip
+    """A drafter with its own tokenizer (export/mapped.py): its weights and tokenizer as they
+    are, checked through `transformers` universal assisted generation and the TLI mapping."""
+    from transformers import AutoTokenizer
+
+    if cfg.vllm.enabled:
+        raise ConfigError(
+            "vllm.enabled=true: validate does not run a drafter with its own tokenizer yet "
+            "(pair.vocab=mapped, issue 33); export it with vllm.enabled=false"
+        )
+    out = Path(str(cfg.output_dir)).expanduser().absolute()
+    folder = export_mapped.drafter_tokenizer_folder(source, spec)
+    draft_tok = AutoTokenizer.from_pretrained(str(folder))
+    mapping = export_mapped.mapping_of(spec, folder)
+    raw_dtype = str(cfg.get("dtype", "auto"))
+    dtype = None if raw_dtype == "auto" else parse_dtype(raw_dtype, "cpu")
+    field_name = "drafter" if cfg.get("drafter") else "pair.drafter"
+    drafter_rev = None if cfg.get("drafter") else spec.drafter_revision
+    model = export_mapped.load_drafter(
+        source, field_name, drafter_rev, dtype, spec.trust_remote_code
+    )
+    rows = int(model.get_output_embeddings().weight.shape[0])
+    probe = torch.tensor([draft_tok(prompts[0], add_special_tokens=False).input_ids])
+    with torch.no_grad():
+        before = model(probe).logits[0].float()
+    model.config.dtype = model.dtype
+    min_pos = cfg.get("min_positions", "auto")
+    needed = _validated_context(report) if min_pos == "auto" else int(min_pos)
+    gamma = int(report["gamma"]) if report else 4
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with guard_write(out, param_bytes(model), cleanup=(tmp,)):
+            model.save_pretrained(
+                tmp, safe_serialization=True, max_shard_size=str(cfg.max_shard_size)
+            )
+            draft_tok.save_pretrained(tmp)
+        check = export_mapped.self_check(
+            tmp, spec, tok, draft_tok, prompts=prompts,
+            max_new_tokens=int(cfg.check.max_new_tokens), device=device,
+            target_dtype=check_dtype, expect_dtype=model.dtype, min_positions=needed,
+            reference_logits=before, probe=probe,
+        )  # fmt: skip
+        result = ExportResult(
+            output_dir=str(out),
+            drafter=source,
+            base_drafter=spec.drafter if cfg.get("drafter") else source,
+            target=spec.target,
+            vocab_size=rows,
+            source_vocab_size=rows,
+            dtype=str(model.dtype).removeprefix("torch."),
+            parameters=sum(p.numel() for p in model.parameters()),
+            files=[],
+            check=check,
+            report=str(cfg.report) if report else None,
+            usage=export_mapped.usage_command(str(out), spec.target),
+            notes=["its own tokenizer: served through the vocabulary intersection (TLI)"],
+            mapped=export_mapped.serving(str(out), spec.target, gamma, mapping.intersection_size),
+        )
+        card = export_mapped.mapped_card(result, _distill_result(source), gamma)
+        (tmp / "README.md").write_text(card, encoding="utf-8")
+        result.files = [*sorted(p.name for p in tmp.iterdir()), EXPORT_FILE]
+        result.wall_seconds = round(time.perf_counter() - t0, 1)
+        (tmp / EXPORT_FILE).write_text(json.dumps(to_jsonable(result), indent=2) + "\n")
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("exported %s (its own tokenizer) -> %s (%s)", source, out, check)
     return result
 
 

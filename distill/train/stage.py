@@ -35,7 +35,7 @@ from specdistill.distill import parallel
 from specdistill.distill.head_loss import HeadInput, fused_distill_loss
 from specdistill.distill.losses import distill_loss, subset_topk
 from specdistill.distill.train import checkpoint as ckpt
-from specdistill.distill.train import setup, zero
+from specdistill.distill.train import mapped, setup, zero
 from specdistill.distill.train.data import (
     StreamSpec,
     collate,
@@ -134,12 +134,23 @@ class Trainer:
     head_ids: torch.Tensor | None = None
     head_index: torch.Tensor | None = None
     chunked: bool = False  # the loss from hidden states + head (distill/head_loss.py)
+    mapped: mapped.MappedPair | None = None  # a drafter with its own tokenizer (train/mapped.py)
+
+    @property
+    def out_tok(self):
+        """The tokenizer saved with best/ and final/: the drafter's own for a mapped pair."""
+        return self.tok if self.mapped is None else self.mapped.draft_tok
 
     @property
     def device(self) -> torch.device:
         return self.accelerator.device
 
     def evaluate(self) -> dict[str, Any]:
+        if self.mapped is not None:
+            drafter = self.accelerator.unwrap_model(self.model)
+            return self.mapped.evaluate(
+                drafter, self.target, self.eval_batches, self.eval_sampling, self.device
+            )
         if self.mask_token_id is not None:
             return evaluate_parallel(
                 self.accelerator.unwrap_model(self.model),
@@ -172,9 +183,10 @@ def prepare(cfg: DictConfig) -> Trainer:
     device, world = accelerator.device, accelerator.num_processes
     torch.manual_seed(int(cfg.seed))
 
-    spec = resolve_pair(cfg.pair, stage="distill")
+    spec = resolve_pair(cfg.pair, stage="distill", mapped_ok=True)
     tok = load_tokenizer(spec)
     drafter = load_role(spec, "drafter", device=device)
+    mp = None if spec.vocab != "mapped" else mapped.prepare_mapped(cfg, spec, tok, drafter, device)
     train_examples, topk = setup.build_train_examples(cfg, tok, accelerator)
     eval_k = setup.eval_topk(cfg, train_examples, topk)
     eval_examples = setup.build_eval_examples(cfg, tok, accelerator, eval_k)
@@ -184,11 +196,15 @@ def prepare(cfg: DictConfig) -> Trainer:
         mask_id = parallel.resolve_train_mask_token(cfg.parallel.mask_token_id, tok)
         parallel.prepare_drafter(drafter, mask_id, int(cfg.parallel.depth))
         eval_has_topk = False  # every depth is evaluated against the target in the loop
-    setup.set_draft_vocab(cfg, drafter, train_examples, tok, mask_id)
+    if mp is None:  # rows are in the target's ids: a mapped drafter's draft vocab would be wrong
+        setup.set_draft_vocab(cfg, drafter, train_examples, tok, mask_id)
     head_ids, head_index = setup.train_head_ids(cfg, drafter, topk, mask_id, device)
     target = None
     if not topk or not eval_has_topk:
-        target = setup.load_target(spec, cfg, device, drafter, tok)
+        if mp is None:
+            target = setup.load_target(spec, cfg, device, drafter, tok)
+        else:
+            target = mapped.load_mapped_target(spec, cfg, device, mp)
     eval_batches = [
         collate(
             eval_examples[i : i + int(cfg.eval.batch_size)], tok.pad_token_id, int(cfg.max_seq_len)
@@ -232,6 +248,7 @@ def prepare(cfg: DictConfig) -> Trainer:
         head_ids=head_ids,
         head_index=head_index,
         chunked=setup.chunked_loss(cfg, len(tok)),
+        mapped=mp,
     )
 
 
@@ -263,7 +280,7 @@ def start_or_resume(tr: Trainer) -> dict[str, Any]:
         "best_score": score(before),
         "best_step": 0,
     }
-    ckpt.export_pretrained(accelerator, tr.model, tr.tok, tr.out / "best")
+    ckpt.export_pretrained(accelerator, tr.model, tr.out_tok, tr.out / "best")
     accelerator.log(
         {"eval/alpha": before["alpha"], "eval/greedy": before["greedy_agreement"]}, step=0
     )
@@ -375,6 +392,35 @@ def _packed_logits_and_targets(
     return logits, packed["weight"] > 0, kwargs
 
 
+def _shared_vocab_loss(
+    tr: Trainer, batch: dict, packed: dict | None, onp: bool, masked: bool, loss_name: str,
+    beta: float, num_tokens: float, n_chains: float = 1.0,
+) -> torch.Tensor:  # fmt: skip
+    """One micro-batch's share of the window's loss when the drafter reads the target's ids
+    (a parallel drafter with `parallel.objective=acceptance_length` also maximises the expected
+    accepted length per mask chain of the window)."""
+    if packed is None:
+        logits, mask, kwargs = _logits_and_targets(tr, batch, onp, masked)
+    else:
+        logits, mask, kwargs = _packed_logits_and_targets(tr, batch, packed, onp)
+    length_sum = kwargs.pop("length_sum", None)  # parallel.objective=acceptance_length
+    fused = isinstance(logits, HeadInput)
+    loss = (fused_distill_loss if fused else distill_loss)(
+        logits,  # type: ignore[arg-type]
+        mask,
+        divergence=loss_name,
+        beta=beta,
+        temperature=float(tr.cfg.loss.temperature),
+        num_tokens=num_tokens,
+        chunk_size=None if fused else tr.cfg.loss_chunk_size,
+        **kwargs,
+    )
+    if length_sum is not None:  # maximise E[accepted] per chain of the window
+        w_len = float(tr.cfg.parallel.get("length_weight", 1.0))
+        loss = loss - w_len * length_sum / max(n_chains, 1)
+    return loss
+
+
 def train_step(tr: Trainer, step: int) -> dict[str, Any]:
     """One optimizer step over the accumulation window; its log record (without eval)."""
     cfg, accelerator, model, device = tr.cfg, tr.accelerator, tr.model, tr.device
@@ -409,25 +455,15 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
         with boundary:
             if ds_on and accelerator.sync_gradients != (a == A - 1):
                 raise RuntimeError(f"DeepSpeed accumulation boundary out of step at {step}/{a}")
-            if packed is None:
-                logits, mask, kwargs = _logits_and_targets(tr, batch, onp, masked)
+            temperature = float(cfg.loss.temperature)
+            if tr.mapped is not None:  # another tokenizer: the TLI loss (train/mapped.py)
+                loss = tr.mapped.loss(
+                    tr, batch, masked, loss_name, beta, temperature, max(n_window, 1)
+                )
             else:
-                logits, mask, kwargs = _packed_logits_and_targets(tr, batch, packed, onp)
-            length_sum = kwargs.pop("length_sum", None)  # parallel.objective=acceptance_length
-            fused = isinstance(logits, HeadInput)
-            loss = (fused_distill_loss if fused else distill_loss)(
-                logits,  # type: ignore[arg-type]
-                mask,
-                divergence=loss_name,
-                beta=beta,
-                temperature=float(cfg.loss.temperature),
-                num_tokens=max(n_window, 1),
-                chunk_size=None if fused else cfg.loss_chunk_size,
-                **kwargs,
-            )
-            if length_sum is not None:  # maximise E[accepted] per chain of the window
-                w_len = float(cfg.parallel.get("length_weight", 1.0))
-                loss = loss - w_len * length_sum / max(n_chains, 1)
+                loss = _shared_vocab_loss(
+                    tr, batch, packed, onp, masked, loss_name, beta, max(n_window, 1), n_chains
+                )
             accelerator.backward(loss * scale)
         loss_sum += loss.detach()
     grad_norm = None
@@ -473,7 +509,7 @@ def evaluate_and_save(
         if score(ev) > state.get("best_score", state["best_alpha"]):
             state["best_alpha"], state["best_step"] = ev["alpha"], step
             state["best_score"] = score(ev)
-            ckpt.export_pretrained(tr.accelerator, tr.model, tr.tok, tr.out / "best")
+            ckpt.export_pretrained(tr.accelerator, tr.model, tr.out_tok, tr.out / "best")
     state["history"].append(rec)
     tr.accelerator.log({f"train/{k}" if k != "step" else k: v for k, v in rec.items()}, step=step)
     if step % int(cfg.save_every) == 0 or last:
@@ -499,7 +535,7 @@ def _best_drafter(tr: Trainer, state: dict[str, Any], step: int):
 def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
     """final/, the result (written by the main process) and the sweep summary if any."""
     cfg, out = tr.cfg, tr.out
-    ckpt.export_pretrained(tr.accelerator, tr.model, tr.tok, out / "final")
+    ckpt.export_pretrained(tr.accelerator, tr.model, tr.out_tok, out / "final")
     after = next((h for h in reversed(state["history"]) if "alpha" in h), None)
     before = state["before"]
     peak, peak_kind = _peak_memory(tr.device)
@@ -532,6 +568,7 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
             "eval_tokens": before["tokens"],
             "eval_source": cfg.eval.source,
             "eval_sampling": tr.eval_sampling.as_dict(),
+            **({} if tr.mapped is None else tr.mapped.summary),
         },
         world_size=tr.accelerator.num_processes,
         history=state["history"],
@@ -539,7 +576,8 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
         parallel=None if tr.mask_token_id is None else parallel_summary(tr, state, after),
     )
     if tr.accelerator.is_main_process:
-        result.heldout_prediction = heldout_prediction(tr, _best_drafter(tr, state, step), cfg)
+        if tr.mapped is None:  # the replay reads shared ids (train/predict.py)
+            result.heldout_prediction = heldout_prediction(tr, _best_drafter(tr, state, step), cfg)
         atomic_write_json(out / "result.json", result)
         if OmegaConf.select(cfg, "sweep_dir"):
             write_summary(Path(str(cfg.sweep_dir)))

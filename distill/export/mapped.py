@@ -1,0 +1,256 @@
+"""Export of a drafter q with its own tokenizer (a mapped pair, TLI), and its self-check and card.
+
+Target p, drafter q. A mapped drafter is served through the vocabulary intersection (vLLM
+`use_heterogeneous_vocab`, `transformers` universal assisted generation), never as a drafter of
+the target's ids, so unlike the shared-vocabulary export nothing is aligned to the target: the
+weights keep their own rows, config and generation config, and the folder carries the
+drafter's *own* tokenizer (what both engines read to build the mapping or re-tokenise text).
+
+Self-check (on the temporary folder, before publishing): reload (config, dtype, tied head,
+real-token logits unchanged), the saved tokenizer equals the drafter's, the intersection with
+the target's tokenizer is not empty; then `generate(assistant_model=, tokenizer=,
+assistant_tokenizer=)` (universal assisted generation, text-level) reproduces the target's
+greedy output on every prompt (lossless in the engine users have), and the greedy TLI agreement
+along the target's greedy continuation is recorded (the drafter reading the target's tokens
+mapped, its argmax over the intersection mapped back: what vLLM's TLI drafts). Nothing is
+decoded through our own decoder: its mapped drafter (`decode/drafters/mapped.py`) is being built
+for issue 33, and the check records that it was not run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdistill.data.models.pairs import PairSpec, load_model, load_role
+from specdistill.data.models.vocab_mapping import load_source, read_source, vocab_mapping
+from specdistill.data.runtime import ConfigError
+from specdistill.distill.export.check import _fail, _greedy, check_config
+from specdistill.distill.intersection import Intersection, served_argmax
+from specdistill.distill.train.mapped import draft_unk_id, map_ids, read_ids
+
+log = logging.getLogger("specdistill.export")
+
+
+def drafter_tokenizer_folder(source: str, spec: PairSpec) -> Path:
+    """Where the drafter's own tokenizer is read: the exported checkpoint's folder (distill's
+    best/ saves it there), else the pair's drafter."""
+    for name in (source, spec.drafter_tokenizer or spec.drafter):
+        p = Path(str(name)).expanduser()
+        if (p / "tokenizer.json").is_file():
+            return p
+    raise ConfigError(
+        f"drafter={source!r} has no tokenizer.json and pair.drafter neither: a drafter with its "
+        "own tokenizer is served through that tokenizer; save it beside the weights"
+    )
+
+
+def serving(output_dir: str, target: str, gamma: int, intersection: int) -> dict[str, Any]:
+    """export.json's `mapped` section: how engines serve this drafter."""
+    return {
+        "vocab": "mapped",
+        "intersection": intersection,
+        "vllm_speculative_config": {
+            "method": "draft_model",
+            "model": output_dir,
+            "use_heterogeneous_vocab": True,
+            "num_speculative_tokens": gamma,
+        },
+        "transformers": (
+            "target.generate(**inputs, assistant_model=drafter, tokenizer=target_tokenizer, "
+            "assistant_tokenizer=drafter_tokenizer)"
+        ),
+    }
+
+
+def usage_command(drafter: str, target: str) -> str:
+    """One line that serves the pair with `transformers` universal assisted generation."""
+    return (
+        f"AutoModelForCausalLM.from_pretrained({target!r}).generate(**inputs, "
+        f"assistant_model=AutoModelForCausalLM.from_pretrained({drafter!r}), "
+        f"tokenizer=AutoTokenizer.from_pretrained({target!r}), "
+        f"assistant_tokenizer=AutoTokenizer.from_pretrained({drafter!r}))"
+    )
+
+
+def load_drafter(source: str, field_name: str, revision, dtype, trust: bool):
+    """The drafter with its own rows (nothing resized or aligned to the target)."""
+    return load_model(
+        source, revision=revision, dtype=dtype or "auto", trust_remote_code=trust, field=field_name
+    )
+
+
+def mapping_of(spec: PairSpec, folder: Path):
+    """The vocabulary mapping between the target's tokenizer and the drafter's (files only);
+    one `error:` line when they share no token."""
+    t_src = load_source(spec.tokenizer, field="pair.tokenizer", revision=spec.revision)
+    d_src = read_source(folder, str(folder))
+    if t_src is None or d_src is None:
+        raise ConfigError(f"drafter tokenizer {str(folder)!r}: no tokenizer.json to map from")
+    mapping = vocab_mapping(t_src, d_src)
+    if mapping.intersection_size == 0:
+        raise ConfigError(
+            f"the drafter's tokenizer {str(folder)!r} shares no token with pair.target's: "
+            "it cannot be served through a vocabulary mapping"
+        )
+    return mapping
+
+
+def self_check(
+    folder: Path,
+    spec: PairSpec,
+    target_tok,
+    draft_tok,
+    *,
+    prompts: list[str],
+    max_new_tokens: int,
+    device: torch.device,
+    target_dtype: torch.dtype,
+    expect_dtype: torch.dtype,
+    min_positions: int | None,
+    reference_logits: torch.Tensor,
+    probe: torch.Tensor,
+) -> dict[str, Any]:
+    """Reload the mapped export and check it (module docstring); the findings for export.json."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    drafter = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto")
+    rows = int(drafter.get_output_embeddings().weight.shape[0])
+    check_config(
+        drafter.config, expect_vocab=rows, expect_dtype=expect_dtype, min_positions=min_positions
+    )
+    saved_tok = AutoTokenizer.from_pretrained(str(folder))
+    if saved_tok.get_vocab() != draft_tok.get_vocab():
+        _fail("the exported tokenizer is not the drafter's own")
+    mapping = mapping_of(spec, folder)
+    drafter.eval()
+    with torch.no_grad():
+        logits = drafter(probe).logits[0, :, : reference_logits.shape[-1]].float()
+    drift = float((logits - reference_logits).abs().max())
+    if drift > 1e-4 * max(1.0, float(reference_logits.abs().max())):
+        _fail(f"real-token logits changed by {drift:.3g} after export")
+    target = load_role(spec, "target", dtype=target_dtype, device=device)
+    drafter = drafter.to(device)
+    target_rows = max(len(target_tok), mapping.target_vocab)
+    inter = Intersection.from_draft_to_target(
+        mapping.resized(target_rows, max(rows, mapping.draft_vocab)).draft_to_target[:rows],
+        target_rows,
+    ).to(device)
+    reads = read_ids(mapping, draft_unk_id(saved_tok), target_rows).to(device)
+    pad = (
+        target_tok.pad_token_id if target_tok.pad_token_id is not None else target_tok.eos_token_id
+    )
+    same_tokens, agree = 0, 0
+    for text in prompts:
+        ids = torch.tensor([target_tok(text, add_special_tokens=False).input_ids], device=device)
+        with torch.no_grad():
+            plain = _greedy(target, ids, max_new_tokens, pad)
+            assisted = _greedy(
+                target, ids, max_new_tokens, pad, assistant_model=drafter,
+                tokenizer=target_tok, assistant_tokenizer=saved_tok,
+            )  # fmt: skip
+            full = torch.cat([ids, torch.tensor([plain], device=device)], 1)
+            z = drafter(map_ids(full, reads)).logits[0, ids.shape[1] - 1 : -1].float()
+        if plain != assisted:
+            _fail(
+                f"generate(assistant_model=drafter, assistant_tokenizer=...) gave {assisted[:12]}"
+                f"... but the target alone {plain[:12]}... on prompt {text[:40]!r}"
+            )
+        agree += int((served_argmax(z, inter) == torch.tensor(plain, device=device)).sum())
+        same_tokens += len(plain)
+    found: dict[str, Any] = {
+        "reloaded": True,
+        "tokenizer_is_the_drafters_own": True,
+        "vocab": "mapped",
+        "intersection": inter.size,
+        "universal_assisted_equals_target_greedy": f"{len(prompts)} prompts, {same_tokens} tokens",
+        "tli_greedy_agreement": round(agree / max(same_tokens, 1), 4),
+        "max_logit_drift": drift,
+        "max_position_embeddings": int(getattr(drafter.config, "max_position_embeddings", 0)),
+        "min_positions": min_positions,
+        "device": str(device),
+    }
+    found |= our_decoder_check()
+    return found
+
+
+def our_decoder_check() -> dict[str, str]:
+    """What the check says about our own decoder: nothing is decoded through it for a mapped
+    pair here (its mapped drafter, decode/drafters/mapped.py, is issue 33's decoder side)."""
+    present = importlib.util.find_spec("specdistill.decode.drafters.mapped") is not None
+    why = (
+        "decode/drafters/mapped.py is there but not wired into this check yet"
+        if present
+        else "decode/ has no mapped drafter yet"
+    )
+    return {"our_decoder": f"not checked ({why})"}
+
+
+def mapped_card(result: Any, distill: dict[str, Any] | None, gamma: int) -> str:
+    """README.md for a mapped export: what it is, how to serve it, the self-check."""
+    target, out = result.target, result.output_dir
+    data = (distill or {}).get("data") or {}
+    held = ""
+    if distill:
+        mode = "greedy" if (data.get("eval_sampling") or {}).get("temperature") == 0 else "T=1"
+        held = (
+            f"- held-out TLI acceptance ({mode}, through the mapping, on "
+            f"{data.get('eval_source')} completions, {data.get('eval_tokens')} tokens): "
+            f"{distill.get('alpha_before'):.3f} before distillation, "
+            f"{distill.get('best_alpha'):.3f} best (step {distill.get('best_step')})"
+        )
+    lines = [
+        "---",
+        "library_name: transformers",
+        "tags: [speculative-decoding, draft-model, specdistill, heterogeneous-vocabulary]",
+        "---",
+        "",
+        f"# {Path(out).name}: a drafter with its own tokenizer, aligned to {target}",
+        "",
+        f"A draft model for speculative decoding with **{target}** as the target. It keeps its "
+        f"own tokenizer ({result.source_vocab_size} rows): engines serve it through the "
+        f"vocabulary intersection ({result.mapped['intersection']} tokens spelled the same), "
+        "TLI in vLLM or text re-tokenisation in `transformers`. Lossless either way: the target "
+        "verifies every drafted token.",
+        "",
+        "## Provenance",
+        "",
+        f"- target: `{target}`",
+        f"- base drafter: `{result.base_drafter}`",
+        f"- exported from: `{result.drafter}` ({result.parameters:,} parameters, {result.dtype})",
+        *([held] if held else []),
+        "",
+        "## Use",
+        "",
+        "vLLM (TLI: the drafter reads the target's tokens mapped to its ids, drafts over the "
+        "intersection; greedy drafts):",
+        "",
+        "```python",
+        "from vllm import LLM",
+        f'llm = LLM(model="{target}", speculative_config={{"method": "draft_model", '
+        f'"model": "{out}", "use_heterogeneous_vocab": True, "num_speculative_tokens": {gamma}}})',
+        "```",
+        "",
+        "`transformers` (universal assisted generation: text re-tokenised between the two):",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'tok = AutoTokenizer.from_pretrained("{target}")',
+        f'target = AutoModelForCausalLM.from_pretrained("{target}")',
+        f'drafter = AutoModelForCausalLM.from_pretrained("{out}")',
+        f'drafter_tok = AutoTokenizer.from_pretrained("{out}")',
+        'inputs = tok("def fibonacci(n):", return_tensors="pt")',
+        "out = target.generate(**inputs, assistant_model=drafter, tokenizer=tok,",
+        "                      assistant_tokenizer=drafter_tok, max_new_tokens=64)",
+        "```",
+        "",
+        "## Self-check at export",
+        "",
+        *[f"- {k}: {v}" for k, v in result.check.items()],
+        "",
+    ]
+    return "\n".join(lines)
