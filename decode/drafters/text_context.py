@@ -54,6 +54,8 @@ class TextContextDrafter(MappedDrafter):
         """Keep each row's target tokens (the drafter reads their text at its first round, so
         a decode that never drafts never runs the drafter: `lazy` holds by construction)."""
         self.mask, self.dense = mask, dense
+        # the drafter reads the prompt's text within its first round: no separate prefill
+        self.prefill_seconds = 0.0
         b, plen = ids.shape
         self.rows: list[list[int]] = [ids[r, :-1][prompt_mask[r, :-1]].tolist() for r in range(b)]
         self.tlen = plen - 1  # slots in the target's cache (t goes at this slot)
