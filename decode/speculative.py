@@ -25,6 +25,7 @@ the decoder's own steps (target step, verify of k drafts, draft step).
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import torch
 
@@ -50,7 +51,8 @@ from specdistill.decode.config import (
 from specdistill.decode.draft_length import DraftCosts, make_policy, measure_costs, verify_widths
 from specdistill.decode.draft_length.policies import DraftLengthPolicy
 from specdistill.decode.draft_vocab import draft_vocab_of, subset_head
-from specdistill.decode.drafters import DRAFTERS, Drafter
+from specdistill.decode.drafters import DRAFTERS, Drafter, MappedVocab, mapped_drafter
+from specdistill.decode.drafters.mapped import check_mapped_decoding, check_mapped_pair
 from specdistill.decode.outputs import DecodeOutput, RoundRecord
 from specdistill.decode.step_timer import StepTimer
 from specdistill.decode.verify import RoundState, Verifier
@@ -71,10 +73,22 @@ class SpeculativeDecoder:
     """Draft with q (drafter), verify with p (target); lossless unless `lenience` < 1."""
 
     def __init__(
-        self, target, drafter, cfg: DecoderConfig, *, tokenizer_len: int | None = None
+        self,
+        target,
+        drafter,
+        cfg: DecoderConfig,
+        *,
+        tokenizer_len: int | None = None,
+        mapped: MappedVocab | None = None,
     ) -> None:
+        """mapped: the drafter's own vocabulary mapping (decode.drafters.mapped); None: shared."""
         check_decoder_config(cfg)
-        self.vocab = check_pair_for_decoding(target, drafter, tokenizer_len)
+        if mapped is None:
+            self.vocab = check_pair_for_decoding(target, drafter, tokenizer_len)
+        else:
+            check_mapped_decoding(cfg)
+            self.vocab = check_mapped_pair(target, drafter, mapped)
+        self.mapped = mapped
         check_rollback(target, "pair.target")
         check_rollback(drafter, "pair.drafter")
         self.target, self.drafter, self.cfg = target, drafter, cfg
@@ -97,7 +111,8 @@ class SpeculativeDecoder:
         self._costs = cfg.draft_costs
         self._measured: dict[int, DraftCosts] = {}  # by batch size
         self._policy: DraftLengthPolicy | None = None
-        self.drafting: Drafter = DRAFTERS[cfg.drafting](
+        kinds = DRAFTERS[cfg.drafting] if mapped is None else partial(mapped_drafter, mapped)
+        self.drafting: Drafter = kinds(
             drafter,
             vocab=self.vocab,
             sampling=cfg.sampling,

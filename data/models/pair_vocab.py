@@ -27,6 +27,7 @@ from specdistill.data.models.tokenizer_identity import (
 )
 from specdistill.data.models.vocab_mapping import (
     TokenizerSource,
+    VocabMapping,
     coverage,
     load_source,
     read_texts,
@@ -191,3 +192,22 @@ def refuse_mapped_early(pair: Any, stage: str) -> None:
             f"mapped), but the mapped-vocabulary drafter is not supported by the {stage} yet "
             "(issue 33): use a drafter with the target's tokenizer"
         )
+
+
+def pair_mapping(spec: Any) -> VocabMapping:
+    """The vocabulary mapping of a resolved mapped pair (a `PairSpec`), from tokenizer files
+    (built once per pair and cached: vocab_mapping.py)."""
+    trust = bool(spec.trust_remote_code)
+    t = load_source(
+        spec.tokenizer, field="pair.tokenizer", revision=spec.revision, trust_remote_code=trust
+    )
+    d = load_source(
+        spec.drafter_tokenizer or spec.drafter,
+        field="pair.drafter",
+        revision=spec.drafter_revision,
+        trust_remote_code=trust,
+    )
+    if t is None or d is None:
+        which = "pair.tokenizer" if t is None else "pair.drafter"
+        raise ConfigError(f"{which} has no tokenizer.json to build the vocabulary mapping from")
+    return vocab_mapping(t, d)

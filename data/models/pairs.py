@@ -58,10 +58,11 @@ def resolve_pair(pair: Any, *, stage: str = "this", mapped_ok: bool = False) -> 
         from specdistill.data.toy.world import ensure_toy_world
 
         world = ensure_toy_world(toy)
-        target = target or str(world.target_dir)
-        if get("drafter_layers") is None:  # else the drafter is built from the toy target
+        if not get("real"):  # with a packaged target (pair=smollm2-toy) the world is the drafter's
+            target = target or str(world.target_dir)
+            tokenizer = tokenizer or str(world.target_dir)
+        if get("drafter_layers") is None:  # else the drafter is built from the target
             drafter = drafter or str(world.drafter_dir)
-        tokenizer = tokenizer or str(world.target_dir)
     real, layers = get("real"), get("drafter_layers")
     if (
         real
@@ -185,13 +186,20 @@ def load_pair(
     spec: PairSpec, *, device="cpu", dtype: torch.dtype = torch.float32, target: bool = True
 ):
     """(target or None, drafter, tokenizer): tokenizers compared before any weights load,
-    then the vocabularies (logit rows) checked against each other."""
-    if spec.vocab == "mapped":  # never load a mapped pair as if its ids were shared
-        raise ConfigError(
-            f"pair.drafter={spec.drafter!r} has its own tokenizer (pair.vocab resolved to "
-            "mapped): loading a mapped-vocabulary pair is not supported yet (issue 33)"
-        )
+    then the vocabularies (logit rows) checked against each other. A mapped spec (the drafter
+    has its own tokenizer) loads both models, each checked against its own tokenizer; the
+    target's tokenizer is returned, the drafter's is `load_drafter_tokenizer(spec)`."""
     tok = load_tokenizer(spec)
+    if spec.vocab == "mapped":  # its own tokenizer: no id check, the mapping is the decoder's
+        d_tok = load_drafter_tokenizer(spec)
+        for role in ("target", "drafter"):  # both files checked before either loads
+            check_checkpoint_files(f"pair.{role}", getattr(spec, role))
+        drafter = load_role(spec, "drafter", dtype=dtype, device=device)
+        check_vocab(vocab_size(drafter), vocab_size(drafter), len(d_tok))
+        tgt = load_role(spec, "target", dtype=dtype, device=device) if target else None
+        if tgt is not None:
+            check_vocab(vocab_size(tgt), vocab_size(tgt), len(tok))
+        return tgt, drafter, tok
     if target:
         check_drafter_tokenizer(
             tok,
@@ -211,6 +219,21 @@ def load_pair(
     else:
         check_vocab(vocab_size(drafter), vocab_size(drafter), len(tok))
     return tgt, drafter, tok
+
+
+def load_drafter_tokenizer(spec: PairSpec):
+    """A mapped drafter's own tokenizer (`spec.drafter_tokenizer`, its folder by default)."""
+    from transformers import AutoTokenizer
+
+    name = spec.drafter_tokenizer or spec.drafter
+    try:
+        return AutoTokenizer.from_pretrained(
+            name, revision=spec.drafter_revision, trust_remote_code=spec.trust_remote_code
+        )
+    except OSError as e:
+        raise ConfigError(
+            f"pair.drafter={name!r}: its own tokenizer could not be loaded: {e}"
+        ) from e
 
 
 def vocab_size(model) -> int:

@@ -12,7 +12,9 @@ decoder step mode (`specdistill.decode.bench.modes`) and prints the modes side b
 `compare_draft` runs fixed gammas and the draft-length policies side by side
 (`specdistill.decode.bench.draft`), e.g. 'compare_draft=[1,2,4,8,auto,heuristic,confidence]';
 `compare_parallel=DIR` measures a parallel (PARD) drafter beside pair.drafter at each of
-`parallel_gammas` (`specdistill.decode.bench.parallel`).
+`parallel_gammas` (`specdistill.decode.bench.parallel`); `compare_drafters=[DIR|copy:5,...]`
+validates other drafters of the same target beside pair.drafter, a drafter with its own
+tokenizer included (`specdistill.decode.bench.drafters`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from omegaconf import DictConfig
 
 from specdistill.data.runtime import run_or_exit
 from specdistill.decode.bench.draft import run_draft
+from specdistill.decode.bench.drafters import run_drafters
 from specdistill.decode.bench.modes import run_modes
 from specdistill.decode.bench.parallel import run_parallel
 from specdistill.decode.validate.stage import main as validate_main
@@ -53,6 +56,14 @@ def _parallel_main(cfg: DictConfig) -> None:
     print(out)
 
 
+@hydra.main(config_path="pkg://specdistill.conf", config_name="validate", version_base="1.3")
+def _drafters_main(cfg: DictConfig) -> None:
+    run_or_exit(run_drafters, cfg)
+    out = Path(str(cfg.output_dir)).expanduser().absolute() / "drafters.md"
+    print(out.read_text(), end="")
+    print(out)
+
+
 def main() -> None:
     import sys
 
@@ -62,6 +73,8 @@ def main() -> None:
         _draft_main()
     elif any(a.startswith("compare_parallel=") and not a.endswith("=null") for a in sys.argv[1:]):
         _parallel_main()
+    elif any(a.startswith("compare_drafters=") and not a.endswith("=null") for a in sys.argv[1:]):
+        _drafters_main()
     else:
         validate_main()
 

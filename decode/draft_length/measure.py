@@ -73,7 +73,7 @@ def realized_overhead(
     cfg = dataclasses.replace(
         dec.cfg, draft_length="fixed", gamma=k, max_new_tokens=tokens, eos_token_id=()
     )
-    fixed = type(dec)(dec.target, dec.drafter, cfg, tokenizer_len=dec.vocab)
+    fixed = type(dec)(dec.target, dec.drafter, cfg, tokenizer_len=dec.vocab, mapped=dec.mapped)
     ratios = []
     for i in range(6):
         t0 = time.perf_counter()

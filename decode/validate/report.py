@@ -70,6 +70,7 @@ class ValidateResult:
     vllm: dict[str, Any] | None = None
     # long_prompts policy, prompt budget and how many prompts were truncated or skipped
     prompt_fit: dict[str, Any] = field(default_factory=dict)
+    vocab_mapping: dict[str, Any] | None = None  # mapped pairs: intersection, coverage, context
 
 
 def mode_value(v: dict[str, Any], mode: str, key: str) -> Any:
@@ -121,7 +122,18 @@ def report_markdown(r: ValidateResult) -> str:
         )
         if r.fixed_gamma_speedup is not None:
             rows.append((f"fixed gamma={r.gamma} beside it", f"{r.fixed_gamma_speedup}x"))
-    if r.hf_assisted:
+    if r.vocab_mapping:  # a drafter with its own tokenizer (decode/validate/mapped.py)
+        v = r.vocab_mapping
+        rows.append(
+            (
+                f"vocabulary mapping ({v['context']} context)",
+                f"{v['intersection']} of the drafter's {v['draft_vocab']} tokens shared; they cover "
+                f"{v['output_coverage']:.1%} of the target's output tokens",
+            )
+        )
+    if r.hf_assisted and r.hf_assisted.get("error"):
+        rows.append(("HF assisted generation", r.hf_assisted["error"]))
+    elif r.hf_assisted:
         h = r.hf_assisted
         rows.append(
             (

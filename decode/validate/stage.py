@@ -52,6 +52,7 @@ from specdistill.decode.speculative import (
     SpeculativeDecoder,
     check_decoder_config,
 )
+from specdistill.decode.validate.mapped import check_mapped_stage, load_mapped, mapping_figures
 from specdistill.decode.validate.modes import (
     both_modes,
     measure_other_mode,
@@ -133,6 +134,7 @@ class Setup:
     # skipped (`fit_prompt_set`); and each kept prompt's context-length bucket (long sets, else None).
     prompt_fit: dict[str, Any] = field(default_factory=dict)
     buckets: list[str | None] = field(default_factory=list)
+    mapped: Any = None  # MappedVocab: the drafter has its own tokenizer (decode/validate/mapped.py)
 
 
 def setup(cfg: DictConfig, gamma_room: int) -> Setup:
@@ -146,7 +148,7 @@ def setup(cfg: DictConfig, gamma_room: int) -> Setup:
     device = resolve_device(str(cfg.get("device", "auto")))
     set_threads(cfg.get("threads", "auto"), device)
     dtype = parse_dtype(str(cfg.get("dtype", "auto")), device)
-    spec = resolve_pair(cfg.pair, stage="validate")
+    spec = resolve_pair(cfg.pair, stage="validate", mapped_ok=True)
     # Check the decoder settings before loading anything heavy.
     check_decoder_config(decoder_config(dcfg, int(cfg.max_new_tokens), (), 1))
     if both_modes(cfg):
@@ -157,8 +159,10 @@ def setup(cfg: DictConfig, gamma_room: int) -> Setup:
     ):  # refuse an un-rollbackable cache before any weights load
         check_rollback_config(key, name, rev, spec.trust_remote_code)
     engines = parse_engines(cfg)
+    check_mapped_stage(cfg, spec, engines)
     vllm_settings = preflight(cfg, spec) if "vllm" in engines else None
     target, drafter, tok = load_pair(spec, device=device, dtype=dtype)
+    mapped = load_mapped(cfg, spec, target, drafter, tok)
     prompts = load_prompts(cfg.dataset, tok, default_split="test")
     if cfg.get("num_prompts"):
         prompts = prompts[: int(cfg.num_prompts)]
@@ -181,7 +185,7 @@ def setup(cfg: DictConfig, gamma_room: int) -> Setup:
     warm = _batches(rows[:1], tok.pad_token_id, 1)
     return Setup(
         spec, target, drafter, tok, device, dtype, eos, texts, batches, warm, engines,
-        vllm_settings, prompt_fit=fit, buckets=[p.bucket for p in prompts],
+        vllm_settings, prompt_fit=fit, buckets=[p.bucket for p in prompts], mapped=mapped,
     )  # fmt: skip
 
 
@@ -303,6 +307,7 @@ def run(cfg: DictConfig) -> ValidateResult:
             st.drafter,
             decoder_config(dc, int(cfg.max_new_tokens), st.eos, gamma),
             tokenizer_len=len(st.tok),
+            mapped=st.mapped,
         )
 
     t_warm = time.perf_counter()
@@ -339,9 +344,11 @@ def run(cfg: DictConfig) -> ValidateResult:
     hf = None
     if cfg.get("hf_assisted", True):
         hf = hf_assisted_speed(
-            st.target, st.drafter, st.tok, st.warm, st.batches, dec.cfg, repeats, base_out
-        )
-        hf["ours_over_hf"] = round(figures["speedup"] / hf["speedup"], 3)
+            st.target, st.drafter, st.tok, st.warm, st.batches, dec.cfg, repeats, base_out,
+            assistant_tokenizer=st.mapped.draft_tokenizer if st.mapped else None,
+        )  # fmt: skip
+        if hf.get("speedup"):
+            hf["ours_over_hf"] = round(figures["speedup"] / hf["speedup"], 3)
     vllm_figures = None
     if st.vllm_settings is not None:  # last: vLLM takes over the process's threads
         vllm_figures = in_vllm(cfg, st, dec, gamma, modes, base_out, notes)
@@ -367,6 +374,7 @@ def run(cfg: DictConfig) -> ValidateResult:
         engines=list(st.engines),
         vllm=vllm_figures,
         prompt_fit=st.prompt_fit,
+        vocab_mapping=mapping_figures(st.mapped, base_out.tokens),
     )
     result.wall_seconds = round(time.perf_counter() - t_start, 1)
     atomic_write_json(out_dir / "report.json", result)

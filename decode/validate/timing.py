@@ -119,9 +119,13 @@ def hf_assisted_speed(
     cfg: DecoderConfig,
     repeats: int,
     ours_baseline: DecodeOutput | None,
+    assistant_tokenizer=None,
 ) -> dict[str, Any]:
     """`generate()` alone vs `generate(assistant_model=drafter)` on the same prompts, batch 1
-    (HF assisted generation supports no more), HF's default assistant schedule."""
+    (HF assisted generation supports no more), HF's default assistant schedule. With
+    `assistant_tokenizer` (a drafter q with its own tokenizer) it is universal assisted
+    generation (`tokenizer=`, `assistant_tokenizer=`: text re-tokenized both ways); where
+    `transformers` refuses the setting (e.g. sampling) the figure is that one error line."""
     device = next(target.parameters()).device
     rows = [ids[j : j + 1, mask[j].bool()] for ids, mask in batches for j in range(ids.shape[0])]
     s = cfg.sampling
@@ -134,8 +138,12 @@ def hf_assisted_speed(
     if not s.greedy:
         kw |= {"temperature": s.temperature, "top_k": s.top_k or None, "top_p": s.top_p}
 
+    assist: dict[str, Any] = {"assistant_model": drafter}
+    if assistant_tokenizer is not None:
+        assist |= {"tokenizer": tok, "assistant_tokenizer": assistant_tokenizer}
+
     def one_pass(assisted: bool) -> tuple[float, list[list[int]]]:
-        extra = {"assistant_model": drafter} if assisted else {}
+        extra = assist if assisted else {}
         out, n = [], 0
         _sync(device)
         t0 = time.perf_counter()
@@ -150,7 +158,12 @@ def hf_assisted_speed(
 
     w = warm[0][0].to(device)
     target.generate(w, attention_mask=torch.ones_like(w), **kw)
-    target.generate(w, attention_mask=torch.ones_like(w), assistant_model=drafter, **kw)
+    try:
+        target.generate(w, attention_mask=torch.ones_like(w), **assist, **kw)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        if assistant_tokenizer is None:
+            raise
+        return {"speedup": None, "error": f"transformers refused: {str(e).splitlines()[0]}"}
     plain, assisted, plain_tokens = [], [], None
     for _ in range(repeats):
         r, toks = one_pass(False)
@@ -165,5 +178,6 @@ def hf_assisted_speed(
         "same_tokens": (plain_tokens == ours_baseline.tokens)
         if s.greedy and ours_baseline
         else None,
-        "schedule": "transformers default (assistant_model=drafter)",
+        "schedule": "transformers default (assistant_model=drafter)"
+        + (", universal (assistant_tokenizer=)" if assistant_tokenizer is not None else ""),
     }

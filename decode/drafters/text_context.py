@@ -1,0 +1,201 @@
+"""`decoder.mapped_context=text`: the drafter q reads the target's text, re-tokenized by its own
+tokenizer (what `transformers`' universal assisted generation, UAG, does), and drafts through the
+vocabulary mapping.
+
+p = target, q = drafter, k = drafts per round. Each round, every row's target tokens (prompt,
+emitted tokens, the pending token t) are decoded to text (special tokens skipped) and encoded by
+the drafter's tokenizer; the drafter's cache keeps the longest common prefix with what it holds
+(BPE may re-split the last tokens once more text follows) and reads the rest, then drafts k
+tokens one step at a time, feeding its own drafts back as its ids.
+
+Lossless in both serving modes, and why we do not re-tokenize the drafts: UAG decodes the
+drafter's tokens to text and re-tokenizes that by the target's tokenizer, so one drafted token
+may become zero, one or several target tokens and nothing gives q(x) for a target token x: the
+speculative sampling rule cannot be applied (UAG itself samples only greedily). Here each draft
+is drawn from q restricted to the intersection and moved into the target's ids, exactly as in
+`tli` mode (`drafters/mapped.py`): one drafter token is one target token, q is a distribution
+over the target's ids, and it depends only on the target's prefix (through its text) and the
+round's earlier drafts, so the acceptance rule stays exact for greedy and for sampling. What
+text mode changes is the context only: the drafter reads its own tokenization of the text (no
+unk for target tokens it lacks) instead of a token-by-token mapping. The price: a target token
+the drafter lacks can still not be drafted (text mode's context helps the drafts after it).
+
+Batches: rows re-tokenize to different lengths, so the drafter keeps its own slot mask; a row's
+discarded tokens become masked holes, new tokens are right-aligned in each feed, positions are
+each row's token index. When the cache would overflow, every row is read again from slot 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from specdistill.decode.cache import step_mask
+from specdistill.decode.draft_length.costs import chunk_widths
+from specdistill.decode.drafters.base import KeepDrafting, Proposal, confidences
+from specdistill.decode.drafters.mapped import MappedDrafter
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the common prefix of a and b, at most `limit`."""
+    n = 0
+    for x, y in zip(a, b):
+        if n >= limit or x != y:
+            break
+        n += 1
+    return n
+
+
+class TextContextDrafter(MappedDrafter):
+    """Text-mode context over the mapped drafter (see the module docstring)."""
+
+    def start(self, ids, prompt_mask, mask, dense, slots, lazy) -> None:
+        """Keep each row's target tokens (the drafter reads their text at its first round, so
+        a decode that never drafts never runs the drafter: `lazy` holds by construction)."""
+        self.mask, self.dense = mask, dense
+        b, plen = ids.shape
+        self.rows: list[list[int]] = [ids[r, :-1][prompt_mask[r, :-1]].tolist() for r in range(b)]
+        self.tlen = plen - 1  # slots in the target's cache (t goes at this slot)
+        self.pending: list[int] = []  # the round's t, per row (host)
+        self.cached: list[list[int]] = [[] for _ in range(b)]  # drafter ids held, per row
+        self.cslots: list[list[int]] = [[] for _ in range(b)]  # and their slots
+        self.fed: tuple[torch.Tensor, int, list[int]] | None = None  # drafts fed, not yet logged
+        longest = max(len(self._retokenize(row)) for row in self.rows)
+        self.runner = self.make_runner(2 * longest + 4 * (slots - plen) + 64)
+        self.dmask = torch.zeros(b, self.runner.capacity, dtype=torch.bool, device=self.device)
+
+    def _retokenize(self, target_ids: list[int]) -> list[int]:
+        text = self.mapped.target_tokenizer.decode(target_ids, skip_special_tokens=True)
+        out = self.mapped.draft_tokenizer.encode(text, add_special_tokens=False)
+        return list(out) or [self.mapped.draft_unk]
+
+    def _dforward(self, x: torch.Tensor, xpos: torch.Tensor | None, keep: int) -> torch.Tensor:
+        """Append drafter ids x to the drafter's cache; log q over the target's ids."""
+        width = self.runner.length + x.shape[1]
+        attn = None if self.dense else step_mask(self.runner, self.dmask, width)
+        return self.target_logits(self.runner.forward(x, attn, xpos, keep=keep))
+
+    def _log_fed(self) -> None:
+        """Record last round's drafts fed to the cache (one host copy, deferred to here)."""
+        if self.fed is None:
+            return
+        drafts, first, _ = self.fed
+        for r, row in enumerate(drafts.tolist()):
+            self.cached[r] += row
+            self.cslots[r] += range(first, first + len(row))
+        self.fed = None
+
+    def _read_context(self, t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Bring the drafter's cache to each row's re-tokenized text; the last position's log q
+        (B, 1, V) and each row's drafter length."""
+        self._log_fed()
+        self.pending = t.tolist()
+        news = [self._retokenize([*row, x]) for row, x in zip(self.rows, self.pending)]
+        b = len(news)
+        keep = [common_prefix(c, n, len(n) - 1) for c, n in zip(self.cached, news)]
+        kept_end = max((s[k - 1] + 1 if k else 0) for s, k in zip(self.cslots, keep))
+        widths = [len(n) - k for n, k in zip(news, keep)]
+        width = max(widths)
+        if kept_end + width + self.max_draft > self.runner.capacity:  # compact: read all again
+            keep, kept_end, widths = [0] * b, 0, [len(n) for n in news]
+            width = max(widths)
+            if width + self.max_draft > self.runner.capacity:
+                raise RuntimeError(
+                    f"text context of {width} drafter tokens exceeds the drafter cache "
+                    f"({self.runner.capacity} slots)"
+                )
+        self.runner.rollback(kept_end)
+        holes = [(r, s) for r in range(b) for s in self.cslots[r][keep[r] :] if s < kept_end]
+        self.dmask[:, kept_end:] = False
+        if holes:
+            rr, ss = zip(*holes)
+            self.dmask[list(rr), list(ss)] = False
+        x = torch.full((b, width), self.mapped.draft_unk, dtype=torch.long)
+        xpos = torch.zeros((b, width), dtype=torch.long)
+        for r in range(b):
+            m = widths[r]
+            x[r, width - m :] = torch.tensor(news[r][keep[r] :], dtype=torch.long)
+            xpos[r, width - m :] = torch.arange(keep[r], len(news[r]))
+            self.dmask[r, kept_end + width - m : kept_end + width] = True
+            self.cached[r] = news[r]
+            self.cslots[r] = self.cslots[r][: keep[r]] + list(
+                range(kept_end + width - m, kept_end + width)
+            )
+        x, xpos = x.to(self.device), xpos.to(self.device)
+        chunks = chunk_widths(width) if self._chunked and width > 2 else [width]
+        start = 0
+        for w in chunks:
+            cpos = None if self.dense else xpos[:, start : start + w]
+            logits = self._dforward(x[:, start : start + w], cpos, keep=1)
+            start += w
+        return logits, [len(n) for n in news]
+
+    def propose(
+        self,
+        t: torch.Tensor,
+        pos: torch.Tensor,
+        k: int,
+        generator: torch.Generator | None,
+        keep_drafting: KeepDrafting | None = None,
+    ) -> Proposal:
+        """Read the context as text, then k 1-token drafter steps (stopping early when
+        `keep_drafting` says so); drafts are target ids, fed back as the drafter's ids."""
+        logits, lengths = self._read_context(t)
+        want_q = keep_drafting is not None
+        first = self.runner.length
+        base_pos = torch.tensor(lengths, device=self.device)[:, None]
+        drafts, qs, confs, fed = [], [], [], []
+        for i in range(k):
+            d, q = self._draw(logits[:, -1], generator, want_q)
+            drafts.append(d)
+            if not self.sampling.greedy:
+                qs.append(q)
+            if want_q:
+                conf = confidences(q, d)
+                confs.append(conf)
+                if i + 1 < k and not keep_drafting(i + 1, conf):
+                    break
+            if i + 1 < k:
+                x = self.t2d[d][:, None]
+                fed.append(x)
+                if not self.dense:
+                    self.dmask[:, self.runner.length] = True
+                logits = self._dforward(x, None if self.dense else base_pos + i, keep=1)
+        if fed:
+            self.fed = (torch.cat(fed, 1), first, lengths)
+        self.drafted = len(drafts)
+        return Proposal(
+            tokens=torch.stack(drafts, 1),
+            q=torch.stack(qs, 1) if qs else None,
+            conf=[list(c) for c in zip(*confs)] or None,
+            forwards=len(drafts),
+        )
+
+    def skip(self, t: torch.Tensor, pos: torch.Tensor) -> None:
+        """A plain target step: t joins each row's target tokens (read as text next round)."""
+        for row, x in zip(self.rows, t.tolist()):
+            row.append(x)
+        self.tlen += 1
+
+    def accept(
+        self, drafts: torch.Tensor, accepted: int, new_length: int, pos: torch.Tensor
+    ) -> None:
+        """Each row keeps t and the drafts it accepted (the shared mask's verdict per row; the
+        whole batch's count at batch 1); the drafter's cache is reconciled next round."""
+        k = drafts.shape[1]
+        if self.dense:
+            counts = [new_length - self.tlen - 1]
+        else:
+            counts = self.mask[:, self.tlen + 1 : self.tlen + 1 + k].sum(1).tolist()
+        for row, x, d, n in zip(self.rows, self.pending, drafts.tolist(), counts):
+            row += [x, *d[:n]]
+        self.tlen = new_length
+
+    def warm_shapes(self, adaptive: bool) -> tuple[tuple[int, int], ...]:
+        """1-token drafts and the context reads: power-of-two chunks when compiled."""
+        return ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1))
+
+    def drafter_state(self) -> dict[str, Any]:
+        """Per-row drafter tokens held (tests)."""
+        return {"cached": [list(c) for c in self.cached], "rows": [list(r) for r in self.rows]}
