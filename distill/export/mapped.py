@@ -12,14 +12,13 @@ the target's tokenizer is not empty; then `generate(assistant_model=, tokenizer=
 assistant_tokenizer=)` (universal assisted generation, text-level) reproduces the target's
 greedy output on every prompt (lossless in the engine users have), and the greedy TLI agreement
 along the target's greedy continuation is recorded (the drafter reading the target's tokens
-mapped, its argmax over the intersection mapped back: what vLLM's TLI drafts). Nothing is
-decoded through our own decoder: its mapped drafter (`decode/drafters/mapped.py`) is being built
-for issue 33, and the check records that it was not run.
+mapped, its argmax over the intersection mapped back: what vLLM's TLI drafts), and our decoder
+with its mapped drafter (decode/drafters/mapped.py, TLI context) reproduces the target's greedy
+output too.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 from typing import Any
@@ -174,20 +173,40 @@ def self_check(
         "min_positions": min_positions,
         "device": str(device),
     }
-    found |= our_decoder_check()
+    found |= our_decoder_check(
+        target, drafter, mapping, target_tok, saved_tok, prompts, max_new_tokens
+    )
     return found
 
 
-def our_decoder_check() -> dict[str, str]:
-    """What the check says about our own decoder: nothing is decoded through it for a mapped
-    pair here (its mapped drafter, decode/drafters/mapped.py, is issue 33's decoder side)."""
-    present = importlib.util.find_spec("specdistill.decode.drafters.mapped") is not None
-    why = (
-        "decode/drafters/mapped.py is there but not wired into this check yet"
-        if present
-        else "decode/ has no mapped drafter yet"
-    )
-    return {"our_decoder": f"not checked ({why})"}
+def our_decoder_check(
+    target, drafter, mapping, target_tok, draft_tok, prompts: list[str], max_new_tokens: int
+) -> dict[str, Any]:
+    """Our decoder with the mapped drafter (decode/drafters/mapped.py, TLI context, greedy,
+    gamma 4) reproduces the target's greedy output on every prompt; its acceptance recorded."""
+    from specdistill.decode.drafters.mapped import make_mapped_vocab
+    from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
+
+    t_rows = int(target.get_output_embeddings().weight.shape[0])
+    d_rows = int(drafter.get_output_embeddings().weight.shape[0])
+    mv = make_mapped_vocab(mapping, t_rows, d_rows, draft_tokenizer=draft_tok)
+    eos = () if target_tok.eos_token_id is None else (int(target_tok.eos_token_id),)
+    cfg = DecoderConfig(gamma=4, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    dec = SpeculativeDecoder(target, drafter, cfg, tokenizer_len=len(target_tok), mapped=mv)
+    accepted = trials = 0
+    for text in prompts:
+        ids = torch.tensor([target_tok(text, add_special_tokens=False).input_ids])
+        ids = ids.to(next(target.parameters()).device)
+        out = dec.generate(ids)
+        plain = _greedy(target, ids, max_new_tokens, target_tok.pad_token_id)
+        if out.tokens[0] != plain:
+            _fail(f"our decoder with the mapped drafter diverged from the target on {text[:40]!r}")
+        accepted += out.accepted
+        trials += out.trials
+    return {
+        "our_decoder_tli_equals_target_greedy": f"{len(prompts)} prompts, gamma 4",
+        "our_decoder_tli_alpha_greedy": round(accepted / max(trials, 1), 3),
+    }
 
 
 def mapped_card(result: Any, distill: dict[str, Any] | None, gamma: int) -> str:

@@ -48,6 +48,7 @@ def test_mapped_export_keeps_its_tokenizer_and_says_how_to_serve(tmp_path, own_d
     check = meta["check"]
     assert check["universal_assisted_equals_target_greedy"].startswith("3 prompts")
     assert 0.0 <= check["tli_greedy_agreement"] <= 1.0 and check["vocab"] == "mapped"
+    assert check["our_decoder_tli_equals_target_greedy"] == "3 prompts, gamma 4"
 
 
 def test_mapped_export_refuses_vllm_validation_in_one_line(tmp_path, own_drafter):
