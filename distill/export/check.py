@@ -192,6 +192,23 @@ def check_parallel(
         gamma=4, max_new_tokens=max_new_tokens, drafting="parallel", eos_token_id=eos
     )
     dec = SpeculativeDecoder(target, drafter, dec_cfg, tokenizer_len=len(target_tok))
+    alpha = greedy_alpha_equal_to_target(
+        dec, target, target_tok, prompts, max_new_tokens,
+        lambda text, got, plain: f"parallel drafting gave {got[:12]}... but the target "
+        f"{plain[:12]}...",
+    )  # fmt: skip
+    return {
+        "mask_token_id": mask_token_id,
+        "parallel_drafting_equals_target_greedy": f"{len(prompts)} prompts, gamma 4",
+        "parallel_alpha_greedy": alpha,
+    }
+
+
+def greedy_alpha_equal_to_target(
+    dec, target, target_tok, prompts, max_new_tokens, failure
+) -> float:
+    """Decode each prompt with `dec` (greedy) and fail, with `failure(text, got, plain)`, unless
+    it equals the target's own greedy output; the decoder's acceptance rate over all prompts."""
     accepted = trials = 0
     for text in prompts:
         ids = torch.tensor([target_tok(text, add_special_tokens=False).input_ids])
@@ -199,11 +216,7 @@ def check_parallel(
         out = dec.generate(ids)
         plain = _greedy(target, ids, max_new_tokens, target_tok.pad_token_id)
         if out.tokens[0] != plain:
-            _fail(f"parallel drafting gave {out.tokens[0][:12]}... but the target {plain[:12]}...")
+            _fail(failure(text, out.tokens[0], plain))
         accepted += out.accepted
         trials += out.trials
-    return {
-        "mask_token_id": mask_token_id,
-        "parallel_drafting_equals_target_greedy": f"{len(prompts)} prompts, gamma 4",
-        "parallel_alpha_greedy": round(accepted / max(trials, 1), 3),
-    }
+    return round(accepted / max(trials, 1), 3)

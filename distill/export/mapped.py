@@ -28,7 +28,12 @@ import torch
 from specdistill.data.models.pairs import PairSpec, load_model, load_role
 from specdistill.data.models.vocab_mapping import load_source, read_source, vocab_mapping
 from specdistill.data.runtime import ConfigError
-from specdistill.distill.export.check import _fail, _greedy, check_config
+from specdistill.distill.export.check import (
+    _fail,
+    _greedy,
+    check_config,
+    greedy_alpha_equal_to_target,
+)
 from specdistill.distill.intersection import Intersection, served_argmax
 from specdistill.distill.train.mapped import draft_unk_id, map_ids, read_ids
 
@@ -193,19 +198,14 @@ def our_decoder_check(
     eos = () if target_tok.eos_token_id is None else (int(target_tok.eos_token_id),)
     cfg = DecoderConfig(gamma=4, max_new_tokens=max_new_tokens, eos_token_id=eos)
     dec = SpeculativeDecoder(target, drafter, cfg, tokenizer_len=len(target_tok), mapped=mv)
-    accepted = trials = 0
-    for text in prompts:
-        ids = torch.tensor([target_tok(text, add_special_tokens=False).input_ids])
-        ids = ids.to(next(target.parameters()).device)
-        out = dec.generate(ids)
-        plain = _greedy(target, ids, max_new_tokens, target_tok.pad_token_id)
-        if out.tokens[0] != plain:
-            _fail(f"our decoder with the mapped drafter diverged from the target on {text[:40]!r}")
-        accepted += out.accepted
-        trials += out.trials
+    alpha = greedy_alpha_equal_to_target(
+        dec, target, target_tok, prompts, max_new_tokens,
+        lambda text, got, plain: "our decoder with the mapped drafter diverged from the target "
+        f"on {text[:40]!r}",
+    )  # fmt: skip
     return {
         "our_decoder_tli_equals_target_greedy": f"{len(prompts)} prompts, gamma 4",
-        "our_decoder_tli_alpha_greedy": round(accepted / max(trials, 1), 3),
+        "our_decoder_tli_alpha_greedy": alpha,
     }
 
 
