@@ -166,32 +166,31 @@ def mapped_unsupported(stage: str, drafter: str, vocab: PairVocab) -> ConfigErro
     )
 
 
-def refuse_mapped_early(pair: Any, stage: str) -> None:
-    """For an orchestrator, before any stage runs: an explicit `pair.vocab=mapped` is refused at
-    once; `auto` only where both tokenizers are local folders (cheap to compare now); anything
-    else is left to the stages, which refuse it when they resolve the pair."""
+def resolves_to_mapped(pair: Any) -> bool:
+    """For an orchestrator, before any stage runs: True where the pair is known now to decode
+    through a mapping: `pair.vocab=mapped`, or `auto` with both tokenizers in local folders and
+    different (cheap to compare). Anything else is left to the stages, which resolve the pair
+    and refuse what they cannot run."""
     get = pair.get if hasattr(pair, "get") else lambda k, d=None: getattr(pair, k, d)
     mode, _, _ = vocab_settings(get)
-    if mode == "mapped":
-        raise ConfigError(
-            f"pair.vocab=mapped: the mapped-vocabulary drafter is not supported by the {stage} "
-            "yet (issue 33): use a drafter with the target's tokenizer (pair.vocab=shared or auto)"
-        )
+    if mode != "auto":
+        return mode == "mapped"
     drafter, tok = get("drafter"), get("tokenizer") or get("target")
-    if mode == "shared" or not drafter or not tok:
-        return
+    if not drafter:
+        return False
+    if not tok and get("toy") and not get("real"):  # the toy world's tokenizer, models unbuilt
+        from specdistill.data.toy.world import toy_tokenizer_dir
+
+        tok = str(toy_tokenizer_dir(str(get("toy"))))
+    if not tok:
+        return False
     d_dir, t_dir = local_folder(str(drafter)), local_folder(str(tok))
     if d_dir is None or t_dir is None:
-        return
+        return False
     from specdistill.data.models.vocab_mapping import read_source
 
     d, t = read_source(d_dir, str(drafter)), read_source(t_dir, str(tok))
-    if d is not None and t is not None and not _same(t, d):
-        raise ConfigError(
-            f"pair.drafter={str(drafter)!r} has its own tokenizer (pair.vocab=auto resolves to "
-            f"mapped), but the mapped-vocabulary drafter is not supported by the {stage} yet "
-            "(issue 33): use a drafter with the target's tokenizer"
-        )
+    return d is not None and t is not None and not _same(t, d)
 
 
 def pair_mapping(spec: Any) -> VocabMapping:

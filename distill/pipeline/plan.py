@@ -27,9 +27,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_text
-from specdistill.data.models.pair_vocab import refuse_mapped_early
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.compose import StageOverrides, compose_stage, config_module
+from specdistill.distill.pipeline.mapped_pairs import check_mapped_plan
 from specdistill.distill.pipeline.serving import (
     check_recipe,
     check_serving,
@@ -114,8 +114,6 @@ def build_plan(cfg: DictConfig) -> list[Step]:
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise ConfigError(f"stages={stages}: unknown {unknown}; choose from {list(STAGES)}")
-    if any(s != "generate" for s in stages):  # generate runs the target alone
-        refuse_mapped_early(cfg.pair, "pipeline's stages after generate")
     run_dir = Path(str(cfg.run_dir)).expanduser().absolute()
     seed = cfg.seed
     sv = serving_overrides(cfg)  # checked before anything is composed
@@ -202,6 +200,7 @@ def build_plan(cfg: DictConfig) -> list[Step]:
         list(results), "", config,
     )  # fmt: skip
     steps.append(report_step)
+    check_mapped_plan(cfg.pair, steps)  # before generate spends minutes on a hopeless pair
     return steps
 
 

@@ -309,20 +309,6 @@ def test_mapped_bare_drafter_is_refused(toy_tiny, tmp_path):
         resolve_pair({"toy": "toy-tiny", "drafter": str(bare), "vocab": "mapped"})
 
 
-def test_the_pipeline_refuses_a_mapped_pair_before_any_stage(toy_tiny, tmp_path):
-    from specdistill.data.models.pair_vocab import refuse_mapped_early
-
-    with pytest.raises(ConfigError, match="pair.vocab=mapped: .* not supported by the pipeline"):
-        refuse_mapped_early({"toy": "toy-tiny", "vocab": "mapped"}, "pipeline")
-    tok = fx.byte_level(fx.TEXT_A, 300, ["<|endoftext|>", "<|pad|>"])
-    d = _drafter_with(tok, toy_tiny, tmp_path / "d", **ROLES_A)
-    pair = {"target": str(toy_tiny.target_dir), "drafter": str(d)}
-    with pytest.raises(ConfigError, match="auto resolves to mapped"):
-        refuse_mapped_early(pair, "pipeline")
-    refuse_mapped_early(pair | {"vocab": "shared"}, "pipeline")  # the stages say it, as before
-    refuse_mapped_early({"toy": "toy-tiny"}, "pipeline")
-
-
 @pytest.mark.slow
 def test_smollm2_and_the_toy_drafter(tmp_path, monkeypatch):
     """The real cross-tokenizer pair (~25 s: SmolLM2's tokenizer read from its GGUF file, the

@@ -1,0 +1,39 @@
+"""What a pipeline over a mapped pair can run (a drafter q with its own tokenizer; issue 33).
+
+The stages resolve the pair themselves and refuse what they cannot run for a mapped pair, but
+generate runs first and costs minutes on the real pair: so the plan checks the same rules up
+front, on the configs the stages will get, and a hopeless run is one `error:` line before any
+step starts. Generate, distill (lmbda 0, autoregressive), validate and export run mapped pairs;
+online adaptation (its batches are drafter-generated, in the drafter's tokens) does not yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from specdistill.data.models.pair_vocab import resolves_to_mapped
+from specdistill.data.runtime import ConfigError
+from specdistill.distill.train.mapped import check_mapped_config
+
+
+def check_mapped_plan(pair: Any, steps: list[Any]) -> None:
+    """`steps`: the plan's Steps (stage, config). One `error:` line where a step cannot run the mapped pair (nothing for a shared pair)."""
+    if not resolves_to_mapped(pair):
+        return
+    for step in steps:
+        cfg = OmegaConf.create(step.config)
+        if step.stage == "online":
+            raise ConfigError(
+                "stages include online, but online adaptation of a drafter with its own "
+                "tokenizer (pair.vocab=mapped) is not supported yet (issue 33): drop online "
+                "from stages"
+            )
+        if step.stage == "distill":
+            check_mapped_config(cfg)  # lmbda, drafting, draft_vocab_train: distill's own lines
+        if step.stage == "export" and OmegaConf.select(cfg, "vllm.enabled"):
+            raise ConfigError(
+                "vllm=true: validating a drafter with its own tokenizer (pair.vocab=mapped) in "
+                "vLLM from the pipeline is not wired yet (issue 33); run with vllm=false"
+            )
