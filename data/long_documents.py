@@ -2,7 +2,7 @@
 
 Documents are the Python standard library's own modules (`documents: stdlib`, no download)
 or the long-text `document_field` of any jsonl/json/parquet file or hub dataset. Both are held
-out by document with the toy world's own rule (`specdistill.data.toy.world.is_held_out`: a
+out by document with the toy world's own rule (`specdistill.data.toy.corpus.is_held_out`: a
 module is in train or test, never both, and stdlib modules fall exactly as the toy world's
 prompts do), then cut and bucketed in the TARGET's tokens (`specdistill.data.long_prompts`).
 Rows carry `bucket` and `tokens` columns so reports can group by context length.
@@ -101,19 +101,21 @@ def long_settings(cfg: Any) -> dict[str, Any]:
 def stdlib_documents(split: str) -> list[tuple[str, str]]:
     """(module path, source) of the stdlib modules in the toy world's split: the very files
     `corpus_files` assigns to train or held-out (test)."""
-    from specdistill.data.toy.world import _read, _stdlib_dir, corpus_files
+    from specdistill.data.toy.corpus import corpus_files, read_source, stdlib_dir
 
     train, held = corpus_files()
-    base = _stdlib_dir()
+    base = stdlib_dir()
     paths = train if split == "train" else held
-    return [(p.relative_to(base).as_posix(), t) for p in paths if (t := _read(p)) and t.strip()]
+    return [
+        (p.relative_to(base).as_posix(), t) for p in paths if (t := read_source(p)) and t.strip()
+    ]
 
 
 def file_documents(s: dict[str, Any], split: str) -> list[tuple[str, str]]:
     """(document key, text) of a file or hub dataset's rows held out into `split` by the toy
     world's rule on the key (`id_field`'s value, else the row's index)."""
     from specdistill.data.dataset_rows import file_rows, hub_rows
-    from specdistill.data.toy.world import is_held_out
+    from specdistill.data.toy.corpus import is_held_out
 
     source, field = s["documents"], s["document_field"]
     node = {"path": s["path"], "name": s["name"], "split": None}

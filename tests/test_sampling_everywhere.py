@@ -170,8 +170,11 @@ def test_cli_bad_sampling_is_exit_2_and_one_line(
 def test_generate_record_keeps_its_layout_and_fingerprint(tmp_path):
     """generation_config.json's `sampling` is written as before the one spec, so a Seq-KD run
     made then still matches its fingerprint and resumes (greedy: neutral 1 / 0 / 1)."""
-    from specdistill.data.generate.stage import check_settings
+    from specdistill.data.generate.settings import GenerateSettings
     from tests.data.conftest import compose_generate
+
+    def check_settings(cfg):
+        return GenerateSettings.from_cfg(cfg).generation
 
     greedy = check_settings(compose_generate(tmp_path)).record()
     assert greedy == {"max_new_tokens": 6, "do_sample": False, "temperature": 1.0,

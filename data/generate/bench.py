@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import platform
 import time
-from pathlib import Path
 from typing import Any
 
 import hydra
@@ -33,15 +32,15 @@ from specdistill.data.generate.batched import (
     generation_config,
     split_completion,
 )
-from specdistill.data.generate.stage import (
-    check_settings,
+from specdistill.data.generate.fitted_prompts import (
     context_length,
     load_prepared_prompts,
     prompt_budget,
 )
+from specdistill.data.generate.settings import BenchSettings, GenerateSettings
 from specdistill.data.io import atomic_write_json
 from specdistill.data.models.pairs import load_role, load_tokenizer, resolve_pair
-from specdistill.data.runtime import ConfigError, eos_ids, parse_dtype, resolve_device, run_or_exit
+from specdistill.data.runtime import eos_ids, parse_dtype, resolve_device, run_or_exit
 
 log = logging.getLogger(__name__)
 
@@ -75,37 +74,26 @@ def _timed(fn: Any, repeats: int) -> tuple[Any, float]:
 
 def run_bench(cfg: DictConfig) -> dict[str, Any]:
     """Measure both paths on the same prompts; return the report (also written to JSON)."""
-    s = check_settings(cfg)
-    bench = cfg.bench
-    sizes = [int(b) for b in bench.batch_sizes]
-    if not sizes or min(sizes) <= 0:
-        raise ConfigError(f"bench.batch_sizes={sizes} must be positive integers, e.g. [1,8,32]")
-    if int(bench.num_prompts) <= 0:
-        raise ConfigError(f"bench.num_prompts={bench.num_prompts} must be positive, e.g. 64")
-    backends = [str(b) for b in bench.get("backends", ["hf"])]
-    if not set(backends) <= set(vllm_backend.BACKENDS) or "hf" not in backends:
-        raise ConfigError(f"bench.backends={backends} must be [hf] or [hf,vllm]")
-    engine_settings = vllm_backend.check_engine_settings(cfg.vllm) if "vllm" in backends else None
-    if engine_settings is not None:
+    s, b = GenerateSettings.from_cfg(cfg), BenchSettings.from_cfg(cfg)
+    if b.engine is not None:
         vllm_backend.require_vllm()
+    g = s.generation
     # Only the target runs here (its own tokens): a drafter with another tokenizer is fine.
     spec = resolve_pair(cfg.pair, mapped_ok=True)
-    device = resolve_device(str(cfg.device))
-    dtype = parse_dtype(str(cfg.dtype), device)
+    device = resolve_device(s.device)
+    dtype = parse_dtype(s.dtype, device)
     tokenizer = load_tokenizer(spec)
     model = load_role(spec, "target", dtype=dtype, device=device)
     budget = prompt_budget(
-        context_length(model.config, tokenizer), s.max_new_tokens, cfg.max_prompt_tokens
+        context_length(model.config, tokenizer), g.max_new_tokens, s.max_prompt_tokens
     )
-    prepared, _ = load_prepared_prompts(cfg, tokenizer, budget)
-    prepared = prepared[: int(bench.num_prompts)]
-    by_length = sorted(prepared, key=lambda p: (len(p.ids), p.index))  # as the stage batches
-    repeats = max(1, int(bench.get("repeats", 1)))
+    prepared, _ = load_prepared_prompts(cfg.dataset, tokenizer, budget, s.split, s.long_prompts)
+    prepared = prepared[: b.num_prompts]
 
-    torch.manual_seed(s.seed)
-    one_at_a_time(model, tokenizer, prepared[:2], s)  # warm-up (allocator, kernels)
-    torch.manual_seed(s.seed)
-    base, base_s = _timed(lambda: one_at_a_time(model, tokenizer, prepared, s), repeats)
+    torch.manual_seed(g.seed)
+    one_at_a_time(model, tokenizer, prepared[:2], g)  # warm-up (allocator, kernels)
+    torch.manual_seed(g.seed)
+    base, base_s = _timed(lambda: one_at_a_time(model, tokenizer, prepared, g), b.repeats)
     base_tokens = sum(map(len, base))
     baseline = {
         "seconds": round(base_s, 3),
@@ -113,11 +101,47 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
         "tokens_per_s": round(base_tokens / base_s, 1),
     }
     reference = {p.index: c for p, c in zip(prepared, base)}
+    rows_out = _bench_batched(model, tokenizer, prepared, g, b, baseline, reference)
+    vllm_entry = None
+    if b.engine is not None:
+        vllm_entry = _bench_vllm(spec, g, dtype, model, tokenizer, prepared, b.engine, b.repeats)
+        _compare_vllm(vllm_entry, g, baseline, rows_out, reference)
+    report = {
+        "target": spec.target,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "host": platform.node(),
+        "prompts": len(prepared),
+        "mean_prompt_tokens": round(sum(len(p.ids) for p in prepared) / len(prepared), 1),
+        "max_new_tokens": g.max_new_tokens,
+        "do_sample": g.do_sample,
+        "repeats": b.repeats,
+        "one_at_a_time": baseline,
+        "batched": rows_out,
+        **({"vllm": vllm_entry} if vllm_entry is not None else {}),
+    }
+    atomic_write_json(b.output, report)
+    return report
+
+
+def _bench_batched(
+    model: Any,
+    tokenizer: Any,
+    prepared: list[PreparedPrompt],
+    s: GenerationSettings,
+    b: BenchSettings,
+    baseline: dict[str, Any],
+    reference: dict[int, list[int]],
+) -> list[dict[str, Any]]:
+    """The stage's path at each of `bench.batch_sizes`, against the one-at-a-time baseline
+    (greedy: whether every completion is the baseline's, token for token)."""
+    by_length = sorted(prepared, key=lambda p: (len(p.ids), p.index))  # as the stage batches
     rows_out = []
-    for bs in sizes:
+    for bs in b.batch_sizes:
         torch.manual_seed(s.seed)
         (rows, tokens), secs = _timed(
-            lambda bs=bs: generate_rows(model, tokenizer, by_length, s, bs, topk=0), repeats
+            lambda bs=bs: generate_rows(model, tokenizer, by_length, s, bs, topk=0), b.repeats
         )
         tps = tokens / secs
         entry = {
@@ -132,42 +156,10 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
                 r["completion_ids"] == reference[r["prompt_index"]] for r in rows
             )
         rows_out.append(entry)
-    vllm_entry = None
-    if engine_settings is not None:
-        vllm_entry = _bench_vllm(cfg, spec, s, dtype, model, tokenizer, prepared, engine_settings)
-        vllm_entry["ratio_vs_one_at_a_time"] = round(
-            vllm_entry["tokens_per_s"] / baseline["tokens_per_s"], 2
-        )
-        best_hf = max(r["tokens_per_s"] for r in rows_out)
-        vllm_entry["ratio_vs_best_hf_batched"] = round(vllm_entry["tokens_per_s"] / best_hf, 2)
-        if not s.do_sample:
-            same = [
-                r["completion_ids"] == reference[r["prompt_index"]] for r in vllm_entry.pop("rows")
-            ]
-            vllm_entry["identical_to_one_at_a_time_share"] = round(sum(same) / len(same), 3)
-        else:
-            vllm_entry.pop("rows")
-    report = {
-        "target": spec.target,
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
-        "host": platform.node(),
-        "prompts": len(prepared),
-        "mean_prompt_tokens": round(sum(len(p.ids) for p in prepared) / len(prepared), 1),
-        "max_new_tokens": s.max_new_tokens,
-        "do_sample": s.do_sample,
-        "repeats": repeats,
-        "one_at_a_time": baseline,
-        "batched": rows_out,
-        **({"vllm": vllm_entry} if vllm_entry is not None else {}),
-    }
-    atomic_write_json(Path(str(bench.output)), report)
-    return report
+    return rows_out
 
 
 def _bench_vllm(
-    cfg: DictConfig,
     spec: Any,
     s: GenerationSettings,
     dtype: torch.dtype,
@@ -175,6 +167,7 @@ def _bench_vllm(
     tokenizer: Any,
     prepared: list[PreparedPrompt],
     settings: vllm_backend.EngineSettings,
+    repeats: int,
 ) -> dict[str, Any]:
     """The vLLM backend on the same prompts: engine start, warm-up, then best-of-N wall time."""
     need = max(len(p.ids) for p in prepared) + s.max_new_tokens
@@ -192,7 +185,6 @@ def _bench_vllm(
     start_s = time.perf_counter() - t
     eos = eos_ids(model.generation_config, tokenizer)
     vllm_backend.generate_rows_vllm(engine, tokenizer, prepared[:2], s, 0, eos)  # warm-up
-    repeats = max(1, int(cfg.bench.get("repeats", 1)))
     (rows, tokens), secs = _timed(
         lambda: vllm_backend.generate_rows_vllm(engine, tokenizer, prepared, s, 0, eos), repeats
     )
@@ -204,6 +196,24 @@ def _bench_vllm(
         "tokens_per_s": round(tokens / secs, 1),
         "rows": rows,
     }
+
+
+def _compare_vllm(
+    entry: dict[str, Any],
+    s: GenerationSettings,
+    baseline: dict[str, Any],
+    batched: list[dict[str, Any]],
+    reference: dict[int, list[int]],
+) -> None:
+    """vLLM's ratios to the baseline and the best hf batch size, in `entry`; its rows replaced
+    (greedy) by the share of completions token-identical to the baseline's."""
+    entry["ratio_vs_one_at_a_time"] = round(entry["tokens_per_s"] / baseline["tokens_per_s"], 2)
+    best_hf = max(r["tokens_per_s"] for r in batched)
+    entry["ratio_vs_best_hf_batched"] = round(entry["tokens_per_s"] / best_hf, 2)
+    rows = entry.pop("rows")
+    if not s.do_sample:
+        same = [r["completion_ids"] == reference[r["prompt_index"]] for r in rows]
+        entry["identical_to_one_at_a_time_share"] = round(sum(same) / len(same), 3)
 
 
 def format_report(report: dict[str, Any]) -> str:

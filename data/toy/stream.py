@@ -1,7 +1,7 @@
 """Prompt sources for online adaptation's shifted stream: stdlib parts the toy world never saw.
 
 The toy world trains both models on the stdlib's `.py` files, minus the folders in
-`specdistill.data.toy.world._SKIP_DIRS`, and draws every training prompt from them. Two kinds of
+`specdistill.data.toy.corpus.SKIP_DIRS`, and draws every training prompt from them. Two kinds of
 source lie outside that corpus:
 
 - code groups (`stdlib-tests`: CPython's regression suite `test/`; `stdlib-gui`: the tkinter
@@ -32,7 +32,8 @@ from pathlib import Path
 
 from specdistill.data.io import atomic_write_text
 from specdistill.data.runtime import specdistill_home
-from specdistill.data.toy.world import _prompt_set, _read, _stdlib_dir, read_jsonl
+from specdistill.data.toy.code_prompts import prompt_set, read_jsonl
+from specdistill.data.toy.corpus import read_source, stdlib_dir
 
 # Bump when an extraction below changes, so stale caches are not reused.
 STREAM_VERSION = 1  # code groups
@@ -76,7 +77,7 @@ _STRIDE_LINES = 6  # a new prompt window starts every this many lines
 
 def group_files(group: str) -> list[Path]:
     """A group's files, sorted (deterministic): `.py` for code groups, text for text groups."""
-    base = _stdlib_dir()
+    base = stdlib_dir()
     files: set[Path] = set()
     if group in STREAM_GROUPS:
         for package in STREAM_GROUPS[group]:
@@ -114,10 +115,10 @@ def text_prompts(text: str, module: str) -> list[dict]:
 
 
 def _text_prompt_set(paths: list[Path]) -> list[dict]:
-    base = _stdlib_dir()
+    base = stdlib_dir()
     rows: list[dict] = []
     for p in paths:
-        text = _read(p)
+        text = read_source(p)
         if text:
             rows.extend(text_prompts(text, p.relative_to(base).as_posix()))
 
@@ -135,6 +136,6 @@ def group_prompts(group: str) -> list[dict]:
     if cache.exists():
         return read_jsonl(cache)
     files = group_files(group)
-    rows = _prompt_set(files, _MAX_PROMPTS) if group in STREAM_GROUPS else _text_prompt_set(files)
+    rows = prompt_set(files, _MAX_PROMPTS) if group in STREAM_GROUPS else _text_prompt_set(files)
     atomic_write_text(cache, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return rows

@@ -14,8 +14,10 @@ import datasets
 import pytest
 import torch
 
-from specdistill.data.generate import batched
+from specdistill.data.generate import batched, fitted_prompts
 from specdistill.data.generate import stage as gen
+from specdistill.data.generate.settings import GenerateSettings
+from specdistill.data.generate.shard_processes import local_processes, usable_cores
 from specdistill.data.prompts import load_prompts
 from specdistill.data.runtime import ConfigError, eos_ids
 from specdistill.data.sampling import Sampling
@@ -44,7 +46,9 @@ def _prepared(tok, n: int, split: str = "test") -> list[batched.PreparedPrompt]:
     prompts = load_prompts(
         {"source": "toy", "toy": "toy-tiny", "limit": n}, tok, default_split=split
     )
-    prepared, _ = gen.prepare_prompts(prompts, tok, 400, "truncate", add_special_tokens=True)
+    prepared, _ = fitted_prompts.prepare_prompts(
+        prompts, tok, 400, "truncate", add_special_tokens=True
+    )
     return prepared
 
 
@@ -311,15 +315,16 @@ def test_local_processes_split_the_prompts_and_match_one_process(generate_cfg, t
 
 
 def test_processes_setting(generate_cfg):
-    assert gen.local_processes(generate_cfg("processes=3")) == 3
-    assert gen.local_processes(generate_cfg("processes=auto", "device=cpu")) == min(
-        gen.usable_cores(), 8
-    )
-    assert 1 <= gen.usable_cores() <= (os.cpu_count() or 1)
+    def processes(*overrides: str) -> int:
+        return local_processes(GenerateSettings.from_cfg(generate_cfg(*overrides)))
+
+    assert processes("processes=3") == 3
+    assert processes("processes=auto", "device=cpu") == min(usable_cores(), 8)
+    assert 1 <= usable_cores() <= (os.cpu_count() or 1)
     # an explicit shard (a Slurm array task, a launcher rank) is one process already
-    assert gen.local_processes(generate_cfg("processes=2", "shard.index=0", "shard.count=2")) == 1
+    assert processes("processes=2", "shard.index=0", "shard.count=2") == 1
     for bad in ("processes=0", "processes=two"):
         with pytest.raises(ConfigError, match="processes="):
-            gen.local_processes(generate_cfg(bad))
+            processes(bad)
     with pytest.raises(ConfigError, match="backend=vllm"):
-        gen.local_processes(generate_cfg("processes=2", "backend=vllm"))
+        processes("processes=2", "backend=vllm")

@@ -30,7 +30,8 @@ from specdistill.data.long_prompts import (
 )
 from specdistill.data.prompts import load_prompts
 from specdistill.data.runtime import ConfigError
-from specdistill.data.toy.world import _stdlib_dir, corpus_files, is_held_out, toy_prompts
+from specdistill.data.toy.corpus import corpus_files, is_held_out, stdlib_dir
+from specdistill.data.toy.world import toy_prompts
 
 SMALL = {"source": "long", "buckets": ["0-256", "256-1k", "1k-2k"], "per_bucket": 3}
 
@@ -127,7 +128,7 @@ def test_max_tokens_caps_the_prompts(tok, test_docs):
 
 
 def test_modules_are_held_out_with_the_toy_worlds_split(rows, test_docs):
-    base = _stdlib_dir()
+    base = stdlib_dir()
     train_paths, held_paths = corpus_files()
     held = {p.relative_to(base).as_posix() for p in held_paths}
     train = {m for m, _ in stdlib_documents("train")}

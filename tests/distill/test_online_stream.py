@@ -22,12 +22,12 @@ from specdistill.distill.online.stream import boundaries, parse_stream, plan_req
 def test_stream_groups_are_disjoint_and_outside_the_toy_corpus(toy_tiny):
     """No group shares a file with another, with the toy world's corpus (train or held-out,
     so with no training prompt either) or a prompt text with the training prompts."""
-    from specdistill.data.toy.world import _SKIP_DIRS, _stdlib_dir, corpus_files
+    from specdistill.data.toy.corpus import SKIP_DIRS, corpus_files, stdlib_dir
 
     train_rows = read_jsonl(toy_tiny.train_prompts)
     train_modules = {r["module"] for r in train_rows}
     train_texts = {r["prompt"] for r in train_rows}
-    base = _stdlib_dir()
+    base = stdlib_dir()
     train_files, held_files = corpus_files()
     corpus = {p.relative_to(base).as_posix() for p in [*train_files, *held_files]}
     seen: set[str] = set()
@@ -44,7 +44,7 @@ def test_stream_groups_are_disjoint_and_outside_the_toy_corpus(toy_tiny):
         if group in TEXT_GROUPS:
             assert all(not f.endswith(".py") for f in files), group  # the corpus is *.py only
         else:
-            assert {m.split("/")[0] for m in modules} <= set(STREAM_GROUPS[group]) <= _SKIP_DIRS
+            assert {m.split("/")[0] for m in modules} <= set(STREAM_GROUPS[group]) <= SKIP_DIRS
 
 
 def test_text_prompts_are_whole_lines_without_a_trailing_newline():
