@@ -35,6 +35,27 @@ def _strip(tokens: list[int], eos: Sequence[int]) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] in eos else tokens
 
 
+def _beside_ours(row: dict[str, Any], mine: dict[str, Any], mode: str) -> str | None:
+    """Our decoder's figures in vLLM's `row` of `mode`, both acceptances on one footing
+    (agreement.py); the note when they disagree beyond sampling noise. Nothing without our
+    per-position counts (`mine`: our row of `modes`)."""
+    if mine.get("trials_at") is None:
+        return None
+    acc = Acceptance.from_ours(mine["accepted_at"], mine["trials_at"])
+    vacc = Acceptance.from_vllm(row["counters"]["drafts"], row["counters"]["per_pos"])
+    agree = agreement(acc, vacc)
+    row["ours"] = acc.figures() | {
+        "rounds_accepted": f"{acc.rounds} / {acc.accepted}",
+        "tau": mine.get("tau"),
+        "alpha": mine.get("alpha"),
+        "speedup": mine.get("speedup"),
+        "target_only_tokens_per_s": mine.get("baseline_tokens_per_s"),
+        "speculative_tokens_per_s": mine.get("speculative_tokens_per_s"),
+    }
+    row["agreement"] = agree.as_dict()
+    return agreement_note(mode, agree)
+
+
 def validate_in_vllm(
     spec: PairSpec,
     settings: EngineSettings,
@@ -76,23 +97,9 @@ def validate_in_vllm(
                 row["engine_defect"] = defect
                 notes.append(f"{mode}: {defect}")
             plain_tokens = row.pop("plain_tokens")
-            mine = ours.get(mode) or {}
-            if mine.get("trials_at") is not None:
-                acc = Acceptance.from_ours(mine["accepted_at"], mine["trials_at"])
-                vacc = Acceptance.from_vllm(row["counters"]["drafts"], row["counters"]["per_pos"])
-                agree = agreement(acc, vacc)
-                row["ours"] = acc.figures() | {
-                    "rounds_accepted": f"{acc.rounds} / {acc.accepted}",
-                    "tau": mine.get("tau"),
-                    "alpha": mine.get("alpha"),
-                    "speedup": mine.get("speedup"),
-                    "target_only_tokens_per_s": mine.get("baseline_tokens_per_s"),
-                    "speculative_tokens_per_s": mine.get("speculative_tokens_per_s"),
-                }
-                row["agreement"] = agree.as_dict()
-                note = agreement_note(mode, agree)
-                if note:
-                    notes.append(note)
+            note = _beside_ours(row, ours.get(mode) or {}, mode)
+            if note:
+                notes.append(note)
             if s.greedy and ours_greedy_tokens is not None:
                 same = sum(
                     _strip(a, eos) == _strip(b, eos)

@@ -21,12 +21,82 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
-def usage_command(drafter: str, target: str, report: dict[str, Any] | None) -> str:
-    """One line that serves the pair with `transformers` assisted generation."""
+def usage_command(drafter: str, target: str, *, own_tokenizer: bool = False) -> str:
+    """One line that serves the pair with `transformers` assisted generation (universal assisted
+    generation, with both tokenizers, for a drafter with its own tokenizer)."""
+    tokenizers = (
+        f", tokenizer=AutoTokenizer.from_pretrained({target!r}), "
+        f"assistant_tokenizer=AutoTokenizer.from_pretrained({drafter!r})"
+        if own_tokenizer
+        else ""
+    )
     return (
         f"AutoModelForCausalLM.from_pretrained({target!r}).generate(**inputs, "
-        f"assistant_model=AutoModelForCausalLM.from_pretrained({drafter!r}))"
+        f"assistant_model=AutoModelForCausalLM.from_pretrained({drafter!r}){tokenizers})"
     )
+
+
+def front_matter(tags: str) -> list[str]:
+    """The card's YAML header, which the Hub reads for the library and the tags."""
+    return ["---", "library_name: transformers", f"tags: [{tags}]", "---", ""]
+
+
+def provenance(result: Any) -> list[str]:
+    """Where the exported weights came from (result: an ExportResult)."""
+    return [
+        "## Provenance",
+        "",
+        f"- target: `{result.target}`",
+        f"- base drafter: `{result.base_drafter}`",
+        f"- exported from: `{result.drafter}` ({result.parameters:,} parameters, {result.dtype})",
+    ]
+
+
+def _python(value: Any) -> str:
+    """A value as the card's Python writes it: strings double-quoted (as in the engines' docs,
+    unescaped, like the paths around them), True and numbers as Python spells them."""
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def vllm_usage(target: str, config: dict[str, Any], *, imports: bool = True) -> list[str]:
+    """A Python block that starts vLLM with this drafter (`config`: its speculative_config)."""
+    items = ", ".join(f'"{k}": {_python(v)}' for k, v in config.items())
+    return [
+        "```python",
+        *(["from vllm import LLM"] if imports else []),
+        f'llm = LLM(model="{target}", speculative_config={{{items}}})',
+        "```",
+    ]
+
+
+def transformers_usage(target: str, drafter: str, *, own_tokenizer: bool = False) -> list[str]:
+    """A Python block of `transformers` assisted generation with this drafter; with its own
+    tokenizer, universal assisted generation (both tokenizers)."""
+    if own_tokenizer:
+        load = [f'drafter_tok = AutoTokenizer.from_pretrained("{drafter}")']
+        call = [
+            "out = target.generate(**inputs, assistant_model=drafter, tokenizer=tok,",
+            "                      assistant_tokenizer=drafter_tok, max_new_tokens=64)",
+        ]
+    else:
+        load = []
+        call = ["out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=64)"]
+    return [
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'tok = AutoTokenizer.from_pretrained("{target}")',
+        f'target = AutoModelForCausalLM.from_pretrained("{target}")',
+        f'drafter = AutoModelForCausalLM.from_pretrained("{drafter}")',
+        *load,
+        'inputs = tok("def fibonacci(n):", return_tensors="pt")',
+        *call,
+        "```",
+    ]
+
+
+def self_check_section(check: dict[str, Any]) -> list[str]:
+    """What the self-check found on the written folder, one line a finding."""
+    return ["## Self-check at export", "", *[f"- {k}: {v}" for k, v in check.items()], ""]
 
 
 def _figures(report: dict[str, Any]) -> list[str]:
@@ -88,6 +158,8 @@ def parallel_section(result: Any, target: str, gamma: int) -> list[str]:
     mask_id = (result.check or {}).get("mask_token_id")
     if mask_id is None:
         return []
+    vllm = {"model": result.output_dir, "method": "draft_model", "parallel_drafting": True}
+    vllm["num_speculative_tokens"] = gamma
     return [
         "## Parallel drafting (PARD)",
         "",
@@ -100,10 +172,7 @@ def parallel_section(result: Any, target: str, gamma: int) -> list[str]:
         "",
         "vLLM:",
         "",
-        "```python",
-        f'llm = LLM(model="{target}", speculative_config={{"model": "{result.output_dir}", '
-        f'"method": "draft_model", "parallel_drafting": True, "num_speculative_tokens": {gamma}}})',
-        "```",
+        *vllm_usage(target, vllm, imports=False),
         "",
         "TensorRT-LLM: `PARDDecodingConfig(speculative_model=..., max_draft_len="
         f"{gamma}, mask_token_id={mask_id})`.",
@@ -114,30 +183,9 @@ def parallel_section(result: Any, target: str, gamma: int) -> list[str]:
     ]
 
 
-def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, Any] | None) -> str:
-    """README.md for the exported folder (result: an ExportResult)."""
-    name = Path(result.output_dir).name
-    target = result.target
-    gamma = int(report["gamma"]) if report else DEFAULT_GAMMA
-    lines = [
-        "---",
-        "library_name: transformers",
-        "tags: [speculative-decoding, draft-model, specdistill]",
-        "---",
-        "",
-        f"# {name}: a drafter aligned to {target}",
-        "",
-        f"A draft model for speculative decoding with **{target}** as the target. It shares the "
-        f"target's tokenizer, vocabulary size ({result.vocab_size}), special token ids and "
-        "generation config, so engines accept the pair as is. Speculative decoding with it is "
-        "lossless: the target verifies every drafted token.",
-        "",
-        "## Provenance",
-        "",
-        f"- target: `{target}`",
-        f"- base drafter: `{result.base_drafter}`",
-        f"- exported from: `{result.drafter}` ({result.parameters:,} parameters, {result.dtype})",
-    ]
+def _exported_rows(result: Any) -> list[str]:
+    """Provenance lines on what the export changed in the drafter's rows and head."""
+    lines = []
     if result.source_vocab_size != result.vocab_size:
         lines.append(
             f"- vocabulary rows {result.source_vocab_size} -> {result.vocab_size}: padding rows "
@@ -159,71 +207,95 @@ def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, An
             "draft vocabulary; sampled drafts there can (each outside row weighs an average kept "
             "token): serve greedy, or with specdistill's decoder"
         )
-    if distill:
-        loss = distill.get("loss") or {}
-        data = distill.get("data") or {}
-        lines += [
-            f"- distillation: loss `{loss.get('name', loss.get('_target_', loss))}`, "
-            f"{distill.get('steps')} steps, {distill.get('tokens')} tokens, lmbda (on-policy "
-            f"share) {distill.get('lmbda')}, {distill.get('world_size')} process(es)",
-            f"- data: `{data.get('path') or 'n/a'}` ({data.get('train_examples')} rows; "
-            f"target-generated Seq-KD data when a path is given; reference completions: "
-            f"{data.get('reference')})",
-            f"- held-out alpha (expected acceptance sum_x min(p, q) at temperature "
-            f"1 on {data.get('eval_source', 'reference')} completions, {data.get('eval_tokens')} "
-            f"tokens): {_fmt(distill.get('alpha_before'))} before, "
-            f"{_fmt(distill.get('alpha_after'))} after",
-        ]
-    lines += ["", "## Measured", ""]
-    if report:
-        lines += [
-            f"Measured by `specdistill.decode.validate.stage` on {report.get('prompts')} held-out prompts "
-            f"x {report.get('max_new_tokens')} new tokens, batch {report.get('batch_size')}, "
-            f"on {report.get('device')} in {report.get('dtype')}, median of "
-            f"{report.get('repeats')} timed repeats. alpha is the decode-time acceptance rate of "
-            "drafted tokens; greedy figures come from greedy decoding, the temperature-1 ones "
-            "from sampling at temperature 1.",
-            "",
-            *_figures(report),
-        ]
-    else:
-        lines.append("No validate report was given to the export: no figures.")
-    lines += [
+    return lines
+
+
+def _distillation(distill: dict[str, Any] | None) -> list[str]:
+    """Provenance lines from the distill stage's result.json (none without one)."""
+    if not distill:
+        return []
+    loss = distill.get("loss") or {}
+    data = distill.get("data") or {}
+    return [
+        f"- distillation: loss `{loss.get('name', loss.get('_target_', loss))}`, "
+        f"{distill.get('steps')} steps, {distill.get('tokens')} tokens, lmbda (on-policy "
+        f"share) {distill.get('lmbda')}, {distill.get('world_size')} process(es)",
+        f"- data: `{data.get('path') or 'n/a'}` ({data.get('train_examples')} rows; "
+        f"target-generated Seq-KD data when a path is given; reference completions: "
+        f"{data.get('reference')})",
+        f"- held-out alpha (expected acceptance sum_x min(p, q) at temperature "
+        f"1 on {data.get('eval_source', 'reference')} completions, {data.get('eval_tokens')} "
+        f"tokens): {_fmt(distill.get('alpha_before'))} before, "
+        f"{_fmt(distill.get('alpha_after'))} after",
+    ]
+
+
+def _measured(report: dict[str, Any] | None) -> list[str]:
+    """The validate report's figures, with how they were measured."""
+    lines = ["", "## Measured", ""]
+    if not report:
+        return [*lines, "No validate report was given to the export: no figures."]
+    return [
+        *lines,
+        f"Measured by `specdistill.decode.validate.stage` on {report.get('prompts')} held-out prompts "
+        f"x {report.get('max_new_tokens')} new tokens, batch {report.get('batch_size')}, "
+        f"on {report.get('device')} in {report.get('dtype')}, median of "
+        f"{report.get('repeats')} timed repeats. alpha is the decode-time acceptance rate of "
+        "drafted tokens; greedy figures come from greedy decoding, the temperature-1 ones "
+        "from sampling at temperature 1.",
         "",
-        *_vllm_section(result.vllm),
+        *_figures(report),
+    ]
+
+
+def _serving(target: str, drafter: str, gamma: int) -> list[str]:
+    """How to serve the pair in `transformers`, vLLM and SGLang."""
+    return [
         "## Use",
         "",
         "`transformers`:",
         "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f'tok = AutoTokenizer.from_pretrained("{target}")',
-        f'target = AutoModelForCausalLM.from_pretrained("{target}")',
-        f'drafter = AutoModelForCausalLM.from_pretrained("{result.output_dir}")',
-        'inputs = tok("def fibonacci(n):", return_tensors="pt")',
-        "out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=64)",
-        "```",
+        *transformers_usage(target, drafter),
         "",
         "vLLM (draft-model speculative decoding):",
         "",
-        "```python",
-        "from vllm import LLM",
-        f'llm = LLM(model="{target}", speculative_config={{"model": "{result.output_dir}", '
-        f'"method": "draft_model", "num_speculative_tokens": {gamma}}})',
-        "```",
+        *vllm_usage(
+            target,
+            {"model": drafter, "method": "draft_model", "num_speculative_tokens": gamma},
+        ),
         "",
         "SGLang (standalone draft model):",
         "",
         "```bash",
         f"python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE "
-        f"--speculative-draft-model-path {result.output_dir} --speculative-num-steps {gamma} "
+        f"--speculative-draft-model-path {drafter} --speculative-num-steps {gamma} "
         f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}",
         "```",
         "",
+    ]
+
+
+def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, Any] | None) -> str:
+    """README.md for the exported folder (result: an ExportResult)."""
+    target = result.target
+    gamma = int(report["gamma"]) if report else DEFAULT_GAMMA
+    lines = [
+        *front_matter("speculative-decoding, draft-model, specdistill"),
+        f"# {Path(result.output_dir).name}: a drafter aligned to {target}",
+        "",
+        f"A draft model for speculative decoding with **{target}** as the target. It shares the "
+        f"target's tokenizer, vocabulary size ({result.vocab_size}), special token ids and "
+        "generation config, so engines accept the pair as is. Speculative decoding with it is "
+        "lossless: the target verifies every drafted token.",
+        "",
+        *provenance(result),
+        *_exported_rows(result),
+        *_distillation(distill),
+        *_measured(report),
+        "",
+        *_vllm_section(result.vllm),
+        *_serving(target, result.output_dir, gamma),
         *parallel_section(result, target, gamma),
-        "## Self-check at export",
-        "",
-        *[f"- {k}: {v}" for k, v in result.check.items()],
-        "",
+        *self_check_section(result.check),
     ]
     return "\n".join(lines)

@@ -69,6 +69,67 @@ def _greedy(target, ids: torch.Tensor, max_new_tokens: int, pad_id: int | None, 
     return out[0, ids.shape[1] :].tolist()
 
 
+def check_reloaded(
+    drafter, *, expect_vocab: int, expect_dtype: torch.dtype, min_positions: int | None
+) -> bool:
+    """config.json, the weights' dtype, the head's rows and its tying as reloaded; whether the
+    head is tied."""
+    check_config(
+        drafter.config,
+        expect_vocab=expect_vocab,
+        expect_dtype=expect_dtype,
+        min_positions=min_positions,
+    )
+    if drafter.dtype != expect_dtype:
+        _fail(f"reloaded weights are {drafter.dtype}, expected {expect_dtype}")
+    if int(drafter.get_output_embeddings().weight.shape[0]) != expect_vocab:
+        _fail("the LM head's rows do not match config.json vocab_size")
+    tied = bool(getattr(drafter.config, "tie_word_embeddings", False))
+    same = drafter.get_output_embeddings().weight.data_ptr() == (
+        drafter.get_input_embeddings().weight.data_ptr()
+    )
+    if tied != same:
+        _fail(f"tie_word_embeddings={tied} but the reloaded head and embedding tied={same}")
+    return tied
+
+
+def logit_drift(drafter, probe: torch.Tensor, reference_logits: torch.Tensor) -> float:
+    """The largest change of a real token's logit on the probe since before the export (the
+    written weights must be the drafter's); fails beyond float noise."""
+    drafter.eval()
+    with torch.no_grad():
+        logits = drafter(probe).logits[0, :, : reference_logits.shape[-1]].float()
+    drift = float((logits - reference_logits).abs().max())
+    if drift > 1e-4 * max(1.0, float(reference_logits.abs().max())):
+        _fail(f"real-token logits changed by {drift:.3g} after export")
+    return drift
+
+
+def pad_id(target_tok) -> int | None:
+    """The pad id `generate` is given: the tokenizer's pad token, else its eos."""
+    return (
+        target_tok.pad_token_id if target_tok.pad_token_id is not None else target_tok.eos_token_id
+    )
+
+
+def assisted_equals_greedy(
+    target, target_tok, text: str, max_new_tokens: int, device: torch.device, call: str, **assist
+) -> tuple[torch.Tensor, list[int]]:
+    """`generate` with the exported drafter as assistant (`assist`) reproduces the target's own
+    greedy output on `text`, or fails naming `call`; (prompt ids, that output)."""
+    pad = pad_id(target_tok)
+    ids = torch.tensor([target_tok(text, add_special_tokens=False).input_ids], device=device)
+    with torch.no_grad():
+        plain = _greedy(target, ids, max_new_tokens, pad)
+        assisted = _greedy(target, ids, max_new_tokens, pad, **assist)
+    if plain != assisted:
+        _fail(
+            f"{call} gave {assisted[:12]}... but the target alone {plain[:12]}... on prompt "
+            f"{text[:40]!r}"
+        )
+    return ids, plain
+
+
 def self_check(
     folder: Path,
     spec: PairSpec,
@@ -89,46 +150,20 @@ def self_check(
     from transformers import AutoModelForCausalLM
 
     drafter = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto")
-    check_config(
-        drafter.config,
-        expect_vocab=expect_vocab,
-        expect_dtype=expect_dtype,
-        min_positions=min_positions,
+    tied = check_reloaded(
+        drafter, expect_vocab=expect_vocab, expect_dtype=expect_dtype, min_positions=min_positions
     )
-    if drafter.dtype != expect_dtype:
-        _fail(f"reloaded weights are {drafter.dtype}, expected {expect_dtype}")
-    if int(drafter.get_output_embeddings().weight.shape[0]) != expect_vocab:
-        _fail("the LM head's rows do not match config.json vocab_size")
-    tied = bool(getattr(drafter.config, "tie_word_embeddings", False))
-    same = drafter.get_output_embeddings().weight.data_ptr() == (
-        drafter.get_input_embeddings().weight.data_ptr()
-    )
-    if tied != same:
-        _fail(f"tie_word_embeddings={tied} but the reloaded head and embedding tied={same}")
     check_tokenizer(folder, target_tok)
-    drafter.eval()
-    with torch.no_grad():
-        logits = drafter(probe).logits[0, :, : reference_logits.shape[-1]].float()
-    drift = float((logits - reference_logits).abs().max())
-    if drift > 1e-4 * max(1.0, float(reference_logits.abs().max())):
-        _fail(f"real-token logits changed by {drift:.3g} after export")
+    drift = logit_drift(drafter, probe, reference_logits)
 
     target = load_role(spec, "target", dtype=target_dtype, device=device)
     drafter = drafter.to(device)
-    pad = (
-        target_tok.pad_token_id if target_tok.pad_token_id is not None else target_tok.eos_token_id
-    )
     same_tokens = 0
     for text in prompts:
-        ids = torch.tensor([target_tok(text, add_special_tokens=False).input_ids], device=device)
-        with torch.no_grad():
-            plain = _greedy(target, ids, max_new_tokens, pad)
-            assisted = _greedy(target, ids, max_new_tokens, pad, assistant_model=drafter)
-        if plain != assisted:
-            _fail(
-                f"generate(assistant_model=drafter) gave {assisted[:12]}... but the target alone "
-                f"{plain[:12]}... on prompt {text[:40]!r}"
-            )
+        _, plain = assisted_equals_greedy(
+            target, target_tok, text, max_new_tokens, device, "generate(assistant_model=drafter)",
+            assistant_model=drafter,
+        )  # fmt: skip
         same_tokens += len(plain)
     parallel = {}
     if mask_token_id is not None:

@@ -25,14 +25,22 @@ from typing import Any
 
 import torch
 
-from specdistill.data.models.pairs import PairSpec, load_model, load_role
+from specdistill.data.models.pairs import PairSpec, load_role
 from specdistill.data.models.vocab_mapping import load_source, read_source, vocab_mapping
 from specdistill.data.runtime import ConfigError
+from specdistill.distill.export.card import (
+    front_matter,
+    provenance,
+    self_check_section,
+    transformers_usage,
+    vllm_usage,
+)
 from specdistill.distill.export.check import (
     _fail,
-    _greedy,
+    assisted_equals_greedy,
     check_config,
     greedy_alpha_equal_to_target,
+    logit_drift,
 )
 from specdistill.distill.intersection import Intersection, served_argmax
 from specdistill.distill.train.mapped import draft_unk_id, map_ids, read_ids
@@ -53,39 +61,27 @@ def drafter_tokenizer_folder(source: str, spec: PairSpec) -> Path:
     )
 
 
+def vllm_config(output_dir: str, gamma: int) -> dict[str, Any]:
+    """vLLM's `speculative_config` for this drafter: TLI through the vocabulary intersection."""
+    return {
+        "method": "draft_model",
+        "model": output_dir,
+        "use_heterogeneous_vocab": True,
+        "num_speculative_tokens": gamma,
+    }
+
+
 def serving(output_dir: str, target: str, gamma: int, intersection: int) -> dict[str, Any]:
     """export.json's `mapped` section: how engines serve this drafter."""
     return {
         "vocab": "mapped",
         "intersection": intersection,
-        "vllm_speculative_config": {
-            "method": "draft_model",
-            "model": output_dir,
-            "use_heterogeneous_vocab": True,
-            "num_speculative_tokens": gamma,
-        },
+        "vllm_speculative_config": vllm_config(output_dir, gamma),
         "transformers": (
             "target.generate(**inputs, assistant_model=drafter, tokenizer=target_tokenizer, "
             "assistant_tokenizer=drafter_tokenizer)"
         ),
     }
-
-
-def usage_command(drafter: str, target: str) -> str:
-    """One line that serves the pair with `transformers` universal assisted generation."""
-    return (
-        f"AutoModelForCausalLM.from_pretrained({target!r}).generate(**inputs, "
-        f"assistant_model=AutoModelForCausalLM.from_pretrained({drafter!r}), "
-        f"tokenizer=AutoTokenizer.from_pretrained({target!r}), "
-        f"assistant_tokenizer=AutoTokenizer.from_pretrained({drafter!r}))"
-    )
-
-
-def load_drafter(source: str, field_name: str, revision, dtype, trust: bool):
-    """The drafter with its own rows (nothing resized or aligned to the target)."""
-    return load_model(
-        source, revision=revision, dtype=dtype or "auto", trust_remote_code=trust, field=field_name
-    )
 
 
 def mapping_of(spec: PairSpec, folder: Path):
@@ -131,12 +127,7 @@ def self_check(
     if saved_tok.get_vocab() != draft_tok.get_vocab():
         _fail("the exported tokenizer is not the drafter's own")
     mapping = mapping_of(spec, folder)
-    drafter.eval()
-    with torch.no_grad():
-        logits = drafter(probe).logits[0, :, : reference_logits.shape[-1]].float()
-    drift = float((logits - reference_logits).abs().max())
-    if drift > 1e-4 * max(1.0, float(reference_logits.abs().max())):
-        _fail(f"real-token logits changed by {drift:.3g} after export")
+    drift = logit_drift(drafter, probe, reference_logits)
     target = load_role(spec, "target", dtype=target_dtype, device=device)
     drafter = drafter.to(device)
     target_rows = max(len(target_tok), mapping.target_vocab)
@@ -145,25 +136,16 @@ def self_check(
         target_rows,
     ).to(device)
     reads = read_ids(mapping, draft_unk_id(saved_tok), target_rows).to(device)
-    pad = (
-        target_tok.pad_token_id if target_tok.pad_token_id is not None else target_tok.eos_token_id
-    )
     same_tokens, agree = 0, 0
     for text in prompts:
-        ids = torch.tensor([target_tok(text, add_special_tokens=False).input_ids], device=device)
+        ids, plain = assisted_equals_greedy(
+            target, target_tok, text, max_new_tokens, device,
+            "generate(assistant_model=drafter, assistant_tokenizer=...)",
+            assistant_model=drafter, tokenizer=target_tok, assistant_tokenizer=saved_tok,
+        )  # fmt: skip
         with torch.no_grad():
-            plain = _greedy(target, ids, max_new_tokens, pad)
-            assisted = _greedy(
-                target, ids, max_new_tokens, pad, assistant_model=drafter,
-                tokenizer=target_tok, assistant_tokenizer=saved_tok,
-            )  # fmt: skip
             full = torch.cat([ids, torch.tensor([plain], device=device)], 1)
             z = drafter(map_ids(full, reads)).logits[0, ids.shape[1] - 1 : -1].float()
-        if plain != assisted:
-            _fail(
-                f"generate(assistant_model=drafter, assistant_tokenizer=...) gave {assisted[:12]}"
-                f"... but the target alone {plain[:12]}... on prompt {text[:40]!r}"
-            )
         agree += int((served_argmax(z, inter) == torch.tensor(plain, device=device)).sum())
         same_tokens += len(plain)
     found: dict[str, Any] = {
@@ -223,11 +205,7 @@ def mapped_card(result: Any, distill: dict[str, Any] | None, gamma: int) -> str:
             f"{distill.get('best_alpha'):.3f} best (step {distill.get('best_step')})"
         )
     lines = [
-        "---",
-        "library_name: transformers",
-        "tags: [speculative-decoding, draft-model, specdistill, heterogeneous-vocabulary]",
-        "---",
-        "",
+        *front_matter("speculative-decoding, draft-model, specdistill, heterogeneous-vocabulary"),
         f"# {Path(out).name}: a drafter with its own tokenizer, aligned to {target}",
         "",
         f"A draft model for speculative decoding with **{target}** as the target. It keeps its "
@@ -236,11 +214,7 @@ def mapped_card(result: Any, distill: dict[str, Any] | None, gamma: int) -> str:
         "TLI in vLLM or text re-tokenisation in `transformers`. Lossless either way: the target "
         "verifies every drafted token.",
         "",
-        "## Provenance",
-        "",
-        f"- target: `{target}`",
-        f"- base drafter: `{result.base_drafter}`",
-        f"- exported from: `{result.drafter}` ({result.parameters:,} parameters, {result.dtype})",
+        *provenance(result),
         *([held] if held else []),
         "",
         "## Use",
@@ -248,28 +222,12 @@ def mapped_card(result: Any, distill: dict[str, Any] | None, gamma: int) -> str:
         "vLLM (TLI: the drafter reads the target's tokens mapped to its ids, drafts over the "
         "intersection; greedy drafts):",
         "",
-        "```python",
-        "from vllm import LLM",
-        f'llm = LLM(model="{target}", speculative_config={{"method": "draft_model", '
-        f'"model": "{out}", "use_heterogeneous_vocab": True, "num_speculative_tokens": {gamma}}})',
-        "```",
+        *vllm_usage(target, vllm_config(out, gamma)),
         "",
         "`transformers` (universal assisted generation: text re-tokenised between the two):",
         "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f'tok = AutoTokenizer.from_pretrained("{target}")',
-        f'target = AutoModelForCausalLM.from_pretrained("{target}")',
-        f'drafter = AutoModelForCausalLM.from_pretrained("{out}")',
-        f'drafter_tok = AutoTokenizer.from_pretrained("{out}")',
-        'inputs = tok("def fibonacci(n):", return_tensors="pt")',
-        "out = target.generate(**inputs, assistant_model=drafter, tokenizer=tok,",
-        "                      assistant_tokenizer=drafter_tok, max_new_tokens=64)",
-        "```",
+        *transformers_usage(target, out, own_tokenizer=True),
         "",
-        "## Self-check at export",
-        "",
-        *[f"- {k}: {v}" for k, v in result.check.items()],
-        "",
+        *self_check_section(result.check),
     ]
     return "\n".join(lines)

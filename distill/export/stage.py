@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,16 @@ from specdistill.data.models.tokenizer_identity import check_drafter_tokenizer
 from specdistill.data.runtime import ConfigError, parse_dtype, resolve_device, run_or_exit
 from specdistill.distill.export import check as export_check
 from specdistill.distill.export import mapped as export_mapped
+from specdistill.distill.export.align import (
+    align_with_target,
+    mark_parallel,
+    resize_vocab_rows,
+    target_generation,
+)
 from specdistill.distill.export.card import model_card, usage_command
 from specdistill.distill.export.head import pad_head_rows, write_token_map
 from specdistill.distill.export.in_vllm import check_vllm_settings, validate_exported
+from specdistill.distill.export.settings import ExportSettings
 
 log = logging.getLogger("specdistill.export")
 
@@ -109,78 +117,18 @@ def _same_path(a: str, b: str) -> bool:
     return a == b
 
 
-def resolve_sources(cfg: DictConfig) -> tuple[PairSpec, str]:
+def resolve_sources(settings: ExportSettings, pair: Any) -> tuple[PairSpec, str]:
     """(pair, drafter to export): `drafter=PATH` or the pair's own drafter."""
-    drafter = cfg.get("drafter")
+    drafter = settings.drafter
     if drafter:
-        p = Path(str(drafter)).expanduser()
+        p = Path(drafter).expanduser()
         if not (p / "config.json").exists():
             raise ConfigError(
                 f"drafter={drafter!r} is not a saved checkpoint (no config.json): point it at a "
                 "folder written by save_pretrained, e.g. the distill stage's best/"
             )
-    spec = resolve_pair(cfg.pair, stage="export", mapped_ok=True)
+    spec = resolve_pair(pair, stage="export", mapped_ok=True)
     return spec, str(drafter or spec.drafter)
-
-
-def resize_vocab_rows(model, size: int) -> int:
-    """Pad (zero rows) or trim the embedding and LM-head rows to `size`; returns the old size.
-
-    Rows past the tokenizer's length are padding: no text maps to them. New rows are zero, so
-    their logit is exactly 0 and every real token's logit is unchanged. Tied weights stay one
-    tensor (resize_token_embeddings re-ties them).
-    """
-    old = int(model.get_input_embeddings().weight.shape[0])
-    head_old = int(model.get_output_embeddings().weight.shape[0])
-    if old == size and head_old == size:
-        return old
-    model.resize_token_embeddings(size, mean_resizing=False)
-    with torch.no_grad():
-        emb = model.get_input_embeddings().weight
-        if size > old:
-            emb[old:].zero_()
-        head = model.get_output_embeddings()
-        if head.weight.data_ptr() != emb.data_ptr() and size > head_old:
-            head.weight[head_old:].zero_()
-            if getattr(head, "bias", None) is not None:
-                head.bias[head_old:].zero_()
-    model.config.vocab_size = size
-    return old
-
-
-def align_with_target(model, target_config, target_generation) -> None:
-    """bos/eos/pad ids and the generation config become the target's."""
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(model.config, key, getattr(target_config, key, None))
-    model.generation_config = target_generation
-
-
-def mark_parallel(model, vocab: int, field_name: str, source: str) -> int | None:
-    """A parallel (PARD) drafter's mask token, written where serving engines look for it:
-    `mask_token_id` (ours; TensorRT-LLM's PARDDecodingConfig takes it), `pard_token` (what
-    vLLM's draft_model method reads for `parallel_drafting`) and `parallel_drafting`. None for
-    an autoregressive drafter (its config has no mask_token_id)."""
-    mask_id = getattr(model.config, "mask_token_id", None)
-    if mask_id is None:
-        return None
-    if not isinstance(mask_id, int) or not 0 <= mask_id < vocab:
-        raise ConfigError(
-            f"{field_name}={source!r}: config.json mask_token_id={mask_id!r} is not a token id "
-            f"of the target's vocabulary (0..{vocab - 1})"
-        )
-    info = dict(getattr(model.config, "parallel_drafting", None) or {})
-    model.config.pard_token = mask_id
-    model.config.parallel_drafting = info | {"mask_token_id": mask_id}
-    return mask_id
-
-
-def _target_generation(spec: PairSpec, target_config):
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(spec.target, revision=spec.revision)
-    except OSError:
-        return GenerationConfig.from_model_config(target_config)
 
 
 def _validated_context(report: dict[str, Any] | None) -> int | None:
@@ -193,61 +141,72 @@ def _validated_context(report: dict[str, Any] | None) -> int | None:
     return int(cap) + int(report["max_new_tokens"]) + int(report["gamma"]) + 1
 
 
-def run(cfg: DictConfig) -> ExportResult:
-    """Export, self-check, publish; see the module docstring."""
-    from transformers import AutoConfig, AutoTokenizer
+@dataclass
+class Prepared:
+    """The drafter ready to be written, with the hooks where the two kinds of export differ: a
+    drafter of the target's tokenizer (aligned to the target) and one with its own tokenizer
+    (kept as is, served through the vocabulary intersection: export/mapped.py)."""
 
-    t0 = time.perf_counter()
-    out = Path(str(cfg.output_dir)).expanduser().absolute()
-    overwrite = bool(cfg.get("overwrite", False))
-    check_destination(out, overwrite)
-    report = load_report(cfg.get("report"))
-    use_vllm = check_vllm_settings(cfg)
-    raw_dtype = str(cfg.get("dtype", "auto"))
-    dtype = None if raw_dtype == "auto" else parse_dtype(raw_dtype, "cpu")
-    min_pos = cfg.get("min_positions", "auto")
-    if min_pos != "auto" and (not isinstance(min_pos, int) or min_pos < 1):
-        raise ConfigError(f"min_positions={min_pos!r} must be auto or a positive integer")
-    prompts = list(cfg.check.prompts or [])
-    if not prompts:
-        raise ConfigError("check.prompts is empty: the self-check needs at least one prompt")
-    device = resolve_device(str(cfg.check.get("device", "auto")))
-    check_dtype = parse_dtype(str(cfg.check.get("dtype", "fp32")), device)
-    spec, source = resolve_sources(cfg)
-    if report and not _same_path(str(report["drafter"]), source):
-        raise ConfigError(
-            f"report={cfg.report!r} measured drafter {report['drafter']!r}, not the exported "
-            f"{source!r}: pass the validate report of this drafter (or none)"
-        )
+    model: Any
+    tokenizer: Any  # written beside the weights
+    # (one prompt's ids, the drafter's logits on them before any write): what the self-check
+    # compares the written weights against
+    reference: tuple[torch.Tensor, torch.Tensor]
+    self_check: Callable[..., dict[str, Any]]  # (folder, **the check's common arguments)
+    fields: dict[str, Any]  # this kind's ExportResult fields
+    card: Callable[[ExportResult, dict[str, Any] | None], str]  # (result, distill's result.json)
+    extra_files: Callable[[Path], object] = lambda folder: None
+    kind: str = ""  # what the log line says of the kind
 
-    tok = AutoTokenizer.from_pretrained(
-        spec.tokenizer, revision=spec.revision, trust_remote_code=spec.trust_remote_code
+
+def _probe(
+    model, tokenizer, text: str, rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids of `text`, the model's logits on them over the first `rows` rows)."""
+    probe = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids])
+    with torch.no_grad():
+        return probe, model(probe).logits[0, :, :rows].float()
+
+
+def _drafter_revision(settings: ExportSettings, spec: PairSpec) -> str | None:
+    """The pair's drafter revision applies to the pair's drafter, not to `drafter=PATH`."""
+    return None if settings.drafter else spec.drafter_revision
+
+
+def _load(settings: ExportSettings, spec: PairSpec, source: str):
+    """The drafter's weights, in `dtype` (auto: its own)."""
+    return load_model(
+        source,
+        revision=_drafter_revision(settings, spec),
+        dtype=settings.weights_dtype or "auto",  # type: ignore[arg-type]
+        trust_remote_code=spec.trust_remote_code,
+        field=settings.drafter_field,
     )
-    if spec.vocab == "mapped":
-        return _run_mapped(cfg, spec, source, tok, report, prompts, device, check_dtype, t0)
+
+
+def prepare_shared(
+    settings: ExportSettings, spec: PairSpec, source: str, tok, report: dict[str, Any] | None
+) -> Prepared:
+    """A drafter of the target's tokenizer: rows padded or trimmed to the target's vocab_size,
+    special ids and generation config the target's (module docstring)."""
+    from transformers import AutoConfig
+
     target_config = AutoConfig.from_pretrained(
         spec.target, revision=spec.revision, trust_remote_code=spec.trust_remote_code
     )
     target_vocab = int(target_config.get_text_config().vocab_size)
-    drafter_rev = None if cfg.get("drafter") else spec.drafter_revision
-    field_name = "drafter" if cfg.get("drafter") else "pair.drafter"
+    field_name = settings.drafter_field
     # The same tokenizer (not merely enough rows), before the drafter's weights load.
     check_drafter_tokenizer(
         tok,
         source,
-        revision=drafter_rev,
+        revision=_drafter_revision(settings, spec),
         target=spec.target,
         target_revision=spec.revision,
         trust_remote_code=spec.trust_remote_code,
         field_name=field_name,
     )
-    model = load_model(
-        source,
-        revision=drafter_rev,
-        dtype=dtype or "auto",  # type: ignore[arg-type]
-        trust_remote_code=spec.trust_remote_code,
-        field=field_name,
-    )
+    model = _load(settings, spec, source)
     source_vocab = int(model.get_output_embeddings().weight.shape[0])
     try:
         check_vocab(target_vocab, source_vocab, len(tok))
@@ -255,154 +214,163 @@ def run(cfg: DictConfig) -> ExportResult:
         raise ConfigError(f"{field_name}={source!r}: {e}") from e
 
     # Trained over its draft vocabulary: rows outside it set so they never win a greedy draft
-    # (export/head.py), before the probe, so the check below sees the head as exported.
+    # (export/head.py), before the probe, so the check sees the head as exported.
     ids = getattr(model.config, "draft_vocab_ids", None)
     trained_sub = bool(((_distill_result(source) or {}).get("data") or {}).get("draft_vocab_train"))
     padded_rows = pad_head_rows(model, ids) if ids and trained_sub else 0
     # Reference logits on one prompt, to prove the row surgery left the real tokens alone.
-    probe = torch.tensor([tok(prompts[0], add_special_tokens=False).input_ids])
-    with torch.no_grad():
-        before = model(probe).logits[0, :, : len(tok)].float()
+    reference = _probe(model, tok, settings.check.prompts[0], len(tok))
     resize_vocab_rows(model, target_vocab)
     if padded_rows:  # rows the resize added (zero: logit 0 could win) get the centroid too
         padded_rows = pad_head_rows(model, ids)
-    align_with_target(model, target_config, _target_generation(spec, target_config))
+    align_with_target(model, target_config, target_generation(spec, target_config))
     mask_id = mark_parallel(model, target_vocab, field_name, source)
-    model.config.dtype = model.dtype
     notes: list[str] = []
     if source_vocab != target_vocab:
         notes.append(f"vocabulary rows {source_vocab} -> {target_vocab} (the target's vocab_size)")
+    return Prepared(
+        model,
+        tok,
+        reference,
+        self_check=lambda folder, **common: export_check.self_check(
+            folder, spec, tok, expect_vocab=target_vocab, mask_token_id=mask_id, **common
+        ),
+        fields={
+            "vocab_size": target_vocab,
+            "source_vocab_size": source_vocab,
+            "usage": usage_command(str(settings.output_dir), spec.target),
+            "notes": notes,
+            "draft_vocab": len(ids or ()),
+            "padded_head_rows": padded_rows,
+        },
+        card=lambda result, distill: model_card(result, report, distill),
+        extra_files=lambda folder: write_token_map(folder, ids) if ids else None,
+    )
 
+
+def prepare_mapped(
+    settings: ExportSettings, spec: PairSpec, source: str, tok, report: dict[str, Any] | None
+) -> Prepared:
+    """A drafter with its own tokenizer (export/mapped.py): its weights and tokenizer as they
+    are, checked through `transformers` universal assisted generation and the TLI mapping."""
+    from transformers import AutoTokenizer
+
+    folder = export_mapped.drafter_tokenizer_folder(source, spec)
+    draft_tok = AutoTokenizer.from_pretrained(str(folder))
+    mapping = export_mapped.mapping_of(spec, folder)
+    model = _load(settings, spec, source)
+    rows = int(model.get_output_embeddings().weight.shape[0])
+    gamma = int(report["gamma"]) if report else 4
+    out = str(settings.output_dir)
+    return Prepared(
+        model,
+        draft_tok,
+        _probe(model, draft_tok, settings.check.prompts[0]),
+        self_check=lambda folder, **common: export_mapped.self_check(
+            folder, spec, tok, draft_tok, **common
+        ),
+        fields={
+            "vocab_size": rows,
+            "source_vocab_size": rows,
+            "usage": usage_command(out, spec.target, own_tokenizer=True),
+            "notes": ["its own tokenizer: served through the vocabulary intersection (TLI)"],
+            "mapped": export_mapped.serving(out, spec.target, gamma, mapping.intersection_size),
+        },
+        card=lambda result, distill: export_mapped.mapped_card(result, distill, gamma),
+        kind=" (its own tokenizer)",
+    )
+
+
+def check_sources(
+    settings: ExportSettings,
+    spec: PairSpec,
+    source: str,
+    report: dict[str, Any] | None,
+    use_vllm: bool,
+) -> None:
+    """The report measured this drafter, and vLLM validation is asked only where it runs."""
+    if report and not _same_path(str(report["drafter"]), source):
+        raise ConfigError(
+            f"report={settings.report!r} measured drafter {report['drafter']!r}, not the "
+            f"exported {source!r}: pass the validate report of this drafter (or none)"
+        )
+    if spec.vocab == "mapped" and use_vllm:
+        raise ConfigError(
+            "vllm.enabled=true: validate does not run a drafter with its own tokenizer yet "
+            "(pair.vocab=mapped, issue 33); export it with vllm.enabled=false"
+        )
+
+
+def run(cfg: DictConfig) -> ExportResult:
+    """Export, self-check, publish; see the module docstring. One path for both kinds of
+    drafter: what differs (loading, row surgery, the check, the card) is `Prepared`'s."""
+    from transformers import AutoTokenizer
+
+    t0 = time.perf_counter()
+    settings = ExportSettings.from_cfg(cfg)
+    out = settings.output_dir
+    check_destination(out, settings.overwrite)
+    report = load_report(settings.report)
+    use_vllm = check_vllm_settings(cfg)
+    device = resolve_device(settings.check.device)
+    check_dtype = parse_dtype(settings.check.dtype, device)
+    spec, source = resolve_sources(settings, cfg.pair)
+    check_sources(settings, spec, source, report, use_vllm)
+
+    tok = AutoTokenizer.from_pretrained(
+        spec.tokenizer, revision=spec.revision, trust_remote_code=spec.trust_remote_code
+    )
+    prepare = prepare_mapped if spec.vocab == "mapped" else prepare_shared
+    prepared = prepare(settings, spec, source, tok, report)
+    model = prepared.model
+    model.config.dtype = model.dtype
+    mp = settings.min_positions
+    needed = _validated_context(report) if mp == "auto" else int(mp)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         with guard_write(out, param_bytes(model), cleanup=(tmp,)):
             model.save_pretrained(
-                tmp, safe_serialization=True, max_shard_size=str(cfg.max_shard_size)
+                tmp, safe_serialization=True, max_shard_size=settings.max_shard_size
             )
-            tok.save_pretrained(tmp)
-            if ids:
-                write_token_map(tmp, ids)
-        needed = _validated_context(report) if min_pos == "auto" else int(min_pos)
-        check = export_check.self_check(
+            prepared.tokenizer.save_pretrained(tmp)
+            prepared.extra_files(tmp)
+        check = prepared.self_check(
             tmp,
-            spec,
-            tok,
-            prompts=prompts,
-            max_new_tokens=int(cfg.check.max_new_tokens),
+            prompts=list(settings.check.prompts),
+            max_new_tokens=settings.check.max_new_tokens,
             device=device,
             target_dtype=check_dtype,
             expect_dtype=model.dtype,
-            expect_vocab=target_vocab,
             min_positions=needed,
-            reference_logits=before,
-            probe=probe,
-            mask_token_id=mask_id,
+            reference_logits=prepared.reference[1],
+            probe=prepared.reference[0],
         )
-        base = spec.drafter if cfg.get("drafter") else source
         # The folder about to be published, in the engine users deploy (both engines' report).
         vllm_figures = validate_exported(cfg, report, tmp) if use_vllm else None
         result = ExportResult(
             output_dir=str(out),
             drafter=source,
-            base_drafter=base,
+            base_drafter=spec.drafter if settings.drafter else source,
             target=spec.target,
-            vocab_size=target_vocab,
-            source_vocab_size=source_vocab,
             dtype=str(model.dtype).removeprefix("torch."),
             parameters=sum(p.numel() for p in model.parameters()),
             files=[],
             check=check,
-            report=str(cfg.report) if report else None,
-            usage=usage_command(str(out), spec.target, report),
-            notes=notes,
+            report=settings.report if report else None,
             vllm=vllm_figures,
-            draft_vocab=len(getattr(model.config, "draft_vocab_ids", None) or ()),
-            padded_head_rows=padded_rows,
+            **prepared.fields,
         )
-        distill = _distill_result(source)
-        (tmp / "README.md").write_text(model_card(result, report, distill), encoding="utf-8")
+        (tmp / "README.md").write_text(
+            prepared.card(result, _distill_result(source)), encoding="utf-8"
+        )
         result.files = [*sorted(p.name for p in tmp.iterdir()), EXPORT_FILE]
         result.wall_seconds = round(time.perf_counter() - t0, 1)
         (tmp / EXPORT_FILE).write_text(json.dumps(to_jsonable(result), indent=2) + "\n")
         replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("exported %s -> %s (%s)", source, out, check)
-    return result
-
-
-def _run_mapped(
-    cfg: DictConfig, spec: PairSpec, source: str, tok, report: dict[str, Any] | None,
-    prompts: list[str], device: torch.device, check_dtype: torch.dtype, t0: float,
-) -> ExportResult:  # fmt: skip
-    """A drafter with its own tokenizer (export/mapped.py): its weights and tokenizer as they
-    are, checked through `transformers` universal assisted generation and the TLI mapping."""
-    from transformers import AutoTokenizer
-
-    if cfg.vllm.enabled:
-        raise ConfigError(
-            "vllm.enabled=true: validate does not run a drafter with its own tokenizer yet "
-            "(pair.vocab=mapped, issue 33); export it with vllm.enabled=false"
-        )
-    out = Path(str(cfg.output_dir)).expanduser().absolute()
-    folder = export_mapped.drafter_tokenizer_folder(source, spec)
-    draft_tok = AutoTokenizer.from_pretrained(str(folder))
-    mapping = export_mapped.mapping_of(spec, folder)
-    raw_dtype = str(cfg.get("dtype", "auto"))
-    dtype = None if raw_dtype == "auto" else parse_dtype(raw_dtype, "cpu")
-    field_name = "drafter" if cfg.get("drafter") else "pair.drafter"
-    drafter_rev = None if cfg.get("drafter") else spec.drafter_revision
-    model = export_mapped.load_drafter(
-        source, field_name, drafter_rev, dtype, spec.trust_remote_code
-    )
-    rows = int(model.get_output_embeddings().weight.shape[0])
-    probe = torch.tensor([draft_tok(prompts[0], add_special_tokens=False).input_ids])
-    with torch.no_grad():
-        before = model(probe).logits[0].float()
-    model.config.dtype = model.dtype
-    min_pos = cfg.get("min_positions", "auto")
-    needed = _validated_context(report) if min_pos == "auto" else int(min_pos)
-    gamma = int(report["gamma"]) if report else 4
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        with guard_write(out, param_bytes(model), cleanup=(tmp,)):
-            model.save_pretrained(
-                tmp, safe_serialization=True, max_shard_size=str(cfg.max_shard_size)
-            )
-            draft_tok.save_pretrained(tmp)
-        check = export_mapped.self_check(
-            tmp, spec, tok, draft_tok, prompts=prompts,
-            max_new_tokens=int(cfg.check.max_new_tokens), device=device,
-            target_dtype=check_dtype, expect_dtype=model.dtype, min_positions=needed,
-            reference_logits=before, probe=probe,
-        )  # fmt: skip
-        result = ExportResult(
-            output_dir=str(out),
-            drafter=source,
-            base_drafter=spec.drafter if cfg.get("drafter") else source,
-            target=spec.target,
-            vocab_size=rows,
-            source_vocab_size=rows,
-            dtype=str(model.dtype).removeprefix("torch."),
-            parameters=sum(p.numel() for p in model.parameters()),
-            files=[],
-            check=check,
-            report=str(cfg.report) if report else None,
-            usage=export_mapped.usage_command(str(out), spec.target),
-            notes=["its own tokenizer: served through the vocabulary intersection (TLI)"],
-            mapped=export_mapped.serving(str(out), spec.target, gamma, mapping.intersection_size),
-        )
-        card = export_mapped.mapped_card(result, _distill_result(source), gamma)
-        (tmp / "README.md").write_text(card, encoding="utf-8")
-        result.files = [*sorted(p.name for p in tmp.iterdir()), EXPORT_FILE]
-        result.wall_seconds = round(time.perf_counter() - t0, 1)
-        (tmp / EXPORT_FILE).write_text(json.dumps(to_jsonable(result), indent=2) + "\n")
-        replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("exported %s (its own tokenizer) -> %s (%s)", source, out, check)
+    log.info("exported %s%s -> %s (%s)", source, prepared.kind, out, check)
     return result
 
 
