@@ -48,7 +48,7 @@ def _figures(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _vllm_section(v: dict[str, Any] | None) -> list[str]:
+def vllm_section(v: dict[str, Any] | None) -> list[str]:
     """vLLM's own figures for this folder, beside our decoder's (when `vllm.enabled`)."""
     if not v:
         return []
@@ -190,7 +190,7 @@ def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, An
         lines.append("No validate report was given to the export: no figures.")
     lines += [
         "",
-        *_vllm_section(result.vllm),
+        *vllm_section(result.vllm),
         "## Use",
         "",
         "`transformers`:",

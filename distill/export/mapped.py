@@ -28,6 +28,7 @@ import torch
 from specdistill.data.models.pairs import PairSpec, load_model, load_role
 from specdistill.data.models.vocab_mapping import load_source, read_source, vocab_mapping
 from specdistill.data.runtime import ConfigError
+from specdistill.distill.export.card import vllm_section
 from specdistill.distill.export.check import (
     _fail,
     _greedy,
@@ -271,5 +272,6 @@ def mapped_card(result: Any, distill: dict[str, Any] | None, gamma: int) -> str:
         "",
         *[f"- {k}: {v}" for k, v in result.check.items()],
         "",
+        *vllm_section(result.vllm),  # vllm.enabled: this folder served by vLLM as TLI
     ]
     return "\n".join(lines)

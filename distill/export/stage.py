@@ -340,11 +340,6 @@ def _run_mapped(
     are, checked through `transformers` universal assisted generation and the TLI mapping."""
     from transformers import AutoTokenizer
 
-    if cfg.vllm.enabled:
-        raise ConfigError(
-            "vllm.enabled=true: validate does not run a drafter with its own tokenizer yet "
-            "(pair.vocab=mapped, issue 33); export it with vllm.enabled=false"
-        )
     out = Path(str(cfg.output_dir)).expanduser().absolute()
     folder = export_mapped.drafter_tokenizer_folder(source, spec)
     draft_tok = AutoTokenizer.from_pretrained(str(folder))
@@ -378,6 +373,8 @@ def _run_mapped(
             target_dtype=check_dtype, expect_dtype=model.dtype, min_positions=needed,
             reference_logits=before, probe=probe,
         )  # fmt: skip
+        # vllm.enabled: the folder about to be published, in vLLM as TLI (use_heterogeneous_vocab).
+        vllm_figures = validate_exported(cfg, report, tmp) if cfg.vllm.enabled else None
         result = ExportResult(
             output_dir=str(out),
             drafter=source,
@@ -393,6 +390,7 @@ def _run_mapped(
             usage=export_mapped.usage_command(str(out), spec.target),
             notes=["its own tokenizer: served through the vocabulary intersection (TLI)"],
             mapped=export_mapped.serving(str(out), spec.target, gamma, mapping.intersection_size),
+            vllm=vllm_figures,
         )
         card = export_mapped.mapped_card(result, _distill_result(source), gamma)
         (tmp / "README.md").write_text(card, encoding="utf-8")
