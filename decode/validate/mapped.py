@@ -4,11 +4,16 @@ p = target, q = drafter. `load_mapped` builds the decoder's `MappedVocab` from t
 (the mapping cached per pair, `decoder.mapped_context`); `mapping_figures` reports the
 intersection and the coverage beside alpha, tau and c: the share of the target's own greedy
 output tokens (the reference decode) that q can propose at all, an upper bound on greedy alpha.
+With `engines=[ours,vllm]` the pair runs as vLLM's TLI (decode/validate/vllm_engine.py):
+`check_mapped_stage` refuses what TLI cannot run, `vllm_mapping_figures` sets vLLM's own mapping
+of the two tokenizers beside ours.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from specdistill.data.models.pair_vocab import pair_mapping
 from specdistill.data.models.pairs import load_drafter_tokenizer, vocab_size
@@ -22,14 +27,28 @@ def mapped_context(cfg: Any) -> str:
 
 
 def check_mapped_stage(cfg: Any, spec: Any, engines: tuple[str, ...]) -> None:
-    """Settings validate cannot honour for a mapped pair, one line each (before loading)."""
+    """Settings validate cannot honour for a mapped pair, one line each (before loading).
+
+    In vLLM a mapped pair runs as TLI (`use_heterogeneous_vocab`), which vLLM 0.32 serves with
+    greedy drafts only and which reads the target's tokens mapped to the drafter's ids: so the
+    draft sampling must stay greedy and our decoder must run the same context (`tli`), or the
+    two engines' acceptance would measure different drafters."""
     if spec.vocab != "mapped":
         return
-    mapped_context(cfg)
-    if "vllm" in engines:
+    context = mapped_context(cfg)
+    if "vllm" not in engines:
+        return
+    method = (cfg.get("vllm") or {}).get("draft_sample_method")
+    if method not in (None, "greedy"):
         raise ConfigError(
-            "engines=[ours,vllm] with a mapped pair (the drafter has its own tokenizer): running "
-            "it in vLLM (use_heterogeneous_vocab) from validate is not wired yet; use engines=[ours]"
+            f"vllm.draft_sample_method={method!r} with a mapped pair (the drafter has its own "
+            "tokenizer): vLLM's use_heterogeneous_vocab drafts greedily only; set it to null"
+        )
+    if context != "tli":
+        raise ConfigError(
+            f"decoder.mapped_context={context} with engines=[ours,vllm]: vLLM serves a drafter "
+            "with its own tokenizer as TLI only, so both engines' acceptance is comparable with "
+            "decoder.mapped_context=tli; use it, or engines=[ours]"
         )
 
 
@@ -57,4 +76,36 @@ def mapping_figures(mapped: MappedVocab | None, reference: list[list[int]]) -> d
     return mapped.figures | {
         "output_tokens": len(toks),
         "output_coverage": round(covered / max(len(toks), 1), 4),
+    }
+
+
+def vllm_mapping_figures(mapped: MappedVocab) -> dict[str, Any] | None:
+    """vLLM's own TLI mapping of the same two tokenizers beside ours (None without vLLM).
+
+    vLLM builds its mapping itself (vllm/v1/spec_decode/vocab_mapping.py: `get_vocab()`
+    strings with one space marker normalised, special tokens as strings, one id per string),
+    ours from token bytes with specials by role (data/models/vocab_mapping.py), so the two
+    engines can draft differently even with the same weights. Counted on the models' rows:
+    drafter ids whose proposal maps to another target id (or only on one side), and target ids
+    the drafter reads as another drafter id (unk/eos fallback included). Nonzero counts explain
+    an acceptance gap between the engines that is not sampling noise."""
+    try:
+        from vllm.v1.spec_decode.vocab_mapping import VocabMapping as VllmMapping
+    except ImportError:
+        return None
+    ours = mapped.mapping
+    theirs = VllmMapping(
+        mapped.target_tokenizer, mapped.draft_tokenizer, ours.target_vocab, ours.draft_vocab, "cpu"
+    )
+    t_ids = torch.arange(ours.target_vocab)
+    ours_read = ours.target_to_draft.where(ours.target_to_draft >= 0, mapped.draft_unk)
+    return {
+        "intersection_vllm": theirs.intersection_size,
+        "intersection_ours": ours.intersection_size,
+        "draft_ids_mapped_differently": int(
+            (theirs.draft_to_target_ids.cpu() != ours.draft_to_target).sum()
+        ),
+        "target_ids_read_differently": int(
+            (theirs.map_target_to_draft_ids(t_ids).cpu() != ours_read).sum()
+        ),
     }

@@ -207,13 +207,27 @@ def two_engine_table(v: dict[str, Any]) -> list[str]:
     return [
         "",
         f"## Two engines: our decoder and vLLM {v['version']} (`{v['method']}`"
-        f"{', parallel drafting' if v.get('parallel_drafting') else ''}, "
+        f"{', parallel drafting' if v.get('parallel_drafting') else ''}"
+        f"{', TLI: use_heterogeneous_vocab' if v.get('use_heterogeneous_vocab') else ''}, "
         f"{v['num_speculative_tokens']} speculative tokens, {v['dtype']}, draft sampling: "
         f"{v.get('draft_sample_method', 'n/a')})",
         "",
         f"| figure | {head} |",
         "|---|" + "---|" * (2 * len(modes)),
         *[f"| {k} | {' | '.join(str(c) for c in cells)} |" for k, cells in rows],
+        "",
+        *_vllm_mapping_line(v.get("vocab_mapping")),
+    ]
+
+
+def _vllm_mapping_line(m: dict[str, Any] | None) -> list[str]:
+    """vLLM's own TLI mapping beside ours (a drafter with its own tokenizer), one line."""
+    if not m:
+        return []
+    return [
+        f"TLI mapping: vLLM {m['intersection_vllm']} / ours {m['intersection_ours']} drafter ids "
+        f"in the intersection; {m['draft_ids_mapped_differently']} drafter ids and "
+        f"{m['target_ids_read_differently']} target ids mapped differently by the two engines.",
         "",
     ]
 

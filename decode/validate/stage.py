@@ -412,7 +412,7 @@ def in_vllm(
         gamma=gamma, max_new_tokens=vs.max_new_tokens, repeats=vs.repeats,
         seed=vs.seed, dtype=st.dtype, eos=st.eos,
         draft_sample_method=vs.vllm_draft_sample_method,
-        parallel_drafting=dec.cfg.drafting == "parallel",
+        parallel_drafting=dec.cfg.drafting == "parallel", mapped=st.mapped,
     )  # fmt: skip
     notes.extend(more)
     return figures

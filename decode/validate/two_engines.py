@@ -3,7 +3,8 @@
 Runs the vLLM side (`decode/validate/vllm_engine.py`) on the validate stage's own prompts (the
 same token ids, batches, max_new_tokens, gamma and repeats), then puts each mode's acceptance of
 both engines on one footing (`decode/validate/agreement.py`) and says where they disagree beyond
-sampling noise. p = target, q = drafter.
+sampling noise. p = target, q = drafter. A drafter with its own tokenizer runs as vLLM's TLI
+(`use_heterogeneous_vocab`); vLLM's own mapping of the two tokenizers is compared with ours.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from specdistill.data.generate.vllm_engine import EngineSettings
 from specdistill.data.models.pairs import PairSpec
 from specdistill.data.sampling import Sampling
 from specdistill.decode.validate.agreement import Acceptance, agreement, agreement_note
+from specdistill.decode.validate.mapped import vllm_mapping_figures
 from specdistill.decode.validate.vllm_engine import (
     engine_kwargs,
     engines,
@@ -73,10 +75,12 @@ def validate_in_vllm(
     eos: Sequence[int],
     draft_sample_method: str | None = None,
     parallel_drafting: bool = False,
+    mapped: Any = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """(report.json's `vllm` section, notes): both engines of vLLM in every mode of `samplings`.
 
-    `ours[mode]` is our decoder's row of `modes` (with its `accepted_at` / `trials_at`)."""
+    `ours[mode]` is our decoder's row of `modes` (with its `accepted_at` / `trials_at`);
+    `mapped`: our decoder's `MappedVocab` when the drafter has its own tokenizer (TLI)."""
     import vllm
 
     prompts = token_batches(batches)
@@ -116,6 +120,7 @@ def validate_in_vllm(
         "version": getattr(vllm, "__version__", "unknown"),
         "method": "draft_model",
         "parallel_drafting": parallel_drafting,
+        "use_heterogeneous_vocab": spec.vocab == "mapped",
         "num_speculative_tokens": gamma,
         "draft_sample_method": draft_sample_method or "vLLM's default (greedy)",
         "dtype": str(dtype).removeprefix("torch."),
@@ -128,4 +133,12 @@ def validate_in_vllm(
         "modes": modes,
         "greedy_identical_to_plain": (modes.get("greedy") or {}).get("identical_to_plain"),
     }
+    if mapped is not None:
+        result["vocab_mapping"] = m = vllm_mapping_figures(mapped)
+        if m and (m["draft_ids_mapped_differently"] or m["target_ids_read_differently"]):
+            notes.append(
+                f"vLLM's TLI mapping differs from ours on {m['draft_ids_mapped_differently']} "
+                f"drafter ids and {m['target_ids_read_differently']} target ids (each engine "
+                "maps the tokenizers itself): the engines' acceptance may differ by more than noise"
+            )
     return result, notes

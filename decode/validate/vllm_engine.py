@@ -9,10 +9,16 @@ acceptance counters (`vllm:spec_decode_*`), tokens/s and latency of both engines
 vLLM's greedy output with the drafter equals its plain greedy output, and how its acceptance
 compares with our decoder's (`decode/validate/agreement.py`). p = target, q = drafter.
 
+A drafter with its own tokenizer (`pair.vocab=mapped`) runs as vLLM's TLI
+(`"use_heterogeneous_vocab": True`): vLLM builds its own token mapping from the two tokenizers
+(the drafter's read from the drafter's folder), drafts greedily over the intersection and maps
+the drafts back to target ids; its verification is the ordinary one, so greedy output stays the
+target's (decode/validate/mapped.py refuses what TLI cannot run, before loading).
+
 Bad input is refused before any model loads: a pair vLLM cannot serve (no `architectures`, an
 architecture vLLM has no model for, a head size its CPU attention lacks), a drafter whose
-vocabulary size differs from the target's (vLLM refuses it; the export stage pads it), vLLM
-missing (named extra). Engine settings are the generate backend's (`vllm.*`); the two engines
+vocabulary size differs from the target's (vLLM refuses it; the export stage pads it; a mapped
+drafter keeps its own rows), vLLM missing (named extra). Engine settings are the generate backend's (`vllm.*`); the two engines
 share the GPU, so each gets half of `vllm.gpu_memory_utilization`.
 """
 
@@ -71,8 +77,9 @@ def _head_dim(config: Any) -> int | None:
     return getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
 
 
-def check_configs(target: Any, drafter: Any, drafter_name: str) -> None:
-    """What vLLM's draft-model speculation needs of the two configs, checked without vLLM."""
+def check_configs(target: Any, drafter: Any, drafter_name: str, mapped: bool = False) -> None:
+    """What vLLM's draft-model speculation needs of the two configs, checked without vLLM;
+    `mapped`: the drafter has its own tokenizer (TLI), so its vocabulary size is its own."""
     for field, config in (("pair.target", target), ("pair.drafter", drafter)):
         if not list(getattr(config, "architectures", None) or []):
             raise ConfigError(
@@ -80,7 +87,7 @@ def check_configs(target: Any, drafter: Any, drafter_name: str) -> None:
                 "class: save it with save_pretrained (the export stage does)"
             )
     tv, dv = target.get_text_config().vocab_size, drafter.get_text_config().vocab_size
-    if tv != dv:
+    if tv != dv and not mapped:
         raise ConfigError(
             f"pair.drafter={drafter_name!r} has vocab_size {dv} but the target has {tv}: vLLM "
             "refuses a draft model whose vocabulary size differs; export it first (the export "
@@ -131,7 +138,7 @@ def preflight(cfg: Any, spec: PairSpec) -> EngineSettings:
 
     target = config(spec.target, spec.revision)
     drafter = config(spec.drafter, spec.drafter_revision)
-    check_configs(target, drafter, spec.drafter)
+    check_configs(target, drafter, spec.drafter, mapped=spec.vocab == "mapped")
     vllm = require_vllm(ASKED_BY)
     from vllm.platforms import current_platform
 
@@ -171,7 +178,8 @@ def speculative_config(
     spec: PairSpec, gamma: int, method: str | None = None, parallel: bool = False
 ) -> dict[str, Any]:
     """vLLM's draft-model speculation; `parallel`: PARD drafting (one drafter forward per round,
-    the mask id read from the drafter's config: `mask_token_id` / `pard_token`)."""
+    the mask id read from the drafter's config: `mask_token_id` / `pard_token`); a mapped pair
+    (the drafter has its own tokenizer): TLI, `use_heterogeneous_vocab`."""
     conf: dict[str, Any] = {
         "model": spec.drafter,
         "method": "draft_model",
@@ -179,6 +187,8 @@ def speculative_config(
     }
     if parallel:
         conf["parallel_drafting"] = True
+    if spec.vocab == "mapped":
+        conf["use_heterogeneous_vocab"] = True
     if method:
         conf["draft_sample_method"] = method
     if spec.drafter_revision:

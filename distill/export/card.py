@@ -118,7 +118,7 @@ def _figures(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _vllm_section(v: dict[str, Any] | None) -> list[str]:
+def vllm_section(v: dict[str, Any] | None) -> list[str]:
     """vLLM's own figures for this folder, beside our decoder's (when `vllm.enabled`)."""
     if not v:
         return []
@@ -293,7 +293,7 @@ def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, An
         *_distillation(distill),
         *_measured(report),
         "",
-        *_vllm_section(result.vllm),
+        *vllm_section(result.vllm),
         *_serving(target, result.output_dir, gamma),
         *parallel_section(result, target, gamma),
         *self_check_section(result.check),

@@ -7,6 +7,9 @@ run the validate stage with `engines=[ours,vllm]` on the folder it is about to p
 validate report's own settings (same prompts, gamma, modes, repeats) when one was given, else
 validate's defaults on the export's pair. Its report (both engines side by side) is written to
 `vllm.output_dir`; the model card and export.json carry vLLM's figures. p = target, q = drafter.
+A drafter with its own tokenizer (a mapped export) runs there as TLI (`use_heterogeneous_vocab`:
+greedy drafts only), so its run keeps vLLM's greedy draft sampling and our decoder's `tli`
+context whatever the report's settings were: both engines then measure the same drafter.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.generate.vllm_engine import require_vllm
+from specdistill.data.models.pair_vocab import resolves_to_mapped
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.validate.stage import run as validate
 from specdistill.distill.compose import compose_stage, config_module
@@ -55,6 +59,9 @@ def validate_config(cfg: DictConfig, report: dict[str, Any] | None, drafter: Pat
             vcfg.vllm[key] = value
     vcfg.pair.drafter = str(drafter)
     vcfg.pair.drafter_revision = None
+    if resolves_to_mapped(vcfg.pair):  # TLI in vLLM: what validate accepts for a mapped pair
+        vcfg.vllm.draft_sample_method = None
+        vcfg.decoder.mapped_context = "tli"
     return vcfg
 
 

@@ -33,6 +33,7 @@ from specdistill.distill.export.card import (
     provenance,
     self_check_section,
     transformers_usage,
+    vllm_section,
     vllm_usage,
 )
 from specdistill.distill.export.check import (
@@ -229,5 +230,6 @@ def mapped_card(result: Any, distill: dict[str, Any] | None, gamma: int) -> str:
         *transformers_usage(target, out, own_tokenizer=True),
         "",
         *self_check_section(result.check),
+        *vllm_section(result.vllm),  # vllm.enabled: this folder served by vLLM as TLI
     ]
     return "\n".join(lines)

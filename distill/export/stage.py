@@ -281,23 +281,12 @@ def prepare_mapped(
     )
 
 
-def check_sources(
-    settings: ExportSettings,
-    spec: PairSpec,
-    source: str,
-    report: dict[str, Any] | None,
-    use_vllm: bool,
-) -> None:
-    """The report measured this drafter, and vLLM validation is asked only where it runs."""
+def check_report(settings: ExportSettings, source: str, report: dict[str, Any] | None) -> None:
+    """The report given measured this drafter (its figures go on the card)."""
     if report and not _same_path(str(report["drafter"]), source):
         raise ConfigError(
             f"report={settings.report!r} measured drafter {report['drafter']!r}, not the "
             f"exported {source!r}: pass the validate report of this drafter (or none)"
-        )
-    if spec.vocab == "mapped" and use_vllm:
-        raise ConfigError(
-            "vllm.enabled=true: validate does not run a drafter with its own tokenizer yet "
-            "(pair.vocab=mapped, issue 33); export it with vllm.enabled=false"
         )
 
 
@@ -315,7 +304,7 @@ def run(cfg: DictConfig) -> ExportResult:
     device = resolve_device(settings.check.device)
     check_dtype = parse_dtype(settings.check.dtype, device)
     spec, source = resolve_sources(settings, cfg.pair)
-    check_sources(settings, spec, source, report, use_vllm)
+    check_report(settings, source, report)
 
     tok = AutoTokenizer.from_pretrained(
         spec.tokenizer, revision=spec.revision, trust_remote_code=spec.trust_remote_code

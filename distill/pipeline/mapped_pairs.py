@@ -3,7 +3,8 @@
 The stages resolve the pair themselves and refuse what they cannot run for a mapped pair, but
 generate runs first and costs minutes on the real pair: so the plan checks the same rules up
 front, on the configs the stages will get, and a hopeless run is one `error:` line before any
-step starts. Generate, distill (lmbda 0, autoregressive), validate and export run mapped pairs;
+step starts. Generate, distill (lmbda 0, autoregressive), validate and export run mapped pairs
+(`vllm=true` too: the export validates the folder in vLLM as TLI, `use_heterogeneous_vocab`);
 online adaptation (its batches are drafter-generated, in the drafter's tokens) does not yet.
 """
 
@@ -32,8 +33,3 @@ def check_mapped_plan(pair: Any, steps: list[Any]) -> None:
             )
         if step.stage == "distill":
             check_mapped_config(cfg)  # lmbda, drafting, draft_vocab_train: distill's own lines
-        if step.stage == "export" and OmegaConf.select(cfg, "vllm.enabled"):
-            raise ConfigError(
-                "vllm=true: validating a drafter with its own tokenizer (pair.vocab=mapped) in "
-                "vLLM from the pipeline is not wired yet (issue 33); run with vllm=false"
-            )

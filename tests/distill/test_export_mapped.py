@@ -5,6 +5,7 @@ assisted generation), and the self-check passes through `transformers`."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,15 @@ def test_mapped_export_keeps_its_tokenizer_and_says_how_to_serve(tmp_path, own_d
     assert check["our_decoder_tli_equals_target_greedy"] == "3 prompts, gamma 4"
 
 
-def test_mapped_export_refuses_vllm_validation_in_one_line(tmp_path, own_drafter):
-    with pytest.raises(ConfigError, match="vllm.enabled=true") as e:
+def test_mapped_export_in_vllm_needs_vllm_before_anything_loads(tmp_path, own_drafter, monkeypatch):
+    """vllm.enabled=true runs a mapped export in vLLM (TLI; tests/decode/test_validate_vllm_mapped.py
+    under -m vllm); without vLLM that is one line naming the extra, before any model loads."""
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setattr(export.export_mapped, "load_drafter", _refuse_loading)
+    with pytest.raises(ConfigError, match=r"^vllm\.enabled=true but vLLM cannot be imported") as e:
         export.run(_cfg(tmp_path / "export", own_drafter, "vllm.enabled=true"))
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "export").exists()
+
+
+def _refuse_loading(*a, **k):
+    raise AssertionError("the drafter was loaded before the error")

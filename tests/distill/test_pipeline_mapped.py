@@ -37,7 +37,6 @@ def test_which_pairs_the_plan_knows_are_mapped(toy_tiny, own_drafter):
         (["stages=[generate,distill,online,validate,export]"], "stages include online"),
         (["serving=sampling"], r"lmbda=1\.0: on-policy batches are not supported"),
         (["drafting=parallel"], "drafting=parallel: a drafter with its own tokenizer"),
-        (["vllm=true"], "vllm=true: validating a drafter with its own tokenizer"),
     ],
 )
 def test_what_a_mapped_pair_cannot_run_is_refused_by_the_plan(
@@ -47,6 +46,13 @@ def test_what_a_mapped_pair_cannot_run_is_refused_by_the_plan(
     with pytest.raises(ConfigError, match=message):
         build_plan(cfg)
     assert not (tmp_path / "run" / "generate").exists()
+
+
+def test_vllm_true_plans_the_mapped_export_in_vllm(tmp_path, own_drafter):
+    """vllm=true is no longer refused for a mapped pair: the export validates in vLLM (TLI)."""
+    cfg = _cfg(tmp_path / "run", [f"pair.drafter={own_drafter}", "vllm=true"])
+    steps = {s.name: s for s in build_plan(cfg)}
+    assert steps["export"].config["vllm"]["enabled"] is True
 
 
 def test_the_pipeline_runs_a_mapped_pair_end_to_end(tmp_path, own_drafter):
