@@ -56,9 +56,8 @@ class SwitchSettings:
     def from_node(cls, sw: Any) -> SwitchSettings:
         if sw is None:
             return cls()
-        number = lambda v: None if v is None else float(v)  # noqa: E731
         if sw.get("at") is None:  # no second phase: its lmbda still counts in `most_onpolicy`
-            return cls(lmbda=number(sw.get("lmbda")))
+            return cls(lmbda=_float_or_none(sw.get("lmbda")))
         at = float(sw.at)
         if not 0.0 < at < 1.0:
             raise ConfigError(
@@ -71,7 +70,7 @@ class SwitchSettings:
             if v is not None and not 0.0 <= float(v) <= 1.0:
                 raise ConfigError(f"switch.{key}={v} must lie in [0, 1] or be null")
         loss = None if sw.get("loss") is None else str(sw.loss)
-        return cls(at, loss, number(sw.get("beta")), number(sw.get("lmbda")))
+        return cls(at, loss, _float_or_none(sw.get("beta")), _float_or_none(sw.get("lmbda")))
 
 
 @dataclass(frozen=True)
@@ -343,6 +342,10 @@ def _check_scalars(cfg: DictConfig) -> None:
 
 def _int_or_none(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def lr_schedule(optim: Any, max_steps: int) -> Callable[[int], float]:
