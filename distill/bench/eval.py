@@ -26,6 +26,7 @@ from specdistill.distill.bench.recipe_summary import collect
 from specdistill.distill.train import setup
 from specdistill.distill.train.data import collate
 from specdistill.distill.train.evaluate import evaluate
+from specdistill.distill.train.settings import TrainSettings
 
 # (column, eval overrides): the mode's serving temperature, 0 = greedy.
 EVALS = {
@@ -72,7 +73,7 @@ def run(val_dir: Path, runs_dir: Path, pair: str, limit: int, work: Path) -> dic
         tok = load_tokenizer(spec)
         batches = {}
         for name, cfg in cfgs.items():
-            ex = setup.build_eval_examples(cfg, tok, acc)
+            ex = setup.build_eval_examples(TrainSettings.from_cfg(cfg), cfg, tok, acc)
             batches[name] = [
                 collate(ex[i : i + 16], tok.pad_token_id, 256) for i in range(0, len(ex), 16)
             ]
@@ -85,7 +86,7 @@ def run(val_dir: Path, runs_dir: Path, pair: str, limit: int, work: Path) -> dic
         q = load_role(dataclasses.replace(spec, drafter=drafter), "drafter", device="cpu")
         rec: dict[str, Any] = {"recipe": r["recipe"]}
         for name, cfg in cfgs.items():
-            s = setup.eval_sampling(cfg)
+            s = TrainSettings.from_cfg(cfg).eval.sampling
             rec[name] = evaluate(q, target, batches[name], vocab=len(tok), sampling=s)["alpha"]
         toy = r["sets"]["toy-test"]
         rec["validate_greedy"] = (toy.get("greedy") or {}).get("alpha")

@@ -32,7 +32,7 @@ FORCED = {
 def run(cfg: DictConfig) -> dict:
     cfg = OmegaConf.merge(cfg, FORCED)
     tr = stage.prepare(cfg)
-    pred = heldout_prediction(tr, tr.accelerator.unwrap_model(tr.model), cfg)
+    pred = heldout_prediction(tr, tr.accelerator.unwrap_model(tr.model), tr.s)
     assert pred is not None  # greedy serving is forced above
     atomic_write_json(tr.out / "prediction.json", pred)
     return pred

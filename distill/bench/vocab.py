@@ -9,7 +9,7 @@ matter to the time of a step, so CI builds one: a random Llama body (SmolLM2-lik
 freezes a drafter built from the target's layers (`freeze_embeddings: auto`). Rows are random
 Zipf-distributed tokens (so a draft vocabulary of the most frequent N covers most of them) with
 stored top-32 target log-probs; each step is one optimizer step of `--rows` rows of `--prompt`
-+ `--completion` tokens through the distill stage's own `_logits_and_targets` and loss dispatch:
++ `--completion` tokens through the distill stage's own `logits_and_targets` and loss dispatch:
 
 - `before`: `chunked_loss=false`, the [N, V] logits and `losses.distill_loss` (chunks of 256
   positions over those logits);
@@ -73,7 +73,7 @@ def measure(vocab: int, variant: str, args: argparse.Namespace) -> dict:
     from specdistill.decode.draft_vocab import choose_draft_vocab
     from specdistill.distill.head_loss import HeadInput, fused_distill_loss
     from specdistill.distill.losses import distill_loss
-    from specdistill.distill.train.stage import _logits_and_targets
+    from specdistill.distill.train.batch_loss import logits_and_targets
 
     torch.set_num_threads(args.threads)
     model = _drafter(vocab, args.layers, args.hidden)
@@ -85,7 +85,7 @@ def measure(vocab: int, variant: str, args: argparse.Namespace) -> dict:
         head_ids = torch.tensor(keep, dtype=torch.long)
         head_index = torch.full((vocab,), len(keep), dtype=torch.long)
         head_index[head_ids] = torch.arange(len(keep))
-    tr = SimpleNamespace(  # the fields of stage.Trainer that `_logits_and_targets` reads
+    tr = SimpleNamespace(  # the fields of trainer.Trainer that `logits_and_targets` reads
         model=model, target=None, topk=True, vocab=vocab, head_ids=head_ids,
         head_index=head_index, chunked=variant == "after",
         accelerator=SimpleNamespace(autocast=contextlib.nullcontext),
@@ -94,7 +94,7 @@ def measure(vocab: int, variant: str, args: argparse.Namespace) -> dict:
     n_tokens = int(batch["loss_mask"].sum())
 
     def step() -> float:
-        logits, mask, kwargs = _logits_and_targets(tr, batch, False, True)  # type: ignore[arg-type]
+        logits, mask, kwargs = logits_and_targets(tr, batch, False, True)  # type: ignore[arg-type]
         fused = isinstance(logits, HeadInput)
         loss = (fused_distill_loss if fused else distill_loss)(
             logits, mask, divergence=args.loss, num_tokens=n_tokens,  # type: ignore[arg-type]

@@ -14,14 +14,14 @@ from typing import Any
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from specdistill.data.models.pairs import match_vocab
 from specdistill.data.runtime import pad_rows
 from specdistill.distill.losses import distill_loss
 from specdistill.distill.online.buffer import Entry, ReplayBuffer
 from specdistill.distill.online.config import OnlineSettings
-from specdistill.distill.train.stage import _schedule
+from specdistill.distill.train.settings import lr_schedule
 
 
 def buffer_batch(entries: list[Entry], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -126,8 +126,8 @@ class Updater:
             anchor = copy.deepcopy(drafter).requires_grad_(False)
         self.anchor = anchor.eval() if anchor is not None and self.anchor_kl > 0 else None
         self.opt = hydra.utils.instantiate(cfg.optim.optimizer)(drafter.parameters())
-        view = OmegaConf.create({"optim": cfg.optim, "max_steps": max(1, total_steps)})
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _schedule(view))
+        schedule = lr_schedule(cfg.optim, max(1, total_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
         self.gated = 0  # optimizer steps skipped by the agreement gate
         self.agreements: list[float] = []  # the gate's cosines, drained by the serving loop
 

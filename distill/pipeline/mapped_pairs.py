@@ -17,10 +17,12 @@ from omegaconf import OmegaConf
 from specdistill.data.models.pair_vocab import resolves_to_mapped
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.train.mapped import check_mapped_config
+from specdistill.distill.train.settings import TrainSettings
 
 
 def check_mapped_plan(pair: Any, steps: list[Any]) -> None:
-    """`steps`: the plan's Steps (stage, config). One `error:` line where a step cannot run the mapped pair (nothing for a shared pair)."""
+    """One `error:` line where a step of the plan (`steps`: its Steps, each a stage and its
+    final config) cannot run the mapped pair; nothing for a shared pair."""
     if not resolves_to_mapped(pair):
         return
     for step in steps:
@@ -32,4 +34,5 @@ def check_mapped_plan(pair: Any, steps: list[Any]) -> None:
                 "from stages"
             )
         if step.stage == "distill":
-            check_mapped_config(cfg)  # lmbda, drafting, draft_vocab_train: distill's own lines
+            # lmbda, drafting, draft_vocab_train: distill's own lines, on distill's own settings
+            check_mapped_config(TrainSettings.from_cfg(cfg))

@@ -108,6 +108,100 @@ def _resolved(stage_cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(" ".join(str(e).split())) from e
 
 
+@dataclass
+class _Planner:
+    """The steps composed so far and how a stage's config is composed (the pipeline config,
+    each stage's serving-mode overrides, the seed)."""
+
+    cfg: DictConfig
+    overrides: dict[str, StageOverrides]  # serving_overrides(cfg)
+    steps: list[Step] = field(default_factory=list)
+
+    def add(self, name: str, stage: str, out: Path, stage_cfg: DictConfig, reads: list) -> Step:
+        """A step on `stage_cfg` (resolved), reading the output of the steps in `reads`."""
+        reads = [s for s in reads if s is not None]
+        config = _resolved(stage_cfg)
+        after = "".join(s.fingerprint for s in reads)
+        step = Step(name, stage, MODULES[stage], str(out), RESULT_FILES[stage],
+                    [s.name for s in reads], fingerprint(config, after), config)  # fmt: skip
+        self.steps.append(step)
+        return step
+
+    def compose(self, stage: str, dataset: str | None = None, **values: Any) -> DictConfig:
+        """The stage's config: the serving mode's overrides, then this step's values (its
+        folders, hand-offs; dotted keys spelled with `__`), the seed; `dataset` picks a set."""
+        cfg = self.cfg
+        typed = {k.replace("__", "."): v for k, v in values.items()} | {"seed": cfg.seed}
+        own_groups = (f"dataset={dataset}",) if dataset else ()
+        extra = StageOverrides(own_groups, typed)
+        stage_cfg = compose_stage(stage, cfg, self.overrides.get(stage, StageOverrides()) + extra)
+        own = (cfg.get(stage) or {}).get("dataset")
+        picked = isinstance(own, str) or dataset is not None
+        if cfg.get("dataset") is not None and stage in DATASET_STAGES and not picked:
+            stage_cfg.dataset = pipeline_dataset(cfg.dataset, own)
+        return stage_cfg
+
+    def validate_steps(self, run_dir: Path, drafter_path: str | None, reads: list) -> Step:
+        """validate_base (the undistilled drafter), validate and one validate_<set> per
+        `validate_sets`; returns the validate step (its report goes into the export's card)."""
+        if drafter_path and self.cfg.get("validate_base", True):
+            out = run_dir / "validate_base"
+            # an autoregressive base drafter: validated as one, whatever `drafting` is
+            base = self.compose("validate", output_dir=str(out), decoder__drafting="autoregressive")
+            self.add("validate_base", "validate", out, base, [])
+        report = None
+        for name in [None, *(self.cfg.get("validate_sets") or [])]:  # more prompt distributions
+            out = run_dir / ("validate" if name is None else f"validate_{name}")
+            vcfg = self.compose("validate", name, output_dir=str(out))
+            if drafter_path:
+                vcfg.pair.drafter = drafter_path
+            step = self.add(out.name, "validate", out, vcfg, reads)
+            report = report or step
+        return report  # type: ignore[return-value]
+
+    def export_step(
+        self, run_dir: Path, drafter_path: str | None, reads: list, report: Step | None
+    ) -> None:
+        """The export: the stage folder holds the marker; the shipped folder the drafter only."""
+        out = run_dir / "export"
+        values: dict[str, Any] = {"output_dir": str(out / "drafter"), "overwrite": True}
+        if drafter_path:
+            values["drafter"] = drafter_path
+        if report:
+            values["report"] = str(Path(report.result_path))
+        if self.cfg.get("vllm", False):  # validate the exported folder in vLLM before publishing
+            values["vllm.enabled"] = True
+        # no serving keys, no seed: a copy
+        ecfg = compose_stage("export", self.cfg, StageOverrides(values=values))
+        self.add("export", "export", out, ecfg, [*reads, report])
+
+
+def pipeline_dataset(dataset: DictConfig, own: Any) -> DictConfig:
+    """The pipeline's prompt set (`dataset=ultrachat`), then the stage's own dataset keys
+    (`generate.dataset.limit`, a pair's sizing), for a stage that picked no set of its own.
+
+    Merged outside struct mode: a key the set lacks (conf/sizing/smollm2.yaml's `toy: toy`
+    under a hub set) is the stage's own like any other, not an OmegaConf error. Interpolations
+    stay unresolved, so they resolve in the stage's config. No prompt is read here: the plan
+    stays pure."""
+    base = OmegaConf.create(OmegaConf.to_container(dataset, resolve=False))
+    return OmegaConf.merge(base, own or {})  # type: ignore[return-value]
+
+
+def _report_step(cfg: DictConfig, run_dir: Path, steps: list[Step]) -> Step:
+    """The last step: summary.md / report.png / pipeline.json over every step's result."""
+    serving = recipe = None
+    if cfg.get("serving") is not None:
+        serving = OmegaConf.to_container(cfg.serving, resolve=True)
+        recipe = OmegaConf.to_container(cfg.recipe, resolve=True)
+    results = {s.name: str(s.result_path) for s in steps}
+    config = {"run_dir": str(run_dir), "serving": serving, "recipe": recipe, "results": results}
+    return Step(
+        "report", "report", MODULES["report"], str(run_dir), RESULT_FILES["report"],
+        list(results), "", config,
+    )  # fmt: skip
+
+
 def build_plan(cfg: DictConfig) -> list[Step]:
     """The steps of `cfg.stages` in run order, each on its final config; nothing is loaded."""
     stages = list(cfg.stages)
@@ -115,91 +209,33 @@ def build_plan(cfg: DictConfig) -> list[Step]:
     if unknown:
         raise ConfigError(f"stages={stages}: unknown {unknown}; choose from {list(STAGES)}")
     run_dir = Path(str(cfg.run_dir)).expanduser().absolute()
-    seed = cfg.seed
-    sv = serving_overrides(cfg)  # checked before anything is composed
-    steps: list[Step] = []
-
-    def add(name: str, stage: str, out: Path, stage_cfg: DictConfig, reads: list[Step]) -> Step:
-        config = _resolved(stage_cfg)
-        after = "".join(s.fingerprint for s in reads)
-        step = Step(name, stage, MODULES[stage], str(out), RESULT_FILES[stage],
-                    [s.name for s in reads], fingerprint(config, after), config)  # fmt: skip
-        steps.append(step)
-        return step
-
-    def compose(stage: str, dataset: str | None = None, **values: Any) -> DictConfig:
-        """The stage's config: the serving mode's overrides, then this step's values (its
-        folders, hand-offs; dotted keys spelled with `__`), the seed; `dataset` picks a set."""
-        typed = {k.replace("__", "."): v for k, v in values.items()} | {"seed": seed}
-        own_groups = (f"dataset={dataset}",) if dataset else ()
-        extra = StageOverrides(own_groups, typed)
-        stage_cfg = compose_stage(stage, cfg, sv.get(stage, StageOverrides()) + extra)
-        own = (cfg.get(stage) or {}).get("dataset")
-        picked = isinstance(own, str) or dataset is not None
-        if cfg.get("dataset") is not None and stage in DATASET_STAGES and not picked:
-            # the pipeline's prompt set (`dataset=ultrachat`), then the stage's own dataset keys
-            stage_cfg.dataset = OmegaConf.merge(cfg.dataset, own or {})
-        return stage_cfg
-
+    plan = _Planner(cfg, serving_overrides(cfg))  # checked before anything is composed
     with config_module():
         data = drafter = report = None  # the steps whose output later steps read
         drafter_path: str | None = None
         if "generate" in stages:  # generate_dir: one Seq-KD run shared by several runs (sweeps)
             out = Path(str(cfg.get("generate_dir") or run_dir / "generate")).expanduser().absolute()
-            data = add("generate", "generate", out, compose("generate", output_dir=str(out)), [])
+            gcfg = plan.compose("generate", output_dir=str(out))
+            data = plan.add("generate", "generate", out, gcfg, [])
         if "distill" in stages:
             out = run_dir / "distill"
             hand_off = {"data__path": data.out_dir} if data else {}
-            dcfg = compose("distill", output_dir=str(out), **hand_off)
-            drafter = add("distill", "distill", out, dcfg, [data] if data else [])
+            dcfg = plan.compose("distill", output_dir=str(out), **hand_off)
+            drafter = plan.add("distill", "distill", out, dcfg, [data])
             drafter_path = str(out / "best")  # what distill ships (its held-out best)
         if "online" in stages:  # adapt the (distilled) drafter on the stream; validate the result
             out = run_dir / "online"
-            ocfg = compose("online", output_dir=str(out))
+            ocfg = plan.compose("online", output_dir=str(out))
             if drafter_path:
                 ocfg.pair.drafter = drafter_path
-            drafter = add("online", "online", out, ocfg, [drafter] if drafter else [])
+            drafter = plan.add("online", "online", out, ocfg, [drafter])
             drafter_path = str(out / "drafter")
         reads = [drafter] if drafter else []
         if "validate" in stages:
-            if drafter_path and cfg.get("validate_base", True):  # the undistilled drafter
-                out = run_dir / "validate_base"
-                # an autoregressive base drafter: validated as one, whatever `drafting` is
-                base = compose("validate", output_dir=str(out), decoder__drafting="autoregressive")
-                add("validate_base", "validate", out, base, [])
-            sets = [None, *(cfg.get("validate_sets") or [])]  # more prompt distributions
-            for name in sets:
-                out = run_dir / ("validate" if name is None else f"validate_{name}")
-                vcfg = compose("validate", name, output_dir=str(out))
-                if drafter_path:
-                    vcfg.pair.drafter = drafter_path
-                step = add(out.name, "validate", out, vcfg, reads)
-                report = report or step
+            report = plan.validate_steps(run_dir, drafter_path, reads)
         if "export" in stages:
-            # The stage folder holds the marker; the shipped folder holds only the drafter.
-            out = run_dir / "export"
-            values: dict[str, Any] = {"output_dir": str(out / "drafter"), "overwrite": True}
-            if drafter_path:
-                values["drafter"] = drafter_path
-            if report:
-                values["report"] = str(Path(report.result_path))
-            if cfg.get("vllm", False):  # validate the exported folder in vLLM before publishing
-                values["vllm.enabled"] = True
-            # no serving keys, no seed: a copy
-            ecfg = compose_stage("export", cfg, StageOverrides(values=values))
-            add("export", "export", out, ecfg, [*reads, *([report] if report else [])])
-
-    serving = recipe = None
-    if cfg.get("serving") is not None:
-        serving = OmegaConf.to_container(cfg.serving, resolve=True)
-        recipe = OmegaConf.to_container(cfg.recipe, resolve=True)
-    results = {s.name: str(s.result_path) for s in steps}
-    config = {"run_dir": str(run_dir), "serving": serving, "recipe": recipe, "results": results}
-    report_step = Step(
-        "report", "report", MODULES["report"], str(run_dir), RESULT_FILES["report"],
-        list(results), "", config,
-    )  # fmt: skip
-    steps.append(report_step)
+            plan.export_step(run_dir, drafter_path, reads, report)
+    steps = [*plan.steps, _report_step(cfg, run_dir, plan.steps)]
     check_mapped_plan(cfg.pair, steps)  # before generate spends minutes on a hopeless pair
     return steps
 

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.models.pairs import PairSpec, load_role, vocab_size
 from specdistill.data.models.vocab_mapping import VocabMapping, load_source, vocab_mapping
@@ -52,6 +51,7 @@ from specdistill.distill.intersection import (
 from specdistill.distill.train.data import Example
 from specdistill.distill.train.evaluate import serving_acceptance
 from specdistill.distill.train.logits import masked_logits
+from specdistill.distill.train.settings import TrainSettings
 
 log = logging.getLogger(__name__)
 
@@ -182,37 +182,33 @@ class MappedPair:
         return {"alpha": acc_sum / count, "greedy_agreement": agree / count, "tokens": count}
 
 
-def check_mapped_config(cfg: DictConfig) -> bool:
+def check_mapped_config(s: TrainSettings) -> bool:
     """Settings a mapped pair cannot run, each one line naming the field; returns
     `tli_mask_unreachable` resolved (auto: on when eval.sampling is greedy)."""
-    most = max(float(cfg.lmbda), float(OmegaConf.select(cfg, "switch.lmbda") or 0.0))
-    if most > 0:
+    if s.most_onpolicy > 0:
         raise ConfigError(
-            f"lmbda={cfg.lmbda}: on-policy batches are not supported for a drafter with its own "
+            f"lmbda={s.lmbda}: on-policy batches are not supported for a drafter with its own "
             "tokenizer (pair.vocab=mapped) yet; use lmbda=0 (Seq-KD rows in the target's tokens)"
         )
-    if str(cfg.get("drafting", "autoregressive")) != "autoregressive":
+    if s.drafting != "autoregressive":
         raise ConfigError(
-            f"drafting={cfg.drafting}: a drafter with its own tokenizer (pair.vocab=mapped) "
+            f"drafting={s.drafting}: a drafter with its own tokenizer (pair.vocab=mapped) "
             "trains autoregressive drafts only"
         )
-    if cfg.get("draft_vocab_train", False) is True:
+    if s.draft_vocab_train:
         raise ConfigError(
             "draft_vocab_train=true: a drafter with its own tokenizer (pair.vocab=mapped) is "
             "trained over the vocabulary intersection already; set draft_vocab_train=false"
         )
-    setting = cfg.get("tli_mask_unreachable", "auto")
-    if setting not in ("auto", True, False):
-        raise ConfigError(f"tli_mask_unreachable={setting!r}: use auto, true or false")
-    if setting == "auto":
-        return Sampling.from_parent(cfg.eval, "eval.sampling").greedy
-    return bool(setting)
+    if s.tli_mask_unreachable == "auto":
+        return s.eval.sampling.greedy
+    return bool(s.tli_mask_unreachable)
 
 
-def prepare_mapped(cfg: DictConfig, spec: PairSpec, tok, drafter, device) -> MappedPair:
+def prepare_mapped(s: TrainSettings, spec: PairSpec, tok, drafter, device) -> MappedPair:
     """The intersection, the read map and the drafter's own tokenizer, from tokenizer files
     (the mapping is cached per pair: data/models/vocab_mapping.py)."""
-    mask_unreachable = check_mapped_config(cfg)
+    mask_unreachable = check_mapped_config(s)
     from transformers import AutoTokenizer
 
     name = spec.drafter_tokenizer or spec.drafter
@@ -252,9 +248,9 @@ def prepare_mapped(cfg: DictConfig, spec: PairSpec, tok, drafter, device) -> Map
     )
 
 
-def load_mapped_target(spec: PairSpec, cfg: DictConfig, device, mp: MappedPair):
+def load_mapped_target(spec: PairSpec, s: TrainSettings, device, mp: MappedPair):
     """The frozen target for a mapped pair: its logit rows must hold its tokenizer's ids."""
-    target = load_role(spec, "target", dtype=parse_dtype(cfg.target_dtype, device), device=device)
+    target = load_role(spec, "target", dtype=parse_dtype(s.target_dtype, device), device=device)
     target.requires_grad_(False)
     if vocab_size(target) < mp.target_vocab:
         raise ConfigError(

@@ -13,12 +13,14 @@ replay is an estimate: the decode would follow the target's text, not the refere
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specdistill.decode.config import DEFAULT_GAMMA
 from specdistill.decode.draft_length import DraftCosts, Replay, make_policy, replay
+
+if TYPE_CHECKING:
+    from specdistill.distill.train.settings import TrainSettings
 
 POLICIES = ("fixed", "heuristic", "confidence")
 
@@ -74,18 +76,17 @@ def predict(
     return figures
 
 
-def heldout_prediction(tr: Any, drafter, cfg) -> dict[str, Any] | None:
+def heldout_prediction(tr: Any, drafter, s: TrainSettings) -> dict[str, Any] | None:
     """The prediction for the distill result (greedy serving, autoregressive drafting; None
     otherwise): the policies
     replayed with the costs from `eval.predict.costs` (`auto`: measured on the pair when the
     target is loaded, else the cost model's defaults, said so)."""
-    pcfg = cfg.eval.get("predict", {}) or {}
-    if not pcfg.get("enabled", True) or not tr.eval_sampling.greedy or not tr.eval_batches:
+    pred = s.eval.predict
+    if not pred.enabled or not tr.eval_sampling.greedy or not tr.eval_batches:
         return None
-    if str(cfg.get("drafting", "autoregressive")) != "autoregressive":
+    if s.drafting != "autoregressive":
         return None  # a parallel round's drafts do not read their predecessors: no AR replay
-    gamma, max_draft = int(pcfg.get("gamma", DEFAULT_GAMMA)), int(pcfg.get("max_draft", 8))
-    raw = pcfg.get("costs", "auto")
+    gamma, max_draft, raw = pred.gamma, pred.max_draft, pred.costs
     source = "configured"
     if raw not in (None, "auto"):
         costs = DraftCosts(**{k: float(v) for k, v in dict(raw).items()})
@@ -95,8 +96,8 @@ def heldout_prediction(tr: Any, drafter, cfg) -> dict[str, Any] | None:
         costs, source = DraftCosts(), UNCALIBRATED
     rows = heldout_outcomes(drafter, tr.target, tr.eval_batches, vocab=tr.vocab, device=tr.device)
     out = {
-        "eval_source": str(cfg.eval.source),
-        "exact": str(cfg.eval.source) == "target",
+        "eval_source": s.eval.source,
+        "exact": s.eval.source == "target",
         "costs": dataclasses.asdict(costs) | {"source": source},
         "rows": len(rows),
         "gamma": gamma,

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
@@ -160,8 +159,7 @@ def test_distill_stores_the_draft_vocab_in_the_checkpoint(tmp_path):
 
     model = tiny_llama(vocab=64, layers=1, hidden=32, seed=4)
     rows = [Example([1, 2, 3], [9, 9, 8]), Example([2], [9, 8, 7, 7])]
-    cfg = OmegaConf.create({"draft_vocab": 5})
-    assert set_draft_vocab(cfg, model, rows, Tok(), mask_id=None) == 5
+    assert set_draft_vocab(5, model, rows, Tok(), mask_id=None) == 5
     assert getattr(model.config, CONFIG_KEY) == [63, 9, 2, 7, 8]
     model.save_pretrained(tmp_path)
     from transformers import AutoModelForCausalLM
@@ -169,16 +167,12 @@ def test_distill_stores_the_draft_vocab_in_the_checkpoint(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert draft_vocab_of(loaded) == [63, 9, 2, 7, 8]
     # auto keeps a small vocabulary's full head; none drops an earlier run's list
-    assert (
-        set_draft_vocab(OmegaConf.create({"draft_vocab": "auto"}), loaded, rows, Tok(), None) == 0
-    )
+    assert set_draft_vocab("auto", loaded, rows, Tok(), None) == 0
     assert draft_vocab_of(loaded) == [63, 9, 2, 7, 8]
-    assert (
-        set_draft_vocab(OmegaConf.create({"draft_vocab": "none"}), loaded, rows, Tok(), None) == 0
-    )
+    assert set_draft_vocab("none", loaded, rows, Tok(), None) == 0
     assert draft_vocab_of(loaded) is None
     # the parallel mask token is never in it
-    ids = set_draft_vocab(cfg, model, rows, Tok(), mask_id=9)
+    ids = set_draft_vocab(5, model, rows, Tok(), mask_id=9)
     assert ids == 4 and 9 not in getattr(model.config, CONFIG_KEY)
 
 

@@ -17,6 +17,7 @@ from specdistill.distill.train import logits as lg
 from specdistill.distill.train import setup
 from specdistill.distill.train import stage as train
 from specdistill.distill.train.data import Example
+from specdistill.distill.train.settings import TrainSettings
 from tests.distill.conftest import make_seqkd
 
 
@@ -124,15 +125,19 @@ def test_freeze_embeddings_rejects_other_values(distill_cfg, tmp_path):
 
 def test_eval_topk_auto_only_where_stored_logprobs_measure_the_serving_mode(distill_cfg, tmp_path):
     rows = [Example([1, 2], [3], topk_ids=[[3, 4, 5]], topk_logprobs=[[-0.1, -3.0, -4.0]])]
-    greedy = distill_cfg(tmp_path, "eval.sampling.temperature=0")
+
+    def settings(*overrides: str) -> TrainSettings:
+        return TrainSettings.from_cfg(distill_cfg(tmp_path, *overrides))
+
+    greedy = settings("eval.sampling.temperature=0")
     assert setup.eval_topk(greedy, rows, True) == 3
     assert setup.eval_topk(greedy, rows, False) == 0  # training loads the target anyway
-    assert setup.eval_topk(distill_cfg(tmp_path, "eval.sampling.temperature=1"), rows, True) == 3
-    warm = distill_cfg(tmp_path, "eval.sampling.temperature=0.7")
+    assert setup.eval_topk(settings("eval.sampling.temperature=1"), rows, True) == 3
+    warm = settings("eval.sampling.temperature=0.7")
     assert setup.eval_topk(warm, rows, True) == 0  # stored at T=1: not the serving mode
-    assert setup.eval_topk(distill_cfg(tmp_path, "eval.topk_logprobs=8"), rows, False) == 8
+    assert setup.eval_topk(settings("eval.topk_logprobs=8"), rows, False) == 8
     with pytest.raises(ConfigError, match="eval.topk_logprobs"):
-        setup.eval_topk(distill_cfg(tmp_path, "eval.topk_logprobs=-1"), rows, True)
+        settings("eval.topk_logprobs=-1")  # checked with the settings, before any load
 
 
 @pytest.mark.parametrize("plain", [True, False])
@@ -216,9 +221,7 @@ def test_training_on_the_draft_vocabulary(distill_cfg, tmp_path, toy_tiny_pair, 
 
     assert len(AutoConfig.from_pretrained(sub.drafter_path).draft_vocab_ids) == 64
     with pytest.raises(ConfigError, match="draft_vocab_train="):
-        setup.train_head_ids(
-            distill_cfg(tmp_path, "draft_vocab_train=maybe"), None, True, None, "cpu"
-        )
+        TrainSettings.from_cfg(distill_cfg(tmp_path, "draft_vocab_train=maybe"))
 
 
 def test_evaluate_with_a_draft_vocabulary_scores_the_subset_argmax():

@@ -14,8 +14,9 @@ import torch
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.head_loss import HeadInput, fused_distill_loss, positions_per_chunk
 from specdistill.distill.losses import distill_loss
-from specdistill.distill.train import setup
+from specdistill.distill.train import batch_loss, setup
 from specdistill.distill.train import stage as train
+from specdistill.distill.train.settings import TrainSettings
 
 N, H, V, K = 23, 12, 997, 7  # V prime: no chunk of rows or positions divides evenly
 LOSSES = [("fkl", 0.5), ("rkl", 0.5), ("tvd", 0.5), ("jsd", 0.0), ("jsd", 0.1),
@@ -143,8 +144,8 @@ def test_positions_per_chunk_holds_the_budget():
 
 
 def test_chunked_loss_setting(distill_cfg, tmp_path):
-    cfg = distill_cfg(tmp_path)
-    assert setup.chunked_loss(cfg, 49152) and not setup.chunked_loss(cfg, 4096)  # auto
+    s = TrainSettings.from_cfg(distill_cfg(tmp_path))
+    assert s.use_chunked_loss(49152) and not s.use_chunked_loss(4096)  # auto
     with pytest.raises(ConfigError, match=r"^chunked_loss='sometimes': use auto, true or false"):
         setup.check_config(distill_cfg(tmp_path, "chunked_loss=sometimes"))
 
@@ -161,7 +162,7 @@ def test_the_stage_trains_alike_with_the_fused_loss(
         calls.append(type(kwargs.get("target_logits")).__name__)
         return fused_distill_loss(student, *args, **kwargs)
 
-    monkeypatch.setattr(train, "fused_distill_loss", counted)
+    monkeypatch.setattr(batch_loss, "fused_distill_loss", counted)
     common = (f"data.path={seqkd_topk_dir}", "max_steps=3", "eval_every=3", "save_every=3",
               "freeze_embeddings=false", *extra)  # fmt: skip
     runs = [train.run(distill_cfg(tmp_path / str(on), *common, f"chunked_loss={on}"))

@@ -16,6 +16,7 @@ from specdistill.distill.intersection import Intersection
 from specdistill.distill.train import mapped, setup
 from specdistill.distill.train import stage as train
 from specdistill.distill.train.data import Example
+from specdistill.distill.train.settings import TrainSettings
 from tests.distill.mapped_fixtures import build_own_drafter
 
 
@@ -97,8 +98,8 @@ def test_mapped_distill_live_target_sampling(distill_cfg, tmp_path, own_drafter,
 )  # fmt: skip
 def test_mapped_settings_it_cannot_run_are_one_line(distill_cfg, tmp_path, override, field):
     cfg = distill_cfg(tmp_path / "run", override)
-    with pytest.raises(ConfigError, match=field) as e:
-        mapped.check_mapped_config(cfg)
+    with pytest.raises(ConfigError, match=field) as e:  # the form of a value: with the settings
+        mapped.check_mapped_config(TrainSettings.from_cfg(cfg))
     assert "\n" not in str(e.value)
 
 

@@ -175,6 +175,25 @@ def test_online_and_a_real_pair(cli):
     assert p["validate_base"]["config"]["pair"]["drafter"] == "ORG/SMALL"
 
 
+def test_a_pipeline_dataset_over_a_sized_pair_plans_without_reading_it(cli, monkeypatch):
+    """`specdistill plan=true pair=smollm2 dataset=ultrachat`: the pair's sizing gives generate
+    dataset keys the hub set lacks (`toy`, `limit`); they merge over it like the user's own, and
+    the plan reads no prompts (it printed an OmegaConf struct traceback before)."""
+    import specdistill.data.dataset_rows as rows
+    import specdistill.data.prompts as prompts
+
+    def no_reading(*_a, **_k):
+        raise AssertionError("the plan read the dataset")
+
+    for module, name in ((rows, "hub_rows"), (prompts, "hub_rows"), (prompts, "load_prompts")):
+        monkeypatch.setattr(module, name, no_reading)
+    code, (p,), err = cli("pair=smollm2", "dataset=ultrachat")
+    assert code == 0, err
+    for name in ("generate", "distill", "validate"):
+        assert p[name]["config"]["dataset"]["name"] == "HuggingFaceH4/ultrachat_200k"
+    assert p["generate"]["config"]["dataset"]["limit"] == 1024  # conf/sizing/smollm2.yaml
+
+
 def test_multirun_sweeps_plan_each_run(cli, tmp_path):
     code, runs, _ = cli("-m", "pair=toy-tiny", "distill.lmbda=0.0,0.5")
     assert code == 0 and [r["distill"]["config"]["lmbda"] for r in runs] == [0.0, 0.5]

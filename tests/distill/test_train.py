@@ -155,7 +155,8 @@ def test_prediction_is_skipped_for_sampling_serving(distill_cfg, tmp_path):
 
     from specdistill.data.sampling import Sampling
     from specdistill.distill.train.predict import heldout_prediction
+    from specdistill.distill.train.settings import TrainSettings
 
-    cfg = distill_cfg(tmp_path / "run")
+    s = TrainSettings.from_cfg(distill_cfg(tmp_path / "run"))
     tr = SimpleNamespace(eval_sampling=Sampling(temperature=1.0), eval_batches=[{}])
-    assert heldout_prediction(tr, None, cfg) is None
+    assert heldout_prediction(tr, None, s) is None

@@ -1,0 +1,125 @@
+"""One micro-batch's share of the window's loss, for a drafter that reads the target's ids.
+
+p = target, q = drafter. The drafter's side is its logits at the loss positions only (the masked
+head), its hidden states + head (`HeadInput`, for the fused chunked loss), the draft
+vocabulary's head, or a parallel drafter's packed sequence (real tokens + mask chains); the
+target's side is its live logits (no grad) or the stored top-k, gathered at the same positions.
+A drafter with its own tokenizer takes `MappedPair.loss` instead (train/mapped.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specdistill.distill import parallel
+from specdistill.distill.head_loss import HeadInput, fused_distill_loss
+from specdistill.distill.losses import distill_loss, subset_topk
+from specdistill.distill.train.logits import has_plain_head, masked_head_input, masked_logits
+
+if TYPE_CHECKING:
+    from specdistill.distill.train.trainer import Trainer
+
+
+def logits_and_targets(
+    tr: Trainer, batch: dict[str, torch.Tensor], onp: bool, masked: bool
+) -> tuple[torch.Tensor | HeadInput, torch.Tensor, dict[str, Any]]:
+    """(drafter logits, loss mask, the target's keywords for `distill_loss`) of one micro-batch.
+
+    `masked`: logits of the loss positions only, as one [1, N, V] row (`logits.masked_logits`),
+    and the target's logits or stored top-k gathered at the same positions; else the padded
+    [b, n, V] grid. The loss is a sum over positions, so both give the same value. With
+    `tr.chunked` (and a plain head) the drafter comes as hidden states + head (`HeadInput`,
+    for `fused_distill_loss`), and so does a live target with a plain head.
+    """
+    ids, att, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    use_topk = tr.topk and not onp
+    sub = masked and use_topk and tr.head_ids is not None  # the draft vocabulary's head only
+    fused = masked and not sub and tr.chunked and has_plain_head(tr.model)
+    with tr.accelerator.autocast():
+        if fused:
+            logits = masked_head_input(tr.model, ids, att, mask, tr.vocab)
+        elif masked:
+            head = tr.head_ids if sub else None
+            logits = masked_logits(tr.model, ids, att, mask, tr.vocab, head)[None]
+        else:
+            logits = tr.model(input_ids=ids, attention_mask=att).logits[..., : tr.vocab]
+    if use_topk:
+        kwargs: dict[str, Any] = {"topk_ids": batch["topk_ids"], "topk_lp": batch["topk_lp"]}
+        if masked:
+            kwargs = {k: v[mask][None] for k, v in kwargs.items()}
+        if sub:
+            logits, kwargs["topk_ids"], kwargs["topk_lp"] = subset_topk(
+                logits, kwargs["topk_ids"], kwargs["topk_lp"], tr.head_index
+            )
+    else:
+        with torch.no_grad():
+            if fused and has_plain_head(tr.target):
+                target = masked_head_input(tr.target, ids, att, mask, tr.vocab)
+            elif masked:
+                target = masked_logits(tr.target, ids, att, mask, tr.vocab)[None]
+            else:
+                target = tr.target(input_ids=ids, attention_mask=att).logits[..., : tr.vocab]
+        kwargs = {"target_logits": target}
+    if masked:
+        rows = logits.hidden.shape[:1] if fused else logits.shape[:2]  # type: ignore[union-attr]
+        mask = torch.ones(rows, dtype=torch.bool, device=ids.device)
+    return logits, mask, kwargs
+
+
+def packed_logits_and_targets(
+    tr: Trainer, batch: dict[str, torch.Tensor], packed: dict[str, torch.Tensor], onp: bool
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """drafting=parallel: the drafter's logits over the packed sequence (real tokens + mask
+    chains), the target's figures gathered at each packed position's label, depth weights."""
+    with tr.accelerator.autocast():
+        logits = parallel.packed_forward(tr.model, packed)[..., : tr.vocab]
+    if tr.topk and not onp:
+        kwargs: dict[str, Any] = {"topk_ids": batch["topk_ids"], "topk_lp": batch["topk_lp"]}
+    else:
+        with torch.no_grad():
+            kwargs = {
+                "target_logits": tr.target(  # type: ignore[misc]
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                ).logits[..., : tr.vocab]
+            }
+    kwargs = {k: parallel.gather_positions(v, packed["label_pos"]) for k, v in kwargs.items()}
+    kwargs["weights"] = packed["weight"]
+    objective = tr.s.parallel.objective  # type: ignore[union-attr]
+    if objective != "token":  # weights (and -E) from the drafter's own soft acceptance
+        s = tr.eval_sampling  # the serving mode: greedy target or sampling at its temperature
+        accept = parallel.packed_acceptance(logits, kwargs, s.greedy, float(s.temperature or 1))
+        kwargs["weights"] = parallel.objective_weights(accept.detach(), packed)
+        if objective == "acceptance_length":
+            kwargs["length_sum"] = parallel.chains_expected_length(accept, packed)
+    return logits, packed["weight"] > 0, kwargs
+
+
+def shared_vocab_loss(
+    tr: Trainer, batch: dict, packed: dict | None, onp: bool, masked: bool, loss_name: str,
+    beta: float, num_tokens: float, n_chains: float = 1.0,
+) -> torch.Tensor:  # fmt: skip
+    """One micro-batch's share of the window's loss when the drafter reads the target's ids
+    (a parallel drafter with `parallel.objective=acceptance_length` also maximises the expected
+    accepted length per mask chain of the window)."""
+    if packed is None:
+        logits, mask, kwargs = logits_and_targets(tr, batch, onp, masked)
+    else:
+        logits, mask, kwargs = packed_logits_and_targets(tr, batch, packed, onp)
+    length_sum = kwargs.pop("length_sum", None)  # parallel.objective=acceptance_length
+    fused = isinstance(logits, HeadInput)
+    loss = (fused_distill_loss if fused else distill_loss)(
+        logits,  # type: ignore[arg-type]
+        mask,
+        divergence=loss_name,
+        beta=beta,
+        temperature=tr.s.loss.temperature,
+        num_tokens=num_tokens,
+        chunk_size=None if fused else tr.s.loss_chunk_size,
+        **kwargs,
+    )
+    if length_sum is not None:  # maximise E[accepted] per chain of the window
+        w_len = tr.s.parallel.length_weight  # type: ignore[union-attr]
+        loss = loss - w_len * length_sum / max(n_chains, 1)
+    return loss

@@ -1,0 +1,367 @@
+"""The distill stage's config typed once: `TrainSettings.from_cfg(cfg)` at the top of `run`.
+
+conf/distill.yaml lists the values users see; the defaults of a key a caller's config lacks (a
+hand-built config, a plan file from an older run) and every check of the stage's own settings
+live here, each error one line naming the field, before any model loads. The loop, its helpers
+and result.json read typed fields instead of parsing nodes again. The config groups that are
+objects of their own stay nodes on the config: `pair` and `dataset` (resolved by data/),
+`optim` (its optimizer is instantiated from `_target_`; its schedule is checked here),
+`deepspeed` (distill/train/zero.py) and `logger`. What needs the machine (DeepSpeed's offload
+devices, fp16 on CPU) is checked by `setup.check_config`, still before any weights load.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from specdistill.data.runtime import ConfigError, setting
+from specdistill.data.sampling import Sampling
+from specdistill.decode.config import DEFAULT_GAMMA
+from specdistill.decode.draft_vocab import draft_vocab_size
+from specdistill.distill.head_loss import AUTO_MIN_VOCAB
+from specdistill.distill.losses import DIVERGENCES
+from specdistill.distill.parallel import check_parallel_config
+from specdistill.distill.train.zero import zero_stage
+
+_POSITIVE = ("max_steps", "micro_batch_size", "grad_accum", "eval_every", "save_every")
+_AUTO_OR_BOOL = ("auto", True, False)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """`loss` (conf/loss/): the divergence, GKD's beta, the softmax temperature of p and q."""
+
+    name: str = "fkl"
+    beta: float = 0.0
+    temperature: float = 1.0
+
+
+@dataclass(frozen=True)
+class SwitchSettings:
+    """`switch`: an optional second phase from step int(at * max_steps) on (e.g. greedy Seq-KD +
+    FKL, then on-policy TVD); None keeps the stage's own value. Checked only when `at` is set."""
+
+    at: float | None = None
+    loss: str | None = None
+    beta: float | None = None
+    lmbda: float | None = None
+
+    @classmethod
+    def from_node(cls, sw: Any) -> SwitchSettings:
+        if sw is None:
+            return cls()
+        if sw.get("at") is None:  # no second phase: its lmbda still counts in `most_onpolicy`
+            return cls(lmbda=_float_or_none(sw.get("lmbda")))
+        at = float(sw.at)
+        if not 0.0 < at < 1.0:
+            raise ConfigError(
+                f"switch.at={at} must lie in (0, 1): the share of max_steps before it"
+            )
+        if sw.get("loss") is not None and sw.loss not in DIVERGENCES:
+            raise ConfigError(f"switch.loss={sw.loss!r} is not one of {', '.join(DIVERGENCES)}")
+        for key in ("lmbda", "beta"):
+            v = sw.get(key)
+            if v is not None and not 0.0 <= float(v) <= 1.0:
+                raise ConfigError(f"switch.{key}={v} must lie in [0, 1] or be null")
+        loss = None if sw.get("loss") is None else str(sw.loss)
+        return cls(at, loss, _float_or_none(sw.get("beta")), _float_or_none(sw.get("lmbda")))
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """`parallel.*` (drafting=parallel only; distill/parallel.py checks them)."""
+
+    depth: int = 8
+    anchors: int = 16
+    decay: float = 0.8
+    objective: str = "token"  # token | cat | acceptance_length
+    length_weight: float = 1.0
+    mask_token_id: int | str | None = "auto"  # auto: the tokenizer's pad id
+
+    @classmethod
+    def from_node(cls, node: Any) -> ParallelSettings:
+        check_parallel_config(node)
+        return cls(
+            depth=int(node.depth),
+            anchors=int(node.anchors),
+            decay=float(node.decay),
+            objective=str(setting(node, cls, "objective")),
+            length_weight=float(setting(node, cls, "length_weight")),
+            mask_token_id=setting(node, cls, "mask_token_id"),
+        )
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """`data`: the training rows' sources (values as given: paths and limits go to data/)."""
+
+    path: Any = None  # a generate-stage (Seq-KD) dataset
+    seq_kd: bool = True  # build one with the generate stage when path is null
+    reference: bool = False
+    use_topk: Any = "auto"  # auto | true | false
+    limit: Any = None
+    generate: dict[str, Any] = field(default_factory=dict)  # the generate stage's overrides
+
+    @classmethod
+    def from_node(cls, node: Any) -> DataSettings:
+        gen = node.get("generate")
+        return cls(
+            path=setting(node, cls, "path"),
+            seq_kd=bool(setting(node, cls, "seq_kd")),
+            reference=bool(setting(node, cls, "reference")),
+            use_topk=setting(node, cls, "use_topk"),
+            limit=setting(node, cls, "limit"),
+            generate=OmegaConf.to_container(gen, resolve=True) if gen is not None else {},  # type: ignore[arg-type]
+        )
+
+
+@dataclass(frozen=True)
+class PredictSettings:
+    """`eval.predict`: best/'s decode figures replayed over the held-out set (train/predict.py)."""
+
+    enabled: bool = True
+    gamma: int = DEFAULT_GAMMA
+    max_draft: int = 8
+    costs: Any = "auto"  # auto | null | {c, verify_per_token, round_overhead}
+
+    @classmethod
+    def from_node(cls, node: Any) -> PredictSettings:
+        node = node or {}
+        costs = node.get("costs", cls.costs)
+        if isinstance(costs, DictConfig):
+            costs = OmegaConf.to_container(costs, resolve=True)
+        return cls(
+            enabled=bool(node.get("enabled", cls.enabled)),
+            gamma=int(node.get("gamma", cls.gamma)),
+            max_draft=int(node.get("max_draft", cls.max_draft)),
+            costs=costs,
+        )
+
+
+@dataclass(frozen=True)
+class OnpolicySettings:
+    """`onpolicy`: the drafter's own completions (lmbda > 0)."""
+
+    max_new_tokens: int = 64
+    sampling: Sampling = field(default_factory=lambda: Sampling(temperature=1.0))
+
+    @classmethod
+    def from_node(cls, node: Any) -> OnpolicySettings:
+        sampling = Sampling.from_parent(node, "onpolicy.sampling")
+        return cls(int(setting(node, cls, "max_new_tokens")), sampling)
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """`eval`: the held-out figure that picks best/ (acceptance in the serving mode)."""
+
+    source: str = "reference"  # reference | path | target
+    path: Any = None
+    split: Any = "test"
+    limit: Any = 64
+    batch_size: int = 16
+    max_new_tokens: int = 64
+    topk_logprobs: int | str = "auto"
+    sampling: Sampling = field(default_factory=lambda: Sampling(temperature=1.0))
+    predict: PredictSettings = field(default_factory=PredictSettings)
+
+    @classmethod
+    def from_node(cls, node: Any) -> EvalSettings:
+        source = setting(node, cls, "source")
+        if source not in ("reference", "path", "target"):
+            raise ConfigError(f"eval.source={source!r}: use reference, path or target")
+        sampling = Sampling.from_parent(node, "eval.sampling")
+        k = setting(node, cls, "topk_logprobs")
+        if k != "auto" and int(k) < 0:
+            raise ConfigError(f"eval.topk_logprobs={k} must be >= 0 or auto")
+        return cls(
+            source=str(source),
+            path=setting(node, cls, "path"),
+            split=setting(node, cls, "split"),
+            limit=setting(node, cls, "limit"),
+            batch_size=int(setting(node, cls, "batch_size")),
+            max_new_tokens=int(setting(node, cls, "max_new_tokens")),
+            topk_logprobs=k if k == "auto" else int(k),
+            sampling=sampling,
+            predict=PredictSettings.from_node(node.get("predict")),
+        )
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """conf/distill.yaml's own settings, checked; see the module docstring for what stays a node."""
+
+    output_dir: Path
+    loss: LossSettings
+    data: DataSettings
+    eval: EvalSettings
+    onpolicy: OnpolicySettings
+    lmbda: float = 0.0
+    switch: SwitchSettings = field(default_factory=SwitchSettings)
+    seed: int = 0
+    max_steps: int = 200
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    max_seq_len: int = 256
+    resume: bool = False
+    eval_every: int = 50
+    save_every: int = 50
+    keep_checkpoints: int = 1
+    mixed_precision: str = "auto"  # auto | no | bf16 | fp16
+    device: str = "auto"
+    target_dtype: str = "auto"
+    loss_chunk_size: int | None = 256
+    drafting: str = "autoregressive"  # autoregressive | parallel
+    parallel: ParallelSettings | None = None  # drafting=parallel only
+    masked_head: bool = True
+    chunked_loss: bool | str = "auto"
+    draft_vocab: Any = "auto"  # auto | none | N (decode/draft_vocab.py checks the form)
+    draft_vocab_train: bool = False
+    tli_mask_unreachable: bool | str = "auto"
+    freeze_embeddings: bool | str = "auto"
+    deepspeed: bool = False
+    zero_stage: int = 0  # 0 without DeepSpeed
+    sweep_dir: str | None = None  # a loss sweep's folder: its summary is rewritten after each run
+
+    @classmethod
+    def from_cfg(cls, cfg: DictConfig) -> TrainSettings:
+        """The distill config checked and typed; a ConfigError names the field."""
+        _check_scalars(cfg)
+        for key in ("chunked_loss", "tli_mask_unreachable", "freeze_embeddings"):
+            value = setting(cfg, cls, key)
+            if value not in _AUTO_OR_BOOL:
+                raise ConfigError(f"{key}={value!r}: use auto, true or false")
+        ev = EvalSettings.from_node(cfg.eval)
+        onpolicy = OnpolicySettings.from_node(cfg.onpolicy)
+        switch = SwitchSettings.from_node(OmegaConf.select(cfg, "switch"))
+        drafting = setting(cfg, cls, "drafting")
+        if drafting not in ("autoregressive", "parallel"):
+            raise ConfigError(f"drafting={drafting!r}: use autoregressive or parallel")
+        par = ParallelSettings.from_node(cfg.parallel) if drafting == "parallel" else None
+        if cfg.optim.schedule not in ("cosine", "linear", "constant"):
+            raise ConfigError(
+                f"optim.schedule={cfg.optim.schedule!r}: use cosine, linear or constant"
+            )
+        draft_vocab = setting(cfg, cls, "draft_vocab")
+        draft_vocab_size(draft_vocab, 1 << 30)  # the setting's form only
+        dv_train = setting(cfg, cls, "draft_vocab_train")
+        if dv_train not in (True, False):
+            raise ConfigError(f"draft_vocab_train={dv_train!r}: use true or false")
+        sweep_dir = OmegaConf.select(cfg, "sweep_dir")
+        return cls(
+            output_dir=Path(str(cfg.output_dir)),
+            loss=LossSettings(
+                str(cfg.loss.name), float(cfg.loss.beta), float(cfg.loss.temperature)
+            ),
+            data=DataSettings.from_node(cfg.data),
+            eval=ev,
+            onpolicy=onpolicy,
+            lmbda=float(cfg.lmbda),
+            switch=switch,
+            seed=int(setting(cfg, cls, "seed")),
+            **{key: int(cfg[key]) for key in (*_POSITIVE, "max_seq_len")},
+            resume=bool(setting(cfg, cls, "resume")),
+            keep_checkpoints=int(setting(cfg, cls, "keep_checkpoints")),
+            mixed_precision=str(setting(cfg, cls, "mixed_precision")),
+            device=str(setting(cfg, cls, "device")),
+            target_dtype=str(setting(cfg, cls, "target_dtype")),
+            loss_chunk_size=_int_or_none(setting(cfg, cls, "loss_chunk_size")),
+            drafting=str(drafting),
+            parallel=par,
+            masked_head=bool(setting(cfg, cls, "masked_head")),
+            chunked_loss=setting(cfg, cls, "chunked_loss"),
+            draft_vocab=draft_vocab,
+            draft_vocab_train=bool(dv_train),
+            tli_mask_unreachable=setting(cfg, cls, "tli_mask_unreachable"),
+            freeze_embeddings=setting(cfg, cls, "freeze_embeddings"),
+            deepspeed=bool(cfg.deepspeed.enabled),
+            zero_stage=zero_stage(cfg),
+            sweep_dir=None if not sweep_dir else str(sweep_dir),
+        )
+
+    @property
+    def most_onpolicy(self) -> float:
+        """The largest on-policy share of the run (either phase): stored top-k rows cannot
+        serve a run that ever samples from the drafter."""
+        return max(self.lmbda, self.switch.lmbda or 0.0)
+
+    def phase_at(self, step: int) -> tuple[str, float, float]:
+        """(loss name, beta, lmbda) for optimizer step `step` (0-based): the switch's settings
+        from step int(switch.at * max_steps) on, the stage's own before (or without a switch)."""
+        name, beta, lmbda = self.loss.name, self.loss.beta, self.lmbda
+        sw = self.switch
+        if sw.at is None or step < int(sw.at * self.max_steps):
+            return name, beta, lmbda
+        if sw.loss is not None and sw.loss != name:
+            name, beta = sw.loss, {"fkl": 0.0, "rkl": 1.0}.get(sw.loss, 0.5)
+        if sw.beta is not None:
+            beta = sw.beta
+        if sw.lmbda is not None:
+            lmbda = sw.lmbda
+        return name, beta, lmbda
+
+    def use_chunked_loss(self, vocab: int) -> bool:
+        """`chunked_loss`: compute the loss from the drafter's hidden states and head in chunks
+        of positions, never the full [N, V] logits (distill/head_loss.py; exact, same value).
+        auto: on for vocabularies >= head_loss.AUTO_MIN_VOCAB, where the head's logits dominate
+        a step (distill/RESULTS.md). Applies to the plain-process masked-head path
+        (`masked_head`) of a plain-head model; the draft-vocabulary head (`draft_vocab_train`)
+        keeps its own path."""
+        if self.chunked_loss == "auto":
+            return vocab >= AUTO_MIN_VOCAB
+        return bool(self.chunked_loss)
+
+
+def _check_scalars(cfg: DictConfig) -> None:
+    """The loss, the on-policy share and the loop's sizes, each one line naming the field."""
+    for key in ("lmbda", "loss.beta"):
+        value = OmegaConf.select(cfg, key)
+        if value is None or not 0.0 <= float(value) <= 1.0:
+            raise ConfigError(f"{key}={value} must lie in [0, 1] (see DESIGN.md: GKD naming)")
+    if cfg.loss.name not in DIVERGENCES:
+        raise ConfigError(f"loss.name={cfg.loss.name!r} is not one of {', '.join(DIVERGENCES)}")
+    if float(cfg.loss.temperature) <= 0:
+        raise ConfigError(f"loss.temperature={cfg.loss.temperature} must be positive")
+    for key in _POSITIVE:
+        if int(OmegaConf.select(cfg, key)) <= 0:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be a positive integer")
+    if int(cfg.max_seq_len) < 2:
+        raise ConfigError(f"max_seq_len={cfg.max_seq_len} must be at least 2")
+    chunk = cfg.get("loss_chunk_size")
+    if chunk is not None and int(chunk) <= 0:
+        raise ConfigError(f"loss_chunk_size={chunk} must be positive or null")
+    if cfg.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+        raise ConfigError(f"mixed_precision={cfg.mixed_precision!r}: use auto, no, bf16 or fp16")
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def lr_schedule(optim: Any, max_steps: int) -> Callable[[int], float]:
+    """The LR multiplier of `optim` (an optim node: schedule, warmup_steps, min_lr_ratio):
+    linear warmup, then cosine/linear decay to min_lr_ratio (or constant). Shared with the
+    online stage's updates."""
+    warm, total = int(optim.warmup_steps), int(max_steps)
+    floor, kind = float(optim.min_lr_ratio), optim.schedule
+
+    def mult(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if kind == "constant":
+            return 1.0
+        frac = min(1.0, (step - warm) / max(1, total - warm))
+        shape = 0.5 * (1 + math.cos(math.pi * frac)) if kind == "cosine" else 1 - frac
+        return floor + (1 - floor) * shape
+
+    return mult
