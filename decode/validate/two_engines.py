@@ -134,11 +134,17 @@ def validate_in_vllm(
         "greedy_identical_to_plain": (modes.get("greedy") or {}).get("identical_to_plain"),
     }
     if mapped is not None:
-        result["vocab_mapping"] = m = vllm_mapping_figures(mapped)
-        if m and (m["draft_ids_mapped_differently"] or m["target_ids_read_differently"]):
-            notes.append(
-                f"vLLM's TLI mapping differs from ours on {m['draft_ids_mapped_differently']} "
-                f"drafter ids and {m['target_ids_read_differently']} target ids (each engine "
-                "maps the tokenizers itself): the engines' acceptance may differ by more than noise"
-            )
+        result["vocab_mapping"] = _mapping_beside_ours(mapped, notes)
     return result, notes
+
+
+def _mapping_beside_ours(mapped: Any, notes: list[str]) -> dict[str, Any] | None:
+    """vLLM's own TLI mapping of the two tokenizers against ours; a note where they differ."""
+    m = vllm_mapping_figures(mapped)
+    if m and (m["draft_ids_mapped_differently"] or m["target_ids_read_differently"]):
+        notes.append(
+            f"vLLM's TLI mapping differs from ours on {m['draft_ids_mapped_differently']} "
+            f"drafter ids and {m['target_ids_read_differently']} target ids (each engine "
+            "maps the tokenizers itself): the engines' acceptance may differ by more than noise"
+        )
+    return m
