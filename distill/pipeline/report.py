@@ -101,6 +101,8 @@ def summarize(stages: dict[str, dict]) -> dict[str, Any]:
 def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> Any:
     if stage == "distill":
         d = stages.get("distill") or {}
+        if key == "alpha" and distilled and d.get("best_alpha") is not None:
+            return d["best_alpha"]  # the shipped checkpoint's (best/), not the last step's
         name = {"alpha": "alpha", "agree": "greedy_agreement"}[key]
         return d.get(f"{name}_{'after' if distilled else 'before'}")
     v = stages.get("validate" if distilled else "validate_base") or {}

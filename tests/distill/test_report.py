@@ -208,3 +208,11 @@ def test_per_bucket_table_when_the_validate_reports_have_buckets():
     assert rows[1].startswith("| 4k-8k | 2 (300.5) | 0.3 / 0.6 |")
     text = report.summary_markdown("RUN", {"validate_base": base, "validate": dist}, None)
     assert "By context-length bucket" in text and rows[1] in text
+
+
+def test_held_out_alpha_is_the_shipped_checkpoints_not_the_last_steps():
+    """best/ is picked by held-out alpha: where the best step is not the last, the table shows
+    best/'s figure (the run ships best/), not the last evaluation's."""
+    distill = {**DISTILL, "best_alpha": 0.61, "best_step": 100}
+    held = _rows({"validate_base": BASE, "validate": DIST, "distill": distill})
+    assert held["held-out alpha, temperature 1"].endswith("| 0.41 | 0.61 |")
