@@ -131,6 +131,14 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def number_as_float(value: Any) -> Any:
+    """A float for a number (ints too, not bools); anything else (`auto`, None, a bad value)
+    unchanged, for the settings' check to accept or name."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
 def setting(node: Any, settings_type: type, key: str) -> Any:
     """`node[key]`, or the default that the typed settings dataclass `settings_type` declares for
     `key` when the node lacks it: the default is written once, on the dataclass (a key set to

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from specdistill.data.models.pairs import check_vocab, vocab_size
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, number_as_float
 from specdistill.data.sampling import Sampling
 from specdistill.decode.draft_length import MIN_OVERHEAD, POLICIES, SCOPES, DraftCosts
 from specdistill.decode.drafters import DRAFTING
@@ -194,7 +194,7 @@ class DecoderSettings:
             sampling=Sampling.from_parent(
                 node if "sampling" in node else {**node, "sampling": {}}, f"{field}.sampling"
             ),
-            lenience=_float(get("lenience")),
+            lenience=number_as_float(get("lenience")),
             cache=str(get("cache")),
             compile=get("compile"),
             record_probs=bool(get("record_probs")),
@@ -254,13 +254,6 @@ def _gamma(raw: Any, field: str) -> int | None:
     if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
         raise ConfigError(f"{field}.gamma={raw!r} must be an integer >= 1 or `auto`")
     return raw
-
-
-def _float(value: Any) -> Any:
-    """A float for a number (ints too); anything else unchanged, for the check to name."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    return value
 
 
 def _draft_costs(raw: Any, field: str) -> DraftCosts | None:

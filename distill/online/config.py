@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.runtime import ConfigError, setting
+from specdistill.data.runtime import ConfigError, number_as_float, setting
 from specdistill.decode.config import DecoderSettings
 from specdistill.distill.losses import DIVERGENCES
 from specdistill.distill.online.buffer import RECORD_MODES
@@ -113,9 +113,9 @@ class OnlineSettings:
             guard_probe=int(cfg.guard_probe),
             guard_margin=float(cfg.guard_margin),
             guard_start=bool(setting(cfg, cls, "guard_start")),
-            gate_agreement=_number_or(setting(cfg, cls, "gate_agreement")),
-            gate_relax_margin=_number_or(setting(cfg, cls, "gate_relax_margin")),
-            gate_relaxed=_number_or(setting(cfg, cls, "gate_relaxed")),
+            gate_agreement=number_as_float(setting(cfg, cls, "gate_agreement")),
+            gate_relax_margin=number_as_float(setting(cfg, cls, "gate_relax_margin")),
+            gate_relaxed=number_as_float(setting(cfg, cls, "gate_relaxed")),
             anchor_kl=float(setting(cfg, cls, "anchor_kl")),
             loss_chunk_size=int(setting(cfg, cls, "loss_chunk_size")),
             compare_frozen=bool(setting(cfg, cls, "compare_frozen")),
@@ -127,11 +127,6 @@ class OnlineSettings:
             log_tokens=bool(setting(cfg, cls, "log_tokens")),
             plot=bool(setting(cfg, cls, "plot")),
         )
-
-
-def _number_or(value: Any) -> Any:
-    """A float for a number; `auto` and None unchanged (checked before)."""
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
 
 
 def check_config(cfg: DictConfig) -> OnlineSettings:
