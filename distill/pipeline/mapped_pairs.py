@@ -26,7 +26,6 @@ def check_mapped_plan(pair: Any, steps: list[Any]) -> None:
     if not resolves_to_mapped(pair):
         return
     for step in steps:
-        cfg = OmegaConf.create(step.config)
         if step.stage == "online":
             raise ConfigError(
                 "stages include online, but online adaptation of a drafter with its own "
@@ -35,4 +34,4 @@ def check_mapped_plan(pair: Any, steps: list[Any]) -> None:
             )
         if step.stage == "distill":
             # lmbda, drafting, draft_vocab_train: distill's own lines, on distill's own settings
-            check_mapped_config(TrainSettings.from_cfg(cfg))
+            check_mapped_config(TrainSettings.from_cfg(OmegaConf.create(step.config)))
