@@ -54,6 +54,8 @@ class DecoderConfig:
     # calibrated confidence); the adaptive ones draft at most `max_draft` per round, fall back to
     # plain target steps when drafting does not pay (`draft_floor`), and probe every `probe_every`
     # such steps. `draft_scope`: batch (one length for all rows) | row (each row its own).
+    # The library's decoder stays classic (a given gamma every round); the stages' default
+    # (`DecoderSettings`, conf/decoder) is the adaptive policy that measured best.
     draft_length: str = "fixed"
     max_draft: int = 8
     draft_scope: str = "batch"
@@ -163,7 +165,7 @@ class DecoderSettings:
     record_probs: bool = False
     host_sync_every: int = 0
     cpu_matmul: str = "auto"
-    draft_length: str = "fixed"
+    draft_length: str = "confidence"
     max_draft: int = 8
     draft_scope: str = "batch"
     draft_floor: bool = True

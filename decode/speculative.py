@@ -341,8 +341,20 @@ class SpeculativeDecoder:
         )
         steps = torch.arange(self.verify_widths[-1], device=self.device)
         policy.start(b)
+        shadow = adaptive and cfg.draft_floor  # the floor learns from the steps it skipped
         return RoundState(
-            tgt, mask, dense, policy, adaptive, out, [False] * b, t, pos, steps, generator
+            tgt,
+            mask,
+            dense,
+            policy,
+            adaptive,
+            out,
+            [False] * b,
+            t,
+            pos,
+            steps,
+            generator,
+            [] if shadow else None,
         )
 
     def _round(self, st: RoundState) -> None:
@@ -363,7 +375,10 @@ class SpeculativeDecoder:
             return
         reads_q = st.policy.reads_q
         keep = st.policy.keep_drafting if reads_q else None
-        prop = self.drafting.propose(st.t, st.pos, k, st.generator, keep)
+        shadow = len(st.plain_p) if st.plain_p else 0
+        prop = self.drafting.propose(st.t, st.pos, k, st.generator, keep, shadow)
+        if shadow:
+            self._observe_shadow(st, prop.shadow, active)
         st.out.drafter_forwards += prop.forwards
         draft_t, q, kd = prop.tokens, prop.q, prop.tokens.shape[1]
         if not st.adaptive:
@@ -395,6 +410,19 @@ class SpeculativeDecoder:
         self.drafting.accept(draft_t, maxn, length + 1 + maxn, st.pos)
         st.pos = st.pos + 1 + n
         st.t = nxt
+
+    def _observe_shadow(self, st: RoundState, seen: torch.Tensor | None, active: list[bool]):
+        """Tell the policy what drafts would have done at the plain steps' tokens: per row,
+        min(1, q/p) of each (greedy: 1 where q's argmax was the target's token), an unbiased
+        estimate of each skipped round's first-draft acceptance (`Drafter._shadow`)."""
+        plain, st.plain_p = st.plain_p, []
+        if seen is None or not seen.shape[1]:
+            return
+        p = torch.stack(plain[-seen.shape[1] :], 1)
+        est = torch.clamp(seen / p, max=1.0)
+        st.policy.observe_shadow(
+            est.tolist(), active, pairs=self.cfg.sampling.greedy and not self.drafting.parallel
+        )
 
     def _draft_width(self, tokens: list[list[int]], done: list[bool]) -> int:
         """Drafts this round: gamma, or fewer when no unfinished row has the budget left to use

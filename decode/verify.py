@@ -44,6 +44,9 @@ class RoundState:
     pos: torch.Tensor  # (B,) its position
     steps: torch.Tensor  # arange over the widest verify
     generator: torch.Generator | None
+    # p's probability of each token the floor's plain steps emitted since the last drafting
+    # round, (B,) each, oldest first (1 when greedy); None: the policy learns nothing from them
+    plain_p: list[torch.Tensor] | None = None
 
 
 class Verifier:
@@ -110,6 +113,12 @@ class Verifier:
         else:
             probs = probs_from_logits(logits, s)
             nxt = sample_from(probs, uniforms((t.shape[0],), st.generator, self.device))
+        if st.plain_p is not None:
+            st.plain_p.append(
+                torch.ones_like(logits[:, 0])
+                if s.greedy
+                else probs.gather(-1, nxt[:, None])[:, 0].to(logits.dtype)
+            )
         out.target_forwards += 1
         if self.cfg.record_probs:
             out.rounds.append(

@@ -23,6 +23,7 @@ from specdistill.decode.draft_length.costs import (
     chunk_widths,
     draft_gain,
     expected_tokens,
+    modeled_speedup,
     verify_widths,
 )
 from specdistill.decode.draft_length.figures import Replay, draft_figures, replay
@@ -64,6 +65,7 @@ __all__ = [
     "expected_tokens",
     "make_policy",
     "measure_costs",
+    "modeled_speedup",
     "realized_overhead",
     "replay",
     "verify_widths",

@@ -126,6 +126,15 @@ def best_more(
     return best, best_g
 
 
+def modeled_speedup(draft_lengths: Sequence[int], tokens: int, costs: DraftCosts) -> float:
+    """A decode's speedup by the cost model: the tokens it emitted over the modeled time of its
+    rounds, in target steps (draft_lengths[k]: rounds that verified k drafts, k = 0 a plain
+    target step; batch 1), against target-only decoding's one token per step. The adaptive
+    policies' counterpart of the fixed-gamma formula, which assumes gamma drafts every round."""
+    cost = sum(n * costs.round_cost(k) for k, n in enumerate(draft_lengths))
+    return tokens / cost if cost > 0 else 0.0
+
+
 def verify_widths(max_k: int) -> list[int]:
     """Verify widths (drafts + 1) a compiled target is given: k in {0, 1, 2, 4, 8, ...} and
     max_k, so CUDA graphs / inductor see a few shapes; a round's drafts are padded up."""

@@ -50,14 +50,15 @@ def replay(
     Exact for greedy decoding up to the first rejection of every round, which is all that
     fixed and heuristic lengths read: while drafts are accepted the drafter's context *is* the
     target's continuation. A confidence policy may also read confidences after a rejected draft,
-    where the real drafter saw its own wrong token: those are the teacher-forced ones here.
+    where the real drafter saw its own wrong token: those are the teacher-forced ones here. The
+    floor's plain steps are judged as the decoder's next catch-up judges them (`observe_shadow`).
     This is how the distill stage predicts the adaptive speedup from its held-out set."""
     n = len(accepted)
     if conf is not None and len(conf) != n:
         raise ValueError(f"conf has {len(conf)} positions, accepted {n}")
     out = Replay()
     policy.start(1)
-    pos = 0
+    pos, skipped = 0, []
     while pos < n:
         budget = max(1, min(policy.max_k, n - pos - 1))
         k = policy.plan(budget, [True]).k
@@ -66,6 +67,7 @@ def replay(
             out.target_steps += 1
             out.tokens += 1
             out.cost += 1.0
+            skipped.append(pos)
             pos += 1
             continue
         kd = k
@@ -74,6 +76,9 @@ def replay(
                 if not policy.keep_drafting(i + 1, [conf[min(pos + i, n - 1)]]):
                     kd = i + 1
                     break
+        if skipped and policy.floor:  # the drafter's catch-up read them: their verdicts
+            policy.observe_shadow([[float(accepted[j]) for j in skipped]], [True], pairs=True)
+        skipped = []
         got = 0
         while got < kd and pos + got < n and accepted[pos + got]:
             got += 1

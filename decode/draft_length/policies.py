@@ -119,6 +119,7 @@ class DraftLengthPolicy:
         self.tokens = [1.0] * batch  # realized tokens and modeled cost (a prior of one step)
         self.cost = [1.0] * batch
         self.probing = False  # `interval` and `skipped` carry over from the last call
+        self.shadowed = False  # this round's policy saw verdicts of skipped steps
         self.row_k: list[int] | None = None
 
     def rate(self, r: int) -> float:
@@ -183,6 +184,35 @@ class DraftLengthPolicy:
                 self.tokens[r] += 1.0
                 self.cost[r] += 1.0
 
+    def observe_shadow(self, verdicts: list[list[float]], active: list[bool], pairs: bool) -> None:
+        """The floor's plain steps tested no draft, but the drafter's next forward reads their
+        tokens anyway: verdicts[r] (oldest first) estimates, per skipped token of row r, the
+        acceptance its first draft would have had (`SpeculativeDecoder._observe_shadow`). Each
+        feeds `first` (and, with pairs = greedy autoregressive drafting, a verdict after a hit
+        also feeds `follow`: the next draft of a round that drafted on) as drafted rounds do, so the floor switches
+        drafting back on from what it skipped, not from one probe's luck. Reads only tokens
+        already emitted: the acceptance rule stays exact."""
+        e, fe, life = self.ema, self.floor_ema, self._life
+        for r, a in enumerate(active):
+            if not a:
+                continue
+            row = verdicts[r]
+            for j, ok in enumerate(row):
+                # a round may start at any skipped token (the floor's next round starts at an
+                # arbitrary one): every verdict is a first draft's; after a hit it is also the
+                # next draft's of a round that drafted on
+                self.first[r] = (1 - fe) * self.first[r] + fe * ok
+                life["first"][0] += ok
+                life["first"][1] += 1
+                if pairs and j and row[j - 1] == 1.0:
+                    self.follow[r] = (1 - fe) * self.follow[r] + fe * ok
+                    life["follow"][0] += ok
+                    life["follow"][1] += 1
+                self.recent[r] = (1 - e) * self.recent[r] + e * ok
+                life["all"][0] += ok
+                life["all"][1] += 1
+            self.shadowed = self.shadowed or bool(row)
+
     def keep_drafting(self, drafted: int, conf: list[float]) -> bool:
         return True
 
@@ -203,12 +233,6 @@ class DraftLengthPolicy:
         cost = self.costs.round_cost(k)
         e, fe = self.ema, self.floor_ema
         life = self._life
-        if self.probing:  # did the probe pay for itself (tokens >= cost in target steps)?
-            self.probing = False
-            got = sum(n + 1 for n, a in zip(accepted, active) if a)
-            paid = got >= cost * sum(active)
-            backoff = min(2 * self.interval, self.max_backoff * self.probe_every)
-            self.interval = self.probe_every if paid else backoff
         for r, a in enumerate(active):
             if not a:
                 continue
@@ -228,6 +252,16 @@ class DraftLengthPolicy:
                 life[key][1] += 1
                 life["all"][0] += ok
                 life["all"][1] += 1
+        if self.probing:  # did the probe pay for itself?
+            self.probing = False
+            # with the skipped steps' verdicts (`observe_shadow`) a probe's evidence is the
+            # whole interval, so probing stays as frequent; otherwise it is one round's tokens
+            # against its cost in target steps, and a probe that did not pay backs off
+            got = sum(n + 1 for n, a in zip(accepted, active) if a)
+            paid = self.shadowed or got >= cost * sum(active)
+            backoff = min(2 * self.interval, self.max_backoff * self.probe_every)
+            self.interval = self.probe_every if paid else backoff
+        self.shadowed = False
         self.row_k = None
 
 

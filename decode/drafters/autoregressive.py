@@ -33,18 +33,25 @@ class AutoregressiveDrafter(Drafter):
         k: int,
         generator: torch.Generator | None,
         keep_drafting: KeepDrafting | None = None,
+        shadow: int = 0,
     ) -> Proposal:
-        """k 1-token steps (the first over lag + t); stops early when `keep_drafting` says so."""
+        """k 1-token steps (the first over lag + t); stops early when `keep_drafting` says so.
+        The first step's logits at the lag's last `shadow` tokens give `Proposal.shadow`."""
         self._prefill()
         x = torch.stack([*self.lag, t], 1)
         self.lag = []
         n = x.shape[1]
         xpos = None if self.dense else pos[:, None] - n + 1 + torch.arange(n, device=self.device)
         x, xpos = self._catch_up(x, xpos)
+        s = 0 if self.compiled else min(shadow, x.shape[1] - 1)
+        seen = None
         want_q = keep_drafting is not None
         drafts, qs, confs = [], [], []
         for i in range(k):
-            d, q = self._draw(self._forward(x, xpos, keep=1)[:, -1], generator, want_q)
+            logits = self._forward(x, xpos, keep=1 + s if i == 0 else 1)
+            if i == 0 and s:  # logits at x[-s-1:-1] predicted x[-s:]
+                seen = self._shadow(logits[:, :-1], x[:, -s:])
+            d, q = self._draw(logits[:, -1], generator, want_q)
             drafts.append(d)
             if not self.sampling.greedy:
                 qs.append(q)
@@ -62,6 +69,7 @@ class AutoregressiveDrafter(Drafter):
             q=torch.stack(qs, 1) if qs else None,
             conf=[list(c) for c in zip(*confs)] or None,
             forwards=len(drafts),
+            shadow=seen,
         )
 
     def _catch_up(self, x: torch.Tensor, xpos: torch.Tensor | None):

@@ -43,12 +43,14 @@ class Proposal:
     """A round's drafts: tokens (B, k) in the target's ids; q (B, k, V) the drafter's
     distributions over the target's vocabulary they were sampled from (None when greedy);
     conf[r][j] q's probability of row r's draft j (only when asked for); forwards: drafter
-    forwards spent."""
+    forwards spent; shadow (B, s): q's verdict on the last s tokens the target emitted in plain
+    steps, which this round's first forward read anyway (see `Drafter.propose`), else None."""
 
     tokens: torch.Tensor
     q: torch.Tensor | None
     conf: list[list[float]] | None
     forwards: int
+    shadow: torch.Tensor | None = None
 
 
 class Drafter(ABC):
@@ -126,10 +128,28 @@ class Drafter(ABC):
         k: int,
         generator: torch.Generator | None,
         keep_drafting: KeepDrafting | None = None,
+        shadow: int = 0,
     ) -> Proposal:
         """Up to k drafts continuing the pending token t (B,) at positions pos (B,). When
         `keep_drafting` is given, confidences are returned; a drafter that drafts step by step
-        stops once it says no, one that proposes all k at once leaves the cut to the policy."""
+        stops once it says no, one that proposes all k at once leaves the cut to the policy.
+
+        shadow: the last `shadow` tokens this forward reads (t included) were emitted by the
+        floor's plain target steps, so no draft ever tested q there. Their logits cost only
+        head rows in a forward that runs anyway: return q's verdict on up to that many of
+        them (`Proposal.shadow`, via `_shadow`) so the policy learns q's first-draft acceptance
+        from the rounds it skipped (eager steps only: compiled steps keep fixed shapes)."""
+
+    def _shadow(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """q's probability of each of `tokens` (B, s) from the logits (B, s, V) of the context
+        before it, under the sampling spec drafts are drawn with (greedy: 1 where its argmax
+        is the token, else 0). Divided by p's probability of the token (1 when greedy) and
+        clipped at 1 it is an unbiased estimate of the acceptance a draft would have had there:
+        E_{x~p}[min(1, q(x)/p(x))] = sum_x min(p(x), q(x))."""
+        if self.sampling.greedy:
+            return (logits.argmax(-1) == tokens).float()
+        q = probs_from_logits(logits, self.sampling)
+        return q.gather(-1, tokens[..., None])[..., 0]
 
     @abstractmethod
     def skip(self, t: torch.Tensor, pos: torch.Tensor) -> None:

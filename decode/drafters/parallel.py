@@ -72,9 +72,11 @@ class ParallelDrafter(Drafter):
         k: int,
         generator: torch.Generator | None,
         keep_drafting: KeepDrafting | None = None,
+        shadow: int = 0,
     ) -> Proposal:
         """All k proposals from one forward; the masks' slots are dropped from the cache before
-        returning. Confidences (when asked) let the policy pick how many to verify."""
+        returning. Confidences (when asked) let the policy pick how many to verify; the logits
+        at the lag's last `shadow` tokens (real tokens, as at t) give `Proposal.shadow`."""
         self._prefill()
         b = t.shape[0]
         lag, lag_pos = self._feed_excess(self.lag, self.lag_pos)
@@ -84,8 +86,13 @@ class ParallelDrafter(Drafter):
         xpos = None
         if not self.dense:
             xpos = torch.cat([lag_pos, pos[:, None] + torch.arange(k, device=self.device)], 1)
-        logits = self._forward(x, xpos, keep=k)
+        s = 0 if self.compiled else min(shadow, lag.shape[1])
+        logits = self._forward(x, xpos, keep=k + s)
         self.runner.rollback(keep_from)
+        seen = None
+        if s:  # logits at [lag, t][-s-1:-1] predicted [lag, t][-s:]
+            seen = self._shadow(logits[:, :s], torch.cat([lag, t[:, None]], 1)[:, -s:])
+            logits = logits[:, s:]
         want_q = keep_drafting is not None
         drafts, q = self._draw(logits, generator, want_q)
         return Proposal(
@@ -93,6 +100,7 @@ class ParallelDrafter(Drafter):
             q=None if self.sampling.greedy else q,
             conf=confidences(q, drafts) if want_q else None,
             forwards=1,
+            shadow=seen,
         )
 
     def _feed_excess(self, lag: torch.Tensor, lag_pos: torch.Tensor):

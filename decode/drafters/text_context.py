@@ -140,9 +140,11 @@ class TextContextDrafter(MappedDrafter):
         k: int,
         generator: torch.Generator | None,
         keep_drafting: KeepDrafting | None = None,
+        shadow: int = 0,
     ) -> Proposal:
         """Read the context as text, then k 1-token drafter steps (stopping early when
-        `keep_drafting` says so); drafts are target ids, fed back as the drafter's ids."""
+        `keep_drafting` says so); drafts are target ids, fed back as the drafter's ids. No
+        shadow verdicts: the context is re-tokenized, its tokens are not the target's."""
         logits, lengths = self._read_context(t)
         want_q = keep_drafting is not None
         first = self.runner.length

@@ -41,7 +41,7 @@ from specdistill.data.runtime import (
 from specdistill.decode.acceptance import expected_tau, theoretical_speedup
 from specdistill.decode.cache import check_rollback_config
 from specdistill.decode.config import DecoderSettings
-from specdistill.decode.draft_length import draft_figures
+from specdistill.decode.draft_length import DraftCosts, draft_figures, modeled_speedup
 from specdistill.decode.speculative import SpeculativeDecoder
 from specdistill.decode.validate.buckets import measure_buckets, regroup
 from specdistill.decode.validate.mapped import check_mapped_stage, load_mapped, mapping_figures
@@ -186,11 +186,20 @@ def lossless_check(dec: SpeculativeDecoder, base_out, spec_out, dtype, notes: li
     return ((mismatched == 0 and not dec.cfg.lossy) if greedy else None), mismatched
 
 
-def headline(spec_out, base_rates, spec_rates, gamma: int, c: float, verify_cost: float) -> dict:
-    """The serving mode's figures: alpha, tau, c, tokens/s, measured and theoretical speedup."""
+def headline(
+    spec_out, base_rates, spec_rates, gamma: int, c: float, verify_cost: float,
+    costs: DraftCosts | None = None,
+) -> dict:  # fmt: skip
+    """The serving mode's figures: alpha, tau, c, tokens/s, measured and theoretical speedup.
+    `costs`: an adaptive policy's step costs; its theoretical speedup is then the cost model's
+    at the decode's own draft lengths (`modeled_speedup`), not the fixed-gamma formula's."""
     alpha = min(max(spec_out.alpha, 0.0), 1.0)
     speedup = statistics.median(spec_rates) / statistics.median(base_rates)
     theory = theoretical_speedup(alpha, gamma, c)
+    measured_verify = expected_tau(alpha, gamma) / (gamma * c + verify_cost)
+    if costs is not None:
+        tokens = sum(len(t) for t in spec_out.tokens)
+        theory = measured_verify = modeled_speedup(spec_out.draft_lengths, tokens, costs)
     by_pos = [a / t if t else 0.0 for a, t in zip(spec_out.accepted_at, spec_out.trials_at)]
     return {
         "alpha": round(spec_out.alpha, 4),
@@ -203,9 +212,7 @@ def headline(spec_out, base_rates, spec_rates, gamma: int, c: float, verify_cost
         "speedup": round(speedup, 3),
         "theoretical_speedup": round(theory, 3),
         "decoder_efficiency": round(speedup / theory, 3),
-        "theoretical_speedup_measured_verify": round(
-            expected_tau(alpha, gamma) / (gamma * c + verify_cost), 3
-        ),
+        "theoretical_speedup_measured_verify": round(measured_verify, 3),
         "acceptance_by_position": [round(x, 4) for x in by_pos],
     }
 
@@ -287,7 +294,10 @@ def measure_serving(
         None if passes is None else passes.setdefault(mode, []),
     )
     lossless, mismatched = lossless_check(dec, base_out, spec_out, st.dtype, notes)
-    figures = headline(spec_out, base_rates, spec_rates, gamma, c, verify_cost)
+    costs = None
+    if dec.cfg.draft_length != "fixed":
+        costs = dec.draft_costs(st.warm[0][0], vs.batch_size)
+    figures = headline(spec_out, base_rates, spec_rates, gamma, c, verify_cost, costs)
     modes = {
         mode_name(dec.cfg.sampling.temperature): mode_figures(dec, base_rates, spec_rates, spec_out)
     }

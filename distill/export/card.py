@@ -109,7 +109,10 @@ def _figures(report: dict[str, Any]) -> list[str]:
         ("gamma (drafted tokens per round)", report.get("gamma")),
         ("c (drafter / target step time)", report.get("c")),
         ("speedup over target-only decoding (measured)", report.get("speedup")),
-        ("theoretical speedup from alpha, gamma, c", report.get("theoretical_speedup")),
+        (
+            "theoretical speedup (cost model: alpha, c, draft lengths)",
+            report.get("theoretical_speedup"),
+        ),
         ("`transformers` assisted generation speedup", hf.get("speedup")),
         ("output identical to the target's (greedy)", report.get("lossless")),
     ]

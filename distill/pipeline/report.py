@@ -52,7 +52,7 @@ ROWS = [
     ("tau, temperature {T}", "decode-time", "validate", "sampling.tau"),
     ("speedup over target-only (measured), greedy", "wall clock", "validate", "greedy.speedup"),
     ("speedup over target-only (measured), temperature {T}", "wall clock", "validate", "sampling.speedup"),
-    ("theoretical speedup, serving mode", "from alpha, gamma, c", "validate", "theoretical_speedup"),
+    ("theoretical speedup, serving mode", "cost model: alpha, c, draft lengths", "validate", "theoretical_speedup"),
     ("HF assisted speedup, same pair", "wall clock, serving mode", "validate", "hf_speedup"),
     ("lossless (output = target's)", "token-identical, greedy", "validate", "lossless"),
     ("held-out alpha, {mode}", "{how}", "distill", "alpha"),
@@ -192,6 +192,16 @@ def bucket_table(stages: dict[str, dict]) -> list[str]:
     return lines
 
 
+def decoder_words(v: dict[str, Any]) -> str:
+    """How a validate report drafted: `gamma G`, or the adaptive policy and its most drafts."""
+    dec = (v.get("config") or {}).get("decoder") or {}
+    policy = dec.get("draft_length", "fixed")
+    if policy == "fixed":
+        return f"gamma {v.get('gamma')}"
+    most = (v.get("draft_figures") or {}).get("max_draft", dec.get("max_draft"))
+    return f"draft length `{policy}` (at most {most} drafts a round)"
+
+
 def summary_markdown(
     run_dir: str,
     stages: dict[str, dict],
@@ -204,7 +214,7 @@ def summary_markdown(
     if v:
         lines += [
             f"Decode-time figures: `specdistill.decode.validate.stage`, {v.get('prompts')} held-out "
-            f"prompts x {v.get('max_new_tokens')} new tokens, gamma {v.get('gamma')}, "
+            f"prompts x {v.get('max_new_tokens')} new tokens, {decoder_words(v)}, "
             f"{v.get('device')} / {v.get('dtype')}, both serving modes (greedy and sampling). "
             "Held-out alpha: the distill stage's expected acceptance (not decoded) that picked "
             "the shipped checkpoint.",

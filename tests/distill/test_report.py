@@ -216,3 +216,18 @@ def test_held_out_alpha_is_the_shipped_checkpoints_not_the_last_steps():
     distill = {**DISTILL, "best_alpha": 0.61, "best_step": 100}
     held = _rows({"validate_base": BASE, "validate": DIST, "distill": distill})
     assert held["held-out alpha, temperature 1"].endswith("| 0.41 | 0.61 |")
+
+
+def test_summary_says_how_the_decoder_drafted():
+    """A fixed gamma by its value; an adaptive policy by name and its most drafts a round (the
+    header must not call an adaptive decode 'gamma 4')."""
+    fixed = {**DIST, "config": {"decoder": {"draft_length": "fixed"}}}
+    assert "gamma 4, cpu" in report.summary_markdown("/r", {"validate": fixed}, None)
+    adaptive = {
+        **DIST,
+        "config": {"decoder": {"draft_length": "confidence", "max_draft": 8}},
+        "draft_figures": {"max_draft": 6},
+    }
+    text = report.summary_markdown("/r", {"validate": adaptive}, None)
+    assert "draft length `confidence` (at most 6 drafts a round), cpu" in text
+    assert "gamma 4" not in text

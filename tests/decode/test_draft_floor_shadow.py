@@ -1,0 +1,181 @@
+"""The floor learns from the steps it skipped (`Drafter.propose(shadow=...)`, `observe_shadow`).
+
+p = target, q = drafter. When the floor runs plain target steps, the drafter reads their tokens
+in its next forward anyway; its logits there are what a first draft would have been. These tests
+check the verdicts against a brute-force forward over the whole sequence (greedy: q's argmax is
+the token; sampling: q's probability of it under the sampling spec), that the policy's averages
+take them in, that a floor switched on by a pessimistic prior switches drafting back on after
+one probe because of them (and does not without them), and that output stays the target's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdistill.data.sampling import Sampling
+from specdistill.decode.acceptance import probs_from_logits
+from specdistill.decode.draft_length import DraftCosts, make_policy, modeled_speedup
+from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
+from tests.conftest import tiny_llama
+from tests.decode.test_speculative import greedy_reference, left_pad, prompts, truncated_copy
+
+DEAR = DraftCosts(c=0.9, verify_per_token=0.1, round_overhead=0.3)  # the floor engages
+CHEAP = DraftCosts(c=0.2, verify_per_token=0.02, round_overhead=0.05)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0)
+    return target, truncated_copy(target)
+
+
+def _record(dec: SpeculativeDecoder) -> list[tuple[list[int], int, torch.Tensor]]:
+    """Wrap the decoder's drafter: per propose with shadow tokens, (pos of t per row, shadow
+    tokens asked for, verdicts returned)."""
+    calls: list[tuple[list[int], int, torch.Tensor]] = []
+    propose = dec.drafting.propose
+
+    def wrapped(t, pos, k, generator, keep=None, shadow=0):
+        prop = propose(t, pos, k, generator, keep, shadow)
+        if shadow:
+            assert prop.shadow is not None and prop.shadow.shape[1] <= shadow
+            calls.append((pos.tolist(), shadow, prop.shadow.clone()))
+        return prop
+
+    dec.drafting.propose = wrapped
+    return calls
+
+
+@torch.no_grad()
+def _brute(drafter, seq: list[int], idx: int, sampling: Sampling) -> float:
+    """q's verdict on seq[idx] from a cache-free forward over seq[:idx]."""
+    logits = drafter(torch.tensor([seq[:idx]])).logits[0, -1, :64]
+    if sampling.greedy:
+        return float(int(logits.argmax()) == seq[idx])
+    return float(probs_from_logits(logits, sampling)[seq[idx]])
+
+
+def _check(calls, drafter, seqs: list[list[int]], sampling: Sampling) -> int:
+    """Every verdict equals the brute-force one; returns how many were checked."""
+    checked = 0
+    for pos, _, seen in calls:
+        s = seen.shape[1]
+        for r, p in enumerate(pos):
+            for j in range(s):
+                idx = p - s + 1 + j  # the shadow tokens end at the pending token t (at pos)
+                want = _brute(drafter, seqs[r], idx, sampling)
+                assert float(seen[r, j]) == pytest.approx(want, abs=1e-5), (r, idx)
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("drafting", ["autoregressive", "parallel"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shadow_verdicts_equal_a_brute_force_forward(pair, drafting, temperature):
+    target, drafter = pair
+    sampling = Sampling(temperature=temperature, top_k=0, top_p=1.0)
+    cfg = DecoderConfig(
+        max_new_tokens=48,
+        draft_length="confidence",
+        probe_every=2,
+        draft_costs=DEAR,
+        sampling=sampling,
+        drafting=drafting,
+        mask_token_id=63 if drafting == "parallel" else None,
+    )
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    calls = _record(dec)
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for prompt in prompts(5, 64, seed=11):
+        calls.clear()
+        out = dec.generate(torch.tensor([prompt]), generator=gen)
+        checked += _check(calls, drafter, [prompt + out.tokens[0]], sampling)
+    assert checked >= 12  # the floor skipped steps and the probes read them
+
+
+def test_shadow_verdicts_batched_uneven_prompts(pair):
+    target, drafter = pair
+    cfg = DecoderConfig(
+        max_new_tokens=24, draft_length="confidence", probe_every=2, draft_costs=DEAR
+    )
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    calls = _record(dec)
+    rows = prompts(4, 64, seed=12)
+    ids, mask = left_pad(rows)
+    out = dec.generate(ids, mask)
+    seqs = [prompt + toks for prompt, toks in zip(rows, out.tokens)]
+    # rows past their end still take plain steps; check the rows that were active
+    checked = 0
+    for pos, shadow, seen in calls:
+        live = [r for r in range(len(rows)) if pos[r] < len(seqs[r])]
+        sub = [([pos[r] for r in live], shadow, seen[live])]
+        checked += _check(sub, drafter, [seqs[r] for r in live], Sampling())
+    assert checked >= 10
+    for r, prompt in enumerate(rows):
+        assert out.tokens[r] == greedy_reference(target, prompt, 24)
+
+
+def test_observe_shadow_feeds_the_floors_averages():
+    pol = make_policy("confidence", 4, 8, CHEAP)
+    pol.start(2)
+    fe = pol.floor_ema
+    pol.observe_shadow([[1.0, 1.0, 0.0, 1.0], [0.25]], [True, True], pairs=True)
+    # row 0: every verdict feeds first (1, 1, 0, 1); those after a hit feed follow (1, 0)
+    first0 = 0.5
+    for ok in (1.0, 1.0, 0.0, 1.0):
+        first0 = (1 - fe) * first0 + fe * ok
+    follow0 = (0.5 * (1 - fe) + fe) * (1 - fe)
+    assert pol.first[0] == pytest.approx(first0)
+    assert pol.follow[0] == pytest.approx(follow0)
+    assert pol.first[1] == pytest.approx(0.5 * (1 - fe) + fe * 0.25)
+    assert pol._life["first"] == [3.25, 5]
+    assert pol._life["follow"] == [1.0, 2]
+    assert pol._life["all"] == [3.25, 5]
+    other = make_policy("confidence", 4, 8, CHEAP)
+    other.start(1)
+    other.observe_shadow([[1.0, 1.0]], [True], pairs=False)  # every verdict is a first draft
+    assert other._life["first"] == [2.0, 2] and other._life["follow"] == [0.0, 0]
+    idle = make_policy("confidence", 4, 8, CHEAP)
+    idle.start(2)
+    idle.observe_shadow([[0.0], [1.0]], [True, False], pairs=True)  # finished rows learn nothing
+    assert idle.first[1] == 0.5 and idle._life["first"] == [0.0, 1]
+
+
+@pytest.mark.parametrize("with_shadow", [True, False])
+def test_a_pessimistic_floor_drafts_again_after_one_probe(with_shadow):
+    """A drafter that is the target (every draft accepted) behind a lifetime prior of no
+    acceptance: the floor starts with plain steps. The first probe's catch-up reads the skipped
+    tokens; their verdicts (all hits) switch drafting back on at once. Without them one accepted
+    probe moves the average by floor_ema only, and the floor stays on for more intervals."""
+    target = tiny_llama(vocab=64, layers=2, hidden=32, seed=3)
+    cfg = DecoderConfig(
+        max_new_tokens=40, draft_length="confidence", probe_every=4, draft_costs=CHEAP
+    )
+    dec = SpeculativeDecoder(target, target, cfg)
+    prompt = prompts(1, 64, seed=13)[0]
+    dec.generate(torch.tensor([prompt]))  # builds the policy
+    pol = dec.get_policy(None)
+    pol._life = {"first": [0.0, 200.0], "follow": [0.0, 200.0], "all": [0.0, 400.0]}
+    pol.skipped, pol.interval = 0, cfg.probe_every
+    if not with_shadow:
+        pol.observe_shadow = lambda *a, **k: None
+    out = dec.generate(torch.tensor([prompt]))
+    assert out.tokens[0] == greedy_reference(target, prompt, 40)
+    plain = out.draft_lengths[0]
+    if with_shadow:
+        assert plain <= cfg.probe_every + 1
+    else:
+        assert plain > 2 * cfg.probe_every
+
+
+def test_modeled_speedup_by_hand():
+    """Tokens over the modeled time of the rounds: 3 plain steps (1 each), two 1-draft rounds
+    and one 3-draft round at c 0.5, verify_per_token 0.1, overhead 0.2."""
+    costs = DraftCosts(c=0.5, verify_per_token=0.1, round_overhead=0.2)
+    one = 0.5 + 1 + 0.2 + 0.1
+    three = 1.5 + 1 + 0.2 + 0.3
+    assert modeled_speedup([3, 2, 0, 1], 10, costs) == pytest.approx(10 / (3 + 2 * one + three))
+    assert modeled_speedup([5], 5, costs) == 1.0  # plain steps only: target-only speed
+    assert modeled_speedup([], 0, costs) == 0.0
