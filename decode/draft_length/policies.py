@@ -254,11 +254,16 @@ class DraftLengthPolicy:
                 life["all"][1] += 1
         if self.probing:  # did the probe pay for itself?
             self.probing = False
-            # with the skipped steps' verdicts (`observe_shadow`) a probe's evidence is the
-            # whole interval, so probing stays as frequent; otherwise it is one round's tokens
-            # against its cost in target steps, and a probe that did not pay backs off
-            got = sum(n + 1 for n, a in zip(accepted, active) if a)
-            paid = self.shadowed or got >= cost * sum(active)
+            # with the skipped steps' verdicts (`observe_shadow`) the probe is judged by the
+            # rule on averages that now hold the whole interval's evidence; without them, by
+            # one round's tokens against its cost in target steps. A probe costs the drafter's
+            # catch-up over the skipped tokens on top of its round, so one that does not pay
+            # backs off (a weak drafter then costs ~1/64 of a step per token, not ~1/8)
+            if self.shadowed:
+                paid = self._pays(active)
+            else:
+                got = sum(n + 1 for n, a in zip(accepted, active) if a)
+                paid = got >= cost * sum(active)
             backoff = min(2 * self.interval, self.max_backoff * self.probe_every)
             self.interval = self.probe_every if paid else backoff
         self.shadowed = False

@@ -59,6 +59,10 @@ def validate_config(cfg: DictConfig, report: dict[str, Any] | None, drafter: Pat
             vcfg.vllm[key] = value
     vcfg.pair.drafter = str(drafter)
     vcfg.pair.drafter_revision = None
+    # vLLM drafts num_speculative_tokens every round: ours at the same fixed gamma, so the two
+    # engines' per-position acceptance compares like for like (an adaptive policy's figures
+    # stay in the validate report the export was given)
+    vcfg.decoder.draft_length = "fixed"
     if resolves_to_mapped(vcfg.pair):  # TLI in vLLM: what validate accepts for a mapped pair
         vcfg.vllm.draft_sample_method = None
         vcfg.decoder.mapped_context = "tli"
