@@ -206,7 +206,9 @@ class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student, mask, fn, chunk_size, *targets):  # type: ignore[override]
         grad = torch.zeros_like(student)
-        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        # float64 logits keep a float64 sum (tests compare with unchunked float64 references)
+        dtype = torch.float64 if student.dtype == torch.float64 else torch.float32
+        total = torch.zeros((), dtype=dtype, device=student.device)
         weight = mask.to(torch.float32)
         for start in range(0, student.shape[1], chunk_size):
             sl = slice(start, start + chunk_size)
@@ -262,12 +264,25 @@ def distill_loss(
     if num_tokens is None:
         num_tokens = mask.sum().clamp(min=1)
     weight = mask if weights is None else mask * weights.detach().float()
-    if chunk_size is None or not student_logits.requires_grad:
-        per_token = fn(student_logits, *targets)
-        total = (per_token * weight.to(per_token.dtype)).sum()
-    else:
-        total = _ChunkedLoss.apply(student_logits, weight, fn, int(chunk_size), *targets)
-    return total / num_tokens
+    return masked_sum(student_logits, weight, fn, targets, chunk_size) / num_tokens
+
+
+def masked_sum(
+    student: torch.Tensor,
+    weight: torch.Tensor,
+    fn: TokenFn,
+    targets: tuple[torch.Tensor, ...],
+    chunk_size: int | None,
+) -> torch.Tensor:
+    """sum over positions of fn(student, *targets) * weight, student [b, n, V], weight and
+    targets [b, n, ...] (no grad): in chunks of `chunk_size` positions with the gradient computed
+    per chunk (`_ChunkedLoss`), so only one chunk's fp32 intermediates live; plain autograd (any
+    shape) when `chunk_size` is None or no gradient is needed. Shared by `distill_loss` and
+    intersection.tli_loss."""
+    if chunk_size is None or not student.requires_grad:
+        per_token = fn(student, *targets)
+        return (per_token * weight.to(per_token.dtype)).sum()
+    return _ChunkedLoss.apply(student, weight, fn, int(chunk_size), *targets)
 
 
 def per_token_acceptance(
