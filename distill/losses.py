@@ -134,9 +134,11 @@ def topk_logprobs(
     K = V or the rest buckets carry no mass. Rest log-probs are floored at -80 (zero mass) so
     K = V stays finite. Temperature must be 1: the stored log-probs are at T = 1.
 
-    A draft vocabulary (the student scores a token subset, `subset_topk`) marks the target's
-    top-k tokens outside it with log p = -inf: they join the rest bucket on p's side (q gives
-    them nothing), and both sides carry the floor there, so they add nothing to any divergence.
+    An entry with log p = -inf (no mass; nothing stores one today) is floored on both sides, so
+    it adds no term (q's mass at its token is then counted nowhere) and no NaN. A draft
+    vocabulary (the student scores a token subset) does not come here: the target's mass
+    outside the subset is one q cannot earn, which a rest bucket would hide; it takes
+    intersection.py's loss instead (distill/train/batch_loss.py).
     """
     lq_full = F.log_softmax(at_least_fp32(student), dim=-1)
     ids = topk_ids.long()
@@ -158,20 +160,6 @@ def coarse_topk(
     lp_rest = torch.log((-torch.expm1(mass_k)).clamp(min=0.0)).clamp(min=_REST_FLOOR)
     lq_rest = lq_rest.clamp(min=_REST_FLOOR)
     return torch.cat([lp_k, lp_rest], -1), torch.cat([lq_k, lq_rest], -1)
-
-
-def subset_topk(
-    student: torch.Tensor, topk_ids: torch.Tensor, topk_lp: torch.Tensor, index: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A draft-vocabulary student ([..., K] logits over a token subset) and the stored top-k in
-    its terms: `index` [V] maps a token to its subset column or K (outside). One -inf column K
-    is appended for those tokens, whose log p becomes -inf (`topk_logprobs` sends them to the
-    rest bucket), so the stored top-k need no rewrite on disk."""
-    k = student.shape[-1]
-    pad = student.new_full((*student.shape[:-1], 1), float("-inf"))
-    cols = index[topk_ids.long()]
-    lp = torch.where(cols == k, float("-inf"), topk_lp.float())
-    return torch.cat([student, pad], -1), cols, lp
 
 
 # ---------------------------------------------------------------------------------------------
