@@ -11,6 +11,10 @@ I is the image of d2t, not {x : t2d[x] >= 0}: a target id that spells the same b
 (a duplicate) reads fine, but q can only propose the canonical one. Acceptance of a drafted
 token is sum_{x in I} min(p(x), q(x)) (sampling) or [argmax q = argmax p] (greedy).
 
+A drafter of the target's own tokenizer trained over its draft vocabulary (`draft_vocab_train`:
+its head scores K kept ids only, as our decoder drafts) is the same problem with d2t[j] = the
+j-th kept id over its K head columns (train/setup.py `train_head_ids`), so it takes this loss.
+
 Which treatment of the target's mass m_out = p(outside I) maximises acceptance (derivation;
 tests/distill/test_intersection.py checks each claim against a grid search over q):
 
