@@ -11,6 +11,10 @@ I is the image of d2t, not {x : t2d[x] >= 0}: a target id that spells the same b
 (a duplicate) reads fine, but q can only propose the canonical one. Acceptance of a drafted
 token is sum_{x in I} min(p(x), q(x)) (sampling) or [argmax q = argmax p] (greedy).
 
+A drafter of the target's own tokenizer trained over its draft vocabulary (`draft_vocab_train`:
+its head scores K kept ids only, as our decoder drafts) is the same problem with d2t[j] = the
+j-th kept id over its K head columns (train/setup.py `train_head_ids`), so it takes this loss.
+
 Which treatment of the target's mass m_out = p(outside I) maximises acceptance (derivation;
 tests/distill/test_intersection.py checks each claim against a grid search over q):
 
@@ -57,7 +61,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdistill.distill.losses import DIVERGENCES, at_least_fp32, token_divergence
+from specdistill.distill.losses import DIVERGENCES, at_least_fp32, masked_sum, token_divergence
 
 FLOOR = -80.0  # log-prob floor (e^-80 ~ 2e-35: no mass), as in losses.py
 _TINY = math.exp(FLOOR)
@@ -222,6 +226,7 @@ def tli_loss(
     temperature: float = 1.0,
     num_tokens: float | torch.Tensor | None = None,
     mask_unreachable: bool = False,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """sum over masked positions of the (b) loss / num_tokens; gradient w.r.t. the drafter only.
 
@@ -229,22 +234,33 @@ def tli_loss(
     `target_logits` [..., Vt] or the stored `topk_rows`/`topk_lp` [..., K] (temperature 1).
     `mask_unreachable` (greedy serving): positions whose target argmax is outside I add 0.
     `num_tokens`: the accumulation window's tokens (default this mask's count), unchanged by
-    `mask_unreachable`, so the loss stays a mean over the window's positions.
+    `mask_unreachable`, so the loss stays a mean over the window's positions. `chunk_size`:
+    student_logits [b, n, Vd] walked in chunks of that many positions, the gradient computed
+    per chunk (`losses.masked_sum`, as `distill_loss` does: a big draft vocabulary's fp32
+    intermediates never live for every position at once); None: plain autograd, any shape.
     """
     if (target_logits is None) == (topk_rows is None):
         raise ValueError("pass exactly one of target_logits or topk_rows/topk_lp")
     if topk_rows is not None:
         if temperature != 1.0:
             raise ValueError("stored top-k log-probs are at temperature 1; use temperature=1")
-        o = topk_outcomes(student_logits, topk_rows, topk_lp, inter)  # type: ignore[arg-type]
+        targets: tuple[torch.Tensor, ...] = (topk_rows, topk_lp)  # type: ignore[assignment]
     else:
-        o = full_outcomes(student_logits, target_logits, inter, temperature)  # type: ignore[arg-type]
+        targets = (target_logits,)
+
+    def per_position(z: torch.Tensor, *target: torch.Tensor) -> torch.Tensor:
+        if len(target) == 2:
+            o = topk_outcomes(z, target[0], target[1], inter)
+        else:
+            o = full_outcomes(z, target[0], inter, temperature)
+        value = tli_divergence(divergence, o, beta)
+        return value * o.reachable.to(value.dtype) if mask_unreachable else value
+
     mask = mask.bool()
     if num_tokens is None:
         num_tokens = mask.sum().clamp(min=1)
-    keep = mask & o.reachable if mask_unreachable else mask
-    per = tli_divergence(divergence, o, beta)
-    return (per * keep.to(per.dtype)).sum() / num_tokens
+    targets = tuple(t.detach() for t in targets)
+    return masked_sum(student_logits, mask, per_position, targets, chunk_size) / num_tokens
 
 
 # ------------------------------------------------------------------------------- acceptance

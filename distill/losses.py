@@ -134,9 +134,11 @@ def topk_logprobs(
     K = V or the rest buckets carry no mass. Rest log-probs are floored at -80 (zero mass) so
     K = V stays finite. Temperature must be 1: the stored log-probs are at T = 1.
 
-    A draft vocabulary (the student scores a token subset, `subset_topk`) marks the target's
-    top-k tokens outside it with log p = -inf: they join the rest bucket on p's side (q gives
-    them nothing), and both sides carry the floor there, so they add nothing to any divergence.
+    An entry with log p = -inf (no mass; nothing stores one today) is floored on both sides, so
+    it adds no term (q's mass at its token is then counted nowhere) and no NaN. A draft
+    vocabulary (the student scores a token subset) does not come here: the target's mass
+    outside the subset is one q cannot earn, which a rest bucket would hide; it takes
+    intersection.py's loss instead (distill/train/batch_loss.py).
     """
     lq_full = F.log_softmax(at_least_fp32(student), dim=-1)
     ids = topk_ids.long()
@@ -158,20 +160,6 @@ def coarse_topk(
     lp_rest = torch.log((-torch.expm1(mass_k)).clamp(min=0.0)).clamp(min=_REST_FLOOR)
     lq_rest = lq_rest.clamp(min=_REST_FLOOR)
     return torch.cat([lp_k, lp_rest], -1), torch.cat([lq_k, lq_rest], -1)
-
-
-def subset_topk(
-    student: torch.Tensor, topk_ids: torch.Tensor, topk_lp: torch.Tensor, index: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A draft-vocabulary student ([..., K] logits over a token subset) and the stored top-k in
-    its terms: `index` [V] maps a token to its subset column or K (outside). One -inf column K
-    is appended for those tokens, whose log p becomes -inf (`topk_logprobs` sends them to the
-    rest bucket), so the stored top-k need no rewrite on disk."""
-    k = student.shape[-1]
-    pad = student.new_full((*student.shape[:-1], 1), float("-inf"))
-    cols = index[topk_ids.long()]
-    lp = torch.where(cols == k, float("-inf"), topk_lp.float())
-    return torch.cat([student, pad], -1), cols, lp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +194,9 @@ class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student, mask, fn, chunk_size, *targets):  # type: ignore[override]
         grad = torch.zeros_like(student)
-        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        # float64 logits keep a float64 sum (tests compare with unchunked float64 references)
+        dtype = torch.float64 if student.dtype == torch.float64 else torch.float32
+        total = torch.zeros((), dtype=dtype, device=student.device)
         weight = mask.to(torch.float32)
         for start in range(0, student.shape[1], chunk_size):
             sl = slice(start, start + chunk_size)
@@ -262,12 +252,25 @@ def distill_loss(
     if num_tokens is None:
         num_tokens = mask.sum().clamp(min=1)
     weight = mask if weights is None else mask * weights.detach().float()
-    if chunk_size is None or not student_logits.requires_grad:
-        per_token = fn(student_logits, *targets)
-        total = (per_token * weight.to(per_token.dtype)).sum()
-    else:
-        total = _ChunkedLoss.apply(student_logits, weight, fn, int(chunk_size), *targets)
-    return total / num_tokens
+    return masked_sum(student_logits, weight, fn, targets, chunk_size) / num_tokens
+
+
+def masked_sum(
+    student: torch.Tensor,
+    weight: torch.Tensor,
+    fn: TokenFn,
+    targets: tuple[torch.Tensor, ...],
+    chunk_size: int | None,
+) -> torch.Tensor:
+    """sum over positions of fn(student, *targets) * weight, student [b, n, V], weight and
+    targets [b, n, ...] (no grad): in chunks of `chunk_size` positions with the gradient computed
+    per chunk (`_ChunkedLoss`), so only one chunk's fp32 intermediates live; plain autograd (any
+    shape) when `chunk_size` is None or no gradient is needed. Shared by `distill_loss` and
+    intersection.tli_loss."""
+    if chunk_size is None or not student.requires_grad:
+        per_token = fn(student, *targets)
+        return (per_token * weight.to(per_token.dtype)).sum()
+    return _ChunkedLoss.apply(student, weight, fn, int(chunk_size), *targets)
 
 
 def per_token_acceptance(

@@ -9,13 +9,14 @@ matter to the time of a step, so CI builds one: a random Llama body (SmolLM2-lik
 freezes a drafter built from the target's layers (`freeze_embeddings: auto`). Rows are random
 Zipf-distributed tokens (so a draft vocabulary of the most frequent N covers most of them) with
 stored top-32 target log-probs; each step is one optimizer step of `--rows` rows of `--prompt`
-+ `--completion` tokens through the distill stage's own `logits_and_targets` and loss dispatch:
++ `--completion` tokens through the distill stage's own loss (`batch_loss.shared_vocab_loss`):
 
 - `before`: `chunked_loss=false`, the [N, V] logits and `losses.distill_loss` (chunks of 256
   positions over those logits);
 - `after`: `chunked_loss=true`, `head_loss.fused_distill_loss` (exact: the same loss values);
 - `draft:N` (262k only, `--draft`): `draft_vocab_train=true` over the N most frequent tokens,
-  which changes the objective (q over those N rows), so its loss is not comparable.
+  which changes the objective (q over those N rows, intersection.py's loss), so its loss is not
+  comparable.
 
 Each configuration runs in its own process (peak RSS is its own: ru_maxrss, model and optimizer
 included); tokens/s counts the completion tokens trained on, after one warm-up step.
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -71,35 +73,31 @@ def _rows(vocab: int, args: argparse.Namespace) -> dict[str, torch.Tensor]:
 def measure(vocab: int, variant: str, args: argparse.Namespace) -> dict:
     """`args.steps` timed optimizer steps (after one warm-up) of one configuration."""
     from specdistill.decode.draft_vocab import choose_draft_vocab
-    from specdistill.distill.head_loss import HeadInput, fused_distill_loss
-    from specdistill.distill.losses import distill_loss
-    from specdistill.distill.train.batch_loss import logits_and_targets
+    from specdistill.distill.intersection import Intersection
+    from specdistill.distill.train.batch_loss import shared_vocab_loss
 
     torch.set_num_threads(args.threads)
     model = _drafter(vocab, args.layers, args.hidden)
     batch = _rows(vocab, args)
-    head_ids = head_index = None
+    head_ids = head_inter = None
     if variant.startswith("draft:"):
         size = int(variant.split(":")[1])
         keep = choose_draft_vocab(batch["input_ids"].tolist(), vocab, size)
         head_ids = torch.tensor(keep, dtype=torch.long)
-        head_index = torch.full((vocab,), len(keep), dtype=torch.long)
-        head_index[head_ids] = torch.arange(len(keep))
-    tr = SimpleNamespace(  # the fields of trainer.Trainer that `logits_and_targets` reads
+        head_inter = Intersection.from_draft_to_target(head_ids, vocab)
+    # every position counts (no greedy mask), so each variant trains the same positions
+    settings = SimpleNamespace(loss=SimpleNamespace(temperature=1.0), loss_chunk_size=256,
+                               mask_unreachable=False)  # fmt: skip
+    tr: Any = SimpleNamespace(  # the fields of trainer.Trainer that `shared_vocab_loss` reads
         model=model, target=None, topk=True, vocab=vocab, head_ids=head_ids,
-        head_index=head_index, chunked=variant == "after",
+        head_inter=head_inter, chunked=variant == "after", s=settings,
         accelerator=SimpleNamespace(autocast=contextlib.nullcontext),
     )  # fmt: skip
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     n_tokens = int(batch["loss_mask"].sum())
 
     def step() -> float:
-        logits, mask, kwargs = logits_and_targets(tr, batch, False, True)  # type: ignore[arg-type]
-        fused = isinstance(logits, HeadInput)
-        loss = (fused_distill_loss if fused else distill_loss)(
-            logits, mask, divergence=args.loss, num_tokens=n_tokens,  # type: ignore[arg-type]
-            chunk_size=None if fused else 256, **kwargs,
-        )  # fmt: skip
+        loss = shared_vocab_loss(tr, batch, None, False, True, args.loss, 0.5, n_tokens)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -4,7 +4,10 @@ p = target, q = drafter. The drafter's side is its logits at the loss positions 
 head), its hidden states + head (`HeadInput`, for the fused chunked loss), the draft
 vocabulary's head, or a parallel drafter's packed sequence (real tokens + mask chains); the
 target's side is its live logits (no grad) or the stored top-k, gathered at the same positions.
-A drafter with its own tokenizer takes `MappedPair.loss` instead (train/mapped.py).
+The draft vocabulary's head is a vocabulary intersection (its K columns propose K target ids), so
+its loss is intersection.py's `tli_loss` (treatment (b): the target's mass outside the subset is
+an outcome q cannot produce), as for a drafter with its own tokenizer, which takes
+`MappedPair.loss` instead (train/mapped.py).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import torch
 
 from specdistill.distill import parallel
 from specdistill.distill.head_loss import HeadInput, fused_distill_loss
-from specdistill.distill.losses import distill_loss, subset_topk
+from specdistill.distill.intersection import tli_loss
+from specdistill.distill.losses import distill_loss
 from specdistill.distill.train.logits import has_plain_head, masked_head_input, masked_logits
 
 if TYPE_CHECKING:
@@ -25,13 +29,15 @@ if TYPE_CHECKING:
 def logits_and_targets(
     tr: Trainer, batch: dict[str, torch.Tensor], onp: bool, masked: bool
 ) -> tuple[torch.Tensor | HeadInput, torch.Tensor, dict[str, Any]]:
-    """(drafter logits, loss mask, the target's keywords for `distill_loss`) of one micro-batch.
+    """(drafter logits, loss mask, the target's keywords for the loss) of one micro-batch.
 
     `masked`: logits of the loss positions only, as one [1, N, V] row (`logits.masked_logits`),
     and the target's logits or stored top-k gathered at the same positions; else the padded
     [b, n, V] grid. The loss is a sum over positions, so both give the same value. With
     `tr.chunked` (and a plain head) the drafter comes as hidden states + head (`HeadInput`,
-    for `fused_distill_loss`), and so does a live target with a plain head.
+    for `fused_distill_loss`), and so does a live target with a plain head. With the draft
+    vocabulary's head (`tr.head_ids`) the logits are its [1, N, K] columns and the stored top-k
+    ids come as `topk_rows` (those columns, -1 outside the subset) for `intersection.tli_loss`.
     """
     ids, att, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     use_topk = tr.topk and not onp
@@ -49,10 +55,9 @@ def logits_and_targets(
         kwargs: dict[str, Any] = {"topk_ids": batch["topk_ids"], "topk_lp": batch["topk_lp"]}
         if masked:
             kwargs = {k: v[mask][None] for k, v in kwargs.items()}
-        if sub:
-            logits, kwargs["topk_ids"], kwargs["topk_lp"] = subset_topk(
-                logits, kwargs["topk_ids"], kwargs["topk_lp"], tr.head_index
-            )
+        if sub:  # the target's top-k ids as the subset's columns (-1: q never proposes it)
+            served = tr.head_inter.served_row  # type: ignore[union-attr]
+            kwargs["topk_rows"] = served[kwargs.pop("topk_ids").long()]
     else:
         with torch.no_grad():
             if fused and has_plain_head(tr.target):
@@ -107,6 +112,19 @@ def shared_vocab_loss(
         logits, mask, kwargs = logits_and_targets(tr, batch, onp, masked)
     else:
         logits, mask, kwargs = packed_logits_and_targets(tr, batch, packed, onp)
+    if "topk_rows" in kwargs:  # the draft vocabulary's head: treatment (b), greedy mask as set
+        return tli_loss(
+            logits,  # type: ignore[arg-type]
+            mask,
+            tr.head_inter,  # type: ignore[arg-type]
+            divergence=loss_name,
+            beta=beta,
+            temperature=tr.s.loss.temperature,
+            num_tokens=num_tokens,
+            mask_unreachable=tr.s.mask_unreachable,
+            chunk_size=tr.s.loss_chunk_size,
+            **kwargs,
+        )
     length_sum = kwargs.pop("length_sum", None)  # parallel.objective=acceptance_length
     fused = isinstance(logits, HeadInput)
     loss = (fused_distill_loss if fused else distill_loss)(

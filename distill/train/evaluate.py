@@ -63,7 +63,10 @@ def evaluate(
 
     `head_ids`: q as our decoder drafts with a draft vocabulary (decode.draft_vocab), 0
     outside those tokens; for a drafter trained on it (`draft_vocab_train`), whose logits
-    outside the subset were never trained down.
+    outside the subset were never trained down. That is the TLI acceptance with the draft
+    vocabulary as I (intersection.py), the figure its loss trains for: at T = 1, 1 - the
+    treatment-(b) TVD (tests/distill/test_draft_vocab_train.py); greedy, a position whose target
+    argmax is outside never agrees (those `tli_mask_unreachable` drops from the loss).
 
     With `target=None` the batches must carry the target's stored top-k log-probs (at T=1):
     alpha is then sum over the top-k of min(p, q), a lower bound (the rest bucket's mass is

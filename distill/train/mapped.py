@@ -200,9 +200,7 @@ def check_mapped_config(s: TrainSettings) -> bool:
             "draft_vocab_train=true: a drafter with its own tokenizer (pair.vocab=mapped) is "
             "trained over the vocabulary intersection already; set draft_vocab_train=false"
         )
-    if s.tli_mask_unreachable == "auto":
-        return s.eval.sampling.greedy
-    return bool(s.tli_mask_unreachable)
+    return s.mask_unreachable
 
 
 def prepare_mapped(s: TrainSettings, spec: PairSpec, tok, drafter, device) -> MappedPair:

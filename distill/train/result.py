@@ -99,6 +99,8 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
             "frozen_params": tr.frozen_params,
             "draft_vocab": len(getattr(unwrapped_config(tr), "draft_vocab_ids", None) or ()),
             "draft_vocab_train": tr.head_ids is not None,
+            # the draft vocabulary's greedy mask (a mapped pair's summary below carries its own)
+            **({"tli_mask_unreachable": s.mask_unreachable} if tr.head_ids is not None else {}),
             "train_examples": len(tr.train_examples),
             "eval_tokens": before["tokens"],
             "eval_source": s.eval.source,

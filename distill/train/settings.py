@@ -223,6 +223,9 @@ class TrainSettings:
     chunked_loss: bool | str = "auto"
     draft_vocab: Any = "auto"  # auto | none | N (decode/draft_vocab.py checks the form)
     draft_vocab_train: bool = False
+    # greedy serving: positions whose target argmax q can never propose (outside a mapped pair's
+    # vocabulary intersection, or outside the draft vocabulary under draft_vocab_train) add no
+    # loss; resolved by `mask_unreachable`
     tli_mask_unreachable: bool | str = "auto"
     freeze_embeddings: bool | str = "auto"
     deepspeed: bool = False
@@ -305,6 +308,17 @@ class TrainSettings:
         if sw.lmbda is not None:
             lmbda = sw.lmbda
         return name, beta, lmbda
+
+    @property
+    def mask_unreachable(self) -> bool:
+        """`tli_mask_unreachable` resolved (auto: on when eval.sampling is greedy), for both
+        losses that restrict q to a set I of target ids (distill/intersection.py): a mapped
+        pair's vocabulary intersection and the draft vocabulary (`draft_vocab_train`). A greedy
+        draft is accepted only when it is the target's argmax, so where that argmax lies outside
+        I no q is ever accepted and the position's gradient only spends capacity."""
+        if self.tli_mask_unreachable == "auto":
+            return self.eval.sampling.greedy
+        return bool(self.tli_mask_unreachable)
 
     def use_chunked_loss(self, vocab: int) -> bool:
         """`chunked_loss`: compute the loss from the drafter's hidden states and head in chunks

@@ -30,6 +30,7 @@ from specdistill.decode.draft_vocab import (
     draft_vocab_size,
     drafter_vocab_ids,
 )
+from specdistill.distill.intersection import Intersection
 from specdistill.distill.train import zero
 from specdistill.distill.train.data import Example, has_topk, load_seqkd, reference_examples
 from specdistill.distill.train.settings import TrainSettings
@@ -48,22 +49,30 @@ def check_config(cfg: DictConfig, s: TrainSettings | None = None) -> TrainSettin
 
 def train_head_ids(
     s: TrainSettings, drafter, topk: bool, mask_id: int | None, device
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(ids, token -> column index) when the drafter trains on its draft vocabulary
-    (`draft_vocab_train=true`): the loss then sees q over the subset, the distribution our
-    decoder drafts from, and the head's matmul and gradient shrink by V / K. Off by default:
-    logits outside the subset are never trained down, so engines that run the full head (vLLM,
-    `transformers`) draft badly with it (figures: distill/RESULTS.md, 2026-11-25 "training over
-    the draft vocabulary"). Only stored
-    top-k rows of an autoregressive drafter use it; other paths keep the full head."""
+) -> tuple[torch.Tensor | None, Intersection | None]:
+    """(ids [K], the draft vocabulary as an `Intersection` over K head columns) when the drafter
+    trains on its draft vocabulary (`draft_vocab_train=true`): the loss then sees q over the
+    subset, the distribution our decoder drafts from, and the head's matmul and gradient shrink
+    by V / K.
+
+    A draft vocabulary is a vocabulary intersection (column j proposes target id ids[j]), so the
+    loss is intersection.py's treatment (b): the target's stored top-k mass outside the subset
+    goes to an outcome q cannot produce, not into the top-k loss's rest bucket, where q would be
+    asked to match it with mass on in-vocabulary tokens off the top-k; TVD then reads as 1 - the
+    acceptance our decoder serves (exactly when the top-k tail is empty), and greedy serving
+    drops positions whose stored top-1 is outside (`tli_mask_unreachable`).
+
+    Off by default: logits outside the subset are never trained down, so engines that run the
+    full head (vLLM, `transformers`) draft badly with it (figures: distill/RESULTS.md,
+    2026-11-25 "training over the draft vocabulary"). Only stored top-k rows of an
+    autoregressive drafter use it; other paths keep the full head."""
     ids = getattr(drafter.config, CONFIG_KEY, None)
     if not s.draft_vocab_train or not ids or not topk or mask_id is not None:
         return None, None
     rows = drafter.get_output_embeddings().weight.shape[0]
-    head_ids = torch.tensor(ids, dtype=torch.long, device=device)
-    index = torch.full((rows,), len(ids), dtype=torch.long, device=device)
-    index[head_ids] = torch.arange(len(ids), device=device)
-    return head_ids, index
+    head_ids = torch.tensor(ids, dtype=torch.long)
+    inter = Intersection.from_draft_to_target(head_ids, rows)
+    return head_ids.to(device), inter.to(device)
 
 
 def set_draft_vocab(setting: Any, drafter, examples: list, tok, mask_id: int | None) -> int:

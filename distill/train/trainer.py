@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from specdistill.data.models.pairs import load_role, load_tokenizer, resolve_pair
 from specdistill.data.sampling import Sampling
 from specdistill.distill import parallel
+from specdistill.distill.intersection import Intersection
 from specdistill.distill.train import mapped, setup
 from specdistill.distill.train.data import Example, StreamSpec, collate
 from specdistill.distill.train.evaluate import evaluate, evaluate_parallel
@@ -47,9 +48,10 @@ class Trainer:
     t_start: float
     mask_token_id: int | None = None  # drafting=parallel (distill.parallel)
     frozen_params: int = 0
-    # draft vocabulary trained as decoded (setup.train_head_ids): its ids [K], token -> column
+    # draft vocabulary trained as decoded (setup.train_head_ids): its ids [K], and the same as
+    # an intersection over the K head columns (the loss's treatment of p's mass outside it)
     head_ids: torch.Tensor | None = None
-    head_index: torch.Tensor | None = None
+    head_inter: Intersection | None = None
     chunked: bool = False  # the loss from hidden states + head (distill/head_loss.py)
     mapped: mapped.MappedPair | None = None  # a drafter with its own tokenizer (train/mapped.py)
 
@@ -126,7 +128,7 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
         eval_has_topk = False  # every depth is evaluated against the target in the loop
     if mp is None:  # rows are in the target's ids: a mapped drafter's draft vocab would be wrong
         setup.set_draft_vocab(s.draft_vocab, drafter, train_examples, tok, mask_id)
-    head_ids, head_index = setup.train_head_ids(s, drafter, topk, mask_id, device)
+    head_ids, head_inter = setup.train_head_ids(s, drafter, topk, mask_id, device)
     target = None
     if not topk or not eval_has_topk:
         if mp is None:
@@ -156,7 +158,7 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
         mask_token_id=mask_id,
         frozen_params=frozen,
         head_ids=head_ids,
-        head_index=head_index,
+        head_inter=head_inter,
         chunked=s.use_chunked_loss(len(tok)),
         mapped=mp,
     )

@@ -167,6 +167,27 @@ def test_topk_with_every_id_stored_equals_the_live_loss(name, beta, batch):
     assert float(stored) == pytest.approx(float(live), abs=1e-10)
 
 
+@pytest.mark.parametrize("mask_unreachable", [False, True])
+@pytest.mark.parametrize(("name", "beta"), DIVS)
+def test_chunked_loss_equals_unchunked(name, beta, mask_unreachable, batch):
+    """`chunk_size` (positions per chunk, gradient per chunk): the same value and gradient as
+    plain autograd, for live and stored top-k targets, with and without the greedy mask."""
+    z, t = batch
+    inter = tli.Intersection.from_draft_to_target(D2T_MANY, VT)
+    lp, ids = torch.log_softmax(t, -1).topk(3, -1)
+    mask = torch.tensor([[True, True, False], [True, False, True]])
+    kw = {"divergence": name, "beta": beta, "mask_unreachable": mask_unreachable}
+    for target in ({"target_logits": t}, {"topk_rows": inter.served_row[ids], "topk_lp": lp}):
+        got = []
+        for chunk in (None, 1, 2, 8):
+            zg = z.clone().requires_grad_(True)
+            loss = tli.tli_loss(zg, mask, inter, chunk_size=chunk, **target, **kw)
+            got.append((float(loss.detach()), torch.autograd.grad(loss, zg)[0]))
+        for value, grad in got[1:]:
+            assert value == pytest.approx(got[0][0], abs=1e-12)
+            torch.testing.assert_close(grad, got[0][1], rtol=1e-12, atol=1e-12)
+
+
 def test_acceptance_matches_brute_force(batch):
     z, t = batch
     inter = tli.Intersection.from_draft_to_target(D2T_MANY, VT)
