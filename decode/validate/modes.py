@@ -102,6 +102,11 @@ def other_decoder(decoder: DecoderSettings, other_sampling: Any) -> DecoderSetti
 def timed_repeats(dec, batches, seed: int, repeats: int, passes: list[TimedPass] | None = None):
     """Interleaved target-only / speculative passes (load drifts hit both alike).
 
+    Batch by batch, target-only then speculative, as the bench interleaves its entries: a load
+    burst then lands on both sides of a batch, not on one side's whole pass (whole-pass phases
+    made validate's and the bench's speedups of one checkpoint differ by up to 1.5x, issue #34).
+    Each side keeps one generator per repeat, so outputs are what `run_each` would give.
+
     Returns (baseline tokens/s per repeat, speculative tokens/s per repeat, first baseline
     output, first speculative output), the outputs merged over batches. `passes`: a list that
     receives every repeat batch by batch (validate's per-bucket figures read it).
@@ -109,8 +114,19 @@ def timed_repeats(dec, batches, seed: int, repeats: int, passes: list[TimedPass]
     base_rates, spec_rates = [], []
     base_out = spec_out = None
     for rep in range(repeats):
-        tbs, bo = run_each(dec.baseline, batches, seed + rep)
-        tss, so = run_each(dec.generate, batches, seed + rep)
+        gens = [torch.Generator(device="cpu").manual_seed(seed + rep) for _ in range(2)]
+        tbs: list[float] = []
+        tss: list[float] = []
+        bo: list[DecodeOutput] = []
+        so: list[DecodeOutput] = []
+        for ids, mask in batches:
+            for fn, gen, secs, outs in (
+                (dec.baseline, gens[0], tbs, bo),
+                (dec.generate, gens[1], tss, so),
+            ):
+                t0 = time.perf_counter()
+                outs.append(fn(ids, mask, generator=gen))
+                secs.append(time.perf_counter() - t0)
         tb, ts = sum(tbs), sum(tss)
         if passes is not None:
             passes.append(TimedPass(tbs, bo, tss, so))

@@ -1,0 +1,43 @@
+"""validate's timed repeats interleave target-only and speculative decoding batch by batch (as the
+bench does), with each side's outputs what a whole pass with its own generator gives."""
+
+from __future__ import annotations
+
+import torch
+
+from specdistill.decode.outputs import DecodeOutput
+from specdistill.decode.validate.modes import run_each, timed_repeats
+
+
+class Recorder:
+    """A stand-in decoder: records the call order; each output draws from its generator, so a
+    changed random stream would change the tokens."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def _out(self, name: str, ids: torch.Tensor, generator: torch.Generator) -> DecodeOutput:
+        self.calls.append((name, int(ids[0, 0])))
+        draw = torch.randint(0, 100, (3,), generator=generator).tolist()
+        return DecodeOutput(tokens=[draw])
+
+    def baseline(self, ids, mask, generator=None):
+        return self._out("baseline", ids, generator)
+
+    def generate(self, ids, mask, generator=None):
+        return self._out("speculative", ids, generator)
+
+
+def test_batches_interleave_and_outputs_match_whole_passes():
+    batches = [(torch.tensor([[b]]), torch.ones(1, 1)) for b in range(3)]
+    dec = Recorder()
+    passes: list = []
+    base, spec, base_out, spec_out = timed_repeats(dec, batches, seed=5, repeats=2, passes=passes)
+    order = [("baseline", 0), ("speculative", 0), ("baseline", 1), ("speculative", 1)]
+    assert dec.calls[:4] == order and len(dec.calls) == 12
+    assert len(base) == len(spec) == 2 and len(passes) == 2
+    _, whole_base = run_each(Recorder().baseline, batches, 5)
+    _, whole_spec = run_each(Recorder().generate, batches, 5)
+    assert base_out.tokens == [t for o in whole_base for t in o.tokens]
+    assert spec_out.tokens == [t for o in whole_spec for t in o.tokens]
+    assert [o.tokens for o in passes[1].base_outs] != [o.tokens for o in whole_base]  # seed + 1
