@@ -238,7 +238,10 @@ QUICK += ["dataset.per_bucket=2", "num_prompts=null"]
 
 @pytest.mark.usefixtures("one_thread")
 def test_validate_writes_per_bucket_figures_and_stays_lossless(toy_tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr("sys.argv", ["validate", *QUICK, f"output_dir={tmp_path}"])
+    # fixed gamma: toy-tiny's drafter never pays, so the adaptive default's floor would spare
+    # its prefill (0 s, rightly) and this test checks that both prefills are timed
+    argv = ["validate", *QUICK, "decoder.draft_length=fixed", f"output_dir={tmp_path}"]
+    monkeypatch.setattr("sys.argv", argv)
     main()
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["lossless"] is True and report["prompts"] == 4
