@@ -124,6 +124,18 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def default_variant(vocab: int) -> str:
+    """The path the distill stage takes by default at this vocabulary (chunked_loss: auto from
+    32768 rows; draft_vocab_train: auto over draft_vocab auto's rows from 131072)."""
+    from specdistill.decode.draft_vocab import AUTO_SIZE
+    from specdistill.distill.head_loss import AUTO_MIN_VOCAB
+    from specdistill.distill.train.settings import DRAFT_VOCAB_TRAIN_MIN
+
+    if vocab >= DRAFT_VOCAB_TRAIN_MIN:
+        return f"draft:{AUTO_SIZE}"
+    return "after" if vocab >= AUTO_MIN_VOCAB else "before"
+
+
 def _table(rows: list[dict]) -> list[str]:
     out = ["| vocab | path | head rows trained | tokens/s | s/step | CPU s/step | peak RSS MB "
            "| loss by step |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -139,6 +151,11 @@ def _table(rows: list[dict]) -> list[str]:
             out.append(f"tokens/s {hi} {variant} / {lo} {b['variant']}: "
                        f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x "
                        f"(per CPU second {b['cpu_s'] / max(a['cpu_s'], 1e-3):.2f}x)")  # fmt: skip
+    a, b = by.get((hi, default_variant(hi))), by.get((lo, default_variant(lo)))
+    if a and b and hi != lo:
+        out.append(f"the stage's defaults: tokens/s {hi} {a['variant']} / {lo} {b['variant']}: "
+                   f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x, peak RSS {a['peak_rss_mb']} "
+                   f"vs {b['peak_rss_mb']} MB")  # fmt: skip
     for v in sorted({r["vocab"] for r in rows}):
         a, b = by.get((v, "before")), by.get((v, "after"))
         if a and b:

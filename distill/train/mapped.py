@@ -195,7 +195,7 @@ def check_mapped_config(s: TrainSettings) -> bool:
             f"drafting={s.drafting}: a drafter with its own tokenizer (pair.vocab=mapped) "
             "trains autoregressive drafts only"
         )
-    if s.draft_vocab_train:
+    if s.draft_vocab_train is True:  # auto: the mapped path never trains a draft vocabulary
         raise ConfigError(
             "draft_vocab_train=true: a drafter with its own tokenizer (pair.vocab=mapped) is "
             "trained over the vocabulary intersection already; set draft_vocab_train=false"

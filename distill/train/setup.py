@@ -62,14 +62,14 @@ def train_head_ids(
     acceptance our decoder serves (exactly when the top-k tail is empty), and greedy serving
     drops positions whose stored top-1 is outside (`tli_mask_unreachable`).
 
-    Off by default: logits outside the subset are never trained down, so engines that run the
-    full head (vLLM, `transformers`) draft badly with it (figures: distill/RESULTS.md,
-    2026-11-25 "training over the draft vocabulary"). Only stored top-k rows of an
-    autoregressive drafter use it; other paths keep the full head."""
+    `auto` (the default) turns it on for big heads only (`TrainSettings.trains_draft_vocab`):
+    logits outside the subset are never trained down, so the export pads the head for engines
+    that run all of it (export/head.py). Only stored top-k rows of an autoregressive drafter use
+    it; other paths keep the full head."""
     ids = getattr(drafter.config, CONFIG_KEY, None)
-    if not s.draft_vocab_train or not ids or not topk or mask_id is not None:
-        return None, None
     rows = drafter.get_output_embeddings().weight.shape[0]
+    if not s.trains_draft_vocab(rows) or not ids or not topk or mask_id is not None:
+        return None, None
     head_ids = torch.tensor(ids, dtype=torch.long)
     inter = Intersection.from_draft_to_target(head_ids, rows)
     return head_ids.to(device), inter.to(device)

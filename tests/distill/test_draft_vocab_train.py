@@ -215,3 +215,16 @@ def test_the_greedy_mask_setting_is_tli_mask_unreachable(distill_cfg, tmp_path, 
     exactly when the held-out figure is greedy."""
     s = TrainSettings.from_cfg(distill_cfg(tmp_path, "draft_vocab_train=true", *overrides))
     assert s.mask_unreachable is want
+
+
+@pytest.mark.parametrize(
+    ("value", "rows", "want"),
+    [("auto", 49152, False), ("auto", 131072, True), ("auto", 262144, True),
+     ("true", 49152, True), ("false", 262144, False)],
+)  # fmt: skip
+def test_draft_vocab_train_auto_is_on_for_big_heads_only(distill_cfg, tmp_path, value, rows, want):
+    """auto trains over the draft vocabulary from 131072 head rows on (Llama 3, Qwen, Gemma),
+    where the head is most of a step; SmolLM2's 49k keeps its full head."""
+    s = TrainSettings.from_cfg(distill_cfg(tmp_path, f"draft_vocab_train={value}"))
+    assert s.trains_draft_vocab(rows) is want
+    assert TrainSettings.from_cfg(distill_cfg(tmp_path)).draft_vocab_train == "auto"

@@ -189,3 +189,6 @@ def test_the_vocab_bench_times_the_stage_paths(one_thread):
     assert rows[-1]["head_rows"] == 128 and rows[-1]["losses"] != rows[3]["losses"]
     table = "\n".join(bench._table(rows))
     assert "tokens/s 1024 after / 512 after" in table and "1024 draft:128 / 512 before" in table
+    # the stage's default path by vocabulary: what the "stage's defaults" ratio compares
+    got = {v: bench.default_variant(v) for v in (1024, 49152, 131072, 262144)}
+    assert got == {1024: "before", 49152: "after", 131072: "draft:4096", 262144: "draft:4096"}
