@@ -205,6 +205,12 @@ def decoder_settings(cfg: DictConfig) -> DecoderSettings:
     settings = DecoderSettings.from_node(cfg.decoder, "decoder")
     if settings.gamma is None:
         raise ConfigError("decoder.gamma=auto is not supported online: set an integer gamma")
+    if settings.draft_length != "fixed":
+        raise ConfigError(
+            f"decoder.draft_length={settings.draft_length} is not supported online: its step "
+            "costs are timed, so a resumed run would decode other rounds; set "
+            "decoder.draft_length=fixed"
+        )
     if settings.drafting != "autoregressive":
         raise ConfigError(
             f"decoder.drafting={settings.drafting} is not supported online: online updates "
