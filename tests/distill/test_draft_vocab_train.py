@@ -24,6 +24,7 @@ from specdistill.distill.train.batch_loss import shared_vocab_loss
 from specdistill.distill.train.evaluate import evaluate
 from specdistill.distill.train.logits import masked_logits
 from specdistill.distill.train.settings import TrainSettings
+from tests.distill.test_intersection import divergence_term
 
 V = 96
 SUB = [5, 17, 3, 40, 41, 88, 60, 9, 23, 71, 50, 30]
@@ -122,17 +123,7 @@ def _hand_b(name: str, beta: float, q: dict[int, float], ids: list[int], lps: li
     p_k = [math.exp(v) for v in lps]
     pairs = [(pk, q[t]) for t, pk in zip(ids, p_k) if t in q]
     pairs.append((1.0 - sum(p_k), 1.0 - sum(q[t] for t in ids if t in q)))
-    total = 0.0
-    for a, b in pairs:
-        if name == "fkl":
-            total += a * math.log(a / b)
-        elif name == "rkl":
-            total += b * math.log(b / a)
-        elif name == "tvd":
-            total += 0.5 * abs(a - b)
-        else:
-            m = beta * a + (1 - beta) * b
-            total += a * math.log(a / m) / (1 - beta) + b * math.log(b / m) / beta
+    total = sum(divergence_term(name, beta, a, b) for a, b in pairs)
     if name == "tvd":
         total += 0.5 * sum(pk for t, pk in zip(ids, p_k) if t not in q)
     return total

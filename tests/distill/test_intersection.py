@@ -44,20 +44,21 @@ def brute_q(z: list[float], d2t: list[int]) -> list[float]:
     return q
 
 
+def divergence_term(name: str, beta: float, a: float, b: float) -> float:
+    """One outcome's term of the divergence between p's mass a and q's mass b, by hand."""
+    if name == "fkl":
+        return a * math.log(a / b)
+    if name == "rkl":
+        return b * math.log(b / a)
+    if name == "tvd":
+        return 0.5 * abs(a - b)
+    m = beta * a + (1 - beta) * b
+    return a * math.log(a / m) / (1 - beta) + b * math.log(b / m) / beta
+
+
 def brute_loss(name: str, beta: float, p: list[float], q: list[float], inside: set[int]) -> float:
     """Treatment (b): terms over I with raw p; TVD adds half the outside mass."""
-    total = 0.0
-    for x in inside:
-        a, b = p[x], q[x]
-        if name == "fkl":
-            total += a * math.log(a / b)
-        elif name == "rkl":
-            total += b * math.log(b / a)
-        elif name == "tvd":
-            total += 0.5 * abs(a - b)
-        else:
-            m = beta * a + (1 - beta) * b
-            total += a * math.log(a / m) / (1 - beta) + b * math.log(b / m) / beta
+    total = sum(divergence_term(name, beta, p[x], q[x]) for x in inside)
     if name == "tvd":
         total += 0.5 * sum(p[x] for x in range(VT) if x not in inside)
     return total
