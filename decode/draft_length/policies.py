@@ -189,10 +189,9 @@ class DraftLengthPolicy:
         tokens anyway: verdicts[r] (oldest first) estimates, per skipped token of row r, the
         acceptance its first draft would have had (`SpeculativeDecoder._observe_shadow`). Each
         feeds `first` (and, with pairs = greedy autoregressive drafting, a verdict after a hit
-        also feeds `follow`: the next draft of a round that drafted on) as drafted rounds do, so the floor switches
-        drafting back on from what it skipped, not from one probe's luck. Reads only tokens
+        also feeds `follow`: the next draft of a round that drafted on) as drafted rounds do,
+        so the floor switches drafting back on from what it skipped, not from one probe's luck. Reads only tokens
         already emitted: the acceptance rule stays exact."""
-        e, fe, life = self.ema, self.floor_ema, self._life
         for r, a in enumerate(active):
             if not a:
                 continue
@@ -201,17 +200,23 @@ class DraftLengthPolicy:
                 # a round may start at any skipped token (the floor's next round starts at an
                 # arbitrary one): every verdict is a first draft's; after a hit it is also the
                 # next draft's of a round that drafted on
-                self.first[r] = (1 - fe) * self.first[r] + fe * ok
-                life["first"][0] += ok
-                life["first"][1] += 1
-                if pairs and j and row[j - 1] == 1.0:
-                    self.follow[r] = (1 - fe) * self.follow[r] + fe * ok
-                    life["follow"][0] += ok
-                    life["follow"][1] += 1
-                self.recent[r] = (1 - e) * self.recent[r] + e * ok
-                life["all"][0] += ok
-                life["all"][1] += 1
+                follows = pairs and j > 0 and row[j - 1] == 1.0
+                self._learn(r, "first", ok, also_follow=follows)
             self.shadowed = self.shadowed or bool(row)
+
+    def _learn(self, r: int, key: str, ok: float, also_follow: bool = False) -> None:
+        """One tested draft of row r (ok: accepted, or a verdict's estimate) into the floor's
+        `key` average ("first" / "follow"; with `also_follow`, into both), the calibration's
+        `recent`, and the lifetime counts the next call starts from."""
+        fe, life = self.floor_ema, self._life
+        for name in (key, "follow") if also_follow else (key,):
+            avg = self.first if name == "first" else self.follow
+            avg[r] = (1 - fe) * avg[r] + fe * ok
+            life[name][0] += ok
+            life[name][1] += 1
+        self.recent[r] = (1 - self.ema) * self.recent[r] + self.ema * ok
+        life["all"][0] += ok
+        life["all"][1] += 1
 
     def keep_drafting(self, drafted: int, conf: list[float]) -> bool:
         return True
@@ -231,8 +236,6 @@ class DraftLengthPolicy:
         (B lists of K): the drafter's confidence per draft (confidence policy)."""
         k = max(lengths) if lengths else 0
         cost = self.costs.round_cost(k)
-        e, fe = self.ema, self.floor_ema
-        life = self._life
         for r, a in enumerate(active):
             if not a:
                 continue
@@ -241,17 +244,7 @@ class DraftLengthPolicy:
             self.cost[r] += cost
             for j in range(min(n + 1, kr)):  # positions put to the test
                 ok = 1.0 if j < n else 0.0
-                if j == 0:
-                    self.first[r] = (1 - fe) * self.first[r] + fe * ok
-                    key = "first"
-                else:
-                    self.follow[r] = (1 - fe) * self.follow[r] + fe * ok
-                    key = "follow"
-                self.recent[r] = (1 - e) * self.recent[r] + e * ok
-                life[key][0] += ok
-                life[key][1] += 1
-                life["all"][0] += ok
-                life["all"][1] += 1
+                self._learn(r, "first" if j == 0 else "follow", ok)
         if self.probing:  # did the probe pay for itself?
             self.probing = False
             # with the skipped steps' verdicts (`observe_shadow`) the probe is judged by the

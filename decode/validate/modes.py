@@ -30,12 +30,18 @@ def run_each(fn: Callable, batches, seed: int) -> tuple[list[float], list[Decode
     """Decode each batch with `fn` (one generator for all, seeded once): seconds and output per
     batch, so figures can be grouped by batch (validate's context-length buckets)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    seconds, outs = [], []
+    seconds: list[float] = []
+    outs: list[DecodeOutput] = []
     for ids, mask in batches:
-        t0 = time.perf_counter()
-        outs.append(fn(ids, mask, generator=gen))
-        seconds.append(time.perf_counter() - t0)
+        _timed_call(fn, ids, mask, gen, seconds, outs)
     return seconds, outs
+
+
+def _timed_call(fn: Callable, ids, mask, gen, seconds: list[float], outs: list) -> None:
+    """Decode one batch with `fn`, appending its wall seconds and output."""
+    t0 = time.perf_counter()
+    outs.append(fn(ids, mask, generator=gen))
+    seconds.append(time.perf_counter() - t0)
 
 
 class TimedPass(NamedTuple):
@@ -120,13 +126,8 @@ def timed_repeats(dec, batches, seed: int, repeats: int, passes: list[TimedPass]
         bo: list[DecodeOutput] = []
         so: list[DecodeOutput] = []
         for ids, mask in batches:
-            for fn, gen, secs, outs in (
-                (dec.baseline, gens[0], tbs, bo),
-                (dec.generate, gens[1], tss, so),
-            ):
-                t0 = time.perf_counter()
-                outs.append(fn(ids, mask, generator=gen))
-                secs.append(time.perf_counter() - t0)
+            _timed_call(dec.baseline, ids, mask, gens[0], tbs, bo)
+            _timed_call(dec.generate, ids, mask, gens[1], tss, so)
         tb, ts = sum(tbs), sum(tss)
         if passes is not None:
             passes.append(TimedPass(tbs, bo, tss, so))
