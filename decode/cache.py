@@ -228,17 +228,28 @@ def step_mask(runner: ModelRunner, mask: torch.Tensor, width: int) -> torch.Tens
     return mask[:, : runner.capacity] if runner.static else mask[:, :width]
 
 
+def prompt_feed(ids: torch.Tensor, mask: torch.Tensor, dense: bool):
+    """What a prefill feeds, in the shared slot layout: (ids, attention mask, positions) of all
+    prompt tokens but the last (None, None, None for a 1-token prompt), then that last token
+    (it opens the first round) and its position per row."""
+    t, tpos = ids[:, -1], mask.long().sum(1) - 1
+    if ids.shape[1] <= 1:
+        return None, None, None, t, tpos
+    attn = None if dense else mask[:, :-1]
+    pos = None if dense else padded_positions(mask)[:, :-1]
+    return ids[:, :-1], attn, pos, t, tpos
+
+
 def prefill_prompt(
     runners: list[ModelRunner], ids: torch.Tensor, mask: torch.Tensor, dense: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Feed all prompt tokens but the last (it opens the first round) to each runner, in the
     shared slot layout; returns the pending token and its position per row."""
-    if ids.shape[1] > 1:
-        attn = None if dense else mask[:, :-1]
-        pos = None if dense else padded_positions(mask)[:, :-1]
+    fed, attn, pos, t, tpos = prompt_feed(ids, mask, dense)
+    if fed is not None:
         for r in runners:
-            r.forward(ids[:, :-1], attn, pos, keep=1, prefill=True)
-    return ids[:, -1], mask.long().sum(1) - 1
+            r.forward(fed, attn, pos, keep=1, prefill=True)
+    return t, tpos
 
 
 def sync(device: torch.device) -> None:

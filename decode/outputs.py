@@ -53,6 +53,9 @@ class DecodeOutput:
     # mostly these, so validate reports them apart from the decode tokens/s.
     prefill_target_s: float = 0.0
     prefill_drafter_s: float = 0.0
+    # Of those, the seconds this call did not spend: a `PrefillMemo` restored the prompt's cache
+    # from its one timed run (decode.prefill_memo); validate adds them back to its wall clock.
+    prefill_saved_s: float = 0.0
 
     @property
     def mean_draft_length(self) -> float:

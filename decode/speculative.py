@@ -25,7 +25,6 @@ the decoder's own steps (target step, verify of k drafts, draft step).
 from __future__ import annotations
 
 import dataclasses
-import time
 from functools import partial
 
 import torch
@@ -42,7 +41,6 @@ from specdistill.decode.cache import (
     check_rollback,
     prefill_prompt,
     step_mask,
-    sync,
 )
 from specdistill.decode.config import (
     DecoderConfig,
@@ -56,6 +54,7 @@ from specdistill.decode.draft_vocab import draft_vocab_of, subset_head
 from specdistill.decode.drafters import DRAFTERS, Drafter, MappedVocab, mapped_drafter
 from specdistill.decode.drafters.mapped import check_mapped_decoding, check_mapped_pair
 from specdistill.decode.outputs import DecodeOutput, RoundRecord
+from specdistill.decode.prefill_memo import PrefillMemo, prefill_timed
 from specdistill.decode.step_timer import StepTimer
 from specdistill.decode.verify import RoundState, Verifier
 
@@ -82,8 +81,11 @@ class SpeculativeDecoder:
         *,
         tokenizer_len: int | None = None,
         mapped: MappedVocab | None = None,
+        prefill_memo: PrefillMemo | None = None,
     ) -> None:
-        """mapped: the drafter's own vocabulary mapping (decode.drafters.mapped); None: shared."""
+        """mapped: the drafter's own vocabulary mapping (decode.drafters.mapped); None: shared.
+        prefill_memo: prefill each prompt once per model and restore its cache on later decodes
+        of it (decode.prefill_memo; validate shares one over its decoders for long prompts)."""
         check_decoder_config(cfg)
         if mapped is None:
             self.vocab = check_pair_for_decoding(target, drafter, tokenizer_len)
@@ -133,6 +135,8 @@ class SpeculativeDecoder:
         if ids is not None and self.drafting.reserved_ids:  # never draft the mask token
             ids = [t for t in ids if t not in self.drafting.reserved_ids]
         self.draft_head = subset_head(drafter, ids) if ids and drafter is not target else None
+        self.prefill_memo = prefill_memo
+        self.drafting.prefill_memo = prefill_memo
 
     def get_policy(self, input_ids: torch.Tensor | None = None):
         """The draft-length policy (decode.draft_length); its calibration lives as long as the
@@ -245,10 +249,11 @@ class SpeculativeDecoder:
         runner = self._runner(self.target, slots)
         mask = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
         mask[:, :plen] = mask0
-        t0 = time.perf_counter()
-        t, pos = prefill_prompt([runner], ids, mask0, dense)
-        sync(self.device)
-        out = DecodeOutput(tokens=[[] for _ in range(b)], prefill_target_s=time.perf_counter() - t0)
+        pre = prefill_timed(runner, ids, mask0, dense, self.prefill_memo)
+        t, pos = pre.t, pre.pos
+        out = DecodeOutput(
+            tokens=[[] for _ in range(b)], prefill_target_s=pre.seconds, prefill_saved_s=pre.saved
+        )
         done = [False] * b
         pending: list[torch.Tensor] = []  # tokens still on the device
         while not all(done):
@@ -293,6 +298,7 @@ class SpeculativeDecoder:
             },
             self.drafting.draft_widths,
             self.drafting.drafter_ids,
+            self.prefill_memo,
         )
 
     # ---------------------------------------------------------------- speculative
@@ -309,6 +315,7 @@ class SpeculativeDecoder:
         while not all(st.done):
             self._round(st)
         st.out.prefill_drafter_s = self.drafting.prefill_seconds  # lazy: at its first round
+        st.out.prefill_saved_s += self.drafting.prefill_saved
         return st.out
 
     def _start(self, input_ids, attention_mask, generator) -> RoundState:
@@ -329,12 +336,12 @@ class SpeculativeDecoder:
         # With the floor, the drafter reads the prompt only when a round first drafts: a decode
         # that never drafts costs what target-only decoding does (no drafter prefill).
         self.drafting.start(ids, mask0, mask, dense, slots, lazy=adaptive and cfg.draft_floor)
-        t0 = time.perf_counter()
-        t, pos = prefill_prompt([tgt], ids, mask0, dense)
-        sync(self.device)
+        pre = prefill_timed(tgt, ids, mask0, dense, self.prefill_memo)
+        t, pos = pre.t, pre.pos
         out = DecodeOutput(
             tokens=[[] for _ in range(b)],
-            prefill_target_s=time.perf_counter() - t0,
+            prefill_target_s=pre.seconds,
+            prefill_saved_s=pre.saved,
             accepted_at=[0] * kmax,
             trials_at=[0] * kmax,
             draft_lengths=[0] * (kmax + 1),

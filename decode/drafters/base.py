@@ -21,7 +21,6 @@ holds the token of slot i of the target's, so the loop's 2-D mask serves both.
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +30,8 @@ import torch
 from specdistill.data.models.pairs import match_vocab
 from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import probs_from_logits, sample_from, uniforms
-from specdistill.decode.cache import ModelRunner, prefill_prompt, step_mask, sync
+from specdistill.decode.cache import ModelRunner, step_mask
+from specdistill.decode.prefill_memo import PrefillMemo, prefill_timed
 
 # keep_drafting(drafted, conf): after `drafted` drafts, the latest with confidence conf[r] per
 # row: draft another? (a draft-length policy's stopping rule; reads q only, so it is lossless)
@@ -57,6 +57,8 @@ class Drafter(ABC):
     """A drafting strategy over one drafter model q (see the module docstring)."""
 
     parallel = False  # one forward proposes all k drafts (cost nearly flat in k)
+    prefill_memo: PrefillMemo | None = None  # the decoder's (decode.prefill_memo), when it has one
+    prefill_saved = 0.0  # seconds of this decode's prefill a memo restored instead of running
 
     def __init__(
         self,
@@ -108,16 +110,17 @@ class Drafter(ABC):
         self.mask, self.dense = mask, dense
         self._prompt: tuple[torch.Tensor, torch.Tensor] | None = (ids, prompt_mask)
         self.prefill_seconds = 0.0  # this decode's prefill of q's cache (0 until it runs)
+        self.prefill_saved = 0.0  # of those, seconds a prefill memo restored instead of running
         if not lazy:
             self._prefill()
 
     def _prefill(self) -> None:
         if self._prompt is not None:
             ids, prompt_mask = self._prompt
-            t0 = time.perf_counter()
-            prefill_prompt([self.runner], self.drafter_ids(ids), prompt_mask, self.dense)
-            sync(self.device)
-            self.prefill_seconds = time.perf_counter() - t0
+            pre = prefill_timed(
+                self.runner, self.drafter_ids(ids), prompt_mask, self.dense, self.prefill_memo
+            )
+            self.prefill_seconds, self.prefill_saved = pre.seconds, pre.saved
             self._prompt = None
 
     @abstractmethod

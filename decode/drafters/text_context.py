@@ -55,7 +55,7 @@ class TextContextDrafter(MappedDrafter):
         a decode that never drafts never runs the drafter: `lazy` holds by construction)."""
         self.mask, self.dense = mask, dense
         # the drafter reads the prompt's text within its first round: no separate prefill
-        self.prefill_seconds = 0.0
+        self.prefill_seconds = self.prefill_saved = 0.0
         b, plen = ids.shape
         self.rows: list[list[int]] = [ids[r, :-1][prompt_mask[r, :-1]].tolist() for r in range(b)]
         self.tlen = plen - 1  # slots in the target's cache (t goes at this slot)

@@ -38,10 +38,13 @@ def run_each(fn: Callable, batches, seed: int) -> tuple[list[float], list[Decode
 
 
 def _timed_call(fn: Callable, ids, mask, gen, seconds: list[float], outs: list) -> None:
-    """Decode one batch with `fn`, appending its wall seconds and output."""
+    """Decode one batch with `fn`, appending its wall seconds and output. A prefill restored
+    from a memo (decode.prefill_memo) counts as the seconds its one timed run took, so a call
+    costs what it would have without the memo: its wall time plus the seconds it saved."""
     t0 = time.perf_counter()
-    outs.append(fn(ids, mask, generator=gen))
-    seconds.append(time.perf_counter() - t0)
+    out = fn(ids, mask, generator=gen)
+    seconds.append(time.perf_counter() - t0 + out.prefill_saved_s)
+    outs.append(out)
 
 
 class TimedPass(NamedTuple):
@@ -65,6 +68,7 @@ def merge(outs: list[DecodeOutput]) -> DecodeOutput:
         total.drafter_forwards += o.drafter_forwards
         total.prefill_target_s += o.prefill_target_s
         total.prefill_drafter_s += o.prefill_drafter_s
+        total.prefill_saved_s += o.prefill_saved_s
         if o.draft_lengths:
             total.draft_lengths = [
                 a + b

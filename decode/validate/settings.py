@@ -20,6 +20,7 @@ from specdistill.decode.config import DecoderSettings
 from specdistill.decode.validate.modes import both_modes, other_decoder
 from specdistill.decode.validate.vllm_engine import draft_sample_method, parse_engines
 
+PREFILL_ONCE = ("auto", "true", "false")
 _POSITIVE = ("max_new_tokens", "repeats", "batch_size", "step_time_iters")
 
 
@@ -47,6 +48,7 @@ class ValidateSettings:
     threads: Any = "auto"  # auto | default | N (data.runtime.set_threads checks it)
     hf_assisted: bool = True
     plot: bool = True
+    prefill_once: str = "auto"  # auto (long prompt sets) | true | false: decode.prefill_memo
     engines: tuple[str, ...] = ("ours",)
     vllm_draft_sample_method: str | None = None  # engines=[ours,vllm]: vllm.draft_sample_method
 
@@ -71,6 +73,11 @@ class ValidateSettings:
         check_long_prompts(long_prompts)
         other = other_decoder(decoder, cfg.get("other_sampling")) if both_modes(cfg) else None
         engines = parse_engines(cfg)
+        prefill_once = str(setting(cfg, cls, "prefill_once")).lower()
+        if prefill_once not in PREFILL_ONCE:
+            raise ConfigError(
+                f"prefill_once={prefill_once!r} is not known; use one of {', '.join(PREFILL_ONCE)}"
+            )
         method = draft_sample_method(cfg.vllm) if "vllm" in engines else None
         return cls(
             output_dir=Path(str(cfg.output_dir)).expanduser().absolute(),
@@ -89,9 +96,15 @@ class ValidateSettings:
             threads=setting(cfg, cls, "threads"),
             hf_assisted=bool(setting(cfg, cls, "hf_assisted")),
             plot=bool(setting(cfg, cls, "plot")),
+            prefill_once=prefill_once,
             engines=engines,
             vllm_draft_sample_method=method,
         )
+
+    def prefills_once(self, bucketed: bool) -> bool:
+        """Whether decodes restore each prompt's prefill from its first run (`prefill_once`;
+        auto: for bucketed, i.e. long-context, prompt sets, where prefills dominate a run)."""
+        return self.prefill_once == "true" or (self.prefill_once == "auto" and bucketed)
 
     @property
     def gamma_room(self) -> int:

@@ -42,6 +42,7 @@ from specdistill.decode.acceptance import expected_tau, theoretical_speedup
 from specdistill.decode.cache import check_rollback_config
 from specdistill.decode.config import DecoderSettings
 from specdistill.decode.draft_length import DraftCosts, draft_figures, modeled_speedup
+from specdistill.decode.prefill_memo import PrefillMemo
 from specdistill.decode.speculative import SpeculativeDecoder
 from specdistill.decode.validate.buckets import measure_buckets, regroup
 from specdistill.decode.validate.mapped import check_mapped_stage, load_mapped, mapping_figures
@@ -245,10 +246,17 @@ def settings(vs: ValidateSettings, st: Setup, dec: SpeculativeDecoder, gamma: in
 def decoder_factory(vs: ValidateSettings, st: Setup) -> Make:
     """make(gamma, settings=vs.decoder): a decoder on the loaded pair at that gamma."""
 
+    memo = PrefillMemo() if vs.prefills_once(any(b is not None for b in st.buckets)) else None
+
     def make(gamma: int, settings: DecoderSettings = vs.decoder) -> SpeculativeDecoder:
         config = settings.decoder_config(vs.max_new_tokens, st.eos, gamma)
         return SpeculativeDecoder(
-            st.target, st.drafter, config, tokenizer_len=len(st.tok), mapped=st.mapped
+            st.target,
+            st.drafter,
+            config,
+            tokenizer_len=len(st.tok),
+            mapped=st.mapped,
+            prefill_memo=memo,
         )
 
     return make
@@ -373,6 +381,12 @@ def run(cfg: DictConfig) -> ValidateResult:
             plan, st.batches, dec, sv.gamma, vs.step_time_iters, vs.max_new_tokens, passes
         )
     adaptive = dec.cfg.draft_length != "fixed"
+    if dec.prefill_memo is not None:
+        memo = dec.prefill_memo
+        notes.append(
+            f"prefill_once: each prompt's prefill ran once per model ({memo.misses} runs, "
+            f"{memo.hits} restored); every decode's end-to-end time counts that measured prefill"
+        )
     result = ValidateResult(
         output_dir=str(vs.output_dir),
         **settings(vs, st, dec, sv.gamma),
