@@ -43,16 +43,28 @@ MAX_DEPTH = 15  # the decoder drafts at most 15 tokens a round (decoder.max_draf
 
 
 def resolve_train_mask_token(configured, tokenizer) -> int:
-    """`parallel.mask_token_id`: auto = the tokenizer's pad id, a reserved id of the target's
-    vocabulary that never occurs in text (the checkpoint keeps the target's vocab_size)."""
+    """`parallel.mask_token_id`: auto = a reserved id of the target's vocabulary that never
+    occurs in the training text (the checkpoint keeps the target's vocab_size): the pad id,
+    unless it is also the eos, bos or unk id (SmolLM2's pad is its eos `<|im_end|>`: as the mask
+    it would be trained both ways and never drafted), then the last of the tokenizer's other
+    special tokens (SmolLM2: `<empty_output>`)."""
     if configured in (None, "auto"):
+        roles = {getattr(tokenizer, f"{r}_token_id", None) for r in ("eos", "bos", "unk")}
         pad = getattr(tokenizer, "pad_token_id", None)
-        if pad is None:
+        if pad is not None and pad not in roles:
+            return int(pad)
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        special = set(getattr(tokenizer, "all_special_ids", [])) | {
+            i for i, tok in added.items() if getattr(tok, "special", False)
+        }
+        spare = sorted(special - roles - {pad})
+        if not spare:
             raise ConfigError(
-                "parallel.mask_token_id=auto needs a tokenizer with a pad token: set "
-                "parallel.mask_token_id to a reserved token id of the vocabulary"
+                "parallel.mask_token_id=auto needs a pad token that is not the eos/bos/unk "
+                "token, or another special token: set parallel.mask_token_id to a reserved "
+                "token id of the vocabulary"
             )
-        return int(pad)
+        return int(spare[-1])
     if isinstance(configured, bool) or not isinstance(configured, int) or configured < 0:
         raise ConfigError(
             f"parallel.mask_token_id={configured!r} must be a token id >= 0 or auto (pad id)"

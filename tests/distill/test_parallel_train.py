@@ -20,6 +20,7 @@ from specdistill.distill.parallel import (
     gather_positions,
     pack_parallel,
     packed_forward,
+    resolve_train_mask_token,
 )
 from tests.conftest import tiny_llama
 
@@ -125,6 +126,39 @@ def test_parallel_config_errors_name_the_field():
     for key, bad in (("depth", 1), ("anchors", 0), ("decay", 1.5), ("depth", True)):
         with pytest.raises(ConfigError, match=f"parallel.{key}="):
             check_parallel_config(ok | {key: bad})
+
+
+class _Tok:
+    """A tokenizer's special-token roles, as `transformers` exposes them."""
+
+    def __init__(self, pad, eos, bos=None, unk=None, special=(), n=100) -> None:
+        from types import SimpleNamespace
+
+        self.pad_token_id, self.eos_token_id, self.bos_token_id, self.unk_token_id = (
+            pad,
+            eos,
+            bos,
+            unk,
+        )
+        self.all_special_ids = [i for i in (pad, eos, bos, unk) if i is not None]
+        self.added_tokens_decoder = {i: SimpleNamespace(special=True) for i in special}
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_the_mask_token_is_never_the_eos_token():
+    assert resolve_train_mask_token("auto", _Tok(pad=3, eos=2, bos=1)) == 3  # a pad of its own
+    # SmolLM2: pad = eos = <|im_end|> (2), bos 1, unk 0, specials 3..16: the last spare special
+    smollm2 = _Tok(pad=2, eos=2, bos=1, unk=0, special=range(17))
+    assert resolve_train_mask_token("auto", smollm2) == 16
+    assert resolve_train_mask_token(None, _Tok(pad=None, eos=2, special=(0, 2, 5))) == 5
+    with pytest.raises(ConfigError, match="parallel.mask_token_id=auto needs a pad token"):
+        resolve_train_mask_token("auto", _Tok(pad=2, eos=2, bos=1, special=(1, 2)))
+    assert resolve_train_mask_token(7, smollm2) == 7
+    with pytest.raises(ConfigError, match="parallel.mask_token_id=100 is past"):
+        resolve_train_mask_token(100, smollm2)
 
 
 def test_accepted_length_brute_force():
