@@ -1,11 +1,11 @@
 """Prefill each prompt once per model: the KV cache of a prompt, kept and restored.
 
-p = target, q = drafter. At long context a decode call is mostly its prefill: SmolLM2-135M
-prefills a 6k-token prompt in ~35 s on one CPU thread and then decodes 48 tokens in ~5 s
-(decode/RESULTS.md). A validate run decodes every prompt many times (target-only and
+p = target, q = drafter. At long context a decode call is mostly its prefill (a prompt of
+thousands of tokens against a few dozen new ones; figures: decode/RESULTS.md, "the real pair
+by context length"). A validate run decodes every prompt many times (target-only and
 speculative, `repeats` times, in both serving modes, fixed gamma beside an adaptive policy) and
-times c at each bucket's prompt: re-running the same prefill each time made a real-pair
-per-bucket table cost over an hour. A `PrefillMemo` runs and times each (model, prompt) prefill
+times c at each bucket's prompt: re-running the same prefill each time more than doubled a
+real-pair per-bucket run. A `PrefillMemo` runs and times each (model, prompt) prefill
 once and restores its cache (a copy of K and V, bit-identical) on later calls.
 
 The timing stays honest: a restored prefill reports the seconds its one real run took
@@ -29,7 +29,7 @@ import torch
 
 from specdistill.decode.cache import ModelRunner, prompt_feed, sync
 
-DEFAULT_MAX_BYTES = 4 << 30  # a few long prompts of a small pair (SmolLM2 at 6k: 276 MB fp32)
+DEFAULT_MAX_BYTES = 4 << 30  # a bucketed prompt set of a small pair; the oldest go first past it
 
 
 class Prefilled(NamedTuple):

@@ -40,7 +40,8 @@ class StepTimer:
         prefill_memo: PrefillMemo | None = None,
     ) -> None:
         """prefill_memo: the decoder's (decode.prefill_memo): a batch-1 prompt's prefill is the
-        decodes', restored rather than run again (at 6k tokens a target prefill is ~35 s)."""
+        decodes', restored rather than run again (at long context it costs more than the steps
+        timed here)."""
         self.memo = prefill_memo
         self.ids, self.slots, self.device = ids, slots, ids.device
         self.make_runner, self.draft_widths = make_runner, draft_widths
