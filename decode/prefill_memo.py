@@ -30,9 +30,8 @@ import torch
 
 from specdistill.decode.cache import ModelRunner, prompt_feed, sync
 
-DEFAULT_MAX_BYTES = (
-    8 << 30
-)  # a bucketed prompt set of a small pair; past it, new prompts are not kept
+# a bucketed prompt set of a small pair; past it, new prompts are not kept
+DEFAULT_MAX_BYTES = 8 << 30
 
 
 class Prefilled(NamedTuple):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from specdistill.decode.cache import ModelRunner, step_mask
-from specdistill.decode.prefill_memo import PrefillMemo
+from specdistill.decode.prefill_memo import PrefillMemo, prefill_timed
 
 ROLES = ("target", "drafter")
 
@@ -53,25 +53,22 @@ class StepTimer:
         """The role's runner (built and prefilled on first use) and its all-ones slot mask."""
         if role not in self.runners:
             runner = self.make_runner[role](self.slots)
-            b, plen = self.ids.shape
-            mask = torch.ones(b, runner.capacity, dtype=torch.bool, device=self.device)
+            ids = self.role_ids[role]
+            mask = torch.ones(ids.shape[0], runner.capacity, dtype=torch.bool, device=self.device)
             self.runners[role] = (runner, mask)
-            if plen > 1 and self.dense and self.memo is not None:
-                self.memo.run(runner, self.role_ids[role][:, :-1], None, None)
-            elif plen > 1:
-                self._step(role, self.role_ids[role][:, :-1], prefill=True)
+            # the prompt but its last token, fed as a decode's prefill feeds it (all slots valid)
+            prefill_timed(runner, ids, mask[:, : ids.shape[1]], self.dense, self.memo)
         return self.runners[role]
 
-    def _step(self, role: str, x: torch.Tensor, prefill: bool = False) -> None:
+    def _step(self, role: str, x: torch.Tensor) -> None:
         runner, mask = self.runners[role]
         n = x.shape[1]
-        keep = 1 if prefill else n
         if self.dense:
-            runner.forward(x, keep=keep, prefill=prefill)
+            runner.forward(x, keep=n)
             return
-        attn = mask[:, :n] if prefill else step_mask(runner, mask, runner.length + n)
+        attn = step_mask(runner, mask, runner.length + n)
         pos = (runner.length + torch.arange(n, device=self.device)).expand(x.shape[0], n)
-        runner.forward(x, attn, pos, keep=keep, prefill=prefill)
+        runner.forward(x, attn, pos, keep=n)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
