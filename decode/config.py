@@ -69,6 +69,9 @@ class DecoderConfig:
     # auto: the drafter's head scores only its config's `draft_vocab_ids` when it has them (the
     # distill stage writes them for large vocabularies; decode.draft_vocab) | full: the whole head
     draft_vocab: str = "auto"
+    # prompt lookup (decode.lookup): at batch 1, a round whose context's last n-gram occurred
+    # before verifies the tokens that followed it (no drafter forward); other rounds as before
+    lookup: bool = False
 
     @property
     def lossy(self) -> bool:
@@ -125,6 +128,8 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
             low = MIN_OVERHEAD if name == "round_overhead" else 0  # a verify may undercut a step
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v < 100:
                 raise ConfigError(f"decoder.draft_{name}={v!r} must be a number >= {low} (or auto)")
+    if not isinstance(cfg.lookup, bool):
+        raise ConfigError(f"decoder.lookup={cfg.lookup!r} must be true or false")
     if cfg.drafting not in DRAFTING:
         raise ConfigError(f"decoder.drafting={cfg.drafting!r}: use {' or '.join(DRAFTING)}")
     if cfg.draft_vocab not in ("auto", "full"):
@@ -143,7 +148,7 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
 _SHARED = (
     "sampling", "lenience", "cache", "compile", "record_probs", "host_sync_every", "cpu_matmul",
     "draft_length", "max_draft", "draft_scope", "draft_floor", "probe_every", "draft_costs",
-    "drafting", "mask_token_id", "draft_vocab",
+    "drafting", "mask_token_id", "draft_vocab", "lookup",
 )  # fmt: skip
 
 
@@ -174,6 +179,7 @@ class DecoderSettings:
     drafting: str = "autoregressive"
     mask_token_id: int | None = None
     draft_vocab: str = "auto"
+    lookup: bool = False
     # a drafter with its own tokenizer (decode/drafters/mapped.py): tli | text; read where the
     # mapped pair is loaded (decode/validate/mapped.py), not by DecoderConfig
     mapped_context: str = "tli"
@@ -211,6 +217,7 @@ class DecoderSettings:
             drafting=str(get("drafting")),
             mask_token_id=node.get("mask_token_id"),
             draft_vocab=str(get("draft_vocab")),
+            lookup=get("lookup"),
             mapped_context=check_context(get("mapped_context")),
         )
         return settings.check(field)

@@ -56,6 +56,11 @@ class DecodeOutput:
     # Of those, the seconds this call did not spend: a `PrefillMemo` restored the prompt's cache
     # from its one timed run (decode.prefill_memo); validate adds them back to its wall clock.
     prefill_saved_s: float = 0.0
+    # decoder.lookup: rounds whose drafts were copied from the context (decode.lookup), their
+    # drafts verified and accepted (also counted in the totals above)
+    lookup_rounds: int = 0
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
 
     @property
     def mean_draft_length(self) -> float:

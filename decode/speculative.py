@@ -53,6 +53,7 @@ from specdistill.decode.draft_length.policies import DraftLengthPolicy
 from specdistill.decode.draft_vocab import draft_vocab_of, subset_head
 from specdistill.decode.drafters import DRAFTERS, Drafter, MappedVocab, mapped_drafter
 from specdistill.decode.drafters.mapped import check_mapped_decoding, check_mapped_pair
+from specdistill.decode.lookup import PromptLookup
 from specdistill.decode.outputs import DecodeOutput, RoundRecord
 from specdistill.decode.prefill_memo import PrefillMemo, prefill_timed
 from specdistill.decode.step_timer import StepTimer
@@ -348,6 +349,8 @@ class SpeculativeDecoder:
         )
         steps = torch.arange(self.verify_widths[-1], device=self.device)
         policy.start(b)
+        # the history holds the prompt but its last token, which opens the first round as t
+        lookup = PromptLookup(ids[0, mask0[0]][:-1].tolist()) if cfg.lookup and dense else None
         shadow = adaptive and cfg.draft_floor  # the floor learns from the steps it skipped
         return RoundState(
             tgt,
@@ -362,6 +365,7 @@ class SpeculativeDecoder:
             steps,
             generator,
             [] if shadow else None,
+            lookup,
         )
 
     def _round(self, st: RoundState) -> None:
@@ -371,6 +375,13 @@ class SpeculativeDecoder:
         length, b = st.tgt.length, len(st.done)
         active = [not d for d in st.done]
         budget = self._draft_width(st.out.tokens, st.done)
+        if st.lookup is not None:
+            st.lookup.extend(st.t.tolist())  # the pending token: the last one emitted
+            rival = st.policy.drafting_rate() if st.adaptive else 1.0
+            found = st.lookup.propose(budget, st.policy.costs, rival)
+            if found:
+                self._lookup_round(st, found, active)
+                return
         k = st.policy.plan(budget, active).k if st.adaptive else budget
         if not st.dense:
             st.mask[:, length : length + k + 1] = True
@@ -408,13 +419,43 @@ class SpeculativeDecoder:
             st.out, st.done, active, (draft_t, n, nxt, alpha_pos), t_logits, lengths, row_cut
         )
         n_list = [row[kv] for row in host]
-        if st.adaptive:
+        if st.lookup is not None:
+            st.lookup.extend(host[0][: n_list[0]])
             st.policy.observe(lengths, n_list, active, prop.conf)
         maxn = max(n_list)
         if not st.dense:
             st.mask[:, length + 1 : length + width] &= st.steps[None, : width - 1] < n[:, None]
         st.tgt.rollback(length + 1 + maxn)
         self.drafting.accept(draft_t, maxn, length + 1 + maxn, st.pos)
+        st.pos = st.pos + 1 + n
+        st.t = nxt
+
+    def _lookup_round(self, st: RoundState, found: list[int], active: list[bool]) -> None:
+        """A round whose drafts come from the context (decode.lookup, batch 1): verified as any
+        drafts, q one-hot (deterministic proposals); no drafter forward, so the drafter lags
+        by the tokens the round emits and reads them at its next forward (`Drafter.skip`)."""
+        length, k = st.tgt.length, len(found)
+        draft_t = torch.tensor([found], dtype=st.t.dtype, device=self.device)
+        q = None
+        if not self.cfg.sampling.greedy:
+            q = torch.nn.functional.one_hot(draft_t, self.vocab).to(self.dtype)
+        n, nxt, alpha_pos, t_logits, _ = self.verifier.verify(st, draft_t, q, None)
+        st.out.target_forwards += 1
+        host = self.verifier.settle(
+            st.out, st.done, active, (draft_t, n, nxt, alpha_pos), t_logits, [k]
+        )
+        got = host[0][k]
+        st.lookup.observe(k, got)
+        st.lookup.extend(found[:got])
+        st.out.lookup_rounds += 1
+        st.out.lookup_drafted += k
+        st.out.lookup_accepted += got
+        st.tgt.rollback(length + 1 + got)
+        self.drafting.skip(st.t, st.pos)
+        for j in range(got):
+            self.drafting.skip(draft_t[:, j], st.pos + 1 + j)
+        if st.plain_p:  # the drafter's lag is no longer only the floor's tokens
+            st.plain_p = []
         st.pos = st.pos + 1 + n
         st.t = nxt
 

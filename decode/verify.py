@@ -25,6 +25,7 @@ from specdistill.decode.acceptance import (
 from specdistill.decode.cache import ModelRunner, step_mask
 from specdistill.decode.config import DecoderConfig
 from specdistill.decode.draft_length.policies import DraftLengthPolicy
+from specdistill.decode.lookup import PromptLookup
 from specdistill.decode.outputs import DecodeOutput, RoundRecord
 
 
@@ -47,6 +48,8 @@ class RoundState:
     # p's probability of each token the floor's plain steps emitted since the last drafting
     # round, (B,) each, oldest first (1 when greedy); None: the policy learns nothing from them
     plain_p: list[torch.Tensor] | None = None
+    # decoder.lookup at batch 1: the context's n-grams, drafts that cost no drafter forward
+    lookup: PromptLookup | None = None
 
 
 class Verifier:

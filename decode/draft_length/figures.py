@@ -105,6 +105,14 @@ def draft_figures(out, costs: DraftCosts | None = None) -> dict:
             out.drafter_forwards / max(sum(len(t) for t in out.tokens), 1), 3
         ),
     }
+    if out.lookup_rounds:  # decoder.lookup: the rounds whose drafts came from the context
+        figures["lookup"] = {
+            "rounds": out.lookup_rounds,
+            "round_share": round(out.lookup_rounds / rounds, 3),
+            "drafted": out.lookup_drafted,
+            "accepted": out.lookup_accepted,
+            "acceptance": round(out.lookup_accepted / max(out.lookup_drafted, 1), 4),
+        }
     if costs is not None:
         figures["draft_costs"] = {
             "c": costs.c,

@@ -126,6 +126,17 @@ class DraftLengthPolicy:
         """Throughput to beat for row r: realized tokens per modeled cost so far, at least 1."""
         return max(1.0, self.tokens[r] / self.cost[r])
 
+    def drafting_rate(self, r: int = 0) -> float:
+        """Expected tokens per target-step cost of row r's best drafting round at its recent
+        acceptance (`first`, `follow`), at least 1 (a plain step): what another source of
+        drafts (decode.lookup) must beat to take the round from the drafter."""
+        best, reach, tokens = 1.0, 1.0, 1.0
+        for m in range(1, self.max_k + 1):
+            reach *= self.first[r] if m == 1 else self.follow[r]
+            tokens += reach
+            best = max(best, tokens / self.costs.round_cost(m))
+        return best
+
     def _best_m(self, active: list[bool]) -> int:
         """The number of drafts m >= 0 that pays best at the rows' recent acceptance (0: a
         target step beats every m). Batch scope: gains summed over the active rows; row scope:

@@ -148,7 +148,16 @@ def bucket_mode_figures(
     spec_out = merge([first.spec_outs[i] for i in idx])
     base_out = merge([first.base_outs[i] for i in idx])
     same = base_out.tokens == spec_out.tokens
+    lookup = {}
+    if spec_out.lookup_rounds:  # decoder.lookup: the share of rounds drafted from the context
+        lookup = {
+            "lookup_round_share": round(spec_out.lookup_rounds / max(spec_out.row_rounds, 1), 3),
+            "lookup_acceptance": round(
+                spec_out.lookup_accepted / max(spec_out.lookup_drafted, 1), 4
+            ),
+        }
     return {
+        **lookup,
         "alpha": round(spec_out.alpha, 4),
         "tau": round(spec_out.tau, 3),
         "speedup": round(statistics.median(spec) / statistics.median(base), 3),

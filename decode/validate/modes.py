@@ -69,6 +69,9 @@ def merge(outs: list[DecodeOutput]) -> DecodeOutput:
         total.prefill_target_s += o.prefill_target_s
         total.prefill_drafter_s += o.prefill_drafter_s
         total.prefill_saved_s += o.prefill_saved_s
+        total.lookup_rounds += o.lookup_rounds
+        total.lookup_drafted += o.lookup_drafted
+        total.lookup_accepted += o.lookup_accepted
         if o.draft_lengths:
             total.draft_lengths = [
                 a + b

@@ -1,0 +1,218 @@
+"""Prompt lookup (decode.lookup): drafts copied from the context, lossless in both modes.
+
+p = target, q = drafter. The n-gram index is checked against a brute-force scan, the length
+choice against exact enumeration of a round's outcomes, and the decoder with `lookup=true`
+against target-only decoding: token-identical when greedy, the target's sequence distribution
+(chi-square over every sequence of a small vocabulary) when sampling.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+
+from specdistill.data.runtime import ConfigError
+from specdistill.data.sampling import Sampling
+from specdistill.decode.acceptance import probs_from_logits
+from specdistill.decode.config import DecoderSettings
+from specdistill.decode.draft_length.costs import DraftCosts
+from specdistill.decode.lookup import (
+    MAX_NGRAM,
+    RETRY_EVERY,
+    PromptLookup,
+    best_length,
+    find_continuation,
+)
+from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
+from tests.conftest import tiny_llama
+from tests.decode.test_distribution import chi2_pvalue, sharp_llama
+
+
+def brute_continuation(history: list[int], min_ngram: int, k: int) -> list[int]:
+    """The longest suffix n-gram (MAX_NGRAM..min_ngram) with an earlier occurrence, by scanning
+    every start from the most recent back; the k tokens after that occurrence."""
+    for n in range(MAX_NGRAM, min_ngram - 1, -1):
+        if len(history) < n + 1:
+            continue
+        suffix = history[-n:]
+        for s in range(len(history) - n - 1, -1, -1):
+            if history[s : s + n] == suffix:
+                return history[s + n : s + n + k]
+    return []
+
+
+@pytest.mark.parametrize("min_ngram", [1, 2, 3])
+def test_index_finds_what_a_scan_finds(min_ngram):
+    rng = random.Random(min_ngram)
+    for _ in range(300):
+        vocab = rng.choice([2, 3, 5, 9])
+        seq = [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
+        cut = rng.randrange(0, len(seq) + 1)
+        look = PromptLookup(seq[:cut], min_ngram=min_ngram)
+        look.extend(seq[cut:])  # built in two parts, as a decode extends its prompt
+        k = rng.randrange(1, 6)
+        got = find_continuation(look.history, look.index, min_ngram, k)
+        assert got == brute_continuation(seq, min_ngram, k), (seq, k)
+
+
+def exact_rate(accept: float, j: int, costs: DraftCosts) -> float:
+    """Expected tokens per cost of verifying j drafts each accepted with probability `accept`
+    (given the ones before), by enumerating every accept/reject pattern: the round emits the
+    accepted prefix plus one target token."""
+    tokens = 0.0
+    for pattern in itertools.product([True, False], repeat=j):
+        prob, n = 1.0, 0
+        for ok in pattern:
+            prob *= accept if ok else 1 - accept
+        for ok in pattern:
+            if not ok:
+                break
+            n += 1
+        tokens += prob * (n + 1)
+    return tokens / (1.0 + costs.round_overhead + j * costs.verify_per_token)
+
+
+@pytest.mark.parametrize("accept", [0.05, 0.3, 0.6, 0.9])
+@pytest.mark.parametrize("vpt", [0.02, 0.15, 0.4])
+def test_length_choice_matches_enumeration(accept, vpt):
+    costs = DraftCosts(c=0.3, verify_per_token=vpt, round_overhead=0.05)
+    for beat in (1.0, 1.3):
+        j, rate = best_length(accept, 6, costs, beat)
+        rates = {m: exact_rate(accept, m, costs) for m in range(1, 7)}
+        top = max(rates, key=rates.get)
+        if rates[top] > beat:
+            assert j == top and rate == pytest.approx(rates[top])
+        else:
+            assert (j, rate) == (0, beat)
+
+
+def test_declined_matches_are_retried_and_outcomes_move_the_estimate():
+    costs = DraftCosts(c=0.3, verify_per_token=0.5, round_overhead=0.5)
+    look = PromptLookup([1, 2, 3, 1, 2])  # "1 2" occurred before: 3 follows
+    look.accept = 0.1  # too low to pay at these costs
+    answers = [look.propose(4, costs) for _ in range(RETRY_EVERY)]
+    assert answers[:-1] == [[]] * (RETRY_EVERY - 1) and answers[-1] == [3]
+    look.observe(1, 1)
+    assert look.accept > 0.1 and look.figures()["acceptance"] == 1.0
+    before = look.accept
+    look.observe(3, 0)  # only the first draft was tested
+    assert look.accept < before and look.drafted == 4 and look.accepted == 1
+
+
+def test_setting_is_checked_and_listed():
+    assert DecoderSettings.from_node({"lookup": True}).lookup is True
+    with pytest.raises(ConfigError, match="decoder.lookup"):
+        DecoderSettings.from_node({"lookup": "yes"})
+
+
+def repetitive_prompt(vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    motif = [rng.randrange(1, vocab) for _ in range(5)]
+    return motif * 3 + motif[:2]
+
+
+@pytest.mark.parametrize("draft_length", ["fixed", "confidence"])
+@pytest.mark.parametrize("drafter_kind", ["weak", "good"])
+def test_greedy_lookup_is_token_identical(draft_length, drafter_kind):
+    target = tiny_llama(vocab=24, layers=2, seed=3)
+    drafter = tiny_llama(vocab=24, layers=1, seed=4) if drafter_kind == "weak" else target
+    cfg = DecoderConfig(gamma=3, max_new_tokens=40, draft_length=draft_length, lookup=True)
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    plain = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=3, max_new_tokens=40))
+    rounds = accepted = 0
+    for seed in range(6):
+        ids = torch.tensor([repetitive_prompt(24, seed)])
+        out = dec.generate(ids)
+        assert out.tokens == dec.baseline(ids).tokens == plain.generate(ids).tokens
+        rounds += out.lookup_rounds
+        accepted += out.lookup_accepted
+        assert out.lookup_drafted >= out.lookup_accepted
+    assert rounds > 0 and accepted > 0  # lookup rounds ran, and some of their drafts held
+
+
+def test_batches_decode_without_lookup():
+    target = tiny_llama(vocab=24, layers=2, seed=3)
+    cfg = DecoderConfig(gamma=2, max_new_tokens=12, lookup=True)
+    dec = SpeculativeDecoder(target, tiny_llama(vocab=24, layers=1, seed=4), cfg)
+    ids = torch.tensor([repetitive_prompt(24, 0), repetitive_prompt(24, 1)])
+    out = dec.generate(ids, torch.ones_like(ids))
+    assert out.lookup_rounds == 0
+    assert out.tokens == dec.baseline(ids, torch.ones_like(ids)).tokens
+
+
+V, H, PROMPT = 8, 3, [3, 1, 4, 1, 3, 1]  # "3 1" and "1" recur: lookup proposes 4 and 3
+
+
+@torch.inference_mode()
+def exact_sequence_probs(model, sampling: Sampling) -> dict[tuple[int, ...], float]:
+    """P(x_1..x_H | PROMPT) under target-only sampling, by enumerating every prefix."""
+    probs: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(H):
+        prefixes = list(probs)
+        logits = model(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1]
+        step = probs_from_logits(logits, sampling).double()
+        probs = {
+            (*p, x): probs[p] * step[i, x].item()
+            for i, p in enumerate(prefixes)
+            for x in range(V)
+            if step[i, x] > 0
+        }
+    return probs
+
+
+def lookup_counts(dec: SpeculativeDecoder, n: int, seed: int):
+    """Sequence counts of n batch-1 decodes (lookup runs at batch 1 only) and the lookup totals."""
+    gen = torch.Generator().manual_seed(seed)
+    counts: dict[tuple[int, ...], int] = {}
+    ids = torch.tensor([PROMPT])
+    drafted = accepted = 0
+    for _ in range(n):
+        out = dec.generate(ids, generator=gen)
+        counts[tuple(out.tokens[0])] = counts.get(tuple(out.tokens[0]), 0) + 1
+        drafted += out.lookup_drafted
+        accepted += out.lookup_accepted
+    return counts, drafted, accepted
+
+
+@pytest.fixture(scope="module")
+def sharp_pair():
+    target = sharp_llama(seed=11, layers=2)
+    drafter = copy.deepcopy(target)
+    drafter.model.layers = drafter.model.layers[:1]
+    drafter.config.num_hidden_layers = 1
+    return target, drafter
+
+
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.7, top_k=3)], ids=["t1", "topk"])
+def test_sampled_lookup_follows_the_target_distribution(sharp_pair, sampling):
+    target, drafter = sharp_pair
+    # lookup drafts always verified (a negative round cost), so most rounds test one
+    costs = DraftCosts(c=5.0, verify_per_token=0.0, round_overhead=-0.4)
+    cfg = DecoderConfig(
+        gamma=2, max_new_tokens=H, sampling=sampling, lookup=True, draft_costs=costs,
+        draft_length="confidence",
+    )  # fmt: skip
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    n = 3000
+    counts, drafted, accepted = lookup_counts(dec, n, seed=1)
+    assert drafted > n and 0 < accepted < drafted  # lookup drafts ran, some held, some not
+    assert chi2_pvalue(exact_sequence_probs(target, sampling), counts, n) > 1e-3
+
+
+def test_lossy_lookup_is_detected(sharp_pair):
+    """The same test has the power to see a wrong rule: lenience 0.3 accepts lookup drafts
+    with probability min(1, p / 0.3), and the output drifts from p."""
+    target, drafter = sharp_pair
+    s = Sampling(1.0)
+    costs = DraftCosts(c=5.0, verify_per_token=0.0, round_overhead=-0.4)
+    cfg = DecoderConfig(
+        gamma=2, max_new_tokens=H, sampling=s, lookup=True, draft_costs=costs,
+        draft_length="confidence", lenience=0.3,
+    )  # fmt: skip
+    counts, drafted, _ = lookup_counts(SpeculativeDecoder(target, drafter, cfg), 3000, seed=2)
+    assert drafted > 3000
+    assert chi2_pvalue(exact_sequence_probs(target, s), counts, 3000) < 1e-6
