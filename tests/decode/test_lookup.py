@@ -30,6 +30,7 @@ from specdistill.decode.lookup import (
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.conftest import tiny_llama
 from tests.decode.test_distribution import chi2_pvalue, sharp_llama
+from tests.decode.test_mapped import bpe_pair as bpe_pair
 
 
 def brute_continuation(history: list[int], min_ngram: int, k: int) -> list[int]:
@@ -216,3 +217,42 @@ def test_lossy_lookup_is_detected(sharp_pair):
     counts, drafted, _ = lookup_counts(SpeculativeDecoder(target, drafter, cfg), 3000, seed=2)
     assert drafted > 3000
     assert chi2_pvalue(exact_sequence_probs(target, s), counts, 3000) < 1e-6
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("draft_length", ["fixed", "confidence"])
+def test_parallel_drafter_reads_what_lookup_rounds_emitted(draft_length, cache):
+    """A parallel drafter lags by the tokens of lookup rounds (t and the accepted drafts, at
+    their positions) and reads them in its next forward: still token-identical."""
+    from tests.decode.test_parallel import MASK, parallel_cfg
+    from tests.decode.test_speculative import greedy_reference, truncated_copy
+
+    target = sharp_llama(seed=3, layers=3, scale=6.0)
+    drafter = truncated_copy(target, 2)
+    cfg = parallel_cfg(MASK, gamma=3, max_new_tokens=24, cache=cache, lookup=True,
+                       draft_length=draft_length)  # fmt: skip
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    rounds = 0
+    for seed in range(4):
+        prompt = [t if t != MASK else 1 for t in repetitive_prompt(V, seed)]
+        out = dec.generate(torch.tensor([prompt]))
+        assert out.tokens[0] == greedy_reference(target, prompt, 24)
+        rounds += out.lookup_rounds
+    assert rounds > 0
+
+
+@pytest.mark.parametrize("context", ["tli", "text"])
+def test_mapped_drafter_reads_what_lookup_rounds_emitted(bpe_pair, context):
+    """A drafter with its own tokenizer lags by lookup rounds' tokens like by plain steps."""
+    from tests.decode.test_mapped import decoder
+    from tests.decode.test_speculative import greedy_reference
+
+    target, _, _, t_tok, _ = bpe_pair
+    dec = decoder(bpe_pair, context, gamma=3, max_new_tokens=24, lookup=True)
+    rounds = 0
+    for text in ["a = b + c\na = b + c\na = b", "for x in xs:\n    f(x)\nfor x in xs:\n    f("]:
+        ids = t_tok(text, return_tensors="pt").input_ids
+        out = dec.generate(ids)
+        assert out.tokens[0] == greedy_reference(target, ids[0].tolist(), 24)
+        rounds += out.lookup_rounds
+    assert rounds > 0
