@@ -6,7 +6,8 @@
 Entries: an integer g (fixed gamma g), `auto` (one fixed gamma per run from a pilot's alpha and
 the measured c, as `decoder.gamma=auto`), or an adaptive policy of `decode.draft_length`
 (`heuristic`, `confidence`) with optional suffixes `-row` (per-row lengths, `draft_scope=row`)
-and `-nofloor` (no plain target steps). Every timed repeat decodes the prompts with the target p
+`-nofloor` (no plain target steps) and `-lookup`
+(prompt lookup beside the drafter, `decode.lookup`; also after a fixed gamma: `1-lookup`). Every timed repeat decodes the prompts with the target p
 alone once, then with every entry in turn (same prompts, same seed), so load drifts on a shared
 machine hit all entries alike (interleaved prompt by prompt); a speedup is the median over
 repeats of an entry's tokens/s over the same repeat's target-only tokens/s. Both serving modes (the decoder's, then the other one at
@@ -33,7 +34,12 @@ from specdistill.decode.validate.settings import ValidateSettings
 from specdistill.decode.validate.stage import setup, warm_up
 from specdistill.decode.validate.timing import auto_gamma, hf_assisted_speed, measure_c
 
-POLICY_SUFFIXES = {"row": {"draft_scope": "row"}, "nofloor": {"draft_floor": False}}
+POLICY_SUFFIXES = {
+    "row": {"draft_scope": "row"},
+    "nofloor": {"draft_floor": False},
+    "lookup": {"lookup": True},  # prompt lookup beside the drafter (decode.lookup)
+}
+GAMMA_SUFFIXES = ("lookup",)  # a fixed gamma has no floor or scope to change
 
 
 def parse_entries(entries: list[Any]) -> list[tuple[str, dict[str, Any] | None]]:
@@ -45,22 +51,29 @@ def parse_entries(entries: list[Any]) -> list[tuple[str, dict[str, Any] | None]]
     out: list[tuple[str, dict[str, Any] | None]] = []
     for e in entries:
         text = str(e)
-        if text.isdigit() and not isinstance(e, bool) and 1 <= int(text) <= 15:
-            out.append((f"gamma={int(text)}", {"draft_length": "fixed", "gamma": int(text)}))
+        head, *suffixes = text.split("-")
+        if (
+            head.isdigit()
+            and not isinstance(e, bool)
+            and 1 <= int(head) <= 15
+            and all(s in GAMMA_SUFFIXES for s in suffixes)
+        ):
+            over: dict[str, Any] = {"draft_length": "fixed", "gamma": int(head)}
+            for s in suffixes:
+                over |= POLICY_SUFFIXES[s]
+            out.append(("-".join([f"gamma={int(head)}", *suffixes]), over))
         elif text == "auto":
             out.append(("gamma=auto", None))
-        elif text.split("-")[0] in ("heuristic", "confidence") and all(
-            s in POLICY_SUFFIXES for s in text.split("-")[1:]
-        ):
-            name, *suffixes = text.split("-")
-            over: dict[str, Any] = {"draft_length": name}
+        elif head in ("heuristic", "confidence") and all(s in POLICY_SUFFIXES for s in suffixes):
+            over = {"draft_length": head}
             for s in suffixes:
                 over |= POLICY_SUFFIXES[s]
             out.append((text, over))
         else:
             raise ConfigError(
-                f"compare_draft entry {e!r}: use a fixed gamma 1..15, auto, heuristic or "
-                "confidence (suffixes -row, -nofloor), e.g. [1,2,4,8,auto,heuristic,confidence]"
+                f"compare_draft entry {e!r}: use a fixed gamma 1..15 (suffix -lookup), auto, "
+                "heuristic or confidence (suffixes -row, -nofloor, -lookup), e.g. "
+                "[1,1-lookup,4,auto,confidence,confidence-lookup]"
             )
     return out
 

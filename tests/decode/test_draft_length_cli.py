@@ -67,6 +67,11 @@ def test_bad_compare_draft_entry_names_the_field(tmp_path):
         "draft_scope": "row",
         "draft_floor": False,
     }
+    entries = parse_entries(["1-lookup", "confidence-lookup"])
+    assert entries[0] == ("gamma=1-lookup", {"draft_length": "fixed", "gamma": 1, "lookup": True})
+    assert entries[1][1] == {"draft_length": "confidence", "lookup": True}
+    with pytest.raises(ConfigError, match=r"^compare_draft entry '2-nofloor'"):
+        parse_entries(["2-nofloor"])
 
 
 @pytest.mark.parametrize(
