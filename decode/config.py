@@ -179,7 +179,9 @@ class DecoderSettings:
     drafting: str = "autoregressive"
     mask_token_id: int | None = None
     draft_vocab: str = "auto"
-    lookup: bool = False
+    # auto: prompt lookup when greedy only (at temperature 1 a one-hot draft is accepted with
+    # probability p(x): too rarely to pay for its verify position, decode/RESULTS.md)
+    lookup: bool | str = "auto"
     # a drafter with its own tokenizer (decode/drafters/mapped.py): tli | text; read where the
     # mapped pair is loaded (decode/validate/mapped.py), not by DecoderConfig
     mapped_context: str = "tli"
@@ -217,7 +219,7 @@ class DecoderSettings:
             drafting=str(get("drafting")),
             mask_token_id=node.get("mask_token_id"),
             draft_vocab=str(get("draft_vocab")),
-            lookup=get("lookup"),
+            lookup=_lookup(get("lookup"), field),
             mapped_context=check_context(get("mapped_context")),
         )
         return settings.check(field)
@@ -253,7 +255,16 @@ class DecoderSettings:
         if g is None:
             raise ValueError("gamma=auto: pass the resolved gamma")
         shared = {key: getattr(self, key) for key in _SHARED}
+        if shared["lookup"] == "auto":
+            shared["lookup"] = self.sampling.greedy
         return DecoderConfig(gamma=g, max_new_tokens=max_new_tokens, eos_token_id=eos, **shared)
+
+
+def _lookup(raw: Any, field: str) -> bool | str:
+    """true, false or auto (greedy only), or a ConfigError naming `field.lookup`."""
+    if raw is True or raw is False or raw == "auto":
+        return raw
+    raise ConfigError(f"{field}.lookup={raw!r}: use auto (greedy only), true or false")
 
 
 def _gamma(raw: Any, field: str) -> int | None:

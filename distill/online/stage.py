@@ -319,8 +319,9 @@ def run(cfg: DictConfig) -> OnlineResult:
     target.requires_grad_(False)
     frozen = copy.deepcopy(drafter).requires_grad_(False) if s.compare_frozen else None
     eos = tuple(sorted({i for i in [tok.eos_token_id] if i is not None}))
-    # the online learner reads the target's probabilities from every verification
-    dcfg = s.decoder.replace(record_probs=True).decoder_config(s.max_new_tokens, eos)
+    # the online learner reads the target's probabilities from every verification; prompt
+    # lookup stays off: its rounds' rejections are the context's, not the drafter's, to learn from
+    dcfg = s.decoder.replace(record_probs=True, lookup=False).decoder_config(s.max_new_tokens, eos)
     out.mkdir(parents=True, exist_ok=True)
     job = OnlineRun(cfg, s, plan, prompts, target, drafter, frozen, tok, dcfg, topk)
     if state is not None:
