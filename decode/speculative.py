@@ -421,6 +421,7 @@ class SpeculativeDecoder:
         n_list = [row[kv] for row in host]
         if st.lookup is not None:
             st.lookup.extend(host[0][: n_list[0]])
+        if st.adaptive:
             st.policy.observe(lengths, n_list, active, prop.conf)
         maxn = max(n_list)
         if not st.dense:

@@ -37,8 +37,14 @@ def test_validate_with_parallel_drafting(tmp_path, parallel_drafter):
 def test_bench_compare_parallel_side_by_side(tmp_path, parallel_drafter):
     from specdistill.decode.bench.parallel import run_parallel
 
+    # the drafters alone: prompt lookup's rounds run no drafter forward (tested in test_lookup)
     report = run_parallel(
-        _cfg(tmp_path, f"compare_parallel={parallel_drafter}", "parallel_gammas=[2,3]")
+        _cfg(
+            tmp_path,
+            f"compare_parallel={parallel_drafter}",
+            "parallel_gammas=[2,3]",
+            "decoder.lookup=false",
+        )
     )
     assert set(report["modes"]) == {"greedy", "sampling"}
     for name, mode in report["modes"].items():
