@@ -54,6 +54,7 @@ ROWS = [
     ("speedup over target-only (measured), temperature {T}", "wall clock", "validate", "sampling.speedup"),
     ("theoretical speedup, serving mode", "cost model: alpha, c, draft lengths", "validate", "theoretical_speedup"),
     ("HF assisted speedup, same pair", "wall clock, serving mode", "validate", "hf_speedup"),
+    ("rounds drafted by prompt lookup, serving mode", "share of rounds (acceptance)", "validate", "lookup"),
     ("lossless (output = target's)", "token-identical, greedy", "validate", "lossless"),
     ("held-out alpha, {mode}", "{how}", "distill", "alpha"),
     ("held-out greedy agreement", "argmax q = argmax p on {data}", "distill", "agree"),
@@ -108,6 +109,9 @@ def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> An
     v = stages.get("validate" if distilled else "validate_base") or {}
     if key == "hf_speedup":
         return (v.get("hf_assisted") or {}).get("speedup")
+    if key == "lookup":  # decoder.lookup (decode/lookup.py): copied from the context, no drafter
+        lk = (v.get("draft_figures") or {}).get("lookup")
+        return f"{lk['round_share']:.2f} ({lk['acceptance']:.2f})" if lk else None
     if "." in key:
         mode, name = key.split(".")
         return mode_value(v, mode, name)

@@ -30,8 +30,8 @@ def test_table_puts_base_and_distilled_side_by_side_with_methods():
     assert rows["lossless (output = target's)"].endswith("| yes | no |")
     held = rows["held-out alpha, temperature 1"]
     assert "reference completions" in held and held.endswith("| 0.41 | 0.55 |")
-    # no sampled speedup was measured then: that row is left out
-    assert len(rows) == len(report.ROWS) - 1
+    # no sampled speedup was measured then, nor prompt lookup: those rows are left out
+    assert len(rows) == len(report.ROWS) - 2
 
 
 def _modes(greedy, sampled):
@@ -57,6 +57,7 @@ def test_both_serving_modes_with_speedups_and_the_serving_mode_held_out_figure()
         "modes": _modes(
             {"alpha": 0.11, "tau": 1.1, "speedup": 0.4}, {"alpha": 0.73, "tau": 3.1, "speedup": 1.2}
         ),
+        "draft_figures": {"lookup": {"round_share": 0.4, "acceptance": 0.93}},
     }
     distill = {**DISTILL, "data": {"eval_source": "target",
                "eval_sampling": {"temperature": 0.7, "top_k": 0, "top_p": 0.9}}}  # fmt: skip
@@ -67,6 +68,7 @@ def test_both_serving_modes_with_speedups_and_the_serving_mode_held_out_figure()
     assert rows["speedup over target-only (measured), temperature 0.7, top_p 0.9"].endswith(
         "| 0.7 | 1.2 |"
     )
+    assert rows["rounds drafted by prompt lookup, serving mode"].endswith("| n/a | 0.40 (0.93) |")
     held = rows["held-out alpha, temperature 0.7, top_p 0.9"]
     assert "sum min(p,q) on the target's sampled continuations" in held
     assert len(rows) == len(report.ROWS)
