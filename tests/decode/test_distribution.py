@@ -32,12 +32,14 @@ def sharp_llama(seed: int, layers: int, scale: float = 25.0):
 
 
 @torch.inference_mode()
-def exact_sequence_probs(model, sampling: Sampling) -> dict[tuple[int, ...], float]:
-    """P(x_1..x_H | PROMPT) under target-only sampling, by enumerating all prefixes."""
+def exact_sequence_probs(
+    model, sampling: Sampling, prompt: list[int] = PROMPT
+) -> dict[tuple[int, ...], float]:
+    """P(x_1..x_H | prompt) under target-only sampling, by enumerating all prefixes."""
     probs: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(H):
         prefixes = list(probs)
-        logits = model(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1]
+        logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
         step = probs_from_logits(logits, sampling).double()
         probs = {
             (*p, x): probs[p] * step[i, x].item()

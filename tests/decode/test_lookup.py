@@ -17,7 +17,6 @@ import torch
 
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
-from specdistill.decode.acceptance import probs_from_logits
 from specdistill.decode.config import DecoderSettings
 from specdistill.decode.draft_length.costs import DraftCosts
 from specdistill.decode.lookup import (
@@ -29,7 +28,7 @@ from specdistill.decode.lookup import (
 )
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.conftest import tiny_llama
-from tests.decode.test_distribution import chi2_pvalue, sharp_llama
+from tests.decode.test_distribution import H, V, chi2_pvalue, exact_sequence_probs, sharp_llama
 from tests.decode.test_mapped import bpe_pair as bpe_pair
 
 
@@ -149,24 +148,7 @@ def test_batches_decode_without_lookup():
     assert out.tokens == dec.baseline(ids, torch.ones_like(ids)).tokens
 
 
-V, H, PROMPT = 8, 3, [3, 1, 4, 1, 3, 1]  # "3 1" and "1" recur: lookup proposes 4 and 3
-
-
-@torch.inference_mode()
-def exact_sequence_probs(model, sampling: Sampling) -> dict[tuple[int, ...], float]:
-    """P(x_1..x_H | PROMPT) under target-only sampling, by enumerating every prefix."""
-    probs: dict[tuple[int, ...], float] = {(): 1.0}
-    for _ in range(H):
-        prefixes = list(probs)
-        logits = model(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1]
-        step = probs_from_logits(logits, sampling).double()
-        probs = {
-            (*p, x): probs[p] * step[i, x].item()
-            for i, p in enumerate(prefixes)
-            for x in range(V)
-            if step[i, x] > 0
-        }
-    return probs
+PROMPT = [3, 1, 4, 1, 3, 1]  # "3 1" and "1" recur: lookup proposes 4 and 3 (vocab V = 8)
 
 
 def lookup_counts(dec: SpeculativeDecoder, n: int, seed: int):
@@ -205,7 +187,7 @@ def test_sampled_lookup_follows_the_target_distribution(sharp_pair, sampling):
     n = 3000
     counts, drafted, accepted = lookup_counts(dec, n, seed=1)
     assert drafted > n and 0 < accepted < drafted  # lookup drafts ran, some held, some not
-    assert chi2_pvalue(exact_sequence_probs(target, sampling), counts, n) > 1e-3
+    assert chi2_pvalue(exact_sequence_probs(target, sampling, PROMPT), counts, n) > 1e-3
 
 
 def test_lossy_lookup_is_detected(sharp_pair):
@@ -220,7 +202,7 @@ def test_lossy_lookup_is_detected(sharp_pair):
     )  # fmt: skip
     counts, drafted, _ = lookup_counts(SpeculativeDecoder(target, drafter, cfg), 3000, seed=2)
     assert drafted > 3000
-    assert chi2_pvalue(exact_sequence_probs(target, s), counts, 3000) < 1e-6
+    assert chi2_pvalue(exact_sequence_probs(target, s, PROMPT), counts, 3000) < 1e-6
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
