@@ -90,6 +90,32 @@ def test_length_choice_matches_enumeration(accept, vpt):
             assert (j, rate) == (0, beat)
 
 
+@pytest.mark.parametrize("first,follow", [(0.2, 0.1), (0.6, 0.8), (0.9, 0.95)])
+def test_drafting_rate_matches_enumeration(first, follow):
+    """The rival a lookup draft must beat: the drafter's best round at the floor's averages,
+    expected tokens per cost by enumerating every accept/reject pattern of m drafts."""
+    from specdistill.decode.draft_length.policies import make_policy
+
+    costs = DraftCosts(c=0.3, verify_per_token=0.05, round_overhead=0.1)
+    policy = make_policy("confidence", 4, 5, costs)
+    policy.start(1)
+    policy.first, policy.follow = [first], [follow]
+    best = 1.0
+    for m in range(1, 6):
+        tokens = 0.0
+        for pattern in itertools.product([True, False], repeat=m):
+            prob, n, alive = 1.0, 0, True
+            for j, ok in enumerate(pattern):
+                a = first if j == 0 else follow
+                prob *= a if ok else 1 - a
+                if alive and ok:
+                    n += 1
+                alive = alive and ok
+            tokens += prob * (n + 1)
+        best = max(best, tokens / costs.round_cost(m))
+    assert policy.drafting_rate() == pytest.approx(best)
+
+
 def test_declined_matches_are_retried_and_outcomes_move_the_estimate():
     costs = DraftCosts(c=0.3, verify_per_token=0.5, round_overhead=0.5)
     look = PromptLookup([1, 2, 3, 1, 2])  # "1 2" occurred before: 3 follows
