@@ -71,8 +71,12 @@ class ValidateSettings:
                 raise ConfigError(f"{key}={value!r} must be a positive integer")
         long_prompts = setting(cfg, cls, "long_prompts")
         check_long_prompts(long_prompts)
-        other = other_decoder(decoder, cfg.get("other_sampling")) if both_modes(cfg) else None
         engines = parse_engines(cfg)
+        if "vllm" in engines and decoder.lookup == "auto":
+            # both engines on one footing: vLLM runs the drafter alone, so ours does too unless
+            # asked (decoder.lookup=true); their acceptance is compared position by position
+            decoder = decoder.replace(lookup=False)
+        other = other_decoder(decoder, cfg.get("other_sampling")) if both_modes(cfg) else None
         prefill_once = str(setting(cfg, cls, "prefill_once")).lower()
         if prefill_once not in PREFILL_ONCE:
             raise ConfigError(
