@@ -268,3 +268,20 @@ def test_mapped_drafter_reads_what_lookup_rounds_emitted(bpe_pair, context):
         assert out.tokens[0] == greedy_reference(target, ids[0].tolist(), 24)
         rounds += out.lookup_rounds
     assert rounds > 0
+
+
+@pytest.mark.parametrize(
+    ("engines", "lookup", "expect"),
+    [("[ours]", "auto", "auto"), ("[ours,vllm]", "auto", False), ("[ours,vllm]", "true", True)],
+)
+def test_two_engines_compare_the_drafter_alone_unless_asked(tmp_path, engines, lookup, expect):
+    """engines=[ours,vllm]: vLLM runs the drafter alone, so `auto` resolves to off on both
+    serving modes (their acceptance is compared position by position); true stays on."""
+    from hydra import compose, initialize_config_module
+
+    from specdistill.decode.validate.settings import ValidateSettings
+
+    overrides = [f"output_dir={tmp_path}", f"engines={engines}", f"decoder.lookup={lookup}"]
+    with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+        vs = ValidateSettings.from_cfg(compose(config_name="validate", overrides=overrides))
+    assert vs.decoder.lookup == expect and vs.other is not None and vs.other.lookup == expect
