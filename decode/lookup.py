@@ -37,8 +37,7 @@ def best_length(
     drafter's own best round); (0, beat) when none does."""
     best, rate = 0, beat
     for j in range(1, available + 1):
-        cost = 1.0 + costs.round_overhead + j * costs.verify_per_token
-        r = expected_tokens([accept] * j) / cost
+        r = expected_tokens([accept] * j) / costs.verify_cost(j)
         if r > rate + 1e-12:
             best, rate = j, r
     return best, rate
@@ -69,8 +68,13 @@ class PromptLookup:
         self.index: list[dict[tuple[int, ...], int]] = [{} for _ in range(MAX_NGRAM + 1)]
         self.accept = PRIOR
         self.declined = 0  # matches turned down since the last lookup round
-        self.rounds = self.drafted = self.accepted = 0
         self.extend(prompt)
+        self.prompt_len = len(prompt)
+
+    def catch_up(self, emitted: list[int]) -> None:
+        """Index the tokens the decode emitted since the last call (`emitted`: all of them, as
+        the decode's output row holds them): the history is the prompt followed by that row."""
+        self.extend(emitted[len(self.history) - self.prompt_len :])
 
     def extend(self, tokens: list[int]) -> None:
         """Append emitted tokens, indexing each n-gram that now has a continuation."""
@@ -100,18 +104,7 @@ class PromptLookup:
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A lookup round verified `drafted` drafts and kept `accepted`: each draft up to the
-        first reject is one acceptance trial (the rest were never tested)."""
-        self.rounds += 1
-        self.drafted += drafted
-        self.accepted += accepted
+        first reject is one acceptance trial (the rest were never tested). The decode's counts
+        live in its `DecodeOutput` (`lookup_*`)."""
         for j in range(min(accepted + 1, drafted)):
             self.accept += EMA * (float(j < accepted) - self.accept)
-
-    def figures(self) -> dict[str, float]:
-        """Lookup rounds, drafts verified and accepted, and their acceptance rate."""
-        return {
-            "rounds": self.rounds,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "acceptance": round(self.accepted / max(self.drafted, 1), 4),
-        }

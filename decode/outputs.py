@@ -71,6 +71,11 @@ class DecodeOutput:
         return self.block_tokens / max(self.row_rounds, 1)
 
     @property
+    def lookup_acceptance(self) -> float:
+        """Share of the verified prompt-lookup drafts the target accepted."""
+        return self.lookup_accepted / max(self.lookup_drafted, 1)
+
+    @property
     def alpha(self) -> float:
         return self.alpha_sum / max(self.trials, 1)
 

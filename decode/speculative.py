@@ -349,8 +349,7 @@ class SpeculativeDecoder:
         )
         steps = torch.arange(self.verify_widths[-1], device=self.device)
         policy.start(b)
-        # the history holds the prompt but its last token, which opens the first round as t
-        lookup = PromptLookup(ids[0, mask0[0]][:-1].tolist()) if cfg.lookup and dense else None
+        lookup = PromptLookup(ids[0, mask0[0]].tolist()) if cfg.lookup and dense else None
         shadow = adaptive and cfg.draft_floor  # the floor learns from the steps it skipped
         return RoundState(
             tgt,
@@ -376,7 +375,7 @@ class SpeculativeDecoder:
         active = [not d for d in st.done]
         budget = self._draft_width(st.out.tokens, st.done)
         if st.lookup is not None:
-            st.lookup.extend(st.t.tolist())  # the pending token: the last one emitted
+            st.lookup.catch_up(st.out.tokens[0])  # the prompt and row 0's output so far
             rival = st.policy.drafting_rate() if st.adaptive else 1.0
             found = st.lookup.propose(budget, st.policy.costs, rival)
             if found:
@@ -419,8 +418,6 @@ class SpeculativeDecoder:
             st.out, st.done, active, (draft_t, n, nxt, alpha_pos), t_logits, lengths, row_cut
         )
         n_list = [row[kv] for row in host]
-        if st.lookup is not None:
-            st.lookup.extend(host[0][: n_list[0]])
         if st.adaptive:
             st.policy.observe(lengths, n_list, active, prop.conf)
         maxn = max(n_list)
@@ -447,7 +444,6 @@ class SpeculativeDecoder:
         )
         got = host[0][k]
         st.lookup.observe(k, got)
-        st.lookup.extend(found[:got])
         st.out.lookup_rounds += 1
         st.out.lookup_drafted += k
         st.out.lookup_accepted += got

@@ -5,10 +5,10 @@
 
 Entries: an integer g (fixed gamma g), `auto` (one fixed gamma per run from a pilot's alpha and
 the measured c, as `decoder.gamma=auto`), or an adaptive policy of `decode.draft_length`
-(`heuristic`, `confidence`) with optional suffixes `-row` (per-row lengths, `draft_scope=row`)
-`-nofloor` (no plain target steps) and `-lookup`
-(prompt lookup beside the drafter, `decode.lookup`; also after a fixed gamma: `1-lookup`). Every timed repeat decodes the prompts with the target p
-alone once, then with every entry in turn (same prompts, same seed), so load drifts on a shared
+(`heuristic`, `confidence`) with optional suffixes `-row` (per-row lengths, `draft_scope=row`),
+`-nofloor` (no plain target steps) and `-lookup` (prompt lookup beside the drafter,
+`decode.lookup`; also after a fixed gamma: `1-lookup`). Every timed repeat decodes the prompts
+with the target p alone once, then with every entry in turn (same prompts, same seed), so load drifts on a shared
 machine hit all entries alike (interleaved prompt by prompt); a speedup is the median over
 repeats of an entry's tokens/s over the same repeat's target-only tokens/s. Both serving modes (the decoder's, then the other one at
 `other_sampling`) unless `both_modes=false`, and `transformers` assisted generation on the same

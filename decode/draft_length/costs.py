@@ -50,7 +50,11 @@ class DraftCosts:
         if k <= 0:
             return 1.0
         drafting = self.c + (k - 1) * self.draft_per_token if self.parallel else k * self.c
-        return drafting + 1.0 + self.round_overhead + k * self.verify_per_token
+        return drafting + self.verify_cost(k)
+
+    def verify_cost(self, k: int) -> float:
+        """A round's cost beyond its drafting: the verify of k drafts and the round's glue."""
+        return 1.0 + self.round_overhead + k * self.verify_per_token
 
 
 def expected_tokens(accept: Sequence[float]) -> float:

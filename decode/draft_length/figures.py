@@ -111,7 +111,7 @@ def draft_figures(out, costs: DraftCosts | None = None) -> dict:
             "round_share": round(out.lookup_rounds / rounds, 3),
             "drafted": out.lookup_drafted,
             "accepted": out.lookup_accepted,
-            "acceptance": round(out.lookup_accepted / max(out.lookup_drafted, 1), 4),
+            "acceptance": round(out.lookup_acceptance, 4),
         }
     if costs is not None:
         figures["draft_costs"] = {

@@ -152,9 +152,7 @@ def bucket_mode_figures(
     if spec_out.lookup_rounds:  # decoder.lookup: the share of rounds drafted from the context
         lookup = {
             "lookup_round_share": round(spec_out.lookup_rounds / max(spec_out.row_rounds, 1), 3),
-            "lookup_acceptance": round(
-                spec_out.lookup_accepted / max(spec_out.lookup_drafted, 1), 4
-            ),
+            "lookup_acceptance": round(spec_out.lookup_acceptance, 4),
         }
     return {
         **lookup,
