@@ -87,11 +87,12 @@ def first_draft_agreement(target, drafter, batches, continuations: list[list[int
     alpha is measured at round starts only, which depend on the drafter (each drafting mode
     starts rounds after its own rejections), so this is the like-for-like figure."""
     rows = [ids[j, mask[j].bool()] for ids, mask in batches for j in range(ids.shape[0])]
+    device = next(target.parameters()).device  # prompts stay on the host; the models may not
     hits = total = 0
     for prompt, cont in zip(rows, continuations):
         if not cont:
             continue
-        seq = torch.cat([prompt, torch.tensor(cont, device=prompt.device)])[None]
+        seq = torch.cat([prompt.cpu(), torch.tensor(cont)]).to(device)[None]
         span = slice(prompt.shape[0] - 1, prompt.shape[0] - 1 + len(cont))
         p_logits = target(seq).logits[0, span]
         q_logits = drafter(seq).logits[0, span, : p_logits.shape[-1]]  # padding rows cut

@@ -79,3 +79,28 @@ def test_compare_parallel_needs_a_parallel_drafter(tmp_path, toy_tiny):
         run_parallel(_cfg(tmp_path, f"compare_parallel={tmp_path / 'nowhere'}"))
     with pytest.raises(ConfigError, match="no mask_token_id"):
         run_parallel(_cfg(tmp_path, f"compare_parallel={toy_tiny.drafter_dir}"))
+
+
+def test_first_draft_agreement_feeds_the_models_device():
+    """Prompts stay on the host while the models may sit on a GPU (it failed there with a
+    device mismatch): the probe's sequences go to the target's device. A parameter on the
+    `meta` device stands in for the GPU; the stubs return fixed logits."""
+    import torch
+
+    from specdistill.decode.bench.parallel import first_draft_agreement
+
+    class Stub(torch.nn.Module):
+        def __init__(self, argmax: int):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(1, device="meta"))
+            self.argmax = argmax
+
+        def forward(self, ids):
+            assert ids.device == self.w.device, ids.device
+            logits = torch.zeros(ids.shape[0], ids.shape[1], 8)
+            logits[..., self.argmax] = 1.0
+            return type("Out", (), {"logits": logits})()
+
+    ids, mask = torch.tensor([[0, 5, 6]]), torch.tensor([[0, 1, 1]])
+    assert first_draft_agreement(Stub(3), Stub(3), [(ids, mask)], [[1, 2]]) == 1.0
+    assert first_draft_agreement(Stub(3), Stub(4), [(ids, mask)], [[1, 2]]) == 0.0
