@@ -11,6 +11,7 @@ lossy variant, which callers must label as such wherever it is reported.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -69,8 +70,31 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, device) -> torch.Tensor:
-    """U[0,1) draws; the decoder calls this so one generator seeds a whole run."""
+    """U[0,1) draws; the decoder calls this so one generator seeds a whole run.
+
+    The stages seed one host generator per run; torch refuses a CPU generator for a CUDA draw
+    (it failed a T=1 validate on an H100), and drawing on the host then copying would put a
+    host-device sync in every target-only step. So a decode on another device draws from a
+    companion generator there, seeded once from the host one: runs stay reproducible."""
+    if generator is not None and generator.device != torch.device(device):
+        generator = _companion(generator, torch.device(device))
     return torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+
+
+_COMPANIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _new_generator(device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device)
+
+
+def _companion(host: torch.Generator, device: torch.device) -> torch.Generator:
+    """The generator on `device` that `host` seeds (made on first use, one per device)."""
+    per_device = _COMPANIONS.setdefault(host, {})
+    if device not in per_device:
+        seed = int(torch.randint(0, 2**62, (1,), generator=host))
+        per_device[device] = _new_generator(device).manual_seed(seed)
+    return per_device[device]
 
 
 def verify_greedy(

@@ -249,3 +249,40 @@ def test_best_gamma_weighs_measured_verify_costs():
     scores = {g: expected_tau(alpha, g) / (g * c + v) for g, v in verify.items()}
     assert best_gamma(alpha, c, 8, verify) == max(scores, key=scores.get)
     assert best_gamma(0.9, 0.05, 8, {3: 1.0, 5: 1.0}) == 5  # only measured gammas
+
+
+def test_uniforms_from_a_host_generator_on_another_device(monkeypatch):
+    """The stages seed one CPU generator per run; a CUDA decode must draw on the GPU (torch
+    refuses a CPU generator there, which failed a T=1 validate on an H100) from a companion
+    generator the host one seeds once. `meta` stands in for the GPU, a host generator for the
+    companion it would make."""
+    from specdistill.decode import acceptance
+
+    real_rand, made = torch.rand, []
+
+    def fake_new(device):
+        made.append((device, torch.Generator()))
+        return made[-1][1]
+
+    def strict_rand(shape, *, generator=None, device=None, dtype=None):
+        if torch.device(device).type == "meta":
+            assert any(generator is g for _, g in made), "drew with the host generator"
+            return torch.empty(shape, device="meta", dtype=dtype)
+        return real_rand(shape, generator=generator, device=device, dtype=dtype)
+
+    monkeypatch.setattr(acceptance, "_new_generator", fake_new)
+    monkeypatch.setattr(acceptance.torch, "rand", strict_rand)
+    host = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        u = acceptance.uniforms((4,), host, "meta")
+        assert u.device.type == "meta" and u.shape == (4,)
+    assert len(made) == 1 and made[0][0] == torch.device("meta")  # one companion per device
+    twin = torch.Generator().manual_seed(3)
+    acceptance.uniforms((4,), twin, "meta")
+    assert (
+        made[1][1].initial_seed() == made[0][1].initial_seed()
+    )  # seeded by the host: reproducible
+    here = acceptance.uniforms(
+        (4,), torch.Generator().manual_seed(3), "cpu"
+    )  # same device: as before
+    assert torch.equal(here, real_rand((4,), generator=torch.Generator().manual_seed(3)))
