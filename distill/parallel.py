@@ -18,7 +18,11 @@ every chain. `cat` weighs each chain's depths by the gradient of that chain's ow
 accepted length, dE/da_d = P(drafts before d kept) * (1 + what keeping d unlocks)
 (distill.acceptance_loss), from the drafter's current soft acceptance: a chain whose first draft
 the drafter misses (as after a rejection) keeps its depth-1 term and little else, one it gets
-right trains its deep masks. `acceptance_length` adds -E itself (summed over chains, divided by
+right trains its deep masks. `cat_mix` < 1 blends the two: each position's weight is cat_mix times
+its `cat` weight plus (1 - cat_mix) times its `token` weight (both sum to the same total), so
+deep masks keep a floor while the drafter's first drafts are still wrong (from a base drafter
+the chains' soft acceptance is ~0.04 and `cat` alone leaves depths >= 3 nearly untrained:
+distill/RESULTS.md). `acceptance_length` adds -E itself (summed over chains, divided by
 the window's chains, times `length_weight`) to the `cat`-weighted divergence. Anchors are subsampled (`anchors` per
 sequence, at random among completion positions) to bound the packed length T + anchors (K-1).
 """
@@ -87,6 +91,11 @@ def check_parallel_config(node) -> None:
     objective = node.get("objective", "token")
     if objective not in OBJECTIVES:
         raise ConfigError(f"parallel.objective={objective!r}: use one of {', '.join(OBJECTIVES)}")
+    mix = node.get("cat_mix", 1.0)
+    if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 <= mix <= 1:
+        raise ConfigError(
+            f"parallel.cat_mix={mix!r} must be a number in [0, 1] (the share of the cat weights)"
+        )
     lw = node.get("length_weight", 1.0)
     if isinstance(lw, bool) or not isinstance(lw, (int, float)) or not lw > 0:
         raise ConfigError(f"parallel.length_weight={lw!r} must be a number > 0")
@@ -292,13 +301,16 @@ def packed_acceptance(
     return soft_acceptance(lq, lp=torch.log_softmax(p / temperature, -1))
 
 
-def objective_weights(accept: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+def objective_weights(
+    accept: torch.Tensor, packed: dict[str, torch.Tensor], cat_mix: float = 1.0
+) -> torch.Tensor:
     """The `cat` loss weights (B, N) from the soft acceptance (B, N) (detached): each chain's
     depths get dE/da_d of the chain's own E (`acceptance_loss.length_weights`); a real position
     that anchors no chain in this micro-batch gets its row's mean depth-1 weight (it is the
     depth 1 of a round too, whose continuation was not drawn). Scaled so the micro-batch's
     weights sum to the `token` objective's: the window's normaliser, and so the learning rate's
-    meaning, stay those of `token`; only their split between positions changes."""
+    meaning, stay those of `token`; only their split between positions changes. `cat_mix` < 1:
+    that share of the `cat` weights, the rest the `token` ones (the same total)."""
     base = packed["weight"]
     index, valid = chain_index(packed)
     a, usable = chain_values(accept.detach().float(), index, valid)
@@ -310,7 +322,8 @@ def objective_weights(accept: torch.Tensor, packed: dict[str, torch.Tensor]) -> 
     w = torch.where(hit, w_chain, torch.where(real, row_mean.expand_as(base), 0.0))
     w = torch.where(base > 0, w, torch.zeros(()))
     total = w.sum()
-    return w * (base.sum() / total) if float(total) > 0 else base
+    cat = w * (base.sum() / total) if float(total) > 0 else base
+    return cat if cat_mix >= 1 else cat_mix * cat + (1.0 - cat_mix) * base
 
 
 def chains_expected_length(accept: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -95,7 +95,8 @@ def packed_logits_and_targets(
     if objective != "token":  # weights (and -E) from the drafter's own soft acceptance
         s = tr.eval_sampling  # the serving mode: greedy target or sampling at its temperature
         accept = parallel.packed_acceptance(logits, kwargs, s.greedy, float(s.temperature or 1))
-        kwargs["weights"] = parallel.objective_weights(accept.detach(), packed)
+        mix = tr.s.parallel.cat_mix  # type: ignore[union-attr]
+        kwargs["weights"] = parallel.objective_weights(accept.detach(), packed, mix)
         if objective == "acceptance_length":
             kwargs["length_sum"] = parallel.chains_expected_length(accept, packed)
     return logits, packed["weight"] > 0, kwargs

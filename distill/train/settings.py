@@ -87,6 +87,7 @@ class ParallelSettings:
     decay: float = 0.8
     objective: str = "token"  # token | cat | acceptance_length
     length_weight: float = 1.0
+    cat_mix: float = 1.0  # cat / acceptance_length: the share of the cat weights (rest: token)
     mask_token_id: int | str | None = "auto"  # auto: the tokenizer's pad id
 
     @classmethod
@@ -98,6 +99,7 @@ class ParallelSettings:
             decay=float(node.decay),
             objective=str(setting(node, cls, "objective")),
             length_weight=float(setting(node, cls, "length_weight")),
+            cat_mix=float(setting(node, cls, "cat_mix")),
             mask_token_id=setting(node, cls, "mask_token_id"),
         )
 

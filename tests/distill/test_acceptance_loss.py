@@ -213,6 +213,18 @@ def test_objective_weights_keep_the_token_total_and_zero_masked_positions():
     assert bool((w[packed["weight"] <= 0] == 0).all()) and bool((w[packed["weight"] > 0] > 0).all())
 
 
+def test_cat_mix_blends_the_cat_and_token_weights():
+    packed, _ = packed_batch()
+    accept = torch.rand(packed["weight"].shape, generator=torch.Generator().manual_seed(5))
+    cat, token = objective_weights(accept, packed), packed["weight"]
+    assert torch.equal(objective_weights(accept, packed, 1.0), cat)
+    torch.testing.assert_close(objective_weights(accept, packed, 0.0), token)
+    mixed = objective_weights(accept, packed, 0.25)
+    torch.testing.assert_close(mixed, 0.25 * cat + 0.75 * token)
+    assert float(mixed.sum()) == pytest.approx(float(token.sum()), rel=1e-6)
+    assert not torch.allclose(cat, token)  # the blend is between two different weightings
+
+
 def test_round_accepted_counts_drafts_before_the_first_miss():
     packed, anchors = packed_batch()
     agree = torch.ones(packed["weight"].shape)
@@ -228,7 +240,12 @@ def test_round_accepted_counts_drafts_before_the_first_miss():
 def test_objective_config_errors_name_the_field():
     ok = {"depth": 15, "anchors": 16, "decay": 0.8, "objective": "cat", "length_weight": 0.5}
     check_parallel_config(ok)
-    for key, bad in (("objective", "length"), ("length_weight", 0), ("depth", 16)):
+    for key, bad in (
+        ("objective", "length"),
+        ("length_weight", 0),
+        ("depth", 16),
+        ("cat_mix", 1.5),
+    ):
         with pytest.raises(ConfigError, match=f"parallel.{key}="):
             check_parallel_config(ok | {key: bad})
 
