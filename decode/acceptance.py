@@ -73,7 +73,7 @@ def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, device) 
     """U[0,1) draws; the decoder calls this so one generator seeds a whole run.
 
     The stages seed one host generator per run; torch refuses a CPU generator for a CUDA draw
-    (it failed a T=1 validate on an H100), and drawing on the host then copying would put a
+    (every T=1 decode on a GPU failed), and drawing on the host then copying would put a
     host-device sync in every target-only step. So a decode on another device draws from a
     companion generator there, seeded once from the host one: runs stay reproducible."""
     if generator is not None and generator.device != torch.device(device):

@@ -21,7 +21,7 @@ the drafter misses (as after a rejection) keeps its depth-1 term and little else
 right trains its deep masks. `cat_mix` < 1 blends the two: each position's weight is cat_mix times
 its `cat` weight plus (1 - cat_mix) times its `token` weight (both sum to the same total), so
 deep masks keep a floor while the drafter's first drafts are still wrong (from a base drafter
-the chains' soft acceptance is ~0.04 and `cat` alone leaves depths >= 3 nearly untrained:
+the chains' soft acceptance is small, and `cat` alone leaves depths >= 3 nearly untrained:
 distill/RESULTS.md). `acceptance_length` adds -E itself (summed over chains, divided by
 the window's chains, times `length_weight`) to the `cat`-weighted divergence. Anchors are subsampled (`anchors` per
 sequence, at random among completion positions) to bound the packed length T + anchors (K-1).
