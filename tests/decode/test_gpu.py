@@ -56,3 +56,34 @@ def test_cuda_long_decode_compiles_nothing_after_warm_up():
         assert len(dec.generate(ids).tokens[0]) == 160
         assert len(dec.baseline(ids).tokens[0]) == 160
     assert counters["stats"]["unique_graphs"] == before
+
+
+@pytest.mark.gpu
+def test_cuda_sampling_with_the_stages_host_generator():
+    """The stages seed one CPU generator per run; a CUDA decode at T=1 draws from its
+    companion generator on the GPU (a CPU generator in a CUDA draw failed every T=1 decode on
+    an H100). Same host seed, same tokens; target-only and speculative both run."""
+    from specdistill.data.sampling import Sampling
+
+    target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0).cuda()
+    drafter = truncated_copy(target)
+    cfg = DecoderConfig(gamma=3, max_new_tokens=16, sampling=Sampling(1.0), compile=False)
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    ids = torch.tensor([prompts(1, 64, seed=2)[0]])
+    runs = [
+        (dec.generate(ids, generator=torch.Generator().manual_seed(5)).tokens[0],
+         dec.baseline(ids, generator=torch.Generator().manual_seed(5)).tokens[0])
+        for _ in range(2)
+    ]  # fmt: skip
+    assert runs[0] == runs[1] and all(len(t) == 16 for t in runs[0])
+
+
+@pytest.mark.gpu
+def test_cuda_first_draft_agreement_reads_host_prompts():
+    """The parallel bench's probe feeds the host-side prompt rows to CUDA models."""
+    from specdistill.decode.bench.parallel import first_draft_agreement
+
+    target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0).cuda()
+    ids, mask = left_pad(prompts(2, 64, seed=4))
+    cont = [greedy_reference(target, row, 6) for row in prompts(2, 64, seed=4)]
+    assert first_draft_agreement(target, target, [(ids, mask)], cont) == 1.0
