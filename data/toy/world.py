@@ -42,6 +42,7 @@ __all__ = [
     "is_held_out",
     "main",
     "read_jsonl",
+    "spec_files",
     "toy_prompts",
     "toy_tokenizer_dir",
     "train_tokenizer",
@@ -119,7 +120,7 @@ def toy_prompts(name: str, split: str) -> list[dict]:
     cached = _cache_dir(name).with_name(_cache_dir(name).name + "-prompts") / f"{split}.jsonl"
     if not cached.exists():
         spec = SPECS[name]
-        train_paths, held_paths = _spec_files(spec)
+        train_paths, held_paths = spec_files(spec)
         paths, cap = (
             (train_paths, spec.max_train_prompts)
             if split == "train"
@@ -146,7 +147,7 @@ def toy_tokenizer_dir(name: str) -> Path:
     spec = SPECS[name]
 
     def build(tmp: Path) -> None:
-        tokenizer = train_tokenizer(read_texts(_spec_files(spec)[0]), spec.vocab_size)
+        tokenizer = train_tokenizer(read_texts(spec_files(spec)[0]), spec.vocab_size)
         tokenizer.model_max_length = spec.max_positions
         tokenizer.save_pretrained(tmp)
         (tmp / "done").write_text("1")
@@ -156,7 +157,7 @@ def toy_tokenizer_dir(name: str) -> Path:
     )
 
 
-def _spec_files(spec: ToySpec) -> tuple[list[Path], list[Path]]:
+def spec_files(spec: ToySpec) -> tuple[list[Path], list[Path]]:
     """(train, held-out) stdlib files of a spec: tiny worlds take a deterministic spread of
     training files, not the alphabetically first ones."""
     train_paths, held_paths = corpus_files()
@@ -171,7 +172,7 @@ def _build(spec: ToySpec, world: ToyWorld) -> None:
     torch_threads = torch.get_num_threads()
     log.info("building toy world %r under %s (one-off; cached afterwards)", spec.name, world.root)
     world.root.mkdir(parents=True)
-    train_paths, held_paths = _spec_files(spec)
+    train_paths, held_paths = spec_files(spec)
     train_texts, held_texts = read_texts(train_paths), read_texts(held_paths)
 
     t = time.perf_counter()
