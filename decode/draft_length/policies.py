@@ -130,12 +130,20 @@ class DraftLengthPolicy:
         """Expected tokens per target-step cost of row r's best drafting round at its recent
         acceptance (`first`, `follow`), at least 1 (a plain step): what another source of
         drafts (decode.lookup) must beat to take the round from the drafter."""
-        best, reach, tokens = 1.0, 1.0, 1.0
+        accepted = self._accepted_by_length(r)
+        rates = ((1.0 + a) / self.costs.round_cost(m) for m, a in enumerate(accepted, 1))
+        return max([1.0, *rates])
+
+    def _accepted_by_length(self, r: int) -> list[float]:
+        """Expected accepted drafts of row r's round of m = 1..max_k drafts at its recent
+        acceptance: the first draft at `first`, each later one at `follow` given the ones
+        before were accepted (the one walk `drafting_rate` and `_best_m` share)."""
+        out, reach, tokens = [], 1.0, 0.0
         for m in range(1, self.max_k + 1):
             reach *= self.first[r] if m == 1 else self.follow[r]
             tokens += reach
-            best = max(best, tokens / self.costs.round_cost(m))
-        return best
+            out.append(tokens)
+        return out
 
     def _best_m(self, active: list[bool]) -> int:
         """The number of drafts m >= 0 that pays best at the rows' recent acceptance (0: a
@@ -154,11 +162,8 @@ class DraftLengthPolicy:
         total = [0.0] * len(inc)
         for r in range(self.b):
             if active[r]:
-                reach, tokens, rate = self.first[r], 0.0, self.rate(r)
-                for i, c in enumerate(inc):
-                    if i:
-                        reach *= self.follow[r]
-                    tokens += reach
+                rate = self.rate(r)
+                for i, (tokens, c) in enumerate(zip(self._accepted_by_length(r), inc)):
                     total[i] += tokens - rate * c
         best = max(range(len(total)), key=total.__getitem__, default=-1)
         return best + 1 if best >= 0 and total[best] > 1e-12 else 0
