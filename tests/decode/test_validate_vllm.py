@@ -315,7 +315,7 @@ def trained_parallel(toy_tiny, tmp_path_factory) -> dict:
 
 def _pending_token_dropped(propose):
     """A misaligned feed: the round's pending token never reaches the drafter (a mask stands
-    in its slot), so every draft is predicted one position early."""
+    in its slot, in its cache too), so every draft is predicted from a context one token short."""
 
     def shifted(self, t, *args, **kwargs):
         return propose(self, torch.full_like(t, self.mask_token_id), *args, **kwargs)
