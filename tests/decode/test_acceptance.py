@@ -279,10 +279,8 @@ def test_uniforms_from_a_host_generator_on_another_device(monkeypatch):
     assert len(made) == 1 and made[0][0] == torch.device("meta")  # one companion per device
     twin = torch.Generator().manual_seed(3)
     acceptance.uniforms((4,), twin, "meta")
-    assert (
-        made[1][1].initial_seed() == made[0][1].initial_seed()
-    )  # seeded by the host: reproducible
-    here = acceptance.uniforms(
-        (4,), torch.Generator().manual_seed(3), "cpu"
-    )  # same device: as before
+    # seeded by the host: reproducible
+    assert made[1][1].initial_seed() == made[0][1].initial_seed()
+    # the decode's own device: drawn with the host generator, as before
+    here = acceptance.uniforms((4,), torch.Generator().manual_seed(3), "cpu")
     assert torch.equal(here, real_rand((4,), generator=torch.Generator().manual_seed(3)))

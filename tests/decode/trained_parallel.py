@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import torch
 from hydra import compose, initialize_config_module
 from transformers import AutoTokenizer
 
@@ -50,8 +49,7 @@ def build_trained_parallel(root: Path, toy_tiny) -> dict:
     target_dir = root / "target"
     target.save_pretrained(str(target_dir))
     tok.save_pretrained(str(target_dir))
-    with torch.no_grad():
-        seqkd = make_seqkd(root / "seqkd", (target, None, tok), n=SEQKD_ROWS, comp_len=24)
+    seqkd = make_seqkd(root / "seqkd", (target, None, tok), n=SEQKD_ROWS, comp_len=24)
 
     pair = [
         "pair.toy=null",
