@@ -27,6 +27,7 @@ from specdistill.decode.draft_length import MIN_OVERHEAD, POLICIES, SCOPES, Draf
 from specdistill.decode.drafters import DRAFTING
 from specdistill.decode.drafters.mapped import check_context
 
+VERIFY_COSTS = ("by_width", "linear")  # how measured draft costs price the verify widths
 DEFAULT_GAMMA = 4  # drafts per round when the config does not say; also gamma=auto's pilot
 DEFAULT_MAX_GAMMA = 12  # gamma=auto searches 1..max_gamma
 
@@ -62,6 +63,9 @@ class DecoderConfig:
     draft_floor: bool = True
     probe_every: int = 8
     draft_costs: DraftCosts | None = None  # None: measured on the pair at first use
+    # by_width: the measured costs time every verify width 1..max_draft (kernels favour some
+    # widths: 3 drafts can cost less than 2) | linear: a line through 1 and max_draft drafts
+    verify_costs: str = "by_width"
     # autoregressive: gamma drafter steps per round | parallel: one drafter forward over the
     # new tokens + gamma-1 mask tokens proposes all gamma (decode.drafters.parallel; PARD)
     drafting: str = "autoregressive"
@@ -128,6 +132,19 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
             low = MIN_OVERHEAD if name == "round_overhead" else 0  # a verify may undercut a step
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v < 100:
                 raise ConfigError(f"decoder.draft_{name}={v!r} must be a number >= {low} (or auto)")
+        # an entry may be negative (a width cheaper than the line's base); a verify may not
+        # cost nothing
+        if any(not (-1 < dc.round_overhead + v < 100) for v in dc.verify_tokens):
+            raise ConfigError(
+                f"decoder.draft_costs.verify_tokens={list(dc.verify_tokens)}: each entry (what "
+                "1, 2, ... drafts add to the verify, in target steps) must leave the verify a "
+                "positive cost, 1 + round_overhead + entry > 0"
+            )
+    if cfg.verify_costs not in VERIFY_COSTS:
+        raise ConfigError(
+            f"decoder.verify_costs={cfg.verify_costs!r}: use by_width (every verify width "
+            "timed) or linear (a line through 1 and max_draft drafts)"
+        )
     if not isinstance(cfg.lookup, bool):
         raise ConfigError(f"decoder.lookup={cfg.lookup!r} must be true or false")
     if cfg.drafting not in DRAFTING:
@@ -148,7 +165,7 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
 _SHARED = (
     "sampling", "lenience", "cache", "compile", "record_probs", "host_sync_every", "cpu_matmul",
     "draft_length", "max_draft", "draft_scope", "draft_floor", "probe_every", "draft_costs",
-    "drafting", "mask_token_id", "draft_vocab", "lookup",
+    "verify_costs", "drafting", "mask_token_id", "draft_vocab", "lookup",
 )  # fmt: skip
 
 
@@ -176,6 +193,7 @@ class DecoderSettings:
     draft_floor: bool = True
     probe_every: int = 8
     draft_costs: DraftCosts | None = None  # yaml `auto`: measured on the pair at first use
+    verify_costs: str = "by_width"
     drafting: str = "autoregressive"
     mask_token_id: int | None = None
     draft_vocab: str = "auto"
@@ -216,6 +234,7 @@ class DecoderSettings:
             draft_floor=get("draft_floor"),
             probe_every=get("probe_every"),
             draft_costs=_draft_costs(node.get("draft_costs", "auto"), field),
+            verify_costs=str(get("verify_costs")),
             drafting=str(get("drafting")),
             mask_token_id=node.get("mask_token_id"),
             draft_vocab=str(get("draft_vocab")),
@@ -278,15 +297,23 @@ def _gamma(raw: Any, field: str) -> int | None:
 
 def _draft_costs(raw: Any, field: str) -> DraftCosts | None:
     """`auto` (or null) -> None: measured on the pair; else a mapping of DraftCosts' fields
-    ({c, verify_per_token, round_overhead, draft_per_token (parallel drafting)})."""
+    ({c, verify_per_token, round_overhead, draft_per_token (parallel drafting), verify_tokens
+    (a list: what 1, 2, ... drafts add to the verify, as a report's draft_costs prints it)})."""
     if raw in (None, "auto"):
         return None
     try:
-        return DraftCosts(**{k: float(v) for k, v in dict(raw).items()})
+        values = dict(raw)
+        table = values.pop("verify_tokens", None) or ()
+        if isinstance(table, str | bytes) or not hasattr(table, "__iter__"):
+            raise ValueError(f"verify_tokens={table!r} is not a list of numbers")
+        return DraftCosts(
+            **{k: float(v) for k, v in values.items()},
+            verify_tokens=tuple(float(v) for v in table),
+        )
     except (TypeError, ValueError) as e:
         raise ConfigError(
             f"{field}.draft_costs={raw!r}: auto, or a mapping of c, verify_per_token, "
-            f"draft_per_token, round_overhead ({e})"
+            f"draft_per_token, round_overhead and optionally verify_tokens ({e})"
         ) from None
 
 

@@ -163,7 +163,8 @@ class SpeculativeDecoder:
         measured once per batch size on the first row of `input_ids` repeated (batched steps
         cost differently: a 4-row 5-token verify is 20 rows, past the few-row CPU linears)."""
         if self._costs is not None:
-            return dataclasses.replace(self._costs, parallel=self.parallel)
+            costs = dataclasses.replace(self._costs, parallel=self.parallel)
+            return costs.linear() if self.cfg.verify_costs == "linear" else costs
         if batch not in self._measured:
             if input_ids is None:
                 raise ValueError("measuring the draft costs needs a prompt")

@@ -6,8 +6,9 @@
 Entries: an integer g (fixed gamma g), `auto` (one fixed gamma per run from a pilot's alpha and
 the measured c, as `decoder.gamma=auto`), or an adaptive policy of `decode.draft_length`
 (`heuristic`, `confidence`) with optional suffixes `-row` (per-row lengths, `draft_scope=row`),
-`-nofloor` (no plain target steps) and `-lookup` (prompt lookup beside the drafter,
-`decode.lookup`; also after a fixed gamma: `1-lookup`). Every timed repeat decodes the prompts
+`-nofloor` (no plain target steps), `-linear` (verify widths priced on a line through 1 and
+max_draft drafts, `decoder.verify_costs=linear`) and `-lookup` (prompt lookup beside the
+drafter, `decode.lookup`; also after a fixed gamma: `1-lookup`). Every timed repeat decodes the prompts
 with the target p alone once, then with every entry in turn (same prompts, same seed), so load drifts on a shared
 machine hit all entries alike (interleaved prompt by prompt); a speedup is the median over
 repeats of an entry's tokens/s over the same repeat's target-only tokens/s. Both serving modes (the decoder's, then the other one at
@@ -38,6 +39,7 @@ POLICY_SUFFIXES = {
     "row": {"draft_scope": "row"},
     "nofloor": {"draft_floor": False},
     "lookup": {"lookup": True},  # prompt lookup beside the drafter (decode.lookup)
+    "linear": {"verify_costs": "linear"},  # verify widths priced on a line, not each as timed
 }
 GAMMA_SUFFIXES = ("lookup",)  # a fixed gamma has no floor or scope to change
 
@@ -72,7 +74,7 @@ def parse_entries(entries: list[Any]) -> list[tuple[str, dict[str, Any] | None]]
         else:
             raise ConfigError(
                 f"compare_draft entry {e!r}: use a fixed gamma 1..15 (suffix -lookup), auto, "
-                "heuristic or confidence (suffixes -row, -nofloor, -lookup), e.g. "
+                "heuristic or confidence (suffixes -row, -nofloor, -linear, -lookup), e.g. "
                 "[1,1-lookup,4,auto,confidence,confidence-lookup]"
             )
     return out
@@ -123,13 +125,16 @@ def _measure_mode(
             g, note = auto_gamma(probe, st.warm[0][0], alpha, c, most)
             notes.append(note)
             over = {"draft_length": "fixed", "gamma": g}
-        if over["draft_length"] != "fixed" and shared is not None:
+        if over["draft_length"] != "fixed":
+            if shared is None:  # once, untimed, every width (a -linear entry prices them on a line)
+                meter = make(over | {"verify_costs": "by_width"})
+                costs = meter.draft_costs(st.warm[0][0], vs.batch_size)
+                shared = DraftCosts(c=costs.c, verify_per_token=costs.verify_per_token,
+                                    round_overhead=costs.round_overhead,
+                                    draft_per_token=costs.draft_per_token,
+                                    verify_tokens=costs.verify_tokens)  # fmt: skip
             over = over | {"draft_costs": shared}  # one measurement for all: like for like
         dec = decs[label] = make(over)
-        if dec.cfg.draft_length != "fixed" and shared is None:
-            costs = dec.draft_costs(st.warm[0][0], vs.batch_size)  # once, untimed
-            shared = DraftCosts(c=costs.c, verify_per_token=costs.verify_per_token,
-                                round_overhead=costs.round_overhead)  # fmt: skip
         warm_up(dec, st.batches, st.warm, seed)
     base_rates: list[float] = []
     rates: dict[str, list[float]] = {label: [] for label in decs}

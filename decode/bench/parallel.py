@@ -53,11 +53,13 @@ def parse_policies(raw: Any) -> list[str]:
     """`parallel_policies`: adaptive draft-length policies measured beside the fixed gammas,
     for both drafting modes (at most max(parallel_gammas) drafts a round)."""
     policies = [str(p) for p in (raw or [])]
-    bad = [p for p in policies if p not in ("heuristic", "confidence")]
+    known = [f"{p}{s}" for p in ("heuristic", "confidence") for s in ("", "-linear")]
+    bad = [p for p in policies if p not in known]
     if bad:
         raise ConfigError(
             f"parallel_policies={policies!r}: name adaptive policies, heuristic or confidence "
-            "(or [] for fixed gammas only)"
+            "(suffix -linear: verify widths priced on a line, decoder.verify_costs=linear), "
+            "or [] for fixed gammas only"
         )
     return policies
 
@@ -136,8 +138,10 @@ def _measure_mode(
     def make(drafter, drafting: str, gamma: int | str) -> SpeculativeDecoder:
         """gamma: an int (fixed) or an adaptive policy's name (at most `top` drafts, starting
         from 4 for the heuristic)."""
-        length = "fixed" if isinstance(gamma, int) else gamma
+        length = "fixed" if isinstance(gamma, int) else gamma.removesuffix("-linear")
         settings = ds.replace(drafting=drafting, draft_length=length, max_draft=top)
+        if isinstance(gamma, str) and gamma.endswith("-linear"):
+            settings = settings.replace(verify_costs="linear")
         g = gamma if isinstance(gamma, int) else min(DEFAULT_GAMMA, top)
         return SpeculativeDecoder(
             st.target,

@@ -3,8 +3,9 @@
 p = target, q = drafter, k = drafts in a round (gamma when fixed), c = one drafter step in target
 steps. Cost model (units: one 1-token target step; `DraftCosts`): a round with k >= 1 drafts costs
 k c (drafter steps; one forward in all for a parallel drafter) + 1 + `round_overhead` +
-k `verify_per_token` (the (k+1)-token verify and the round's glue); a round with 0 drafts is a
-plain target step and costs 1.
+k `verify_per_token` (the (k+1)-token verify and the round's glue; where each width was timed,
+its own figure, `verify_tokens`, in place of the line); a round with 0 drafts is a plain target
+step and costs 1.
 
 Expected-gain rule (`draft_gain`). With acceptance probabilities a_1..a_k of the drafts (each
 given that the ones before were accepted), a round emits E = 1 + sum_j prod_{i<=j} a_i tokens.
@@ -20,6 +21,7 @@ Also the step shapes compiled steps see (`verify_widths`, `chunk_widths`). No st
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +38,11 @@ class DraftCosts:
     first token and the round's host-side glue); negative where a 2-token verify costs less than
     a 1-token step (on CPU a 2-row GEMM can stream weights faster than the 1-row GEMV: SmolLM2's
     target, 46 vs 60 ms); parallel: one drafter forward drafts any k.
+
+    verify_tokens: what k = 1..len drafts add to the verify, each width timed on its own
+    (`decoder.verify_costs=by_width`); past its end, and when empty, k * verify_per_token. A
+    line through two widths misprices the others wherever the kernels favour some widths: on
+    CPU a 4-row GEMM can beat a 3-row one, so 3 drafts may cost no more than 2.
     """
 
     c: float = 0.4
@@ -44,6 +51,7 @@ class DraftCosts:
     parallel: bool = False
     # parallel: what each proposal beyond the first adds to the one drafter forward (a mask)
     draft_per_token: float = 0.0
+    verify_tokens: tuple[float, ...] = ()
 
     def round_cost(self, k: int) -> float:
         """Cost of a round with k drafts (k = 0: a plain target step, cost 1)."""
@@ -54,7 +62,13 @@ class DraftCosts:
 
     def verify_cost(self, k: int) -> float:
         """A round's cost beyond its drafting: the verify of k drafts and the round's glue."""
+        if k <= len(self.verify_tokens):
+            return 1.0 + self.round_overhead + self.verify_tokens[k - 1]
         return 1.0 + self.round_overhead + k * self.verify_per_token
+
+    def linear(self) -> DraftCosts:
+        """These costs with every verify width on the line (`decoder.verify_costs=linear`)."""
+        return dataclasses.replace(self, verify_tokens=())
 
 
 def expected_tokens(accept: Sequence[float]) -> float:

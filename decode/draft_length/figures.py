@@ -121,4 +121,6 @@ def draft_figures(out, costs: DraftCosts | None = None) -> dict:
         }
         if costs.parallel:
             figures["draft_costs"]["draft_per_token"] = costs.draft_per_token
+        if costs.verify_tokens:  # decoder.verify_costs=by_width: each width as timed
+            figures["draft_costs"]["verify_tokens"] = list(costs.verify_tokens)
     return figures

@@ -26,9 +26,11 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
     b, plen = ids.shape
     timer = dec.step_timer(ids, plen + max(dec.verify_widths[-1], k + 1) + 2)
     parallel = dec.parallel
+    # by_width: every verify width 1..k drafts; linear: the two ends the line goes through
+    widths = range(1, k + 1) if dec.cfg.verify_costs == "by_width" else sorted({1, k})
     # ratios per sample (each against the target step timed beside it), then medians: robust
     # to load that drifts between samples on a shared machine
-    ratios: dict[str, list[float]] = {"d": [], "dk": [], "v1": [], "vk": []}
+    ratios: dict[str, list[float]] = {"d": [], "dk": []} | {f"v{j}": [] for j in widths}
     for i in range(iters + 1):  # the first round is warm-up
         tt = timer.target_step()
         got = {
@@ -36,16 +38,19 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
             # token) proposes 1 draft, each further proposal adds a mask (timed at k masks)
             "d": timer.draft(1),
             "dk": timer.draft(k) if parallel else 0.0,
-            "v1": timer.verify(1),
-            "vk": timer.verify(k),
-        }
+        } | {f"v{j}": timer.verify(j) for j in widths}
         tt = (tt + timer.target_step()) / 2
         if i:
             for key, v in got.items():
                 ratios[key].append(v / tt)
     med = {key: statistics.median(v) for key, v in ratios.items()}
-    v1, vk = med["v1"], med["vk"]
+    v1, vk = med["v1"], med[f"v{k}"]
     per_token = max(0.0, (vk - v1) / (k - 1)) if k > 1 else 0.0
+    # what j drafts add to the verify, on the same footing as the line's j * per_token: the
+    # 1-draft verify's excess over that goes to round_overhead (so verify_cost(1) and (k) are
+    # the line's, the widths between are as timed)
+    by_width = len(widths) > 2  # a line through two widths is exact at both
+    table = tuple(round(med[f"v{j}"] - v1 + per_token, 4) for j in widths) if by_width else ()
     costs = DraftCosts(
         c=round(med["d"], 4),
         verify_per_token=round(per_token, 4),
@@ -54,6 +59,7 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
         draft_per_token=round(max(0.0, (med["dk"] - med["d"]) / (k - 1)), 4)
         if parallel and k > 1
         else 0.0,
+        verify_tokens=table,
     )
     if b > 1:  # a batched round's host-side glue grows with the batch: time real rounds
         glue = realized_overhead(dec, ids, costs)

@@ -65,10 +65,15 @@ COSTS = [
     DraftCosts(c=0.05, verify_per_token=0.0, round_overhead=0.0),
     DraftCosts(c=0.9, verify_per_token=0.2, round_overhead=0.4),
     DraftCosts(c=0.3, verify_per_token=0.05, round_overhead=0.1, parallel=True),
+    # every verify width timed (decoder.verify_costs=by_width): uneven, shorter than max_k
+    DraftCosts(
+        c=0.2, verify_per_token=0.1, round_overhead=0.0, verify_tokens=(0.1, 0.4, 0.15, 0.5)
+    ),
 ]
+IDS = ["toy", "cheap", "dear", "parallel", "by_width"]
 
 
-@pytest.mark.parametrize("costs", COSTS, ids=["toy", "cheap", "dear", "parallel"])
+@pytest.mark.parametrize("costs", COSTS, ids=IDS)
 @pytest.mark.parametrize("drafted", [0, 1, 3])
 @pytest.mark.parametrize("rate", [1.0, 1.7])
 @pytest.mark.parametrize("first", [None, [0.4, 0.9, 0.05]])
@@ -99,7 +104,7 @@ def test_draft_gain_matches_enumeration(costs, drafted, rate, first):
             assert float(got[r, m]) == pytest.approx(want, abs=1e-9)
 
 
-@pytest.mark.parametrize("costs", COSTS, ids=["toy", "cheap", "dear", "parallel"])
+@pytest.mark.parametrize("costs", COSTS, ids=IDS)
 def test_scalar_rule_agrees_with_draft_gain(costs):
     """`best_more` (plain floats, what the decoder runs per drafter step) picks draft_gain's
     argmax and value."""
@@ -122,7 +127,7 @@ def test_scalar_rule_agrees_with_draft_gain(costs):
         assert float(gains[m]) == pytest.approx(float(gains.max()), abs=1e-9)
 
 
-@pytest.mark.parametrize("costs", COSTS, ids=["toy", "cheap", "dear", "parallel"])
+@pytest.mark.parametrize("costs", COSTS, ids=IDS)
 def test_best_length_is_the_argmax_over_all_lengths(costs):
     g = torch.Generator().manual_seed(0)
     for _ in range(50):

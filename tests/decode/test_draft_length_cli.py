@@ -32,7 +32,9 @@ def test_validate_reports_the_policy_beside_fixed_gamma(tmp_path, toy_tiny):
         "c",
         "verify_per_token",
         "round_overhead",
+        "verify_tokens",  # decoder.verify_costs=by_width: one entry per verify width
     }
+    assert len(f["draft_costs"]["verify_tokens"]) == 6
     assert r.fixed_gamma_speedup is not None and r.fixed_gamma_speedup > 0
     md = (tmp_path / "report.md").read_text()
     assert "draft length policy | confidence" in md and "fixed gamma=4 beside it" in md
@@ -41,11 +43,12 @@ def test_validate_reports_the_policy_beside_fixed_gamma(tmp_path, toy_tiny):
 def test_bench_compare_draft_side_by_side(tmp_path, toy_tiny):
     from specdistill.decode.bench.draft import run_draft
 
-    report = run_draft(_cfg(tmp_path, "compare_draft=[1,auto,heuristic,confidence-row]"))
+    # the first adaptive entry prices widths on a line: the shared costs still time each width
+    report = run_draft(_cfg(tmp_path, "compare_draft=[1,auto,heuristic-linear,confidence-row]"))
     assert set(report["modes"]) == {"greedy", "sampling"}
     for name, mode in report["modes"].items():
         rows = {r["entry"]: r for r in mode["rows"]}
-        assert list(rows) == ["gamma=1", "gamma=auto", "heuristic", "confidence-row"]
+        assert list(rows) == ["gamma=1", "gamma=auto", "heuristic-linear", "confidence-row"]
         for r in rows.values():
             assert r["speedup"] > 0 and sum(r["draft_lengths"]) > 0
             assert r["lossless"] is (True if name == "greedy" else None)
@@ -72,6 +75,12 @@ def test_bad_compare_draft_entry_names_the_field(tmp_path):
     assert entries[1][1] == {"draft_length": "confidence", "lookup": True}
     with pytest.raises(ConfigError, match=r"^compare_draft entry '2-nofloor'"):
         parse_entries(["2-nofloor"])
+    assert parse_entries(["confidence-linear"])[0][1] == {
+        "draft_length": "confidence",
+        "verify_costs": "linear",
+    }
+    with pytest.raises(ConfigError, match=r"^compare_draft entry '2-linear'"):
+        parse_entries(["2-linear"])  # a fixed gamma plans nothing with the costs
 
 
 @pytest.mark.parametrize(

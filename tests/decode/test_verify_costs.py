@@ -1,0 +1,170 @@
+"""Verify costs priced width by width (`decoder.verify_costs`, `DraftCosts.verify_tokens`).
+
+p = target, q = drafter, k = drafts in a round. A line through the 1- and max_draft-draft
+verifies misprices the widths between wherever the kernels favour some widths (on CPU a 4-row
+GEMM can beat a 3-row one), so the measured costs time every width and the policies read each.
+The rules themselves are checked against brute force with such costs in test_draft_length.py
+(`COSTS`); here: the table's arithmetic, what it changes in a choice, how it is measured and
+configured, and that decoding with it stays the target's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdistill.data.runtime import ConfigError
+from specdistill.decode.config import DecoderSettings
+from specdistill.decode.draft_length import DraftCosts, best_length
+from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
+from tests.conftest import tiny_llama
+from tests.decode.test_speculative import greedy_reference, prompts, truncated_copy
+
+# 3 drafts cost less than 2 (0.35 vs 0.6 beyond the 1-draft verify's base), 5 less than 4
+UNEVEN = DraftCosts(
+    c=0.2,
+    verify_per_token=0.3,
+    round_overhead=0.0,
+    parallel=True,
+    draft_per_token=0.0,
+    verify_tokens=(0.3, 0.6, 0.35, 0.9, 0.7),
+)
+
+
+def test_each_timed_width_is_read_and_the_line_goes_on_past_the_table():
+    for k, extra in enumerate(UNEVEN.verify_tokens, 1):
+        assert UNEVEN.verify_cost(k) == pytest.approx(1.0 + extra)
+        assert UNEVEN.round_cost(k) == pytest.approx(0.2 + 1.0 + extra)
+    assert UNEVEN.verify_cost(6) == pytest.approx(1.0 + 6 * 0.3)  # past the table: the line
+    assert UNEVEN.round_cost(0) == 1.0  # a plain target step
+    line = UNEVEN.linear()
+    assert line.verify_tokens == () and line.c == UNEVEN.c and line.parallel
+    assert [line.verify_cost(k) for k in (1, 2, 3)] == pytest.approx([1.3, 1.6, 1.9])
+
+
+def test_a_wider_verify_that_costs_less_is_chosen_over_a_narrower_one():
+    """With the drafts' acceptance known (parallel drafting), the line stops at 2 drafts, while
+    the timed widths say 3 cost less than 2: verify 3 (each choice the argmax by enumeration,
+    test_draft_length.py)."""
+    accept = [0.6, 0.6, 0.6]
+    assert best_length(accept, UNEVEN.linear()) == 2
+    assert best_length(accept, UNEVEN) == 3
+
+
+def _decoder(verify_costs: str, **kw) -> SpeculativeDecoder:
+    target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0)
+    cfg = DecoderConfig(
+        max_new_tokens=8, draft_length="confidence", max_draft=4, verify_costs=verify_costs, **kw
+    )
+    return SpeculativeDecoder(target, truncated_copy(target), cfg)
+
+
+VERIFY = {1: 1.1, 2: 1.5, 3: 1.3, 4: 1.7}  # seconds of a verify of k drafts, 3 cheaper than 2
+
+
+class FakeTimer:
+    """Step times in seconds as a `StepTimer` would return them: a target step of 1, a drafter
+    step of 0.25, and the uneven verifies of VERIFY."""
+
+    def target_step(self) -> float:
+        return 1.0
+
+    def draft(self, n: int) -> float:
+        return 0.25
+
+    def verify(self, k: int) -> float:
+        return VERIFY[k]
+
+
+def test_measured_costs_read_each_timed_width(monkeypatch):
+    """`measure_costs` with by_width: the line through 1 and 4 drafts (per token (1.7 - 1.1) / 3)
+    and each width's own verify as timed; linear times only the ends and keeps the line."""
+    monkeypatch.setattr(SpeculativeDecoder, "step_timer", lambda self, ids, slots=None: FakeTimer())
+    prompt = torch.tensor([prompts(1, 64, seed=2)[0]])
+    costs = _decoder("by_width").draft_costs(prompt)
+    assert costs.c == 0.25 and costs.verify_per_token == pytest.approx(0.2)
+    glue = costs.round_overhead - (1.1 - 1.0 - 0.2)  # the round's glue beyond the timed verify
+    for k, seconds in VERIFY.items():
+        assert costs.verify_cost(k) == pytest.approx(seconds + glue, abs=1e-4)
+    line = _decoder("linear").draft_costs(prompt)
+    assert line.verify_tokens == () and line.round_overhead == costs.round_overhead
+    assert [line.verify_cost(k) for k in (1, 3)] == pytest.approx([1.1 + glue, 1.5 + glue])
+
+
+def test_measured_costs_on_a_real_decoder_time_every_width():
+    prompt = torch.tensor([prompts(1, 64, seed=2)[0]])
+    costs = _decoder("by_width").draft_costs(prompt)
+    assert len(costs.verify_tokens) == 4
+    assert all(costs.verify_cost(k) > 0 for k in range(1, 5))
+    assert _decoder("linear").draft_costs(prompt).verify_tokens == ()
+
+
+def test_linear_drops_a_configured_table():
+    dec = _decoder("linear", draft_costs=UNEVEN)
+    assert dec.draft_costs().verify_tokens == () and dec.draft_costs().verify_per_token == 0.3
+    assert _decoder("by_width", draft_costs=UNEVEN).draft_costs().verify_tokens == (
+        UNEVEN.verify_tokens
+    )
+
+
+@pytest.mark.parametrize("drafting", ["autoregressive", "parallel"])
+def test_greedy_with_uneven_widths_is_token_identical(drafting):
+    """Rounds whose lengths follow the uneven table (3 drafts preferred to 2) still emit the
+    target's greedy tokens, for both drafting modes."""
+    target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0)
+    drafter = truncated_copy(target)
+    if drafting == "parallel":
+        drafter.config.mask_token_id = 63
+    costs = DraftCosts(
+        c=0.1, verify_per_token=0.05, round_overhead=0.0, verify_tokens=(0.05, 0.4, 0.1, 0.5)
+    )
+    cfg = DecoderConfig(
+        max_new_tokens=20,
+        draft_length="confidence",
+        max_draft=4,
+        draft_costs=costs,
+        drafting=drafting,
+    )
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    lengths = [0] * 5
+    for prompt in prompts(4, 64, seed=5):
+        out = dec.generate(torch.tensor([prompt]))
+        assert out.tokens[0] == greedy_reference(target, prompt, 20)
+        lengths = [a + b for a, b in zip(lengths, out.draft_lengths)]
+    assert sum(lengths[1:]) > 0  # it drafted
+
+
+@pytest.mark.parametrize(
+    ("node", "message"),
+    [
+        ({"verify_costs": "table"}, "decoder.verify_costs='table': use by_width"),
+        (
+            {"draft_costs": {"c": 0.3, "round_overhead": 0.1, "verify_tokens": [0.1, -1.2]}},
+            "decoder.draft_costs.verify_tokens=[0.1, -1.2]: each entry",
+        ),
+        ({"draft_costs": {"c": 0.3, "verify_tokens": 0.1}}, "decoder.draft_costs="),
+    ],
+)
+def test_bad_verify_cost_settings_name_the_field(node, message):
+    with pytest.raises(ConfigError) as err:
+        DecoderSettings.from_node(node)
+    assert str(err.value).startswith(message)
+
+
+def test_a_reports_table_can_be_pasted_back_as_configured_costs():
+    node = {"draft_costs": {"c": 0.2, "verify_per_token": 0.3, "verify_tokens": [0.3, 0.6, 0.35]}}
+    s = DecoderSettings.from_node(node)
+    assert s.draft_costs is not None and s.draft_costs.verify_tokens == (0.3, 0.6, 0.35)
+    assert s.verify_costs == "by_width"  # the default
+    assert s.decoder_config(8, ()).verify_costs == "by_width"
+
+
+def test_parallel_bench_policies_take_the_linear_suffix():
+    from specdistill.decode.bench.parallel import parse_policies
+
+    assert parse_policies(["confidence", "confidence-linear"]) == [
+        "confidence",
+        "confidence-linear",
+    ]
+    with pytest.raises(ConfigError, match=r"^parallel_policies=\['confidence-rows'\]"):
+        parse_policies(["confidence-rows"])
