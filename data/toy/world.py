@@ -167,6 +167,15 @@ def spec_files(spec: ToySpec) -> tuple[list[Path], list[Path]]:
     return train_paths, held_paths
 
 
+def save_servable(model, tokenizer, out: Path) -> None:
+    """Save a toy model as engines load it: a generation config that pads and stops with the
+    tokenizer's pad and EOS (vLLM and `generate` read them from there), the tokenizer beside it."""
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
 def _build(spec: ToySpec, world: ToyWorld) -> None:
     t_start = time.perf_counter()
     torch_threads = torch.get_num_threads()
@@ -206,10 +215,7 @@ def _build(spec: ToySpec, world: ToyWorld) -> None:
             "train_tokens_per_s": round(tps),
             "heldout_loss": round(heldout_loss(model, held_stream, spec.seq_len), 4),
         }
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        save_servable(model, tokenizer, out)
         log.info("toy %s: %s", role, info[role])
 
     write_jsonl(world.train_prompts, prompt_set(train_paths, spec.max_train_prompts))

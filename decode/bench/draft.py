@@ -18,6 +18,7 @@ prompts per mode. Writes OUT/draft.json and OUT/draft.md. p = target, q = drafte
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -173,6 +174,8 @@ def _measure_mode(
         "rows": rows,
         "hf_assisted": hf,
         "seconds": round(time.perf_counter() - t0, 1),
+        # the adaptive entries' step costs (one measurement for all; -linear drops the widths)
+        "draft_costs": None if shared is None else dataclasses.asdict(shared),
         "notes": notes,
     }
 
@@ -231,5 +234,10 @@ def draft_markdown(report: dict[str, Any]) -> str:
         hf = m.get("hf_assisted")
         if hf:
             lines.append(f"| HF assisted (transformers default) | | | | | {hf['speedup']}x | |")
-        lines += ["", *[f"- {n}" for n in m["notes"]], ""]
+        notes = list(m["notes"])
+        costs = m.get("draft_costs")
+        if costs:  # target steps; verify_tokens: what 1, 2, ... drafts add to the verify
+            shown = ", ".join(f"{k} {v}" for k, v in costs.items() if k != "parallel")
+            notes.append(f"adaptive entries' costs (target steps): {shown}")
+        lines += ["", *[f"- {n}" for n in notes], ""]
     return "\n".join(lines) + "\n"

@@ -56,6 +56,9 @@ def test_bench_compare_draft_side_by_side(tmp_path, toy_tiny):
     saved = json.loads((tmp_path / "draft.json").read_text())
     assert saved["entries"] == report["entries"]
     assert "| confidence-row |" in (tmp_path / "draft.md").read_text()
+    # one cost measurement for the adaptive entries, every verify width timed (max_draft 8)
+    assert len(saved["modes"]["greedy"]["draft_costs"]["verify_tokens"]) == 8
+    assert "costs (target steps): c " in (tmp_path / "draft.md").read_text()
 
 
 def test_bad_compare_draft_entry_names_the_field(tmp_path):

