@@ -46,9 +46,9 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
     med = {key: statistics.median(v) for key, v in ratios.items()}
     v1, vk = med["v1"], med[f"v{k}"]
     per_token = max(0.0, (vk - v1) / (k - 1)) if k > 1 else 0.0
-    # what j drafts add to the verify, on the same footing as the line's j * per_token: the
-    # 1-draft verify's excess over that goes to round_overhead (so verify_cost(1) and (k) are
-    # the line's, the widths between are as timed)
+    # what j drafts add to the verify, on the same footing as the line's j * per_token (the
+    # 1-draft verify's excess over per_token is in round_overhead): verify_cost(j) is then the
+    # timed j-draft verify plus the round's glue at every width
     by_width = len(widths) > 2  # a line through two widths is exact at both
     table = tuple(round(med[f"v{j}"] - v1 + per_token, 4) for j in widths) if by_width else ()
     costs = DraftCosts(
