@@ -210,10 +210,14 @@ def pair():
 
 CHEAP = DraftCosts(c=0.2, verify_per_token=0.02, round_overhead=0.05)
 DEAR = DraftCosts(c=0.9, verify_per_token=0.1, round_overhead=0.3)  # the floor engages
+# every verify width timed (decoder.verify_costs=by_width): 3 drafts cheaper than 2
+WIDTHS = DraftCosts(
+    c=0.1, verify_per_token=0.05, round_overhead=0.0, verify_tokens=(0.05, 0.4, 0.1, 0.5)
+)
 
 
 @pytest.mark.parametrize("policy", ["confidence", "heuristic"])
-@pytest.mark.parametrize("costs", [CHEAP, DEAR], ids=["cheap", "dear"])
+@pytest.mark.parametrize("costs", [CHEAP, DEAR, WIDTHS], ids=["cheap", "dear", "by_width"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_adaptive_greedy_is_token_identical_batch1(pair, policy, costs, cache):
     target, drafter = pair

@@ -28,6 +28,14 @@ from tests.decode.test_speculative import greedy_reference, left_pad, prompts
 
 PAR = DraftCosts(c=0.3, verify_per_token=0.15, round_overhead=0.05, parallel=True)
 DEAR = DraftCosts(c=0.9, verify_per_token=0.2, round_overhead=0.3, parallel=True)  # floor
+# every verify width timed (decoder.verify_costs=by_width): 3 drafts cheaper than 2, 5 than 4
+WIDTHS = DraftCosts(
+    c=0.3,
+    verify_per_token=0.15,
+    round_overhead=0.05,
+    parallel=True,
+    verify_tokens=(0.15, 0.45, 0.3, 0.8, 0.6),
+)
 
 
 def _calibrated(weights: list[list[float]], costs: DraftCosts, scope: str, b: int):
@@ -42,14 +50,15 @@ def _calibrated(weights: list[list[float]], costs: DraftCosts, scope: str, b: in
 
 @pytest.mark.parametrize("scope", ["batch", "row"])
 @pytest.mark.parametrize("rate", [1.0, 1.6, 3.0])
-def test_verify_lengths_is_the_argmax_over_every_prefix(scope, rate):
+@pytest.mark.parametrize("costs", [PAR, WIDTHS], ids=["line", "by_width"])
+def test_verify_lengths_is_the_argmax_over_every_prefix(scope, rate, costs):
     """Against enumeration: the verified prefix maximises E_L - rate * cost(L), L >= 1, with
     each depth's calibrated acceptance (batch scope: the rows' summed objective)."""
     gen = torch.Generator().manual_seed(0)
     weights = [[0.5, 1.0, 0.0], [-0.5, 0.8, 0.0], [-1.0, 1.2, 0.0], [0.0, 0.5, 0.0]]
     for trial in range(20):
         b = 3
-        pol = _calibrated(weights, PAR, scope, b)
+        pol = _calibrated(weights, costs, scope, b)
         pol.tokens, pol.cost = [rate] * b, [1.0] * b  # realized throughput = rate
         conf = torch.rand(b, 4, generator=gen).tolist()
         active = [True, trial % 3 != 0, True]
@@ -57,7 +66,7 @@ def test_verify_lengths_is_the_argmax_over_every_prefix(scope, rate):
 
         def value(r: int, length: int, pol=pol, conf=conf) -> float:
             acc = [pol.depth[j](conf[r][j], pol.r0[r]) for j in range(length)]
-            return expected_tokens(acc) - rate * PAR.round_cost(length)
+            return expected_tokens(acc) - rate * costs.round_cost(length)
 
         if scope == "row":
             for r in range(b):
@@ -102,7 +111,7 @@ def _cfg(policy: str, costs: DraftCosts, **kw) -> DecoderConfig:
 
 
 @pytest.mark.parametrize("policy", ["confidence", "heuristic"])
-@pytest.mark.parametrize("costs", [PAR, DEAR], ids=["cheap", "dear"])
+@pytest.mark.parametrize("costs", [PAR, DEAR, WIDTHS], ids=["cheap", "dear", "by_width"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_parallel_adaptive_greedy_is_token_identical_batch1(pair, policy, costs, cache):
     target, drafter = pair
