@@ -23,7 +23,13 @@ import torch
 from specdistill.data.models.pairs import check_vocab, vocab_size
 from specdistill.data.runtime import ConfigError, number_as_float
 from specdistill.data.sampling import Sampling
-from specdistill.decode.draft_length import MIN_OVERHEAD, POLICIES, SCOPES, DraftCosts
+from specdistill.decode.draft_length import (
+    MIN_OVERHEAD,
+    POLICIES,
+    SCOPES,
+    DraftCosts,
+    costs_from_mapping,
+)
 from specdistill.decode.drafters import DRAFTING
 from specdistill.decode.drafters.mapped import check_context
 
@@ -302,14 +308,7 @@ def _draft_costs(raw: Any, field: str) -> DraftCosts | None:
     if raw in (None, "auto"):
         return None
     try:
-        values = dict(raw)
-        table = values.pop("verify_tokens", None) or ()
-        if isinstance(table, str | bytes) or not hasattr(table, "__iter__"):
-            raise ValueError(f"verify_tokens={table!r} is not a list of numbers")
-        return DraftCosts(
-            **{k: float(v) for k, v in values.items()},
-            verify_tokens=tuple(float(v) for v in table),
-        )
+        return costs_from_mapping(raw)
     except (TypeError, ValueError) as e:
         raise ConfigError(
             f"{field}.draft_costs={raw!r}: auto, or a mapping of c, verify_per_token, "

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,6 +70,19 @@ class DraftCosts:
     def linear(self) -> DraftCosts:
         """These costs with every verify width on the line (`decoder.verify_costs=linear`)."""
         return dataclasses.replace(self, verify_tokens=())
+
+
+def costs_from_mapping(values: Mapping[str, Any]) -> DraftCosts:
+    """DraftCosts from a config mapping, as a report's `draft_costs` prints them: numbers for
+    c, verify_per_token, round_overhead, draft_per_token, and a list for verify_tokens. Raises
+    TypeError or ValueError on anything else (callers name their config field)."""
+    fields = dict(values)
+    table = fields.pop("verify_tokens", None) or ()
+    if isinstance(table, str | bytes) or not isinstance(table, Iterable):
+        raise ValueError(f"verify_tokens={table!r} is not a list of numbers")
+    return DraftCosts(
+        **{k: float(v) for k, v in fields.items()}, verify_tokens=tuple(float(v) for v in table)
+    )
 
 
 def expected_tokens(accept: Sequence[float]) -> float:

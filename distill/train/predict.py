@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specdistill.decode.draft_length import DraftCosts, Replay, make_policy, replay
+from specdistill.decode.draft_length import (
+    DraftCosts,
+    Replay,
+    costs_from_mapping,
+    make_policy,
+    replay,
+)
 
 if TYPE_CHECKING:
     from specdistill.distill.train.settings import TrainSettings
@@ -89,7 +95,7 @@ def heldout_prediction(tr: Any, drafter, s: TrainSettings) -> dict[str, Any] | N
     gamma, max_draft, raw = pred.gamma, pred.max_draft, pred.costs
     source = "configured"
     if raw not in (None, "auto"):
-        costs = DraftCosts(**{k: float(v) for k, v in dict(raw).items()})
+        costs = costs_from_mapping(raw)
     elif tr.target is not None:
         costs, source = measured_costs(tr, drafter, max_draft), "measured"
     else:

@@ -135,7 +135,7 @@ class PredictSettings:
     enabled: bool = True
     gamma: int = DEFAULT_GAMMA
     max_draft: int = 8
-    costs: Any = "auto"  # auto | null | {c, verify_per_token, round_overhead}
+    costs: Any = "auto"  # auto | null | {c, verify_per_token, round_overhead, verify_tokens: [...]}
 
     @classmethod
     def from_node(cls, node: Any) -> PredictSettings:

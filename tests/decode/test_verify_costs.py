@@ -11,6 +11,8 @@ test_parallel_length.py (`WIDTHS`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -142,3 +144,18 @@ def test_parallel_bench_policies_take_the_linear_suffix():
     ]
     with pytest.raises(ConfigError, match=r"^parallel_policies=\['confidence-rows'\]"):
         parse_policies(["confidence-rows"])
+
+
+def test_a_reports_costs_map_back_to_the_same_costs():
+    """What validate's report prints under `draft_figures.draft_costs` (the table included) is
+    a mapping `decoder.draft_costs` and the distill stage's `eval.predict.costs` read back."""
+    from specdistill.decode.draft_length import costs_from_mapping, draft_figures
+    from specdistill.decode.outputs import DecodeOutput
+
+    out = DecodeOutput(tokens=[[1, 2, 3]])
+    printed = draft_figures(out, UNEVEN)["draft_costs"]
+    assert printed["verify_tokens"] == list(UNEVEN.verify_tokens)
+    # the drafting mode is not a cost: the decoder sets `parallel` from its own
+    assert costs_from_mapping(printed) == dataclasses.replace(UNEVEN, parallel=False)
+    with pytest.raises(ValueError, match="verify_tokens='0.1, 0.2' is not a list"):
+        costs_from_mapping({"c": 0.2, "verify_tokens": "0.1, 0.2"})
