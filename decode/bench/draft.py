@@ -129,11 +129,7 @@ def _measure_mode(
         if over["draft_length"] != "fixed":
             if shared is None:  # once, untimed, every width (a -linear entry prices them on a line)
                 meter = make(over | {"verify_costs": "by_width"})
-                costs = meter.draft_costs(st.warm[0][0], vs.batch_size)
-                shared = DraftCosts(c=costs.c, verify_per_token=costs.verify_per_token,
-                                    round_overhead=costs.round_overhead,
-                                    draft_per_token=costs.draft_per_token,
-                                    verify_tokens=costs.verify_tokens)  # fmt: skip
+                shared = meter.draft_costs(st.warm[0][0], vs.batch_size)
             over = over | {"draft_costs": shared}  # one measurement for all: like for like
         dec = decs[label] = make(over)
         warm_up(dec, st.batches, st.warm, seed)
