@@ -37,6 +37,7 @@ from specdistill.decode.cache_layers import (
 )
 from specdistill.decode.cpu_matmul import has_two_column_weight, weight_major_linear
 from specdistill.decode.draft_vocab import SubsetHead, swapped_head
+from specdistill.decode.lean_step import lean_forward, lean_problem
 
 ROLLBACK_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
 
@@ -105,6 +106,7 @@ class ModelRunner:
         compile_steps: bool = False,
         weight_major: bool = False,
         head: tuple[str, SubsetHead] | None = None,
+        lean: bool = False,
     ) -> None:
         self.model = model
         self.head = head  # a draft vocabulary's output layer, swapped in for each step
@@ -122,6 +124,8 @@ class ModelRunner:
         self._packed = packed_sdpa_for(model)  # multi-token steps: packed GQA attention
         self._eager = model.forward
         self._step = compiled_forward(model) if compile_steps else self._eager
+        # eager steps over slot layers: the lean path (decode.lean_step) where the model qualifies
+        self._lean = lean and not static and not compile_steps and lean_problem(model) is None
 
     def forward(
         self,
@@ -144,6 +148,8 @@ class ModelRunner:
         # addresses (allocated inside a CUDA-graph step they would live in the graph's pool and
         # be overwritten by the next replay). Prompts of one token have no prefill to do this.
         fn = self._eager if prefill or not self._allocated else self._step
+        # a forward wrapped on the instance (a hook, a test's probe) is honoured: no lean step
+        lean = self._lean and not prefill and "forward" not in self.model.__dict__
         if fn is not self._eager:  # compiled graphs guard on strides: views of a prompt recompile
             ids, position_ids = _fresh(ids), _fresh(position_ids)
         with (
@@ -151,17 +157,22 @@ class ModelRunner:
             swapped_head(self.model, self.head),
             Attention(self.model.config, PACKED_SDPA if self._packed and n > 1 else None),
         ):
-            out = fn(
-                input_ids=ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=self.cache,
-                use_cache=True,
-                **kwargs,
-            )
+            if lean:
+                logits = lean_forward(
+                    self.model, self.cache, ids, attention_mask, position_ids, self.length,
+                    keep, self._packed,
+                )  # fmt: skip
+            else:
+                logits = fn(
+                    input_ids=ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    past_key_values=self.cache,
+                    use_cache=True,
+                    **kwargs,
+                ).logits
         self.length += n
         self._allocated = True
-        logits = out.logits
         return logits if not keep else logits[:, -keep:]
 
     def _window_masks(self, mask2d: torch.Tensor, n: int):

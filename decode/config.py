@@ -56,6 +56,9 @@ class DecoderConfig:
     # auto: on CPU, verify and catch-up steps (2-16 tokens) run linears as weight @ x.T, which
     # costs about one 1-token step (decode.cpu_matmul); linear: F.linear everywhere
     cpu_matmul: str = "auto"
+    # decode steps of a plain Llama model computed layer by layer without transformers'
+    # per-call machinery (decode.lean_step; prefill and other models keep model.forward)
+    lean_steps: bool = True
     # Per-round draft length (decode.draft_length): fixed (gamma every round) | heuristic
     # (transformers' +2/-1 schedule from gamma) | confidence (expected gain of the drafter's
     # calibrated confidence); the adaptive ones draft at most `max_draft` per round, fall back to
@@ -111,6 +114,8 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         )
     if cfg.cpu_matmul not in ("auto", "linear"):
         raise ConfigError(f"decoder.cpu_matmul={cfg.cpu_matmul!r}: use auto or linear")
+    if not isinstance(cfg.lean_steps, bool):
+        raise ConfigError(f"decoder.lean_steps={cfg.lean_steps!r} must be true or false")
     if cfg.compile not in ("auto", True, False, "drafter"):
         raise ConfigError(f"decoder.compile={cfg.compile!r}: use auto, true, false or drafter")
     if cfg.draft_length not in POLICIES:
@@ -170,7 +175,7 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
 # The `decoder` node's keys that DecoderSettings carries straight into DecoderConfig.
 _SHARED = (
     "sampling", "lenience", "cache", "compile", "record_probs", "host_sync_every", "cpu_matmul",
-    "draft_length", "max_draft", "draft_scope", "draft_floor", "probe_every", "draft_costs",
+    "lean_steps", "draft_length", "max_draft", "draft_scope", "draft_floor", "probe_every", "draft_costs",
     "verify_costs", "drafting", "mask_token_id", "draft_vocab", "lookup",
 )  # fmt: skip
 
@@ -193,6 +198,7 @@ class DecoderSettings:
     record_probs: bool = False
     host_sync_every: int = 0
     cpu_matmul: str = "auto"
+    lean_steps: bool = True
     draft_length: str = "confidence"
     max_draft: int = 8
     draft_scope: str = "batch"
@@ -234,6 +240,7 @@ class DecoderSettings:
             record_probs=bool(get("record_probs")),
             host_sync_every=get("host_sync_every"),
             cpu_matmul=str(get("cpu_matmul")),
+            lean_steps=get("lean_steps"),
             draft_length=str(get("draft_length")),
             max_draft=get("max_draft"),
             draft_scope=str(get("draft_scope")),

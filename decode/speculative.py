@@ -201,6 +201,7 @@ class SpeculativeDecoder:
             compile_steps=compiled,
             weight_major=self.weight_major,
             head=self.draft_head if model is self.drafter else None,
+            lean=self.cfg.lean_steps,
         )
 
     def spec_slots(self, batch: int, plen: int) -> int:

@@ -1,0 +1,138 @@
+"""The lean decode step (decode.lean_step) against the model's own forward: the same logits for
+every step the decoder runs (1-token, multi-token, batched with holes and positions, grouped-query
+heads, a draft-vocabulary head, the few-row linears), the same decodes, and who qualifies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdistill.decode.cache import ModelRunner
+from specdistill.decode.draft_vocab import SubsetHead
+from specdistill.decode.lean_step import causal_mask, lean_problem
+from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
+from tests.conftest import tiny_llama
+
+
+def _gqa_llama(seed: int = 3):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                      pad_token_id=0, bos_token_id=None, eos_token_id=None)  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _pair(model, lean_steps: list[int], mask=None, pos=None, **runner):
+    """Two runners on one model, lean and not, fed the same prompt then the same steps: the
+    logits of every step from each (all positions kept)."""
+    out = []
+    for lean in (False, True):
+        r = ModelRunner(model, static=False, capacity=64, lean=lean, **runner)
+        assert r._lean is lean
+        g = torch.Generator().manual_seed(7)
+        b = 1 if mask is None else mask.shape[0]
+        prompt = torch.randint(1, 64, (b, 10), generator=g)
+        pmask = None if mask is None else mask[:, :10]
+        ppos = None if pos is None else pos[:, :10]
+        r.forward(prompt, pmask, ppos, prefill=True)
+        got, at = [], 10
+        for n in lean_steps:
+            ids = torch.randint(1, 64, (b, n), generator=g)
+            m = None if mask is None else mask[:, : at + n]
+            p = None if pos is None else pos[:, at : at + n]
+            got.append(r.forward(ids, m, p))
+            at += n
+        r.rollback(12)  # and a step after a rollback sees only the kept slots
+        ids = torch.randint(1, 64, (b, 2), generator=g)
+        got.append(
+            r.forward(
+                ids, None if mask is None else mask[:, :14], None if pos is None else pos[:, 12:14]
+            )
+        )
+        out.append(got)
+    return out
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("make", [lambda: tiny_llama(seed=2), _gqa_llama], ids=["mha", "gqa"])
+@pytest.mark.parametrize("weight_major", [False, True])
+def test_dense_steps_match_the_model(make, weight_major):
+    model = make()
+    assert lean_problem(model) is None
+    hf, lean = _pair(model, [1, 3, 1, 5], weight_major=weight_major)
+    for a, b in zip(hf, lean):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("make", [lambda: tiny_llama(seed=2), _gqa_llama], ids=["mha", "gqa"])
+def test_batched_steps_with_holes_and_positions_match_the_model(make):
+    """Row 0 left-padded by 2, row 1 with a hole at slot 11 (a rejected draft) and its
+    positions counting only real tokens."""
+    model = make()
+    width = 30
+    mask = torch.ones(2, width, dtype=torch.bool)
+    mask[0, :2] = False
+    mask[1, 11] = False
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    hf, lean = _pair(model, [1, 4, 2], mask=mask, pos=pos)
+    for a, b in zip(hf, lean):
+        # padded slots' own logits are garbage in both paths: compare the real positions
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_draft_vocab_head_matches_the_model():
+    model = tiny_llama(seed=5)
+    head = ("lm_head", SubsetHead(model.lm_head, list(range(0, 64, 3))))
+    hf, lean = _pair(model, [1, 2], head=head)
+    for a, b in zip(hf, lean):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_mask_is_bottom_right_and_keeps_the_slot_mask():
+    m = causal_mask(None, 3, 2, 1, "cpu")[0, 0]
+    assert m.tolist() == [[True] * 4 + [False], [True] * 5]
+    assert causal_mask(None, 3, 1, 1, "cpu") is None
+    slots = torch.tensor([[False, True, True, True, True, True]])
+    m = causal_mask(slots, 4, 2, 1, "cpu")[0, 0]
+    assert m.tolist() == [[False, True, True, True, True, False], [False] + [True] * 5]
+
+
+def test_who_qualifies():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    assert lean_problem(tiny_llama()) is None
+    sliding = MistralForCausalLM(
+        MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, sliding_window=4)
+    )  # fmt: skip
+    assert lean_problem(sliding) == "not a Llama model"
+    eager = tiny_llama()
+    eager.config._attn_implementation = "eager"
+    assert "sdpa" in lean_problem(eager)
+    assert not ModelRunner(tiny_llama(), static=True, capacity=8, lean=True)._lean
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_decodes_agree_with_and_without_lean_steps(temperature):
+    """The same decoder settings with `lean_steps` on and off: the same tokens, greedy and
+    sampled (the same uniforms, the same probabilities), and greedy equal to the target's own."""
+    from specdistill.data.sampling import Sampling
+
+    target, drafter = _gqa_llama(1), _gqa_llama(2)
+    prompt = torch.randint(1, 64, (1, 12), generator=torch.Generator().manual_seed(3))
+    outs = []
+    for lean in (True, False):
+        cfg = DecoderConfig(gamma=3, max_new_tokens=24, lean_steps=lean,
+                            sampling=Sampling(temperature=temperature))  # fmt: skip
+        dec = SpeculativeDecoder(target, drafter, cfg)
+        spec = dec.generate(prompt, generator=torch.Generator().manual_seed(11))
+        base = dec.baseline(prompt, generator=torch.Generator().manual_seed(12))
+        outs.append((spec.tokens, base.tokens))
+    assert outs[0] == outs[1]
+    if temperature == 0.0:
+        assert outs[0][0] == outs[0][1]
