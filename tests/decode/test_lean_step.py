@@ -24,7 +24,7 @@ def _gqa_llama(seed: int = 3):
     return LlamaForCausalLM(cfg).eval()
 
 
-def _pair(model, lean_steps: list[int], mask=None, pos=None, **runner):
+def _pair(model, steps: list[int], mask=None, pos=None, **runner):
     """Two runners on one model, lean and not, fed the same prompt then the same steps: the
     logits of every step from each (all positions kept)."""
     out = []
@@ -38,7 +38,7 @@ def _pair(model, lean_steps: list[int], mask=None, pos=None, **runner):
         ppos = None if pos is None else pos[:, :10]
         r.forward(prompt, pmask, ppos, prefill=True)
         got, at = [], 10
-        for n in lean_steps:
+        for n in steps:
             ids = torch.randint(1, 64, (b, n), generator=g)
             m = None if mask is None else mask[:, : at + n]
             p = None if pos is None else pos[:, at : at + n]
