@@ -41,7 +41,10 @@ def test_modes_side_by_side(tmp_path, toy_tiny):
     saved = json.loads((tmp_path / "modes.json").read_text())
     assert saved["modes"] == rows
     table = (tmp_path / "modes.md").read_text()
-    assert "| figure | eager | static | eager-linear | eager-lean |" in table and "decoder_efficiency" in table
+    assert (
+        "| figure | eager | static | eager-linear | eager-lean |" in table
+        and "decoder_efficiency" in table
+    )
     assert all(r["warmup_seconds"] >= 0 and r["c"] > 0 for r in rows)
 
 
