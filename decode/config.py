@@ -57,9 +57,8 @@ class DecoderConfig:
     # costs about one 1-token step (decode.cpu_matmul); linear: F.linear everywhere
     cpu_matmul: str = "auto"
     # decode steps of a plain Llama model computed layer by layer without transformers'
-    # per-call machinery (decode.lean_step; prefill and other models keep model.forward);
-    # opt-in until the README's tables are re-measured with it (decode/RESULTS.md)
-    lean_steps: bool = False
+    # per-call machinery (decode.lean_step; prefill and other models keep model.forward)
+    lean_steps: bool = True
     # Per-round draft length (decode.draft_length): fixed (gamma every round) | heuristic
     # (transformers' +2/-1 schedule from gamma) | confidence (expected gain of the drafter's
     # calibrated confidence); the adaptive ones draft at most `max_draft` per round, fall back to
@@ -199,7 +198,7 @@ class DecoderSettings:
     record_probs: bool = False
     host_sync_every: int = 0
     cpu_matmul: str = "auto"
-    lean_steps: bool = False
+    lean_steps: bool = True
     draft_length: str = "confidence"
     max_draft: int = 8
     draft_scope: str = "batch"

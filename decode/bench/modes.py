@@ -4,9 +4,9 @@
         'compare_modes=[eager,compiled]'
 
 Modes: `eager` (dynamic cache, eager steps: the CPU default), `eager-linear` (the same with
-`decoder.cpu_matmul=linear`: few-row verify linears through `F.linear`, as before), `eager-lean` (the
-same with `decoder.lean_steps=true`: a plain Llama model's steps without transformers' per-call
-machinery, decode/lean_step.py), `static` (static cache, eager
+`decoder.cpu_matmul=linear`: few-row verify linears through `F.linear`, as before), `eager-hf` (the
+same with `decoder.lean_steps=false`: every step through the model's own forward, not
+decode/lean_step.py), `static` (static cache, eager
 steps), `compiled` (static cache, compiled steps: inductor on CPU, CUDA graphs on CUDA),
 `compiled-drafter` (only the drafter's steps compiled, over their own static cache; the target,
 and so the target-only baseline, keeps the default cache and eager steps). Every
@@ -35,7 +35,7 @@ from specdistill.decode.validate.timing import hf_assisted_speed, measure_c
 MODES: dict[str, dict[str, Any]] = {
     "eager": {"cache": "dynamic", "compile": False},
     "eager-linear": {"cache": "dynamic", "compile": False, "cpu_matmul": "linear"},
-    "eager-lean": {"cache": "dynamic", "compile": False, "lean_steps": True},
+    "eager-hf": {"cache": "dynamic", "compile": False, "lean_steps": False},
     "static": {"cache": "static", "compile": False},
     "compiled": {"cache": "static", "compile": True},
     "compiled-drafter": {"cache": "auto", "compile": "drafter"},

@@ -26,12 +26,12 @@ def test_modes_side_by_side(tmp_path, toy_tiny):
     from specdistill.decode.acceptance import expected_tau
     from specdistill.decode.bench.modes import run_modes
 
-    rows = run_modes(_cfg(tmp_path, "[eager,static,eager-linear,eager-lean]"))
+    rows = run_modes(_cfg(tmp_path, "[eager,static,eager-linear,eager-hf]"))
     assert [(r["mode"], r["cache"], r["compiled"]) for r in rows] == [
         ("eager", "dynamic", False),
         ("static", "static", False),
         ("eager-linear", "dynamic", False),
-        ("eager-lean", "dynamic", False),
+        ("eager-hf", "dynamic", False),
     ]
     assert all(r["lossless"] is True for r in rows)
     assert len({r["alpha"] for r in rows}) == 1  # only speed differs
@@ -42,7 +42,7 @@ def test_modes_side_by_side(tmp_path, toy_tiny):
     assert saved["modes"] == rows
     table = (tmp_path / "modes.md").read_text()
     assert (
-        "| figure | eager | static | eager-linear | eager-lean |" in table
+        "| figure | eager | static | eager-linear | eager-hf |" in table
         and "decoder_efficiency" in table
     )
     assert all(r["warmup_seconds"] >= 0 and r["c"] > 0 for r in rows)
