@@ -56,7 +56,7 @@ class DecoderConfig:
     # auto: on CPU, verify and catch-up steps (2-16 tokens) run linears as weight @ x.T, which
     # costs about one 1-token step (decode.cpu_matmul); linear: F.linear everywhere
     cpu_matmul: str = "auto"
-    # decode steps of a plain Llama model computed layer by layer without transformers'
+    # decode steps of a Llama-family model computed layer by layer without transformers'
     # per-call machinery (decode.lean_step; prefill and other models keep model.forward)
     lean_steps: bool = True
     # Per-round draft length (decode.draft_length): fixed (gamma every round) | heuristic

@@ -1,4 +1,4 @@
-"""Decode steps of a plain Llama model without `transformers`' per-call machinery.
+"""Decode steps of a plain Llama-family model without `transformers`' per-call machinery.
 
 A decode step of a small model is mostly overhead on CPU: `LlamaForCausalLM.forward` runs its
 decorators (deprecation, config defaults, output capturing), builds a causal mask through
@@ -10,17 +10,19 @@ same modules and weights (embedding, RMSNorms, projections, the model's own rota
 GQA one) with the mask built directly from the decoder's slot mask. Prefill keeps the model's own
 forward (long, compute-bound; not worth a second path).
 
-Only models whose forward is exactly that computation qualify (`lean_problem`): Llama with SDPA
-attention, SiLU MLP, full attention in every layer, no tensor-parallel split; anything else
-(sliding windows, other architectures, a forward wrapped on the instance by a hook or a test)
-keeps `model.forward`. tests/decode/test_lean_step.py holds the two paths to equal logits.
+Only models whose forward is exactly that computation qualify (`lean_problem`): Llama, Mistral or
+Qwen2 with SDPA attention, SiLU MLP, full attention in every layer, no tensor-parallel split;
+anything else (sliding windows, other architectures, a forward wrapped on the instance by a hook
+or a test) keeps `model.forward`. tests/decode/test_lean_step.py holds the two paths to equal logits.
 """
 
 from __future__ import annotations
 
 import torch
 
-LEAN_TYPES = ("llama",)
+# Llama's decoder layer, or one whose only differences the modules carry (Qwen2: biased q/k/v
+# projections; Mistral: a sliding window, refused below when set)
+LEAN_TYPES = ("llama", "mistral", "qwen2")
 
 
 def lean_problem(model) -> str | None:
@@ -28,13 +30,15 @@ def lean_problem(model) -> str | None:
     exactly what it would."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in LEAN_TYPES:
-        return "not a Llama model"
+        return f"not a {'/'.join(LEAN_TYPES)} model"
     if config._attn_implementation != "sdpa":
         return f"attention {config._attn_implementation!r}, not sdpa"
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
         return "a non-standard MLP"
-    types = getattr(config, "layer_types", None) or ["full_attention"]
-    if any(t != "full_attention" for t in types) or getattr(config, "sliding_window", None):
+    from specdistill.decode.cache_layers import cache_layer_types
+
+    types, window = cache_layer_types(config)
+    if window is not None or any(t != "full_attention" for t in types):
         return "layers other than full attention"
     inner = getattr(model, "model", None)
     if inner is None or not all(

@@ -24,6 +24,33 @@ def _gqa_llama(seed: int = 3):
     return LlamaForCausalLM(cfg).eval()
 
 
+def _qwen2(seed: int = 4):
+    """Biased q/k/v projections; `sliding_window` set but unused (use_sliding_window off)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                      use_sliding_window=False, sliding_window=4, pad_token_id=0,
+                      bos_token_id=None, eos_token_id=None)  # fmt: skip
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # random biases: an init of zeros would not test them
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_()
+    return model
+
+
+def _mistral(seed: int = 5):
+    from tests.decode.sliding_models import mistral
+
+    return mistral(window=None, seed=seed).eval()
+
+
+MODELS = [lambda: tiny_llama(seed=2), _gqa_llama, _qwen2, _mistral]
+MODEL_IDS = ["mha", "gqa", "qwen2", "mistral"]
+
+
 def _pair(model, steps: list[int], mask=None, pos=None, **runner):
     """Two runners on one model, lean and not, fed the same prompt then the same steps: the
     logits of every step from each (all positions kept)."""
@@ -56,7 +83,7 @@ def _pair(model, steps: list[int], mask=None, pos=None, **runner):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("make", [lambda: tiny_llama(seed=2), _gqa_llama], ids=["mha", "gqa"])
+@pytest.mark.parametrize("make", MODELS, ids=MODEL_IDS)
 @pytest.mark.parametrize("weight_major", [False, True])
 def test_dense_steps_match_the_model(make, weight_major):
     model = make()
@@ -67,7 +94,7 @@ def test_dense_steps_match_the_model(make, weight_major):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("make", [lambda: tiny_llama(seed=2), _gqa_llama], ids=["mha", "gqa"])
+@pytest.mark.parametrize("make", MODELS, ids=MODEL_IDS)
 def test_batched_steps_with_holes_and_positions_match_the_model(make):
     """Row 0 left-padded by 2, row 1 with a hole at slot 11 (a rejected draft) and its
     positions counting only real tokens."""
@@ -102,14 +129,13 @@ def test_causal_mask_is_bottom_right_and_keeps_the_slot_mask():
 
 
 def test_who_qualifies():
-    from transformers import MistralConfig, MistralForCausalLM
+    from tests.decode.sliding_models import gemma2, mistral, qwen2
 
-    assert lean_problem(tiny_llama()) is None
-    sliding = MistralForCausalLM(
-        MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, sliding_window=4)
-    )  # fmt: skip
-    assert lean_problem(sliding) == "not a Llama model"
+    for model in (tiny_llama(), _qwen2(), _mistral()):
+        assert lean_problem(model) is None
+    for sliding in (mistral(), qwen2()):  # a window: the model's own masks and forward
+        assert lean_problem(sliding) == "layers other than full attention"
+    assert lean_problem(gemma2()).startswith("not a ")
     eager = tiny_llama()
     eager.config._attn_implementation = "eager"
     assert "sdpa" in lean_problem(eager)
