@@ -45,8 +45,15 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def tiny_llama(vocab: int = 64, layers: int = 2, hidden: int = 32, seed: int = 0, heads: int = 4):
-    """A random-init Llama small enough for exhaustive tests."""
+def tiny_llama(
+    vocab: int = 64,
+    layers: int = 2,
+    hidden: int = 32,
+    seed: int = 0,
+    heads: int = 4,
+    kv_heads: int | None = None,
+):
+    """A random-init Llama small enough for exhaustive tests (kv_heads < heads: grouped-query)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -56,7 +63,7 @@ def tiny_llama(vocab: int = 64, layers: int = 2, hidden: int = 32, seed: int = 0
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=heads,
+        num_key_value_heads=kv_heads or heads,
         max_position_embeddings=256,
         eos_token_id=None,
         pad_token_id=0,

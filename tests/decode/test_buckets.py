@@ -293,16 +293,10 @@ def test_packed_gqa_attention_equals_transformers_sdpa(batch):
 def test_a_gqa_model_decodes_token_identically_with_packed_verifies():
     """Greedy identity on a grouped-query target (9 heads over 3 KV heads), whose verifies run
     the packed attention, against cache-free greedy decoding."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from specdistill.decode.cache_layers import PACKED_SDPA
     from tests.decode.test_speculative import greedy_reference, truncated_copy
 
-    torch.manual_seed(4)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=36, intermediate_size=72, num_hidden_layers=3,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=256,
-                      pad_token_id=0, bos_token_id=None, eos_token_id=None)  # fmt: skip
-    target = LlamaForCausalLM(cfg).eval()
+    target = tiny_llama(layers=3, hidden=36, seed=4, heads=9, kv_heads=3)
     assert target.config._attn_implementation == "sdpa"
     drafter = truncated_copy(target, 1)
     prompt = torch.randint(1, 64, (1, 30), generator=torch.Generator().manual_seed(5))

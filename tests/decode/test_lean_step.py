@@ -15,13 +15,7 @@ from tests.conftest import tiny_llama
 
 
 def _gqa_llama(seed: int = 3):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-                      pad_token_id=0, bos_token_id=None, eos_token_id=None)  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(hidden=48, seed=seed, heads=6, kv_heads=2)
 
 
 def _qwen2(seed: int = 4):
