@@ -125,7 +125,12 @@ class ModelRunner:
         self._eager = model.forward
         self._step = compiled_forward(model) if compile_steps else self._eager
         # eager steps over slot layers: the lean path (decode.lean_step) where the model qualifies
-        self._lean = lean and not static and not compile_steps and lean_problem(model) is None
+        self._lean = (
+            lean
+            and not static
+            and not compile_steps
+            and lean_problem(model, (types, self.window)) is None
+        )
 
     def forward(
         self,

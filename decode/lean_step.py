@@ -25,9 +25,10 @@ import torch
 LEAN_TYPES = ("llama", "mistral", "qwen2")
 
 
-def lean_problem(model) -> str | None:
+def lean_problem(model, layers: tuple[list[str], int | None] | None = None) -> str | None:
     """Why `model`'s decode steps must run its own forward, or None when `lean_forward` computes
-    exactly what it would."""
+    exactly what it would. `layers`: `cache_layer_types(model.config)` where the caller has it
+    already (a `ModelRunner` does; reading it costs more than the rest of the check)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in LEAN_TYPES:
         return f"not a {'/'.join(LEAN_TYPES)} model"
@@ -35,9 +36,11 @@ def lean_problem(model) -> str | None:
         return f"attention {config._attn_implementation!r}, not sdpa"
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
         return "a non-standard MLP"
-    from specdistill.decode.cache_layers import cache_layer_types
+    if layers is None:
+        from specdistill.decode.cache_layers import cache_layer_types
 
-    types, window = cache_layer_types(config)
+        layers = cache_layer_types(config)
+    types, window = layers
     if window is not None or any(t != "full_attention" for t in types):
         return "layers other than full attention"
     inner = getattr(model, "model", None)
