@@ -58,6 +58,14 @@ class RoundPlan:
     probe: bool = False
 
 
+def _block_ema(avg: float, values: list[float], weight: float) -> float:
+    """An exponential average moved by a block of values at once: the block keeps the weight
+    len(values) one-at-a-time updates would give it, 1 - (1 - weight)^n, spread evenly over its
+    values (their order inside the block is noise, not recency)."""
+    keep = (1.0 - weight) ** len(values)
+    return keep * avg + (1.0 - keep) * sum(values) / len(values)
+
+
 class DraftLengthPolicy:
     """Base: a fixed gamma. Subclasses choose k per round; the decoder calls, per generate:
     `start(B)`, then per round `plan(budget, active)`, `keep_drafting(j, conf)` after each draft
@@ -203,36 +211,51 @@ class DraftLengthPolicy:
     def observe_shadow(self, verdicts: list[list[float]], active: list[bool], pairs: bool) -> None:
         """The floor's plain steps tested no draft, but the drafter's next forward reads their
         tokens anyway: verdicts[r] (oldest first) estimates, per skipped token of row r, the
-        acceptance its first draft would have had (`SpeculativeDecoder._observe_shadow`). Each
-        feeds `first` (and, with pairs = greedy autoregressive drafting, a verdict after a hit
-        also feeds `follow`: the next draft of a round that drafted on) as drafted rounds do,
-        so the floor switches drafting back on from what it skipped, not from one probe's luck. Reads only tokens
-        already emitted: the acceptance rule stays exact."""
+        acceptance its first draft would have had (`SpeculativeDecoder._observe_shadow`). Every
+        verdict is a first draft's (a round may start at any skipped token); with pairs (greedy
+        autoregressive drafting) a verdict after a hit is also the next draft's of a round that
+        drafted on. So the floor switches drafting back on from what it skipped, not from one
+        probe's luck. Reads only tokens already emitted: the acceptance rule stays exact.
+
+        A block of verdicts moves each average as far as one verdict at a time would (its total
+        weight), but weighs them alike (`_learn_block`): fed one by one, the average after 64
+        verdicts would be set by the last ~10, and a drafter below break-even would look as if it
+        paid after one probe in five (each such false start costs drafting rounds that lose and
+        the probes back up the backoff ladder)."""
         for r, a in enumerate(active):
-            if not a:
+            if not a or not verdicts[r]:
                 continue
             row = verdicts[r]
-            for j, ok in enumerate(row):
-                # a round may start at any skipped token (the floor's next round starts at an
-                # arbitrary one): every verdict is a first draft's; after a hit it is also the
-                # next draft's of a round that drafted on
-                follows = pairs and j > 0 and row[j - 1] == 1.0
-                self._learn(r, "first", ok, also_follow=follows)
-            self.shadowed = self.shadowed or bool(row)
+            after_hit = [ok for j, ok in enumerate(row) if pairs and j > 0 and row[j - 1] == 1.0]
+            self._learn_block(r, "first", row)
+            self._learn_block(r, "follow", after_hit)
+            self.recent[r] = _block_ema(self.recent[r], row, self.ema)
+            self._life["all"][0] += sum(row)
+            self._life["all"][1] += len(row)
+            self.shadowed = True
 
-    def _learn(self, r: int, key: str, ok: float, also_follow: bool = False) -> None:
-        """One tested draft of row r (ok: accepted, or a verdict's estimate) into the floor's
-        `key` average ("first" / "follow"; with `also_follow`, into both), the calibration's
-        `recent`, and the lifetime counts the next call starts from."""
+    def _learn(self, r: int, key: str, ok: float) -> None:
+        """One tested draft of row r (ok: accepted or not) into the floor's `key` average
+        ("first" / "follow"), the calibration's `recent`, and the lifetime counts the next call
+        starts from."""
         fe, life = self.floor_ema, self._life
-        for name in (key, "follow") if also_follow else (key,):
-            avg = self.first if name == "first" else self.follow
-            avg[r] = (1 - fe) * avg[r] + fe * ok
-            life[name][0] += ok
-            life[name][1] += 1
+        avg = self.first if key == "first" else self.follow
+        avg[r] = (1 - fe) * avg[r] + fe * ok
+        life[key][0] += ok
+        life[key][1] += 1
         self.recent[r] = (1 - self.ema) * self.recent[r] + self.ema * ok
         life["all"][0] += ok
         life["all"][1] += 1
+
+    def _learn_block(self, r: int, key: str, oks: list[float]) -> None:
+        """A block of verdicts of row r into the floor's `key` average ("first" / "follow") and
+        the lifetime counts, weighted alike (`_block_ema`); `recent` is the caller's."""
+        if not oks:
+            return
+        avg = self.first if key == "first" else self.follow
+        avg[r] = _block_ema(avg[r], oks, self.floor_ema)
+        self._life[key][0] += sum(oks)
+        self._life[key][1] += len(oks)
 
     def keep_drafting(self, drafted: int, conf: list[float]) -> bool:
         return True

@@ -122,17 +122,20 @@ def test_observe_shadow_feeds_the_floors_averages():
     pol.start(2)
     fe = pol.floor_ema
     pol.observe_shadow([[1.0, 1.0, 0.0, 1.0], [0.25]], [True, True], pairs=True)
-    # row 0: every verdict feeds first (1, 1, 0, 1); those after a hit feed follow (1, 0)
-    first0 = 0.5
-    for ok in (1.0, 1.0, 0.0, 1.0):
-        first0 = (1 - fe) * first0 + fe * ok
-    follow0 = (0.5 * (1 - fe) + fe) * (1 - fe)
-    assert pol.first[0] == pytest.approx(first0)
-    assert pol.follow[0] == pytest.approx(follow0)
-    assert pol.first[1] == pytest.approx(0.5 * (1 - fe) + fe * 0.25)
+    # row 0: every verdict feeds first (1, 1, 0, 1); those after a hit feed follow (1, 0); a
+    # block of n moves an average by the weight of n single updates, its values weighed alike
+    keep4, keep2 = (1 - fe) ** 4, (1 - fe) ** 2
+    assert pol.first[0] == pytest.approx(keep4 * 0.5 + (1 - keep4) * 0.75)
+    assert pol.follow[0] == pytest.approx(keep2 * 0.5 + (1 - keep2) * 0.5)
+    assert pol.recent[0] == pytest.approx(
+        (1 - pol.ema) ** 4 * 0.5 + (1 - (1 - pol.ema) ** 4) * 0.75
+    )
+    assert pol.first[1] == pytest.approx(0.5 * (1 - fe) + fe * 0.25)  # one verdict: one update
+    assert pol.follow[1] == 0.5
     assert pol._life["first"] == [3.25, 5]
     assert pol._life["follow"] == [1.0, 2]
     assert pol._life["all"] == [3.25, 5]
+    assert pol.shadowed
     other = make_policy("confidence", 4, 8, CHEAP)
     other.start(1)
     other.observe_shadow([[1.0, 1.0]], [True], pairs=False)  # every verdict is a first draft
@@ -141,6 +144,44 @@ def test_observe_shadow_feeds_the_floors_averages():
     idle.start(2)
     idle.observe_shadow([[0.0], [1.0]], [True, False], pairs=True)  # finished rows learn nothing
     assert idle.first[1] == 0.5 and idle._life["first"] == [0.0, 1]
+
+
+def test_a_block_of_verdicts_is_order_free():
+    """The skipped steps' verdicts arrive together: their order inside the block is not
+    recency, so any order leaves the floor in the same state."""
+    rng = torch.Generator().manual_seed(5)
+    row = (torch.rand(40, generator=rng) < 0.8).double().tolist()
+    states = []
+    for order in (row, row[::-1], sorted(row)):
+        pol = make_policy("confidence", 4, 8, CHEAP)
+        pol.start(1)
+        pol.observe_shadow([order], [True], pairs=False)
+        states.append((pol.first[0], pol.recent[0], *pol._life["first"]))
+    assert states[1] == pytest.approx(states[0]) and states[2] == pytest.approx(states[0])
+
+
+def test_a_drafter_below_break_even_rarely_looks_as_if_it_paid():
+    """A probe after 64 skipped steps of a drafter accepted 45% of the time, where drafting pays
+    from ~60% on (c 0.4): judged on the block's verdicts weighed alike, the floor switches
+    drafting back on in under 3% of probes; fed one by one (the last ~10 verdicts set the
+    average) it would in over 5%, each a false start of rounds that lose."""
+    costs = DraftCosts(c=0.4, verify_per_token=0.1, round_overhead=0.1)
+    assert costs.round_cost(1) == pytest.approx(1.6)  # 1 + a > 1.6: a > 0.6
+    rng = torch.Generator().manual_seed(11)
+    block, single, trials = 0, 0, 400
+    for _ in range(trials):
+        row = (torch.rand(64, generator=rng) < 0.45).double().tolist()
+        pol = make_policy("confidence", 4, 8, costs)
+        pol.start(1)
+        pol.observe_shadow([row], [True], pairs=False)
+        block += pol._pays([True])
+        one = make_policy("confidence", 4, 8, costs)
+        one.start(1)
+        for ok in row:
+            one._learn(0, "first", ok)
+        single += one._pays([True])
+    assert block / trials < 0.03
+    assert single / trials > 0.05
 
 
 @pytest.mark.parametrize("with_shadow", [True, False])
