@@ -23,7 +23,9 @@ hold prompt + new tokens, like full layers. Caches that cannot be rolled back by
 from __future__ import annotations
 
 import inspect
+import time
 import weakref
+from typing import ClassVar
 
 import torch
 
@@ -94,6 +96,29 @@ def rollback_cache(config, *, static: bool, capacity: int):
     return Cache(layers=layers)
 
 
+class ForwardClock:
+    """Seconds spent inside `ModelRunner.forward` while this clock is entered (one at a time).
+
+    What a decode costs beyond its forwards, the round's host-side glue (sampling and testing
+    drafts, moving tokens to the host, rolling caches back, the policy's bookkeeping), is its
+    wall time minus this (`draft_length.measure.round_glue`). Off, a forward pays one attribute
+    read. On CUDA each forward is synchronised while a clock runs, so its seconds are the
+    device's, not the launch's.
+    """
+
+    current: ClassVar[ForwardClock | None] = None
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self) -> ForwardClock:
+        ForwardClock.current = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        ForwardClock.current = None
+
+
 class ModelRunner:
     """A model with a KV cache of `length` committed slots; `forward` appends, `rollback` drops."""
 
@@ -141,6 +166,20 @@ class ModelRunner:
         prefill: bool = False,
     ) -> torch.Tensor:
         """Logits of the last `keep` positions (0: all) after appending `ids` to the cache."""
+        clock = ForwardClock.current
+        if clock is None:
+            return self._forward(ids, attention_mask, position_ids, keep, prefill)
+        cuda = ids.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(ids.device)
+        t0 = time.perf_counter()
+        logits = self._forward(ids, attention_mask, position_ids, keep, prefill)
+        if cuda:
+            torch.cuda.synchronize(ids.device)
+        clock.seconds += time.perf_counter() - t0
+        return logits
+
+    def _forward(self, ids, attention_mask, position_ids, keep: int, prefill: bool) -> torch.Tensor:
         n = ids.shape[1]
         if self.length + n > self.capacity:
             raise RuntimeError(

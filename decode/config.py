@@ -138,7 +138,13 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         raise ConfigError(f"decoder.probe_every={cfg.probe_every!r} must be an integer in 1..64")
     if cfg.draft_costs is not None:
         dc = cfg.draft_costs
-        for name in ("c", "verify_per_token", "round_overhead", "draft_per_token"):
+        for name in (
+            "c",
+            "verify_per_token",
+            "round_overhead",
+            "draft_per_token",
+            "glue_per_draft",
+        ):
             v = getattr(dc, name)
             low = MIN_OVERHEAD if name == "round_overhead" else 0  # a verify may undercut a step
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v < 100:
@@ -310,8 +316,9 @@ def _gamma(raw: Any, field: str) -> int | None:
 
 def _draft_costs(raw: Any, field: str) -> DraftCosts | None:
     """`auto` (or null) -> None: measured on the pair; else a mapping of DraftCosts' fields
-    ({c, verify_per_token, round_overhead, draft_per_token (parallel drafting), verify_tokens
-    (a list: what 1, 2, ... drafts add to the verify, as a report's draft_costs prints it)})."""
+    ({c, verify_per_token, round_overhead, draft_per_token (parallel drafting), glue_per_draft,
+    verify_tokens (a list: what 1, 2, ... drafts add to the verify, as a report's draft_costs
+    prints it)})."""
     if raw in (None, "auto"):
         return None
     try:
@@ -319,7 +326,7 @@ def _draft_costs(raw: Any, field: str) -> DraftCosts | None:
     except (TypeError, ValueError) as e:
         raise ConfigError(
             f"{field}.draft_costs={raw!r}: auto, or a mapping of c, verify_per_token, "
-            f"draft_per_token, round_overhead and optionally verify_tokens ({e})"
+            f"draft_per_token, round_overhead, glue_per_draft and optionally verify_tokens ({e})"
         ) from None
 
 

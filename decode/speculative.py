@@ -467,8 +467,9 @@ class SpeculativeDecoder:
             return
         p = torch.stack(plain[-seen.shape[1] :], 1)
         est = torch.clamp(seen / p, max=1.0)
+        greedy = self.cfg.sampling.greedy
         st.policy.observe_shadow(
-            est.tolist(), active, pairs=self.cfg.sampling.greedy and not self.drafting.parallel
+            est.tolist(), active, pairs=greedy and not self.drafting.parallel, block=not greedy
         )
 
     def _draft_width(self, tokens: list[list[int]], done: list[bool]) -> int:

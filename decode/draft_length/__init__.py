@@ -8,7 +8,7 @@ p = target, q = drafter, gamma = drafts per round, c = drafter step / target ste
 | `calibration.py` | `Calibration`: acceptance predicted from q's confidence, fitted online |
 | `policies.py` | `fixed`, `heuristic`, `confidence` (`make_policy`), the floor of target steps |
 | `figures.py` | `replay` (a policy over known outcomes) and a decode's `draft_figures` |
-| `measure.py` | `DraftCosts` timed through the decoder's `step_timer` (the config's: `decode.config`) |
+| `measure.py` | `DraftCosts` timed: forwards through the decoder's `step_timer`, the round's glue in its own decodes (`round_glue`) |
 
 The names below are re-exported so callers import them from `specdistill.decode.draft_length`.
 """
@@ -16,7 +16,6 @@ The names below are re-exported so callers import them from `specdistill.decode.
 from specdistill.decode.draft_length.calibration import Calibration
 from specdistill.decode.draft_length.costs import (
     MIN_OVERHEAD,
-    ROUND_GLUE,
     DraftCosts,
     best_length,
     best_more,
@@ -31,6 +30,7 @@ from specdistill.decode.draft_length.figures import Replay, draft_figures, repla
 from specdistill.decode.draft_length.measure import (
     measure_costs,
     realized_overhead,
+    round_glue,
 )
 from specdistill.decode.draft_length.policies import (
     POLICIES,
@@ -48,7 +48,6 @@ __all__ = [
     "MIN_OVERHEAD",
     "POLICIES",
     "POLICY_CLASSES",
-    "ROUND_GLUE",
     "SCOPES",
     "Calibration",
     "ConfidenceLength",
@@ -70,5 +69,6 @@ __all__ = [
     "modeled_speedup",
     "realized_overhead",
     "replay",
+    "round_glue",
     "verify_widths",
 ]

@@ -4,8 +4,9 @@ p = target, q = drafter, k = drafts in a round (gamma when fixed), c = one draft
 steps. Cost model (units: one 1-token target step; `DraftCosts`): a round with k >= 1 drafts costs
 k c (drafter steps; one forward in all for a parallel drafter) + 1 + `round_overhead` +
 k `verify_per_token` (the (k+1)-token verify and the round's glue; where each width was timed,
-its own figure, `verify_tokens`, in place of the line); a round with 0 drafts is a plain target
-step and costs 1.
+its own figure, `verify_tokens`, in place of the line) + k `glue_per_draft` (the host's work per
+draft: sampling it from q, testing it against p); a round with 0 drafts is a plain target step
+and costs 1.
 
 Expected-gain rule (`draft_gain`). With acceptance probabilities a_1..a_k of the drafts (each
 given that the ones before were accepted), a round emits E = 1 + sum_j prod_{i<=j} a_i tokens.
@@ -44,6 +45,10 @@ class DraftCosts:
     (`decoder.verify_costs=by_width`); past its end, and when empty, k * verify_per_token. A
     line through two widths misprices the others wherever the kernels favour some widths: on
     CPU a 4-row GEMM can beat a 3-row one, so 3 drafts may cost no more than 2.
+
+    glue_per_draft: host-side work each draft adds to a round beyond the forwards (sampling it,
+    its acceptance test and residual): near 0 greedy; at temperature 1 on a small CPU pair a
+    few hundredths of a target step per draft, which a 4-draft round's pricing cannot ignore.
     """
 
     c: float = 0.4
@@ -53,13 +58,14 @@ class DraftCosts:
     # parallel: what each proposal beyond the first adds to the one drafter forward (a mask)
     draft_per_token: float = 0.0
     verify_tokens: tuple[float, ...] = ()
+    glue_per_draft: float = 0.0
 
     def round_cost(self, k: int) -> float:
         """Cost of a round with k drafts (k = 0: a plain target step, cost 1)."""
         if k <= 0:
             return 1.0
         drafting = self.c + (k - 1) * self.draft_per_token if self.parallel else k * self.c
-        return drafting + self.verify_cost(k)
+        return drafting + k * self.glue_per_draft + self.verify_cost(k)
 
     def verify_cost(self, k: int) -> float:
         """A round's cost beyond its drafting: the verify of k drafts and the round's glue."""
@@ -74,7 +80,8 @@ class DraftCosts:
 
 def costs_from_mapping(values: Mapping[str, Any]) -> DraftCosts:
     """DraftCosts from a config mapping, as a report's `draft_costs` prints them: numbers for
-    c, verify_per_token, round_overhead, draft_per_token, and a list for verify_tokens. Raises
+    c, verify_per_token, round_overhead, draft_per_token, glue_per_draft, and a list for
+    verify_tokens. Raises
     TypeError or ValueError on anything else (callers name their config field)."""
     fields = dict(values)
     table = fields.pop("verify_tokens", None) or ()
@@ -184,9 +191,6 @@ def chunk_widths(n: int, max_width: int = 16) -> list[int]:
     return out
 
 
-# A speculative round's host-side glue beyond a plain target step's (verdict, host sync of the
-# drafts, bookkeeping, cache rollback), in target steps: measured on the toy pair on CPU.
-ROUND_GLUE = 0.1
 # The verify's first token may cost less than a 1-token step (round_overhead < 0), within reason:
 # a timing below this is noise, not a kernel.
 MIN_OVERHEAD = -0.5

@@ -118,6 +118,7 @@ def draft_figures(out, costs: DraftCosts | None = None) -> dict:
             "c": costs.c,
             "verify_per_token": costs.verify_per_token,
             "round_overhead": costs.round_overhead,
+            "glue_per_draft": costs.glue_per_draft,
         }
         if costs.parallel:
             figures["draft_costs"]["draft_per_token"] = costs.draft_per_token

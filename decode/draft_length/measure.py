@@ -1,9 +1,12 @@
 """Where the pair's `DraftCosts` come from when the config says `auto`: timed on this device.
 
 p = target, q = drafter, c = one drafter step in target steps. The adaptive draft-length
-policies plan with these costs (`costs.py`); they are timed with the decoder's own caches
+policies plan with these costs (`costs.py`); the forwards are timed with the decoder's own caches
 (`SpeculativeDecoder.step_timer`), medians over blocks of steps, the models interleaved so load
-drifts on a shared machine hit both alike.
+drifts on a shared machine hit both alike. The round's host-side glue (sampling and testing
+drafts, moving them to the host, rollbacks, bookkeeping) is timed in the decoder's own rounds
+(`round_glue`): on a small CPU pair it is a tenth of a target step and more, and at
+temperature 1 it grows with each draft, so no constant prices it in both serving modes.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import time
 
 import torch
 
-from specdistill.decode.draft_length.costs import MIN_OVERHEAD, ROUND_GLUE, DraftCosts
+from specdistill.decode.cache import ForwardClock
+from specdistill.decode.draft_length.costs import MIN_OVERHEAD, DraftCosts
 
 
 @torch.inference_mode()
@@ -31,6 +35,7 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
     # ratios per sample (each against the target step timed beside it), then medians: robust
     # to load that drifts between samples on a shared machine
     ratios: dict[str, list[float]] = {"d": [], "dk": []} | {f"v{j}": [] for j in widths}
+    steps: list[float] = []  # seconds of a target step, the unit of the glue
     for i in range(iters + 1):  # the first round is warm-up
         tt = timer.target_step()
         got = {
@@ -41,6 +46,7 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
         } | {f"v{j}": timer.verify(j) for j in widths}
         tt = (tt + timer.target_step()) / 2
         if i:
+            steps.append(tt)
             for key, v in got.items():
                 ratios[key].append(v / tt)
     med = {key: statistics.median(v) for key, v in ratios.items()}
@@ -51,10 +57,15 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
     # timed j-draft verify plus the round's glue at every width
     by_width = len(widths) > 2  # a line through two widths is exact at both
     table = tuple(round(med[f"v{j}"] - v1 + per_token, 4) for j in widths) if by_width else ()
+    # the glue at 1 draft and at the most a round drafts (up to 4): a fixed part and a slope
+    top = min(k, 4)
+    glue = round_glue(dec, ids, sorted({1, top}), statistics.median(steps))
+    slope = max(0.0, (glue[top] - glue[1]) / (top - 1)) if top > 1 else 0.0
     costs = DraftCosts(
         c=round(med["d"], 4),
         verify_per_token=round(per_token, 4),
-        round_overhead=round(max(MIN_OVERHEAD, v1 - 1.0 - per_token) + ROUND_GLUE, 4),
+        round_overhead=round(max(MIN_OVERHEAD, v1 - 1.0 - per_token) + glue[1] - slope, 4),
+        glue_per_draft=round(slope, 4),
         parallel=parallel,
         draft_per_token=round(max(0.0, (med["dk"] - med["d"]) / (k - 1)), 4)
         if parallel and k > 1
@@ -66,6 +77,45 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
         if glue > costs.round_overhead:
             costs = dataclasses.replace(costs, round_overhead=round(glue, 4))
     return costs
+
+
+def round_glue(
+    dec, ids: torch.Tensor, ks: list[int], step_seconds: float, tokens: int = 16, reps: int = 2
+) -> dict[int, float]:
+    """Per k in ks: the host-side time a fixed-length round of k drafts spends beyond its
+    forwards, less what a plain target step spends beyond its forward, in target steps
+    (step_seconds: one target step's forward). Timed in the decoder's own decodes of `tokens`
+    tokens on `ids` (fixed k, no prompt lookup; target-only beside them), each one's wall time
+    less the seconds inside its forwards (`ForwardClock`, drafter prefill and catch-ups
+    included): the forwards are priced by `measure_costs`' step timings, the glue by this.
+    Medians over `reps` after one warm-up; the decodes' tokens are never looked at."""
+    cfg = dataclasses.replace(
+        dec.cfg, draft_length="fixed", max_new_tokens=tokens, eos_token_id=(), lookup=False
+    )
+    fixed = {
+        k: type(dec)(
+            dec.target, dec.drafter, dataclasses.replace(cfg, gamma=k),
+            tokenizer_len=dec.vocab, mapped=dec.mapped, prefill_memo=dec.prefill_memo,
+        )
+        for k in ks
+    }  # fmt: skip
+
+    def host(fn) -> tuple[float, int]:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        with ForwardClock() as clock:
+            t0 = time.perf_counter()
+            out = fn(ids, generator=gen)
+            wall = time.perf_counter() - t0
+        return wall - clock.seconds, max(out.target_forwards, 1)
+
+    glue: dict[int, list[float]] = {k: [] for k in ks}
+    for i in range(reps + 1):  # the first pass warms both decoders up
+        step_host, steps = host(fixed[ks[0]].baseline)
+        for k in ks:
+            round_host, rounds = host(fixed[k].generate)
+            if i:
+                glue[k].append((round_host / rounds - step_host / steps) / step_seconds)
+    return {k: statistics.median(v) for k, v in glue.items()}
 
 
 def realized_overhead(

@@ -208,7 +208,9 @@ class DraftLengthPolicy:
                 self.tokens[r] += 1.0
                 self.cost[r] += 1.0
 
-    def observe_shadow(self, verdicts: list[list[float]], active: list[bool], pairs: bool) -> None:
+    def observe_shadow(
+        self, verdicts: list[list[float]], active: list[bool], pairs: bool, block: bool = False
+    ) -> None:
         """The floor's plain steps tested no draft, but the drafter's next forward reads their
         tokens anyway: verdicts[r] (oldest first) estimates, per skipped token of row r, the
         acceptance its first draft would have had (`SpeculativeDecoder._observe_shadow`). Every
@@ -217,21 +219,30 @@ class DraftLengthPolicy:
         drafted on. So the floor switches drafting back on from what it skipped, not from one
         probe's luck. Reads only tokens already emitted: the acceptance rule stays exact.
 
-        A block of verdicts moves each average as far as one verdict at a time would (its total
-        weight), but weighs them alike (`_learn_block`): fed one by one, the average after 64
-        verdicts would be set by the last ~10, and a drafter below break-even would look as if it
-        paid after one probe in five (each such false start costs drafting rounds that lose and
-        the probes back up the backoff ladder)."""
+        block (sampling: each verdict is min(1, q/p), a noisy estimate of one token): the block
+        moves `first` and `follow` as far as one verdict at a time would (its total weight) but
+        weighs its verdicts alike (`_block_ema`). Fed one by one, the average after 64 verdicts
+        is set by the last ~10, and a drafter below break-even looks as if it paid after one
+        probe in ten, each false start costing rounds that lose and probes back up the backoff
+        ladder. Greedy verdicts are exact hits and misses that come in runs (a copied span, then
+        none): there the newest say most about the next round, so they go one at a time."""
         for r, a in enumerate(active):
-            if not a or not verdicts[r]:
-                continue
             row = verdicts[r]
+            if not a or not row:
+                continue
             after_hit = [ok for j, ok in enumerate(row) if pairs and j > 0 and row[j - 1] == 1.0]
-            self._learn_block(r, "first", row)
-            self._learn_block(r, "follow", after_hit)
-            self.recent[r] = _block_ema(self.recent[r], row, self.ema)
-            self._life["all"][0] += sum(row)
-            self._life["all"][1] += len(row)
+            if block:
+                self._learn_block(r, "first", row)
+                self._learn_block(r, "follow", after_hit)
+                for ok in row:  # the calibration's `recent` is recency itself: one at a time
+                    self.recent[r] = (1 - self.ema) * self.recent[r] + self.ema * ok
+                self._life["all"][0] += sum(row)
+                self._life["all"][1] += len(row)
+            else:
+                for j, ok in enumerate(row):
+                    self._learn(r, "first", ok)
+                    if pairs and j > 0 and row[j - 1] == 1.0:
+                        self._learn_block(r, "follow", [ok])
             self.shadowed = True
 
     def _learn(self, r: int, key: str, ok: float) -> None:

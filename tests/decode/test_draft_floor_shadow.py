@@ -121,21 +121,33 @@ def test_observe_shadow_feeds_the_floors_averages():
     pol = make_policy("confidence", 4, 8, CHEAP)
     pol.start(2)
     fe = pol.floor_ema
-    pol.observe_shadow([[1.0, 1.0, 0.0, 1.0], [0.25]], [True, True], pairs=True)
+    pol.observe_shadow([[1.0, 1.0, 0.0, 1.0], [0.25]], [True, True], pairs=True, block=True)
     # row 0: every verdict feeds first (1, 1, 0, 1); those after a hit feed follow (1, 0); a
     # block of n moves an average by the weight of n single updates, its values weighed alike
     keep4, keep2 = (1 - fe) ** 4, (1 - fe) ** 2
     assert pol.first[0] == pytest.approx(keep4 * 0.5 + (1 - keep4) * 0.75)
     assert pol.follow[0] == pytest.approx(keep2 * 0.5 + (1 - keep2) * 0.5)
-    assert pol.recent[0] == pytest.approx(
-        (1 - pol.ema) ** 4 * 0.5 + (1 - (1 - pol.ema) ** 4) * 0.75
-    )
+    recent0 = 0.5
+    for ok in (1.0, 1.0, 0.0, 1.0):  # `recent` takes them one at a time
+        recent0 = (1 - pol.ema) * recent0 + pol.ema * ok
+    assert pol.recent[0] == pytest.approx(recent0)
     assert pol.first[1] == pytest.approx(0.5 * (1 - fe) + fe * 0.25)  # one verdict: one update
     assert pol.follow[1] == 0.5
     assert pol._life["first"] == [3.25, 5]
     assert pol._life["follow"] == [1.0, 2]
     assert pol._life["all"] == [3.25, 5]
     assert pol.shadowed
+    seq = make_policy("confidence", 4, 8, CHEAP)  # greedy: one verdict at a time, newest last
+    seq.start(1)
+    seq.observe_shadow([[1.0, 1.0, 0.0, 1.0]], [True], pairs=True)
+    first0, follow0 = 0.5, 0.5
+    for ok in (1.0, 1.0, 0.0, 1.0):
+        first0 = (1 - fe) * first0 + fe * ok
+    for ok in (1.0, 0.0):
+        follow0 = (1 - fe) * follow0 + fe * ok
+    assert seq.first[0] == pytest.approx(first0) and seq.follow[0] == pytest.approx(follow0)
+    assert seq.recent[0] == pytest.approx(recent0)
+    assert seq._life == {"first": [3.0, 4], "follow": [1.0, 2], "all": [3.0, 4]}
     other = make_policy("confidence", 4, 8, CHEAP)
     other.start(1)
     other.observe_shadow([[1.0, 1.0]], [True], pairs=False)  # every verdict is a first draft
@@ -147,24 +159,24 @@ def test_observe_shadow_feeds_the_floors_averages():
 
 
 def test_a_block_of_verdicts_is_order_free():
-    """The skipped steps' verdicts arrive together: their order inside the block is not
-    recency, so any order leaves the floor in the same state."""
+    """Sampled verdicts arrive together: their order inside the block is not recency, so any
+    order leaves the floor's averages in the same state."""
     rng = torch.Generator().manual_seed(5)
     row = (torch.rand(40, generator=rng) < 0.8).double().tolist()
     states = []
     for order in (row, row[::-1], sorted(row)):
         pol = make_policy("confidence", 4, 8, CHEAP)
         pol.start(1)
-        pol.observe_shadow([order], [True], pairs=False)
-        states.append((pol.first[0], pol.recent[0], *pol._life["first"]))
+        pol.observe_shadow([order], [True], pairs=False, block=True)
+        states.append((pol.first[0], *pol._life["first"]))
     assert states[1] == pytest.approx(states[0]) and states[2] == pytest.approx(states[0])
 
 
 def test_a_drafter_below_break_even_rarely_looks_as_if_it_paid():
     """A probe after 64 skipped steps of a drafter accepted 45% of the time, where drafting pays
-    from ~60% on (c 0.4): judged on the block's verdicts weighed alike, the floor switches
-    drafting back on in under 3% of probes; fed one by one (the last ~10 verdicts set the
-    average) it would in over 5%, each a false start of rounds that lose."""
+    from ~60% on (c 0.4): judged on the block's verdicts weighed alike (sampling), the floor
+    switches drafting back on in under 3% of probes; fed one by one (greedy: the last ~10
+    verdicts set the average) it would in over 5%, each a false start of rounds that lose."""
     costs = DraftCosts(c=0.4, verify_per_token=0.1, round_overhead=0.1)
     assert costs.round_cost(1) == pytest.approx(1.6)  # 1 + a > 1.6: a > 0.6
     rng = torch.Generator().manual_seed(11)
@@ -173,12 +185,11 @@ def test_a_drafter_below_break_even_rarely_looks_as_if_it_paid():
         row = (torch.rand(64, generator=rng) < 0.45).double().tolist()
         pol = make_policy("confidence", 4, 8, costs)
         pol.start(1)
-        pol.observe_shadow([row], [True], pairs=False)
+        pol.observe_shadow([row], [True], pairs=False, block=True)
         block += pol._pays([True])
         one = make_policy("confidence", 4, 8, costs)
         one.start(1)
-        for ok in row:
-            one._learn(0, "first", ok)
+        one.observe_shadow([row], [True], pairs=False)
         single += one._pays([True])
     assert block / trials < 0.03
     assert single / trials > 0.05

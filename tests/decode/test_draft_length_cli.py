@@ -32,6 +32,7 @@ def test_validate_reports_the_policy_beside_fixed_gamma(tmp_path, toy_tiny):
         "c",
         "verify_per_token",
         "round_overhead",
+        "glue_per_draft",  # timed in the decoder's own rounds (draft_length.measure.round_glue)
         "verify_tokens",  # decoder.verify_costs=by_width: one entry per verify width
     }
     assert len(f["draft_costs"]["verify_tokens"]) == 6
