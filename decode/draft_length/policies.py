@@ -27,7 +27,7 @@ before each round the rule above, with the row's moving averages of first-draft 
 acceptance, decides between drafting and a plain target step; once a target step wins, the next
 `interval` rounds are target steps, then a probe round drafts (the drafter catches up on the
 skipped tokens in one forward). A probe that does not pay for itself doubles the interval (up to
-8 probe_every, carried from call to call), one that does resets it to `probe_every`.
+64 probe_every, carried from call to call), one that does resets it to `probe_every`.
 
 Batches (`draft_scope`): `batch` picks one length for all rows from their summed gains (a batched
 drafter step costs the same however many rows use it); `row` lets each row stop on its own
@@ -79,7 +79,12 @@ class DraftLengthPolicy:
     """
 
     reads_q = False
-    max_backoff = 8  # a floor's probe interval grows to at most this many probe_every
+    # a floor's probe interval grows to at most this many probe_every: a probe costs the drafter's
+    # prefill of the prompt (once per decode: it reads the prompt lazily) and its catch-up over
+    # the skipped tokens, several target steps on short decodes; at 8 a drafter that never pays
+    # still probed about once per 64 tokens (measured at T=1 on the toy pair: 2-3% below
+    # target-only, decode/RESULTS.md); a drafter that pays resets the interval at its first probe
+    max_backoff = 64
     ema = 0.3  # `recent`, the calibration's history feature
     floor_ema = 0.1  # `first` / `follow`, what the floor decides on: slower, a few misses at a
     # sequence's start should not switch a good drafter off (measured: 0.3 did, on the toy pair)
@@ -301,7 +306,7 @@ class DraftLengthPolicy:
             # rule on averages that now hold the whole interval's evidence; without them, by
             # one round's tokens against its cost in target steps. A probe costs the drafter's
             # catch-up over the skipped tokens on top of its round, so one that does not pay
-            # backs off (a weak drafter then costs ~1/64 of a step per token, not ~1/8)
+            # backs off (a weak drafter then probes once per up to 512 tokens, not every 8)
             if self.shadowed:
                 paid = self._pays(active)
             else:

@@ -231,3 +231,32 @@ def test_modeled_speedup_by_hand():
     assert modeled_speedup([3, 2, 0, 1], 10, costs) == pytest.approx(10 / (3 + 2 * one + three))
     assert modeled_speedup([5], 5, costs) == 1.0  # plain steps only: target-only speed
     assert modeled_speedup([], 0, costs) == 0.0
+
+
+def test_failed_probes_back_off_to_the_cap_and_a_paying_one_resets():
+    """Each probe that does not pay doubles the interval, up to max_backoff probe_every (a
+    drafter that never pays probes rarely: its probes cost a prefill and a catch-up); the first
+    probe that pays brings it back to probe_every."""
+    pol = make_policy("confidence", 4, 4, CHEAP, probe_every=2)
+    pol.start(1)
+    intervals = []
+
+    def run_until_probe(accepted: int) -> None:
+        while True:
+            pol.first, pol.follow = [0.01], [0.01]  # drafting looks hopeless before each round
+            plan = pol.plan(4, [True])
+            if plan.k == 0:
+                pol.observe_step([True])
+                continue
+            pol.observe([plan.k], [min(accepted, plan.k)], [True], [[0.5] * plan.k])
+            if plan.probe:
+                intervals.append(pol.interval)
+                return
+
+    for _ in range(9):
+        run_until_probe(accepted=0)
+    cap = pol.max_backoff * pol.probe_every
+    assert cap == 128
+    assert intervals == [4, 8, 16, 32, 64, 128, 128, 128, 128]
+    run_until_probe(accepted=4)  # every draft accepted: the probe paid
+    assert intervals[-1] == pol.probe_every
