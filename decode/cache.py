@@ -97,7 +97,7 @@ def rollback_cache(config, *, static: bool, capacity: int):
 
 
 class ForwardClock:
-    """Seconds spent inside `ModelRunner.forward` while this clock is entered (one at a time).
+    """Seconds spent inside `ModelRunner.forward` while this clock is the innermost entered.
 
     What a decode costs beyond its forwards, the round's host-side glue (sampling and testing
     drafts, moving tokens to the host, rolling caches back, the policy's bookkeeping), is its
@@ -110,13 +110,14 @@ class ForwardClock:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self._outer: ForwardClock | None = None
 
     def __enter__(self) -> ForwardClock:
-        ForwardClock.current = self
+        self._outer, ForwardClock.current = ForwardClock.current, self
         return self
 
     def __exit__(self, *exc) -> None:
-        ForwardClock.current = None
+        ForwardClock.current = self._outer  # an outer clock misses what this one counted
 
 
 class ModelRunner:

@@ -81,9 +81,9 @@ class DraftLengthPolicy:
     reads_q = False
     # a floor's probe interval grows to at most this many probe_every: a probe costs the drafter's
     # prefill of the prompt (once per decode: it reads the prompt lazily) and its catch-up over
-    # the skipped tokens, several target steps on short decodes; at 8 a drafter that never pays
-    # still probed about once per 64 tokens (measured at T=1 on the toy pair: 2-3% below
-    # target-only, decode/RESULTS.md); a drafter that pays resets the interval at its first probe
+    # the skipped tokens, several target steps, which short decodes cannot amortise if a drafter
+    # that never pays keeps probing every few dozen tokens (decode/RESULTS.md); a drafter that
+    # pays resets the interval at its first probe, so a long ladder costs it nothing
     max_backoff = 64
     ema = 0.3  # `recent`, the calibration's history feature
     floor_ema = 0.1  # `first` / `follow`, what the floor decides on: slower, a few misses at a
@@ -227,9 +227,8 @@ class DraftLengthPolicy:
         block (sampling: each verdict is min(1, q/p), a noisy estimate of one token): the block
         moves `first` and `follow` as far as one verdict at a time would (its total weight) but
         weighs its verdicts alike (`_block_ema`). Fed one by one, the average after 64 verdicts
-        is set by the last ~10, and a drafter below break-even looks as if it paid after one
-        probe in ten, each false start costing rounds that lose and probes back up the backoff
-        ladder. Greedy verdicts are exact hits and misses that come in runs (a copied span, then
+        is set by the last ~10, and a drafter below break-even often looks as if it paid, each
+        false start costing rounds that lose and probes back up the backoff ladder. Greedy verdicts are exact hits and misses that come in runs (a copied span, then
         none): there the newest say most about the next round, so they go one at a time."""
         for r, a in enumerate(active):
             row = verdicts[r]
@@ -306,7 +305,7 @@ class DraftLengthPolicy:
             # rule on averages that now hold the whole interval's evidence; without them, by
             # one round's tokens against its cost in target steps. A probe costs the drafter's
             # catch-up over the skipped tokens on top of its round, so one that does not pay
-            # backs off (a weak drafter then probes once per up to 512 tokens, not every 8)
+            # backs off (a weak drafter then probes once per max_backoff * probe_every tokens)
             if self.shadowed:
                 paid = self._pays(active)
             else:
