@@ -69,8 +69,24 @@ COSTS = [
     DraftCosts(
         c=0.2, verify_per_token=0.1, round_overhead=0.0, verify_tokens=(0.1, 0.4, 0.15, 0.5)
     ),
+    # the round's host glue timed (draft_length.measure.round_glue): a part per draft
+    DraftCosts(c=0.35, verify_per_token=0.07, round_overhead=0.01, glue_per_draft=0.06),
 ]
-IDS = ["toy", "cheap", "dear", "parallel", "by_width"]
+IDS = ["toy", "cheap", "dear", "parallel", "by_width", "glue"]
+
+
+def test_round_cost_by_hand():
+    """k drafts: k c (one forward for a parallel drafter, plus a mask per further proposal) +
+    k glue_per_draft + 1 + round_overhead + the verify's k positions (its table where timed)."""
+    glue = DraftCosts(c=0.35, verify_per_token=0.07, round_overhead=0.01, glue_per_draft=0.06)
+    assert glue.round_cost(0) == 1.0
+    assert glue.round_cost(3) == pytest.approx(3 * 0.35 + 3 * 0.06 + 1 + 0.01 + 3 * 0.07)
+    par = DraftCosts(
+        c=0.3, round_overhead=0.0, parallel=True, draft_per_token=0.02, glue_per_draft=0.05,
+        verify_tokens=(0.1, 0.3),
+    )  # fmt: skip
+    assert par.round_cost(2) == pytest.approx(0.3 + 0.02 + 2 * 0.05 + 1 + 0.3)
+    assert par.round_cost(3) == pytest.approx(0.3 + 2 * 0.02 + 3 * 0.05 + 1 + 3 * 0.05)
 
 
 @pytest.mark.parametrize("costs", COSTS, ids=IDS)
