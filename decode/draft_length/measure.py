@@ -79,6 +79,19 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
     return costs
 
 
+def fixed_length(dec, k: int, tokens: int, prefill_memo=None):
+    """A copy of decoder `dec` (same models, vocabulary mapping and settings) that drafts k
+    tokens every round, decodes exactly `tokens` tokens (no EOS) and never takes drafts from
+    prompt lookup: the decodes the round's overhead is timed in."""
+    cfg = dataclasses.replace(
+        dec.cfg, draft_length="fixed", gamma=k, max_new_tokens=tokens, eos_token_id=(), lookup=False
+    )
+    return type(dec)(
+        dec.target, dec.drafter, cfg, tokenizer_len=dec.vocab, mapped=dec.mapped,
+        prefill_memo=prefill_memo,
+    )  # fmt: skip
+
+
 def round_glue(
     dec, ids: torch.Tensor, ks: list[int], step_seconds: float, tokens: int = 16, reps: int = 2
 ) -> dict[int, float]:
@@ -89,16 +102,7 @@ def round_glue(
     less the seconds inside its forwards (`ForwardClock`, drafter prefill and catch-ups
     included): the forwards are priced by `measure_costs`' step timings, the glue by this.
     Medians over `reps` after one warm-up; the decodes' tokens are never looked at."""
-    cfg = dataclasses.replace(
-        dec.cfg, draft_length="fixed", max_new_tokens=tokens, eos_token_id=(), lookup=False
-    )
-    fixed = {
-        k: type(dec)(
-            dec.target, dec.drafter, dataclasses.replace(cfg, gamma=k),
-            tokenizer_len=dec.vocab, mapped=dec.mapped, prefill_memo=dec.prefill_memo,
-        )
-        for k in ks
-    }  # fmt: skip
+    fixed = {k: fixed_length(dec, k, tokens, dec.prefill_memo) for k in ks}
 
     def host(fn) -> tuple[float, int]:
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -125,10 +129,7 @@ def realized_overhead(
     rounds against target-only steps on `ids` (B rows), each decoded twice (the first warms),
     interleaved. Forward timings alone miss the per-row bookkeeping of batched rounds, which on
     CPU made adaptive lengths at batch 4 draft as if rounds were cheap."""
-    cfg = dataclasses.replace(
-        dec.cfg, draft_length="fixed", gamma=k, max_new_tokens=tokens, eos_token_id=()
-    )
-    fixed = type(dec)(dec.target, dec.drafter, cfg, tokenizer_len=dec.vocab, mapped=dec.mapped)
+    fixed = fixed_length(dec, k, tokens)  # called at B > 1 only, where lookup never runs
     ratios = []
     for i in range(6):
         t0 = time.perf_counter()
@@ -139,5 +140,6 @@ def realized_overhead(
         if i:
             step = (t1 - t0) / max(base.target_forwards, 1)
             ratios.append((t2 - t1) / max(spec.target_forwards, 1) / step)
-    forwards = costs.round_cost(k) - costs.round_overhead  # drafts + verify, no glue
+    # drafts, verify and the per-draft glue: what is left is the round's fixed overhead
+    forwards = costs.round_cost(k) - costs.round_overhead
     return max(0.0, statistics.median(ratios) - forwards)
