@@ -18,7 +18,7 @@ import torch
 
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.config import DecoderSettings
-from specdistill.decode.draft_length import DraftCosts, best_length
+from specdistill.decode.draft_length import DraftCosts, best_length, measure
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.conftest import tiny_llama
 from tests.decode.test_speculative import prompts, truncated_copy
@@ -81,12 +81,16 @@ class FakeTimer:
 
 def test_measured_costs_read_each_timed_width(monkeypatch):
     """`measure_costs` with by_width: the line through 1 and 4 drafts (per token (1.7 - 1.1) / 3)
-    and each width's own verify as timed; linear times only the ends and keeps the line."""
+    and each width's own verify as timed; linear times only the ends and keeps the line. The
+    round's glue is fixed here (timed, two decoders would each measure their own)."""
     monkeypatch.setattr(SpeculativeDecoder, "step_timer", lambda self, ids, slots=None: FakeTimer())
+    monkeypatch.setattr(measure, "round_glue", lambda dec, ids, ks, step: dict.fromkeys(ks, 0.05))
     prompt = torch.tensor([prompts(1, 64, seed=2)[0]])
     costs = _decoder("by_width").draft_costs(prompt)
     assert costs.c == 0.25 and costs.verify_per_token == pytest.approx(0.2)
+    assert costs.glue_per_draft == 0.0
     glue = costs.round_overhead - (1.1 - 1.0 - 0.2)  # the round's glue beyond the timed verify
+    assert glue == pytest.approx(0.05)
     for k, seconds in VERIFY.items():
         assert costs.verify_cost(k) == pytest.approx(seconds + glue, abs=1e-4)
     line = _decoder("linear").draft_costs(prompt)
