@@ -146,6 +146,12 @@ def timed_repeats(dec, batches, seed: int, repeats: int, passes: list[TimedPass]
     return base_rates, spec_rates, base_out, spec_out
 
 
+def speedup_range(base_rates: list[float], spec_rates: list[float]) -> list[float]:
+    """[lowest, highest] per-repeat speedup: repeat i's speculative over its target-only rate."""
+    ratios = [sr / br for br, sr in zip(base_rates, spec_rates, strict=True)]
+    return [round(min(ratios), 3), round(max(ratios), 3)]
+
+
 def mode_figures(dec, base_rates, spec_rates, spec_out: DecodeOutput) -> dict[str, Any]:
     """One mode's row of report.json's `modes`: alpha, tau and the measured speedup."""
     s = dec.cfg.sampling
@@ -156,6 +162,9 @@ def mode_figures(dec, base_rates, spec_rates, spec_out: DecodeOutput) -> dict[st
         "alpha": round(spec_out.alpha, 4),
         "tau": round(spec_out.tau, 3),
         "speedup": round(statistics.median(spec_rates) / statistics.median(base_rates), 3),
+        # each repeat's own ratio (its target-only and speculative passes ran interleaved): the
+        # spread a reader needs to tell a speedup from this machine's timing noise
+        "speedup_range": speedup_range(base_rates, spec_rates),
         "baseline_tokens_per_s": spread(base_rates),
         "speculative_tokens_per_s": spread(spec_rates),
         # The raw counters, so another engine's acceptance can be put on the same footing.

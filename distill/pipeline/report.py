@@ -50,8 +50,8 @@ ROWS = [
     ("alpha, temperature {T}", "decode-time acceptance", "validate", "sampling.alpha"),
     ("tau (tokens per target forward), greedy", "decode-time", "validate", "greedy.tau"),
     ("tau, temperature {T}", "decode-time", "validate", "sampling.tau"),
-    ("speedup over target-only (measured), greedy", "wall clock", "validate", "greedy.speedup"),
-    ("speedup over target-only (measured), temperature {T}", "wall clock", "validate", "sampling.speedup"),
+    ("speedup over target-only (measured), greedy", "wall clock: median (range) of repeats", "validate", "greedy.speedup"),
+    ("speedup over target-only (measured), temperature {T}", "wall clock: median (range) of repeats", "validate", "sampling.speedup"),
     ("theoretical speedup, serving mode", "cost model: alpha, c, draft lengths", "validate", "theoretical_speedup"),
     ("HF assisted speedup, same pair", "wall clock, serving mode", "validate", "hf_speedup"),
     ("rounds drafted by prompt lookup, serving mode", "share of rounds (acceptance)", "validate", "lookup"),
@@ -114,8 +114,19 @@ def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> An
         return f"{lk['round_share']:.2f} ({lk['acceptance']:.2f})" if lk else None
     if "." in key:
         mode, name = key.split(".")
-        return mode_value(v, mode, name)
+        got = mode_value(v, mode, name)
+        low_high = mode_value(v, mode, "speedup_range") if name == "speedup" else None
+        if got is None or not low_high or len(low_high) < 2 or low_high[0] == low_high[1]:
+            return got
+        # the per-repeat spread beside the median: a figure near 1.0 reads as noise or not
+        return f"{_shown(got)} ({_shown(low_high[0])}-{_shown(low_high[1])})"
     return v.get(key)
+
+
+def _repeats(v: dict[str, Any]) -> str:
+    """ ", N timed repeats" where the report says how many (the speedups' ranges are theirs)."""
+    n = v.get("repeats")
+    return f", {n} timed repeat{'s' if n != 1 else ''}" if n else ""
 
 
 def _shown(v: Any) -> str:
@@ -218,7 +229,7 @@ def summary_markdown(
     if v:
         lines += [
             f"Decode-time figures: `specdistill.decode.validate.stage`, {v.get('prompts')} held-out "
-            f"prompts x {v.get('max_new_tokens')} new tokens, {decoder_words(v)}, "
+            f"prompts x {v.get('max_new_tokens')} new tokens{_repeats(v)}, {decoder_words(v)}, "
             f"{v.get('device')} / {v.get('dtype')}, both serving modes (greedy and sampling). "
             "Held-out alpha: the distill stage's expected acceptance (not decoded) that picked "
             "the shipped checkpoint.",

@@ -3,6 +3,7 @@ bench does), with each side's outputs what a whole pass with its own generator g
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdistill.decode.outputs import DecodeOutput
@@ -41,3 +42,16 @@ def test_batches_interleave_and_outputs_match_whole_passes():
     assert base_out.tokens == [t for o in whole_base for t in o.tokens]
     assert spec_out.tokens == [t for o in whole_spec for t in o.tokens]
     assert [o.tokens for o in passes[1].base_outs] != [o.tokens for o in whole_base]  # seed + 1
+
+
+def test_speedup_range_pairs_each_repeats_own_passes():
+    """Repeat i's speculative rate over repeat i's target-only rate (never across repeats):
+    the range's ends are the lowest and highest of those ratios."""
+    from specdistill.decode.validate.modes import speedup_range
+
+    base, spec = [100.0, 200.0, 50.0], [110.0, 180.0, 60.0]
+    assert speedup_range(base, spec) == [0.9, 1.2]
+    # the medians' ratio (110 / 100 = 1.1, validate's `speedup`) alone hides that spread
+    assert speedup_range([10.0], [9.0]) == [0.9, 0.9]
+    with pytest.raises(ValueError):
+        speedup_range([1.0, 2.0], [1.0])

@@ -41,6 +41,30 @@ def _modes(greedy, sampled):
     }
 
 
+def test_speedup_rows_show_the_repeats_range_beside_the_median():
+    """A measured speedup near 1.0 is read with its per-repeat spread; a range of one value
+    (one repeat) or none (older reports) leaves the median alone."""
+    dist = {
+        **DIST,
+        "modes": _modes(
+            {"alpha": 0.9, "tau": 3.0, "speedup": 1.63, "speedup_range": [1.5, 1.71]},
+            {"alpha": 0.45, "tau": 1.0, "speedup": 0.973, "speedup_range": [0.941, 1.012]},
+        ),
+    }
+    base = {**BASE, "modes": _modes({"speedup": 1.79, "speedup_range": [1.79, 1.79]}, {})}
+    rows = _rows({"validate_base": base, "validate": dist, "distill": DISTILL})
+    greedy = rows["speedup over target-only (measured), greedy"]
+    assert greedy.endswith("| 1.79 | 1.63 (1.5-1.71) |")
+    assert "median (range) of repeats" in greedy
+    sampled = rows["speedup over target-only (measured), temperature 0.7, top_p 0.9"]
+    assert sampled.endswith("| n/a | 0.973 (0.941-1.01) |")
+    header = {**dist, "prompts": 8, "max_new_tokens": 48, "repeats": 3}
+    text = report.summary_markdown("/r", {"validate": header, "distill": DISTILL}, 1.0)
+    assert "8 held-out prompts x 48 new tokens, 3 timed repeats, " in text
+    one = report.summary_markdown("/r", {"validate": {**header, "repeats": 1}}, 1.0)
+    assert "48 new tokens, 1 timed repeat, " in one
+
+
 def test_both_serving_modes_with_speedups_and_the_serving_mode_held_out_figure():
     base = {
         **BASE,
