@@ -30,3 +30,12 @@ def test_ci_runs_the_readme_test_command_verbatim():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     test_cmd = _readme_commands()[0]
     assert test_cmd in ci, f".ci/run must run the README's test command verbatim: {test_cmd}"
+
+
+def test_ci_stops_when_the_readme_command_fails_before_its_tests():
+    """`set -e` ignores a failure inside an && list unless it is the last command: the line after
+    the README's command must check the list's status, or a failed install skips the tests."""
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    at = ci.index(_readme_commands()[0])
+    after = next(line for line in ci[at + 1 :] if line.strip() and not line.startswith("#"))
+    assert after.startswith("rc=$?;") and 'exit "$rc"' in after, after
