@@ -124,7 +124,8 @@ def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> An
 
 
 def _repeats(v: dict[str, Any]) -> str:
-    """ ", N timed repeats" where the report says how many (the speedups' ranges are theirs)."""
+    """The header's ", N timed repeats" where the report says how many (the speedups' ranges
+    are over them); "" for reports without the count."""
     n = v.get("repeats")
     return f", {n} timed repeat{'s' if n != 1 else ''}" if n else ""
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdistill.decode.outputs import DecodeOutput
-from specdistill.decode.validate.modes import run_each, timed_repeats
+from specdistill.decode.validate.modes import run_each, speedup_range, timed_repeats
 
 
 class Recorder:
@@ -47,8 +47,6 @@ def test_batches_interleave_and_outputs_match_whole_passes():
 def test_speedup_range_pairs_each_repeats_own_passes():
     """Repeat i's speculative rate over repeat i's target-only rate (never across repeats):
     the range's ends are the lowest and highest of those ratios."""
-    from specdistill.decode.validate.modes import speedup_range
-
     base, spec = [100.0, 200.0, 50.0], [110.0, 180.0, 60.0]
     assert speedup_range(base, spec) == [0.9, 1.2]
     # the medians' ratio (110 / 100 = 1.1, validate's `speedup`) alone hides that spread
