@@ -38,7 +38,7 @@ import torch
 from specdistill.data.runtime import pad_rows, spread
 from specdistill.decode.acceptance import expected_tau, theoretical_speedup
 from specdistill.decode.cache_layers import KV_FORMULA, kv_cache_bytes
-from specdistill.decode.validate.modes import TimedPass, merge
+from specdistill.decode.validate.modes import TimedPass, merge, speedup_range, speedup_text
 from specdistill.decode.validate.timing import forward_cost, measure_c
 
 
@@ -131,7 +131,8 @@ def bucket_mode_figures(
 
     Tokens/s of a repeat = the bucket's new tokens / the seconds of its decodes; `decode_*`
     subtracts each decode's own prefill seconds (target, plus drafter when speculative). The
-    speedups are medians over repeats, as the headline's; alpha, tau and `lossless` (greedy:
+    speedups are medians over repeats, as the headline's (`speedup_range`: the lowest and
+    highest repeat's own ratio); alpha, tau and `lossless` (greedy:
     every row token-identical to target-only) come from the first repeat, as the headline's.
     """
     base, spec, base_dec, spec_dec = [], [], [], []
@@ -159,6 +160,7 @@ def bucket_mode_figures(
         "alpha": round(spec_out.alpha, 4),
         "tau": round(spec_out.tau, 3),
         "speedup": round(statistics.median(spec) / statistics.median(base), 3),
+        "speedup_range": speedup_range(base, spec),
         "decode_speedup": round(statistics.median(spec_dec) / statistics.median(base_dec), 3),
         "baseline_tokens_per_s": spread(base),
         "speculative_tokens_per_s": spread(spec),
@@ -280,7 +282,7 @@ def bucket_markdown(rows: list[dict[str, Any]] | None) -> list[str]:
         "## By context-length bucket",
         "",
         "| bucket | mode | prompts | mean prompt tokens | alpha | tau | c | verify cost | "
-        "speedup, end to end | speedup, decode only | theoretical (measured verify) | "
+        "speedup, end to end (range of repeats) | speedup, decode only | theoretical (measured verify) | "
         "prefill s, target / drafter | KV MiB, target / drafter (tokens) | lossless |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -290,7 +292,8 @@ def bucket_markdown(rows: list[dict[str, Any]] | None) -> list[str]:
             lossless = "" if m["lossless"] is None else str(m["lossless"])
             lines.append(
                 f"| {r['bucket']} | {mode} | {r['prompts']} | {r['mean_prompt_tokens']} | "
-                f"{m['alpha']} | {m['tau']} | {r['c']} | {r['verify_cost']} | {m['speedup']}x | "
+                f"{m['alpha']} | {m['tau']} | {r['c']} | {r['verify_cost']} | "
+                f"{speedup_text(m['speedup'], m.get('speedup_range'))} | "
                 f"{m['decode_speedup']}x | {m['theoretical_speedup_measured_verify']}x | "
                 f"{pf['target']} / {pf['drafter']} | {_mib(kv['target_bytes'])} / "
                 f"{_mib(kv['drafter_bytes'])} ({kv['tokens']}) | {lossless} |"

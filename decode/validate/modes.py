@@ -152,6 +152,15 @@ def speedup_range(base_rates: list[float], spec_rates: list[float]) -> list[floa
     return [round(min(ratios), 3), round(max(ratios), 3)]
 
 
+def speedup_text(speedup: float, low_high: list[float] | None) -> str:
+    """`1.09x (1.05-1.12)`: a median speedup and its per-repeat range (`speedup_range`), so a
+    figure near 1.0 reads as noise or not; the median alone for reports without a range or
+    whose repeats all agree."""
+    if not low_high or len(low_high) < 2 or low_high[0] == low_high[1]:
+        return f"{speedup}x"
+    return f"{speedup}x ({low_high[0]}-{low_high[1]})"
+
+
 def mode_figures(dec, base_rates, spec_rates, spec_out: DecodeOutput) -> dict[str, Any]:
     """One mode's row of report.json's `modes`: alpha, tau and the measured speedup."""
     s = dec.cfg.sampling

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.decode.validate.buckets import bucket_markdown
+from specdistill.decode.validate.modes import speedup_text
 
 
 @dataclass
@@ -47,6 +48,9 @@ class ValidateResult:
     lossless: bool | None
     mismatched_sequences: int
     acceptance_by_position: list[float]
+    # [lowest, highest] per-repeat speedup (each repeat's own target-only pass); None in reports
+    # written before it existed
+    speedup_range: list[float] | None = None
     alpha_sampled: float | None = None  # the sampling side of `modes` (its temperature there)
     tau_sampled: float | None = None
     # Both serving modes side by side: {"greedy": {...}, "sampling": {...}}, each with
@@ -109,7 +113,7 @@ def report_markdown(r: ValidateResult) -> str:
         ("c (drafter / target step time)", f"{r.c}; verify step = {r.verify_cost} target steps"),
         ("target-only tokens/s", f"{b['median']} (min {b['min']}, max {b['max']})"),
         ("speculative tokens/s", f"{s['median']} (min {s['min']}, max {s['max']})"),
-        ("speedup (measured)", f"{r.speedup}x"),
+        ("speedup (measured): median (range) of repeats", speedup_text(r.speedup, r.speedup_range)),
         ("theoretical speedup", f"{r.theoretical_speedup}x"),
         ("decoder efficiency", f"{r.decoder_efficiency}"),
         ("theoretical, measured verify cost", f"{r.theoretical_speedup_measured_verify}x"),

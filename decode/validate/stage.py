@@ -50,6 +50,7 @@ from specdistill.decode.validate.modes import (
     measure_other_mode,
     mode_figures,
     mode_name,
+    speedup_range,
     timed_repeats,
 )
 from specdistill.decode.validate.modes import merge as _merge
@@ -211,6 +212,7 @@ def headline(
         "baseline_tokens_per_s": spread(base_rates),
         "speculative_tokens_per_s": spread(spec_rates),
         "speedup": round(speedup, 3),
+        "speedup_range": speedup_range(base_rates, spec_rates),
         "theoretical_speedup": round(theory, 3),
         "decoder_efficiency": round(speedup / theory, 3),
         "theoretical_speedup_measured_verify": round(measured_verify, 3),

@@ -115,12 +115,16 @@ def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> An
     if "." in key:
         mode, name = key.split(".")
         got = mode_value(v, mode, name)
-        low_high = mode_value(v, mode, "speedup_range") if name == "speedup" else None
-        if got is None or not low_high or len(low_high) < 2 or low_high[0] == low_high[1]:
-            return got
-        # the per-repeat spread beside the median: a figure near 1.0 reads as noise or not
-        return f"{_shown(got)} ({_shown(low_high[0])}-{_shown(low_high[1])})"
+        return _with_range(got, mode_value(v, mode, "speedup_range") if name == "speedup" else None)
     return v.get(key)
+
+
+def _with_range(got: Any, low_high: list[float] | None) -> Any:
+    """A median speedup with its per-repeat spread beside it (so a figure near 1.0 reads as
+    noise or not); the value as is without a range or when the repeats agree."""
+    if got is None or not low_high or len(low_high) < 2 or low_high[0] == low_high[1]:
+        return got
+    return f"{_shown(got)} ({_shown(low_high[0])}-{_shown(low_high[1])})"
 
 
 def _repeats(v: dict[str, Any]) -> str:
@@ -160,7 +164,8 @@ def comparison_table(stages: dict[str, dict]) -> list[str]:
 
 
 def _bucket_cell(rows: dict[str, dict], name: str, mode: str, key: str) -> str:
-    return _shown(((rows.get(name) or {}).get("modes", {}).get(mode) or {}).get(key))
+    m = (rows.get(name) or {}).get("modes", {}).get(mode) or {}
+    return _shown(_with_range(m.get(key), m.get("speedup_range") if key == "speedup" else None))
 
 
 def bucket_table(stages: dict[str, dict]) -> list[str]:
@@ -176,7 +181,7 @@ def bucket_table(stages: dict[str, dict]) -> list[str]:
     lines = [
         "",
         "By context-length bucket (decode-time, base / distilled drafter; speedups end to end, "
-        "prefills included; c and the verify cost timed at the bucket's length):",
+        "prefills included, median (range) of repeats; c and the verify cost timed at the bucket's length):",
         "",
         f"| bucket | prompts (mean tokens) | alpha, greedy | alpha, temperature {t} | "
         "tau, greedy | speedup, greedy | speedup, decode only, greedy | "

@@ -84,6 +84,8 @@ def test_bucket_figures_match_hand_computed_values():
     b = bucket_mode_figures([1], passes, greedy=True)
     # base 6/5.0 and 6/6.0, spec 6/4.0 twice: 1.5 / 1.1 = 1.364
     assert b["speedup"] == round(1.5 / 1.1, 3) and b["lossless"] is True
+    # each repeat's own ratio: 1.5 / 1.2 and 1.5 / 1.0 (bucket A's repeats agree)
+    assert b["speedup_range"] == [1.25, 1.5] and a["speedup_range"] == [1.667, 1.667]
     assert b["alpha"] == 0.2 and b["tau"] == 1.2
     assert bucket_mode_figures([1], passes, greedy=False)["lossless"] is None
     # prefill: target over the 4 decodes of each repeat (0.5, 0.5, 0.5, 0.5, 0.3 x 4) / 8
@@ -245,6 +247,11 @@ def test_validate_writes_per_bucket_figures_and_stays_lossless(toy_tiny, tmp_pat
     main()
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["lossless"] is True and report["prompts"] == 4
+    low, high = report["speedup_range"]  # the headline's per-repeat range, beside its median
+    assert 0 < low <= high
+    assert (
+        "| speedup (measured): median (range) of repeats |" in (tmp_path / "report.md").read_text()
+    )
     rows = report["buckets"]
     assert [r["bucket"] for r in rows] == ["0-64", "64-200"]
     from specdistill.data.models.pairs import load_pair, resolve_pair
@@ -263,6 +270,8 @@ def test_validate_writes_per_bucket_figures_and_stays_lossless(toy_tiny, tmp_pat
         assert greedy["lossless"] is True and r["modes"]["sampling"]["lossless"] is None
         assert 0 <= greedy["alpha"] <= 1 and 1 <= greedy["tau"] <= report["gamma"] + 1
         assert greedy["speedup"] > 0 and greedy["decode_speedup"] > 0
+        low, high = greedy["speedup_range"]
+        assert 0 < low <= high
     text = (tmp_path / "report.md").read_text()
     assert "## By context-length bucket" in text and "| 64-200 | sampling | 2 |" in text
     assert bucket_markdown(rows)[1] == "## By context-length bucket"

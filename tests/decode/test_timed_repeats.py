@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdistill.decode.outputs import DecodeOutput
-from specdistill.decode.validate.modes import run_each, speedup_range, timed_repeats
+from specdistill.decode.validate.modes import run_each, speedup_range, speedup_text, timed_repeats
 
 
 class Recorder:
@@ -53,3 +53,9 @@ def test_speedup_range_pairs_each_repeats_own_passes():
     assert speedup_range([10.0], [9.0]) == [0.9, 0.9]
     with pytest.raises(ValueError):
         speedup_range([1.0, 2.0], [1.0])
+
+
+def test_speedup_text_prints_the_range_only_where_repeats_differ():
+    assert speedup_text(1.09, [1.05, 1.12]) == "1.09x (1.05-1.12)"
+    assert speedup_text(1.09, [1.09, 1.09]) == "1.09x"
+    assert speedup_text(1.09, None) == "1.09x"  # a report written before the range existed

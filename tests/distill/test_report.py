@@ -236,6 +236,19 @@ def test_per_bucket_table_when_the_validate_reports_have_buckets():
     assert "By context-length bucket" in text and rows[1] in text
 
 
+def test_bucket_speedups_show_their_range_of_repeats():
+    """A bucket's end-to-end speedup carries its per-repeat range (the decode-only one and
+    rows without a range print the median alone), in the greedy and sampling cells."""
+    ranged = _bucket("4k-8k", 0.6, 1.5)
+    ranged["modes"]["greedy"]["speedup_range"] = [1.42, 1.61]
+    ranged["modes"]["sampling"]["speedup_range"] = [0.9, 0.9]  # repeats agree: median alone
+    base = {**BASE, "buckets": [_bucket("4k-8k", 0.3, 1.0)]}
+    lines = report.bucket_table({"validate_base": base, "validate": {**DIST, "buckets": [ranged]}})
+    row = next(line for line in lines if line.startswith("| 4k-8k"))
+    assert "| 1 / 1.5 (1.42-1.61) | 1.1 / 1.6 | 0.9 / 0.9 |" in row
+    assert "median (range) of repeats" in "\n".join(lines)
+
+
 def test_held_out_alpha_is_the_shipped_checkpoints_not_the_last_steps():
     """best/ is picked by held-out alpha: where the best step is not the last, the table shows
     best/'s figure (the run ships best/), not the last evaluation's."""
