@@ -49,6 +49,7 @@ from specdistill.decode.config import (
     model_device_dtype,
 )
 from specdistill.decode.draft_length import DraftCosts, make_policy, measure_costs, verify_widths
+from specdistill.decode.draft_length.costs_memo import CostsMemo
 from specdistill.decode.draft_length.policies import DraftLengthPolicy
 from specdistill.decode.draft_vocab import draft_vocab_of, subset_head
 from specdistill.decode.drafters import DRAFTERS, Drafter, MappedVocab, mapped_drafter
@@ -83,10 +84,13 @@ class SpeculativeDecoder:
         tokenizer_len: int | None = None,
         mapped: MappedVocab | None = None,
         prefill_memo: PrefillMemo | None = None,
+        costs_memo: CostsMemo | None = None,
     ) -> None:
         """mapped: the drafter's own vocabulary mapping (decode.drafters.mapped); None: shared.
         prefill_memo: prefill each prompt once per model and restore its cache on later decodes
-        of it (decode.prefill_memo; validate shares one over its decoders for long prompts)."""
+        of it (decode.prefill_memo; validate shares one over its decoders for long prompts).
+        costs_memo: measured draft costs shared with other decoders over the same models
+        (decode/draft_length/costs_memo.py; validate shares one over its decoders)."""
         check_decoder_config(cfg)
         if mapped is None:
             self.vocab = check_pair_for_decoding(target, drafter, tokenizer_len)
@@ -138,6 +142,7 @@ class SpeculativeDecoder:
         self.draft_head = subset_head(drafter, ids) if ids and drafter is not target else None
         self.prefill_memo = prefill_memo
         self.drafting.prefill_memo = prefill_memo
+        self.costs_memo = costs_memo
 
     def get_policy(self, input_ids: torch.Tensor | None = None):
         """The draft-length policy (decode.draft_length); its calibration lives as long as the
@@ -169,7 +174,7 @@ class SpeculativeDecoder:
             if input_ids is None:
                 raise ValueError("measuring the draft costs needs a prompt")
             ids, _ = self._prepare(input_ids[:1], None)
-            self._measured[batch] = measure_costs(self, ids.repeat(batch, 1))
+            self._measured[batch] = measure_costs(self, ids.repeat(batch, 1), memo=self.costs_memo)
         return self._measured[batch]
 
     def _prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):

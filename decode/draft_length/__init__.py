@@ -9,6 +9,7 @@ p = target, q = drafter, gamma = drafts per round, c = drafter step / target ste
 | `policies.py` | `fixed`, `heuristic`, `confidence` (`make_policy`), the floor of target steps |
 | `figures.py` | `replay` (a policy over known outcomes) and a decode's `draft_figures` |
 | `measure.py` | `DraftCosts` timed: forwards through the decoder's `step_timer`, the round's glue in its own decodes (`round_glue`) |
+| `costs_memo.py` | `CostsMemo`: one run's decoders over the same models share the timed forwards (every serving mode) and the whole costs (the same mode) |
 
 The names below are re-exported so callers import them from `specdistill.decode.draft_length`.
 """

@@ -19,21 +19,19 @@ import torch
 
 from specdistill.decode.cache import ForwardClock
 from specdistill.decode.draft_length.costs import MIN_OVERHEAD, DraftCosts
+from specdistill.decode.draft_length.costs_memo import CostsMemo, ForwardTimings
 
 
 @torch.inference_mode()
-def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
-    """The pair's `DraftCosts` on this device (dec: a `SpeculativeDecoder`; p = target,
-    q = drafter): ratios to the target step timed beside each sample, then medians. ids: (B, P),
-    one prompt repeated; B > 1 is timed on the masked, batched path the decoder takes there."""
+def time_forwards(dec, ids: torch.Tensor, iters: int = 16) -> ForwardTimings:
+    """The forwards a measurement prices, each as its median ratio to the target step timed
+    beside it (robust to load that drifts between samples on a shared machine)."""
     k = dec.max_draft
-    b, plen = ids.shape
+    plen = ids.shape[1]
     timer = dec.step_timer(ids, plen + max(dec.verify_widths[-1], k + 1) + 2)
     parallel = dec.parallel
     # by_width: every verify width 1..k drafts; linear: the two ends the line goes through
     widths = range(1, k + 1) if dec.cfg.verify_costs == "by_width" else sorted({1, k})
-    # ratios per sample (each against the target step timed beside it), then medians: robust
-    # to load that drifts between samples on a shared machine
     ratios: dict[str, list[float]] = {"d": [], "dk": []} | {f"v{j}": [] for j in widths}
     steps: list[float] = []  # seconds of a target step, the unit of the glue
     for i in range(iters + 1):  # the first round is warm-up
@@ -50,6 +48,35 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
             for key, v in got.items():
                 ratios[key].append(v / tt)
     med = {key: statistics.median(v) for key, v in ratios.items()}
+    return ForwardTimings(med, statistics.median(steps))
+
+
+@torch.inference_mode()
+def measure_costs(
+    dec, ids: torch.Tensor, iters: int = 16, memo: CostsMemo | None = None
+) -> DraftCosts:
+    """The pair's `DraftCosts` on this device (dec: a `SpeculativeDecoder`; p = target,
+    q = drafter): the forwards (`time_forwards`) and the round's glue (`round_glue`). ids:
+    (B, P), one prompt repeated; B > 1 is timed on the masked, batched path the decoder takes
+    there. memo: what other decoders over the same models already measured (costs_memo.py)."""
+    if memo is not None and (kept := memo.costs(dec, ids, iters)) is not None:
+        return kept
+    timings = None if memo is None else memo.forwards(dec, ids, iters)
+    if timings is None:
+        timings = time_forwards(dec, ids, iters)
+        if memo is not None:
+            memo.keep_forwards(dec, ids, iters, timings)
+    costs = costs_from(dec, ids, timings)
+    if memo is not None:
+        memo.keep_costs(dec, ids, iters, costs)
+    return costs
+
+
+def costs_from(dec, ids: torch.Tensor, timings: ForwardTimings) -> DraftCosts:
+    """`DraftCosts` from the timed forwards, with the round's glue timed in `dec`'s decodes."""
+    k, b, parallel = dec.max_draft, ids.shape[0], dec.parallel
+    med = timings.ratios
+    widths = sorted(int(key[1:]) for key in med if key.startswith("v"))
     v1, vk = med["v1"], med[f"v{k}"]
     per_token = max(0.0, (vk - v1) / (k - 1)) if k > 1 else 0.0
     # what j drafts add to the verify, on the same footing as the line's j * per_token (the
@@ -59,7 +86,7 @@ def measure_costs(dec, ids: torch.Tensor, iters: int = 16) -> DraftCosts:
     table = tuple(round(med[f"v{j}"] - v1 + per_token, 4) for j in widths) if by_width else ()
     # the glue at 1 draft and at the most a round drafts (up to 4): a fixed part and a slope
     top = min(k, 4)
-    glue = round_glue(dec, ids, sorted({1, top}), statistics.median(steps))
+    glue = round_glue(dec, ids, sorted({1, top}), timings.step_seconds)
     slope = max(0.0, (glue[top] - glue[1]) / (top - 1)) if top > 1 else 0.0
     costs = DraftCosts(
         c=round(med["d"], 4),

@@ -42,6 +42,7 @@ from specdistill.decode.acceptance import expected_tau, theoretical_speedup
 from specdistill.decode.cache import check_rollback_config
 from specdistill.decode.config import DecoderSettings
 from specdistill.decode.draft_length import DraftCosts, draft_figures, modeled_speedup
+from specdistill.decode.draft_length.costs_memo import CostsMemo
 from specdistill.decode.prefill_memo import PrefillMemo
 from specdistill.decode.speculative import SpeculativeDecoder
 from specdistill.decode.validate.buckets import measure_buckets, regroup
@@ -249,6 +250,7 @@ def decoder_factory(vs: ValidateSettings, st: Setup) -> Make:
     """make(gamma, settings=vs.decoder): a decoder on the loaded pair at that gamma."""
 
     memo = PrefillMemo() if vs.prefills_once(any(b is not None for b in st.buckets)) else None
+    costs = CostsMemo()  # the pilot's, the serving mode's and the other mode's decoders share it
 
     def make(gamma: int, settings: DecoderSettings = vs.decoder) -> SpeculativeDecoder:
         config = settings.decoder_config(vs.max_new_tokens, st.eos, gamma)
@@ -259,6 +261,7 @@ def decoder_factory(vs: ValidateSettings, st: Setup) -> Make:
             tokenizer_len=len(st.tok),
             mapped=st.mapped,
             prefill_memo=memo,
+            costs_memo=costs,
         )
 
     return make

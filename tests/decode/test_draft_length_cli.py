@@ -41,6 +41,30 @@ def test_validate_reports_the_policy_beside_fixed_gamma(tmp_path, toy_tiny):
     assert "draft length policy | confidence" in md and "fixed gamma=4 beside it" in md
 
 
+def test_validate_times_the_pairs_forwards_once_over_its_decoders(tmp_path, toy_tiny, monkeypatch):
+    """gamma=auto's pilot, the serving mode's and the other mode's decoders share one timing of
+    the forwards (decode/draft_length/costs_memo.py); each serving mode times its own glue."""
+    from specdistill.decode.draft_length import measure
+    from specdistill.decode.validate.stage import run
+
+    calls = {"forwards": 0, "glue": []}
+    forwards, glue = measure.time_forwards, measure.round_glue
+
+    def count_forwards(*a, **k):
+        calls["forwards"] += 1
+        return forwards(*a, **k)
+
+    def count_glue(dec, *a, **k):
+        calls["glue"].append(dec.cfg.sampling.temperature)
+        return glue(dec, *a, **k)
+
+    monkeypatch.setattr(measure, "time_forwards", count_forwards)
+    monkeypatch.setattr(measure, "round_glue", count_glue)
+    r = run(_cfg(tmp_path, "decoder.gamma=auto", "decoder.max_draft=3"))
+    assert r.draft_length == "confidence" and set(r.modes) == {"greedy", "sampling"}
+    assert calls == {"forwards": 1, "glue": [0.0, 1.0]}
+
+
 def test_bench_compare_draft_side_by_side(tmp_path, toy_tiny):
     from specdistill.decode.bench.draft import run_draft
 
