@@ -8,7 +8,12 @@ import sys
 import pytest
 import torch
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist (`-n`) each worker is its own process on its own core: one intra-op thread
+# each, so the workers share the cores instead of oversubscribing them (2 threads on a loaded
+# 2-core box run 10-50x slower, `one_thread` below)
+torch.set_num_threads(
+    1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads())
+)
 
 
 def pytest_collection_modifyitems(config, items):

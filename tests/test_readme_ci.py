@@ -22,7 +22,9 @@ def test_readme_has_exactly_two_setup_commands():
     for cmd in cmds:
         assert cmd.startswith("[ -d .venv ] || python3 -m venv .venv;"), cmd
         assert "pip install torch==2.13.0" in cmd and 'pip install -e ".[dev]"' in cmd
-    assert cmds[0].endswith('pytest -m "not slow and not gpu"')
+    # the quick suite on every core up to 4 (pytest-xdist; tests/conftest.py gives each worker
+    # one thread), so a 2-core CI box runs it in about half the time
+    assert cmds[0].endswith('pytest -m "not slow and not gpu" -n auto --maxprocesses 4')
     assert cmds[1].endswith("&& specdistill")
 
 
