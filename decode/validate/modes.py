@@ -152,11 +152,16 @@ def speedup_range(base_rates: list[float], spec_rates: list[float]) -> list[floa
     return [round(min(ratios), 3), round(max(ratios), 3)]
 
 
+def has_range(low_high: list[float] | None) -> bool:
+    """Whether a `speedup_range` is worth printing: present (reports before it lack one) and
+    its repeats disagree."""
+    return bool(low_high) and len(low_high) >= 2 and low_high[0] != low_high[1]
+
+
 def speedup_text(speedup: float, low_high: list[float] | None) -> str:
     """`1.09x (1.05-1.12)`: a median speedup and its per-repeat range (`speedup_range`), so a
-    figure near 1.0 reads as noise or not; the median alone for reports without a range or
-    whose repeats all agree."""
-    if not low_high or len(low_high) < 2 or low_high[0] == low_high[1]:
+    figure near 1.0 reads as noise or not; the median alone where `has_range` says no."""
+    if not has_range(low_high):
         return f"{speedup}x"
     return f"{speedup}x ({low_high[0]}-{low_high[1]})"
 

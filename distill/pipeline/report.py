@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.data.io import atomic_write_text, read_json
+from specdistill.decode.validate.modes import has_range
 from specdistill.decode.validate.report import mode_value
 from specdistill.distill.train.predict import reprice
 
@@ -122,7 +123,7 @@ def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> An
 def _with_range(got: Any, low_high: list[float] | None) -> Any:
     """A median speedup with its per-repeat spread beside it (so a figure near 1.0 reads as
     noise or not); the value as is without a range or when the repeats agree."""
-    if got is None or not low_high or len(low_high) < 2 or low_high[0] == low_high[1]:
+    if got is None or not has_range(low_high):
         return got
     return f"{_shown(got)} ({_shown(low_high[0])}-{_shown(low_high[1])})"
 
