@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 import pytest
@@ -14,6 +15,10 @@ import torch
 torch.set_num_threads(
     1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads())
 )
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the stages a test starts as subprocesses (CLIs, torchrun ranks) take torch's default thread
+    # count from OpenMP's: one each too, so a worker's subprocesses do not oversubscribe the cores
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,6 +44,14 @@ def toy_tiny_pair(toy_tiny):
     from specdistill.data.models.pairs import load_pair, resolve_pair
 
     return load_pair(resolve_pair({"toy": "toy-tiny"}))
+
+
+def free_port() -> int:
+    """A TCP port free on this host now: a test that starts a rendezvous (accelerate, Slurm's
+    shim) takes its own, so tests on parallel xdist workers do not meet on a default port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from specdistill.data.generate.shard_processes import local_processes, usable_co
 from specdistill.data.prompts import load_prompts
 from specdistill.data.runtime import ConfigError, eos_ids
 from specdistill.data.sampling import Sampling
-from tests.conftest import main_in_process
+from tests.conftest import free_port, main_in_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -263,6 +263,8 @@ def test_accelerate_two_processes_equal_one_process(toy_tiny, tmp_path):
         "no",
         "--dynamo_backend",
         "no",
+        "--main_process_port",
+        str(free_port()),  # not the default 29500, which another xdist worker's test may hold
     ]
     for cmd, out in (
         ([*launch, "-m", "specdistill.data.generate"], tmp_path / "two"),

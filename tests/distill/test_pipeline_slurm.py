@@ -12,17 +12,17 @@ import io
 import json
 import os
 import re
-import socket
 import time
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
 
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, specdistill_home
 from specdistill.distill.pipeline import execute, slurm
 from specdistill.distill.pipeline import stage as pipeline
 from specdistill.distill.pipeline.plan import build_plan, step_file
+from tests.conftest import free_port
 
 SHIMS = Path(__file__).resolve().parents[1] / "slurm_shims"
 SETTINGS = {
@@ -38,6 +38,8 @@ def slurm_env(monkeypatch, tmp_path: Path, dry: bool = True, **settings: str) ->
     for key in list(os.environ):
         if key.startswith(("SLURM_", "SPECDISTILL_")) and key != "SPECDISTILL_HOME":
             monkeypatch.delenv(key)
+    # the cache stays where it was: HOME moves below, and an unset SPECDISTILL_HOME follows HOME
+    monkeypatch.setenv("SPECDISTILL_HOME", str(specdistill_home()))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.config/specdistill/slurm.env
     monkeypatch.setenv("PATH", f"{SHIMS}:{os.environ['PATH']}")
     monkeypatch.setenv("SHIM_LOG", str(tmp_path / "shim.log"))
@@ -196,12 +198,6 @@ def test_finished_steps_are_not_submitted_again(tmp_path, monkeypatch):
     assert dist["sbatch"]["--job-name"] == "specdistill-distill" and dist["dependency"] == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait(state: Path, timeout: float = 1500) -> dict[str, str]:
     """Until every job the shim knows is finished (ok, failed, cancelled)."""
     t0 = time.time()
@@ -257,7 +253,7 @@ def _rows(run: Path) -> list[str]:
 def test_slurm_chain_on_toy_tiny_matches_the_local_run(tmp_path, monkeypatch, toy_tiny):
     local = pipeline.run(pipeline_cfg(tmp_path / "local", *TINY, "launcher=local"))
     slurm_env(monkeypatch, tmp_path, dry=False, **SETTINGS, SPECDISTILL_NODES="2",
-              SPECDISTILL_GENERATE_TASKS="2", SPECDISTILL_MASTER_PORT=str(_free_port()))  # fmt: skip
+              SPECDISTILL_GENERATE_TASKS="2", SPECDISTILL_MASTER_PORT=str(free_port()))  # fmt: skip
     run = tmp_path / "run"
     t0 = time.time()
     ids = slurm.submit(pipeline_cfg(run, *TINY), out=io.StringIO())
