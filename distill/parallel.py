@@ -207,6 +207,18 @@ def packed_forward(model, packed: dict[str, torch.Tensor]) -> torch.Tensor:
     ).logits
 
 
+def packed_hidden(model, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The drafter's final hidden states over a packed batch: `packed_forward` without the head,
+    so the head can run on the labelled positions only (the masked head, `train/logits.py`).
+    `model` must pass `train.logits.has_plain_head`."""
+    dtype = next(model.parameters()).dtype
+    return model.get_decoder()(
+        input_ids=packed["input_ids"],
+        attention_mask=additive_mask(packed["allowed"], dtype),
+        position_ids=packed["position_ids"],
+    ).last_hidden_state
+
+
 def acceptance_by_depth(
     accept: torch.Tensor, packed: dict[str, torch.Tensor], depth: int
 ) -> tuple[list[float], list[int]]:

@@ -74,12 +74,33 @@ def logits_and_targets(
 
 
 def packed_logits_and_targets(
-    tr: Trainer, batch: dict[str, torch.Tensor], packed: dict[str, torch.Tensor], onp: bool
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    tr: Trainer, batch: dict[str, torch.Tensor], packed: dict[str, torch.Tensor], onp: bool,
+    masked: bool,
+) -> tuple[torch.Tensor | HeadInput, torch.Tensor, dict[str, Any]]:  # fmt: skip
     """drafting=parallel: the drafter's logits over the packed sequence (real tokens + mask
-    chains), the target's figures gathered at each packed position's label, depth weights."""
+    chains), the target's figures gathered at each packed position's label, depth weights.
+
+    `masked` (and the `token` objective, and a plain head): the head runs on the labelled
+    positions only, as one [1, N] row (or as hidden states + head, `HeadInput`, with
+    `tr.chunked`), like `logits_and_targets`; the packed grid's prompt, padding and unlabelled
+    positions never reach the [.., V] logits. The acceptance-length objectives read each
+    chain's soft acceptance on the packed grid, so they keep the full head.
+    """
+    objective = tr.s.parallel.objective  # type: ignore[union-attr]
+    keep = None
+    if masked and objective == "token" and has_plain_head(tr.model):
+        keep = packed["weight"] > 0
     with tr.accelerator.autocast():
-        logits = parallel.packed_forward(tr.model, packed)[..., : tr.vocab]
+        if keep is None:
+            logits = parallel.packed_forward(tr.model, packed)[..., : tr.vocab]
+        else:
+            hidden = parallel.packed_hidden(tr.model, packed)[keep]
+            head = tr.model.get_output_embeddings()
+            if tr.chunked:
+                bias = None if head.bias is None else head.bias[: tr.vocab]
+                logits = HeadInput(hidden, head.weight[: tr.vocab], bias)
+            else:
+                logits = head(hidden)[..., : tr.vocab][None]
     if tr.topk and not onp:
         kwargs: dict[str, Any] = {"topk_ids": batch["topk_ids"], "topk_lp": batch["topk_lp"]}
     else:
@@ -91,7 +112,9 @@ def packed_logits_and_targets(
             }
     kwargs = {k: parallel.gather_positions(v, packed["label_pos"]) for k, v in kwargs.items()}
     kwargs["weights"] = packed["weight"]
-    objective = tr.s.parallel.objective  # type: ignore[union-attr]
+    if keep is not None:  # the labelled positions only, in the order `hidden[keep]` took them
+        kwargs = {k: v[keep][None] for k, v in kwargs.items()}
+        return logits, torch.ones_like(kwargs["weights"], dtype=torch.bool), kwargs
     if objective != "token":  # weights (and -E) from the drafter's own soft acceptance
         s = tr.eval_sampling  # the serving mode: greedy target or sampling at its temperature
         accept = parallel.packed_acceptance(logits, kwargs, s.greedy, float(s.temperature or 1))
@@ -112,7 +135,7 @@ def shared_vocab_loss(
     if packed is None:
         logits, mask, kwargs = logits_and_targets(tr, batch, onp, masked)
     else:
-        logits, mask, kwargs = packed_logits_and_targets(tr, batch, packed, onp)
+        logits, mask, kwargs = packed_logits_and_targets(tr, batch, packed, onp, masked)
     if "topk_rows" in kwargs:  # the draft vocabulary's head: treatment (b), greedy mask as set
         return tli_loss(
             logits,  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ from specdistill.data.io import (
     replace_dir,
 )
 from specdistill.data.models.checkpoints import check_checkpoint_files
+from specdistill.distill.train import mask_row
 
 STATE_FILE = "trainer_state.json"
 
@@ -74,6 +75,8 @@ def export_pretrained(accelerator, model, tokenizer, path: Path) -> Path:
     path = Path(path)
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
+        # a parallel drafter's trainable mask row is written into its plain embedding
+        state = mask_row.plain_state_dict(accelerator.unwrap_model(model), state)
         state = _share_tied(accelerator.unwrap_model(model), state)
         tmp = path.with_name(f".{path.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -31,7 +31,7 @@ from specdistill.decode.draft_vocab import (
     drafter_vocab_ids,
 )
 from specdistill.distill.intersection import Intersection
-from specdistill.distill.train import zero
+from specdistill.distill.train import mask_row, zero
 from specdistill.distill.train.data import Example, has_topk, load_seqkd, reference_examples
 from specdistill.distill.train.settings import TrainSettings
 
@@ -100,15 +100,17 @@ def freeze_embeddings(s: TrainSettings, pair: Any, model) -> int:
     the layers are what has to learn. With a vocabulary of 49k and hidden 576 the (tied) head
     is 28M of SmolLM2 first:4's 42.5M parameters, so training it costs a [V, H] weight gradient
     per micro-batch and 2 x 28M AdamW moments per step for little gain. `auto`: on exactly
-    when `pair.drafter_layers` builds the drafter, and off for `drafting=parallel` (the mask
-    token's embedding row is what a parallel drafter learns first).
+    when `pair.drafter_layers` builds the drafter. A parallel drafter's mask token has no
+    trained row, so there every row but the mask token's stays frozen and the head is untied
+    (`train/mask_row.py`).
     """
     mode = s.freeze_embeddings
     if mode == "auto":
-        from_layers = OmegaConf.select(pair, "drafter_layers") is not None
-        mode = from_layers and s.drafting != "parallel"
+        mode = OmegaConf.select(pair, "drafter_layers") is not None
     if not mode:
         return 0
+    if s.drafting == "parallel":  # the mask token's row learns, alone (train/mask_row.py)
+        return mask_row.train_mask_row_only(model, int(model.config.mask_token_id))
     frozen: dict[int, torch.nn.Parameter] = {}
     for module in (model.get_input_embeddings(), model.get_output_embeddings()):
         if module is None:

@@ -85,6 +85,35 @@ def test_masked_head_leaves_the_loss_curve_unchanged(distill_cfg, tmp_path, seqk
         torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("data", ["live", "topk"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_parallel_masked_head_leaves_the_loss_curve_unchanged(
+    distill_cfg, tmp_path, seqkd_dir, seqkd_topk_dir, monkeypatch, one_thread, chunked, data
+):
+    """drafting=parallel: the head on the packed batch's labelled positions only (as logits or,
+    chunked, as hidden states + head) trains exactly like the full packed grid."""
+    from specdistill.distill import parallel
+
+    path = seqkd_topk_dir if data == "topk" else seqkd_dir
+    common = (f"data.path={path}", "drafting=parallel", "parallel.depth=3", "max_steps=3",
+              "eval_every=3", "save_every=3", f"chunked_loss={str(chunked).lower()}")  # fmt: skip
+    full = train.run(distill_cfg(tmp_path / "full", *common, "masked_head=false"))
+
+    def no_full_grid(*args, **kwargs):
+        raise AssertionError("the masked head ran the full packed grid")
+
+    with monkeypatch.context() as m:
+        m.setattr(parallel, "packed_forward", no_full_grid)
+        masked = train.run(distill_cfg(tmp_path / "masked", *common, "masked_head=true"))
+    assert len(_losses(full)) == 3
+    assert _losses(masked) == pytest.approx(_losses(full), rel=1e-4)
+    a, b = (
+        load_file(str(tmp_path / n / "final" / "model.safetensors")) for n in ("full", "masked")
+    )
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
+
+
 @pytest.mark.slow  # ~1 min on 2 shared CPU cores: a K = V Seq-KD set and two short runs
 def test_stored_full_vocab_topk_trains_like_the_live_target(
     distill_cfg, tmp_path, toy_tiny_pair, seqkd_dir, one_thread
