@@ -194,6 +194,20 @@ def test_a_pipeline_dataset_over_a_sized_pair_plans_without_reading_it(cli, monk
     assert p["generate"]["config"]["dataset"]["limit"] == 1024  # conf/sizing/smollm2.yaml
 
 
+def test_the_sized_pair_plans_its_parallel_chains_and_a_user_key_wins(cli):
+    """conf/sizing/smollm2.yaml sizes a parallel drafter's chains for a CPU; STAGE.KEY=VALUE wins."""
+    code, (p,), err = cli("pair=smollm2", "drafting=parallel")
+    assert code == 0, err
+    par = p["distill"]["config"]["parallel"]
+    assert (par["depth"], par["anchors"]) == (4, 8)
+    code, (p,), err = cli("pair=smollm2", "drafting=parallel", "distill.parallel.depth=6")
+    assert code == 0, err
+    assert p["distill"]["config"]["parallel"]["depth"] == 6
+    code, (p,), err = cli("pair=toy-tiny", "drafting=parallel")
+    assert code == 0, err
+    assert p["distill"]["config"]["parallel"]["depth"] == 8  # conf/distill.yaml's own
+
+
 def test_multirun_sweeps_plan_each_run(cli, tmp_path):
     code, runs, _ = cli("-m", "pair=toy-tiny", "distill.lmbda=0.0,0.5")
     assert code == 0 and [r["distill"]["config"]["lmbda"] for r in runs] == [0.0, 0.5]
