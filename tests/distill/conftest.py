@@ -9,6 +9,22 @@ import torch
 from hydra import compose, initialize_config_module
 
 
+class Crash(RuntimeError):
+    """What `crash_after`'s step hook raises: a run killed between two optimizer steps."""
+
+
+def crash_after(monkeypatch, step: int) -> None:
+    """Make the distill stage raise `Crash` right after optimizer step `step` (its STEP_HOOK);
+    `monkeypatch.setattr(train, "STEP_HOOK", None)` lets the next run go through."""
+    from specdistill.distill.train import stage as train
+
+    def hook(done: int) -> None:
+        if done == step:
+            raise Crash
+
+    monkeypatch.setattr(train, "STEP_HOOK", hook)
+
+
 def _distill_cfg(out: Path, *overrides: str):
     """conf/distill.yaml on toy-tiny with a small, fast budget (overridable)."""
     base = [

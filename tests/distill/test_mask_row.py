@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 
 from specdistill.distill.train import mask_row
 from specdistill.distill.train import stage as train
+from tests.distill.conftest import Crash, crash_after
 
 MASK = 5
 
@@ -94,15 +95,8 @@ def test_a_killed_parallel_run_resumes_with_its_mask_row(
     common = (f"data.path={seqkd_dir}", "drafting=parallel", "parallel.depth=3",
               "freeze_embeddings=true", "max_steps=4", "save_every=2", "eval_every=4")  # fmt: skip
     ref = train.run(distill_cfg(tmp_path / "ref", *common))
-
-    class Crash(RuntimeError):
-        pass
-
-    def crash(step: int) -> None:
-        if step == 3:  # after step 3, whose checkpoint was never written (last one: step 2)
-            raise Crash
-
-    monkeypatch.setattr(train, "STEP_HOOK", crash)
+    # killed after step 3, whose checkpoint was never written (the last one: step 2)
+    crash_after(monkeypatch, 3)
     with pytest.raises(Crash):
         train.run(distill_cfg(tmp_path / "run", *common))
     monkeypatch.setattr(train, "STEP_HOOK", None)

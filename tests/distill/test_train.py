@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.train import setup
 from specdistill.distill.train import stage as train
+from tests.distill.conftest import Crash, crash_after
 
 
 @pytest.mark.slow  # ~1 min on 2 shared CPU cores (builds a Seq-KD set, trains, evaluates)
@@ -59,15 +60,8 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(
     common = (f"data.path={seqkd_dir}", "max_steps=6", "save_every=2", "eval_every=3", "lmbda=0.5",
               "onpolicy.max_new_tokens=8")  # fmt: skip
     ref = train.run(distill_cfg(tmp_path / "ref", *common))
-
-    class Crash(RuntimeError):
-        pass
-
-    def crash(step: int) -> None:
-        if step == 5:  # after step 5, whose checkpoint was never written (last one: step 4)
-            raise Crash
-
-    monkeypatch.setattr(train, "STEP_HOOK", crash)
+    # killed after step 5, whose checkpoint was never written (the last one: step 4)
+    crash_after(monkeypatch, 5)
     with pytest.raises(Crash):
         train.run(distill_cfg(tmp_path / "run", *common))
     state = json.loads((tmp_path / "run/checkpoints/step-00000004/trainer_state.json").read_text())
