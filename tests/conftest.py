@@ -70,8 +70,10 @@ def tiny_llama(
     seed: int = 0,
     heads: int = 4,
     kv_heads: int | None = None,
+    tie: bool = False,
 ):
-    """A random-init Llama small enough for exhaustive tests (kv_heads < heads: grouped-query)."""
+    """A random-init Llama small enough for exhaustive tests (kv_heads < heads: grouped-query;
+    tie: the head is the embedding's tensor)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -86,6 +88,7 @@ def tiny_llama(
         eos_token_id=None,
         pad_token_id=0,
         bos_token_id=None,
+        tie_word_embeddings=tie,
     )
     return LlamaForCausalLM(cfg).eval()
 

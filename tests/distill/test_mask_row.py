@@ -9,22 +9,18 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 from specdistill.distill.train import mask_row
 from specdistill.distill.train import stage as train
+from tests.conftest import tiny_llama
 from tests.distill.conftest import Crash, crash_after
 
 MASK = 5
 
 
 def _tied_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(vocab=48, layers=1, hidden=16, heads=2, kv_heads=1, tie=True)
 
 
 def _ids() -> torch.Tensor:
