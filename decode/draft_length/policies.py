@@ -34,8 +34,10 @@ drafter step costs the same however many rows use it); `row` lets each row stop 
 (the batch drafts while any row goes on, each row verifies only its own drafts).
 
 Parallel drafting (one drafter forward proposes all gamma tokens) fits the same functions: the
-drafter cost no longer grows with k (`DraftCosts.parallel`), and `best_length` picks how many of
-the proposals to verify from their known confidences.
+drafter cost no longer grows with k (`DraftCosts.parallel`), `verify_lengths` picks how many of
+the proposals to verify from their known confidences, and the floor and the forward's proposal
+count read one moving average per draft depth (`later`) instead of `follow`: a mask's
+acceptance falls with its depth, where an autoregressive drafter's later drafts keep theirs.
 """
 
 from __future__ import annotations
@@ -74,8 +76,9 @@ class DraftLengthPolicy:
     step, where tensor ops on tiny tensors would cost a sizeable share of a step.
 
     What the floor knows (per row, from earlier rounds only): `first` and `follow`, moving
-    averages of the acceptance of a round's first draft and of the drafts after it, and the
-    realized throughput (tokens per modeled cost, at least 1).
+    averages of the acceptance of a round's first draft and of the drafts after it (parallel
+    drafting: `later`, one per depth 2..max_k), and the realized throughput (tokens per modeled
+    cost, at least 1).
     """
 
     reads_q = False
@@ -107,6 +110,8 @@ class DraftLengthPolicy:
         self.skipped = 0
         # lifetime counts (accepted, tested): the next call's starting averages
         self._life = {"first": [0.0, 0.0], "follow": [0.0, 0.0], "all": [0.0, 0.0]}
+        # parallel drafting: lifetime counts per depth 2..max_k (index 0 is depth 2)
+        self._life_depth = [[0.0, 0.0] for _ in range(max(max_k - 1, 0))]
 
     def set_costs(self, costs: DraftCosts) -> None:
         """Plan with these step costs (the decoder sets them per batch size)."""
@@ -123,11 +128,28 @@ class DraftLengthPolicy:
         hits, seen = self._life[key]
         return (hits + 0.5 * 2) / (seen + 2)  # 0.5 before any history
 
+    def _depth_priors(self) -> list[float]:
+        """Starting averages of depths 2..max_k (parallel drafting): each depth's lifetime
+        counts shrunk towards the depth before's prior, so a depth never tested starts where
+        the one before it stands (0.5 is far too hopeful for a deep mask)."""
+        out, before = [], self._prior("first")
+        for hits, seen in self._life_depth:
+            before = (hits + 2 * before) / (seen + 2)
+            out.append(before)
+        return out
+
     # -- per generate call
     def start(self, batch: int) -> None:
         self.b = batch
         self.first = [self._prior("first")] * batch
         self.follow = [self._prior("follow")] * batch
+        # parallel drafting: per row, depth d's acceptance given depths < d were accepted
+        # (d = 2..max_k). A parallel drafter's masks lose far more per depth than an
+        # autoregressive drafter's later drafts (SmolLM2: given the drafts before were kept,
+        # depth 3 is kept a fraction as often as depth 2), so one `follow` pooled over depths
+        # misprices every round length but the one the pool's tests came from
+        depths = self._depth_priors()
+        self.later = [list(depths) for _ in range(batch)]
         self.recent = [self._prior("all")] * batch
         self.tokens = [1.0] * batch  # realized tokens and modeled cost (a prior of one step)
         self.cost = [1.0] * batch
@@ -152,8 +174,12 @@ class DraftLengthPolicy:
         acceptance: the first draft at `first`, each later one at `follow` given the ones
         before were accepted (the one walk `drafting_rate` and `_best_m` share)."""
         out, reach, tokens = [], 1.0, 0.0
+        parallel = self.costs.parallel
         for m in range(1, self.max_k + 1):
-            reach *= self.first[r] if m == 1 else self.follow[r]
+            if m == 1:
+                reach *= self.first[r]
+            else:
+                reach *= self.later[r][m - 2] if parallel else self.follow[r]
             tokens += reach
             out.append(tokens)
         return out
@@ -164,14 +190,7 @@ class DraftLengthPolicy:
         the most any active row wants."""
         inc = self.increments[0]
         if self.scope == "row":
-            return max(
-                (
-                    best_more(1.0, self.first[r], self.follow[r], inc, self.rate(r))[0]
-                    for r in range(self.b)
-                    if active[r]
-                ),
-                default=0,
-            )
+            return max((self._row_best_m(r, inc) for r in range(self.b) if active[r]), default=0)
         total = [0.0] * len(inc)
         for r in range(self.b):
             if active[r]:
@@ -180,6 +199,16 @@ class DraftLengthPolicy:
                     total[i] += tokens - rate * c
         best = max(range(len(total)), key=total.__getitem__, default=-1)
         return best + 1 if best >= 0 and total[best] > 1e-12 else 0
+
+    def _row_best_m(self, r: int, inc: list[float]) -> int:
+        """Row r's best number of drafts m >= 0 (`best_more` on its walk of acceptances)."""
+        if not self.costs.parallel:
+            return best_more(1.0, self.first[r], self.follow[r], inc, self.rate(r))[0]
+        rate, best, best_g = self.rate(r), 0, 0.0
+        for m, (tokens, c) in enumerate(zip(self._accepted_by_length(r), inc), 1):
+            if tokens - rate * c > best_g + 1e-12:
+                best, best_g = m, tokens - rate * c
+        return best
 
     def _pays(self, active: list[bool]) -> bool:
         """Does drafting (some m >= 1 drafts at the rows' recent acceptance) beat a target step?"""
@@ -262,6 +291,14 @@ class DraftLengthPolicy:
         life["all"][0] += ok
         life["all"][1] += 1
 
+    def _learn_depth(self, r: int, j: int, ok: float) -> None:
+        """Parallel drafting: a tested draft at depth j + 1 >= 2 of row r into that depth's
+        average and lifetime counts (`_learn` has counted it as a `follow` already)."""
+        fe = self.floor_ema
+        self.later[r][j - 1] = (1 - fe) * self.later[r][j - 1] + fe * ok
+        self._life_depth[j - 1][0] += ok
+        self._life_depth[j - 1][1] += 1
+
     def _learn_block(self, r: int, key: str, oks: list[float]) -> None:
         """A block of verdicts of row r into the floor's `key` average ("first" / "follow") and
         the lifetime counts, weighted alike (`_block_ema`); `recent` is the caller's."""
@@ -299,6 +336,8 @@ class DraftLengthPolicy:
             for j in range(min(n + 1, kr)):  # positions put to the test
                 ok = 1.0 if j < n else 0.0
                 self._learn(r, "first" if j == 0 else "follow", ok)
+                if j and self.costs.parallel:
+                    self._learn_depth(r, j, ok)
         if self.probing:  # did the probe pay for itself?
             self.probing = False
             # with the skipped steps' verdicts (`observe_shadow`) the probe is judged by the

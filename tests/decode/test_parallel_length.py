@@ -218,7 +218,7 @@ def test_parallel_proposals_follow_the_running_acceptance(first, follow, want):
     )
     pol = ConfidenceLength(4, 8, costs, scope="batch", floor=False)
     pol.start(1)
-    pol.first, pol.follow = [first], [follow]
+    pol.first, pol.later = [first], [[follow] * 7]
     best = max(
         range(0, 9),
         key=lambda m: (
@@ -239,7 +239,7 @@ def test_the_floor_probes_again_across_short_decodes():
     probes = 0
     for _call in range(12):  # 12 decodes of 10 tokens: probes after 32, then 64 more steps
         pol.start(1)
-        pol.first, pol.follow = [0.1], [0.1]
+        pol.first, pol.later = [0.1], [[0.1] * 3]
         for _ in range(10):
             plan = pol.plan(4, [True])
             if plan.k == 0:
@@ -248,3 +248,75 @@ def test_the_floor_probes_again_across_short_decodes():
                 probes += plan.probe
                 pol.observe([1], [0], [True], [[0.5]])
     assert probes >= 2
+
+
+def _walk_by_enumeration(first: float, later: list[float], m: int) -> float:
+    """Expected accepted drafts of an m-draft parallel round, every accept/reject outcome of
+    its m drafts enumerated (draft d accepted w.p. its depth's rate; a draft after a rejection
+    is never kept)."""
+    import itertools
+
+    rates = [first, *later][:m]
+    total = 0.0
+    for outcome in itertools.product((0, 1), repeat=m):
+        prob = 1.0
+        for ok, a in zip(outcome, rates):
+            prob *= a if ok else 1.0 - a
+        kept = next((j for j, ok in enumerate(outcome) if not ok), m)
+        total += prob * kept
+    return total
+
+
+@pytest.mark.parametrize("scope", ["batch", "row"])
+def test_the_floor_prices_a_parallel_round_depth_by_depth(scope):
+    """Before the forward, a parallel round of m drafts is priced with each depth's own running
+    acceptance: the expected accepted drafts equal exact enumeration, and the count the floor
+    and the forward plan is the argmax of E - rate * cost over m by brute force (timed verify
+    widths: 3 drafts cheaper than 2)."""
+    costs = DraftCosts(
+        c=0.2, verify_per_token=0.07, round_overhead=0.2, parallel=True, draft_per_token=0.02,
+        verify_tokens=(0.07, 0.28, 0.06, 0.27),
+    )  # fmt: skip
+    for first, later, rate in [
+        ((0.5, [0.45, 0.35, 0.1], 1.25)),
+        ((0.9, [0.8, 0.7, 0.6], 1.5)),
+        ((0.3, [0.2, 0.1, 0.1], 1.1)),
+        ((0.6, [0.1, 0.9, 0.9], 1.0)),
+        ((0.95, [0.95, 0.95, 0.95], 1.0)),
+        ((0.7, [0.02, 0.5, 0.5], 1.0)),
+    ]:
+        pol = ConfidenceLength(4, 4, costs, scope=scope)
+        pol.start(1)
+        pol.first, pol.later = [first], [list(later)]
+        walk = pol._accepted_by_length(0)
+        for m in range(1, 5):
+            assert walk[m - 1] == pytest.approx(_walk_by_enumeration(first, later, m))
+        pol.tokens, pol.cost = [rate], [1.0]  # the realized rate to beat
+        gains = [0.0] + [
+            _walk_by_enumeration(first, later, m) - rate * (costs.round_cost(m) - 1)
+            for m in range(1, 5)
+        ]
+        want = max(range(5), key=gains.__getitem__)
+        assert pol._best_m([True]) == want, (first, later, gains)
+        plan = pol.plan(4, [True])
+        assert plan.k == (min(4, want + pol.spare) if want else 0)  # 0: the floor's plain step
+
+
+def test_parallel_depths_learn_from_the_drafts_put_to_the_test():
+    """Each depth's average moves only with drafts tested at that depth (the ones whose
+    predecessors were all accepted); the next call starts from lifetime counts, a depth never
+    tested from the depth before's start."""
+    pol = ConfidenceLength(4, 4, PAR, scope="batch", floor=False)
+    pol.start(2)
+    assert pol.later == [[0.5, 0.5, 0.5]] * 2
+    fe = pol.floor_ema
+    pol.plan(4, [True, True])
+    # row 0 verified 3 and kept 1 (depth 2 rejected); row 1 verified 3 and kept all
+    pol.observe([3, 3], [1, 3], [True, True], [[0.9, 0.5, 0.5], [0.9, 0.5, 0.5]])
+    assert pol.later[0] == pytest.approx([0.5 * (1 - fe), 0.5, 0.5])
+    assert pol.later[1] == pytest.approx([0.5 * (1 - fe) + fe, 0.5 * (1 - fe) + fe, 0.5])
+    assert pol._life_depth == [[1.0, 2], [1.0, 1], [0.0, 0]]
+    pol.start(1)
+    d2 = (1.0 + 2 * pol._prior("first")) / 4
+    d3 = (1.0 + 2 * d2) / 3
+    assert pol.later[0] == pytest.approx([d2, d3, d3])
