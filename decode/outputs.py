@@ -61,6 +61,14 @@ class DecodeOutput:
     lookup_rounds: int = 0
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    # the lookup rounds' share of the acceptance counters (alpha_sum, trials, accepted_at,
+    # trials_at), so the drafter's own acceptance can be told apart (`drafter_alpha`): on a real
+    # pair with the floor, lookup drafts can be most of the drafts a decode tests, and a drafter
+    # that never pays looked, in the totals, as if most of its drafts were kept
+    lookup_alpha_sum: float = 0.0
+    lookup_trials: int = 0
+    lookup_accepted_at: list[int] = field(default_factory=list)
+    lookup_trials_at: list[int] = field(default_factory=list)
 
     @property
     def mean_draft_length(self) -> float:
@@ -77,12 +85,35 @@ class DecodeOutput:
 
     @property
     def alpha(self) -> float:
+        """Acceptance of every tested draft, prompt lookup's included."""
         return self.alpha_sum / max(self.trials, 1)
 
-    def count_round(self, host: list[list], active: list[bool], g: int, lengths: list[int]) -> None:
+    @property
+    def drafter_alpha(self) -> float:
+        """Acceptance of the drafter's own drafts (lookup rounds left out): what distillation
+        moves, and what the held-out alpha of the distill stage predicts."""
+        return (self.alpha_sum - self.lookup_alpha_sum) / max(self.trials - self.lookup_trials, 1)
+
+    def drafter_alpha_at(self) -> list[float]:
+        """The drafter's own acceptance by draft position, each given the drafts before it were
+        accepted (lookup rounds left out)."""
+        look_a = self.lookup_accepted_at or [0] * len(self.accepted_at)
+        look_t = self.lookup_trials_at or [0] * len(self.trials_at)
+        return [
+            (a - la) / (t - lt) if t > lt else 0.0
+            for a, la, t, lt in zip(self.accepted_at, look_a, self.trials_at, look_t)
+        ]
+
+    def count_round(
+        self, host: list[list], active: list[bool], g: int, lengths: list[int], lookup: bool = False
+    ) -> None:
         """Add one verified round's acceptance counters over the rows still decoding (trials
         stop at the first reject). host[r]: row r's drafts (g), accepted count, next token and
-        per-position alpha; row r verified lengths[r] <= g of the round's g drafts."""
+        per-position alpha; row r verified lengths[r] <= g of the round's g drafts. lookup: the
+        drafts came from the context (decode.lookup): also counted in the lookup_* counters."""
+        if lookup and len(self.lookup_trials_at) < len(self.trials_at):
+            self.lookup_trials_at = [0] * len(self.trials_at)
+            self.lookup_accepted_at = [0] * len(self.accepted_at)
         for row, a, kr in zip(host, active, lengths):
             if not a:
                 continue
@@ -96,3 +127,8 @@ class DecodeOutput:
                 self.accepted_at[j] += int(j < n)
                 self.alpha_sum += row[g + 2 + j]
                 self.trials += 1
+                if lookup:
+                    self.lookup_trials_at[j] += 1
+                    self.lookup_accepted_at[j] += int(j < n)
+                    self.lookup_alpha_sum += row[g + 2 + j]
+                    self.lookup_trials += 1

@@ -447,7 +447,7 @@ class SpeculativeDecoder:
         n, nxt, alpha_pos, t_logits, _ = self.verifier.verify(st, draft_t, q, None)
         st.out.target_forwards += 1
         host = self.verifier.settle(
-            st.out, st.done, active, (draft_t, n, nxt, alpha_pos), t_logits, [k]
+            st.out, st.done, active, (draft_t, n, nxt, alpha_pos), t_logits, [k], lookup=True
         )
         got = host[0][k]
         st.lookup.observe(k, got)

@@ -158,15 +158,17 @@ class Verifier:
         t_logits: torch.Tensor,
         lengths: list[int],
         row_cut: bool = False,
+        lookup: bool = False,
     ) -> list[list]:
         """The round's one host sync (drafts, accepted counts, next tokens, per-position alpha;
         token ids < 2^24 are exact in fp32), then its counters, its record and its tokens, the
-        same for every drafting mode. Marks finished rows in `done`; returns the host rows."""
+        same for every drafting mode (lookup: a prompt-lookup round's, counted apart too). Marks
+        finished rows in `done`; returns the host rows."""
         draft_t, n, nxt, alpha_pos = verdict
         k = draft_t.shape[1]
         host = torch.cat([draft_t, n[:, None], nxt[:, None], alpha_pos], 1).float().tolist()
         host = [[int(v) for v in row[: k + 2]] + row[k + 2 :] for row in host]
-        out.count_round(host, active, k, lengths)
+        out.count_round(host, active, k, lengths, lookup)
         if self.cfg.record_probs:
             out.rounds.append(
                 RoundRecord(

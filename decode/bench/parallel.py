@@ -230,6 +230,9 @@ def _row(st, dec, mode: str, g: int | str, o: DecodeOutput, base: DecodeOutput, 
         "gamma": g,
         "alpha": round(o.alpha, 4),
         "alpha_at": [round(a, 3) for a in alpha_at],
+        # the drafter's own drafts (prompt lookup's left out): its masks' acceptance by depth
+        "drafter_alpha": round(o.drafter_alpha, 4),
+        "drafter_alpha_at": [round(a, 3) for a in o.drafter_alpha_at()],
         "tau": round(o.tau, 3),
         "drafter_forwards_per_round": round(o.drafter_forwards / max(o.target_forwards, 1), 2),
         "drafter_cost_per_round": round(draft_cost, 3),
@@ -261,19 +264,21 @@ def parallel_markdown(report: dict[str, Any]) -> str:
             f"## {name} (temperature {m['temperature']}): target-only "
             f"{m['baseline_tokens_per_s']} tokens/s, c (AR drafter step) {m['c_autoregressive']}",
             "",
-            "| drafting | gamma | alpha by draft position | alpha | tau | drafter forwards/round "
+            "| drafting | gamma | the drafter's alpha by draft position | alpha: the drafter's "
+            "/ every draft (lookup's too) | tau | drafter forwards/round "
             "| drafter cost/round (target steps) | verify cost | theoretical | measured speedup "
             "(min-max) | lossless |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in m["rows"]:
             lo, hi = r["speedup_min_max"]
-            at = " ".join(f"{a:.2f}" for a in r["alpha_at"])
+            at = " ".join(f"{a:.2f}" for a in r.get("drafter_alpha_at", r["alpha_at"]))
+            alpha = f"{r.get('drafter_alpha', 'n/a')} / {r['alpha']}"
             gamma = r["gamma"]
             if not isinstance(gamma, int):  # an adaptive policy: its mean drafts per round
                 gamma = f"{gamma} (mean {r.get('mean_draft_length')}, max {max(report['gammas'])})"
             lines.append(
-                f"| {r['drafting']} | {gamma} | {at} | {r['alpha']} | {r['tau']} | "
+                f"| {r['drafting']} | {gamma} | {at} | {alpha} | {r['tau']} | "
                 f"{r['drafter_forwards_per_round']} | {r['drafter_cost_per_round']} | "
                 f"{r['verify_cost']} | {r['theoretical_speedup']}x | {r['speedup']}x ({lo}-{hi}) "
                 f"| {r['lossless']} |"

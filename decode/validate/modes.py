@@ -72,6 +72,12 @@ def merge(outs: list[DecodeOutput]) -> DecodeOutput:
         total.lookup_rounds += o.lookup_rounds
         total.lookup_drafted += o.lookup_drafted
         total.lookup_accepted += o.lookup_accepted
+        total.lookup_alpha_sum += o.lookup_alpha_sum
+        total.lookup_trials += o.lookup_trials
+        for name in ("lookup_trials_at", "lookup_accepted_at"):
+            mine, theirs = getattr(total, name), getattr(o, name)
+            if theirs:
+                setattr(total, name, [a + b for a, b in zip(mine or [0] * len(theirs), theirs)])
         if o.draft_lengths:
             total.draft_lengths = [
                 a + b
@@ -174,6 +180,7 @@ def mode_figures(dec, base_rates, spec_rates, spec_out: DecodeOutput) -> dict[st
         "top_k": s.top_k,
         "top_p": s.top_p,
         "alpha": round(spec_out.alpha, 4),
+        "drafter_alpha": round(spec_out.drafter_alpha, 4),
         "tau": round(spec_out.tau, 3),
         "speedup": round(statistics.median(spec_rates) / statistics.median(base_rates), 3),
         # each repeat's own ratio (its target-only and speculative passes ran interleaved): the

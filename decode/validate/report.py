@@ -52,6 +52,10 @@ class ValidateResult:
     # written before it existed
     speedup_range: list[float] | None = None
     alpha_sampled: float | None = None  # the sampling side of `modes` (its temperature there)
+    # `alpha` and `acceptance_by_position` count every tested draft, prompt lookup's included;
+    # these, the drafter's own drafts only (None in reports written before them)
+    drafter_alpha: float | None = None
+    drafter_acceptance_by_position: list[float] | None = None
     tau_sampled: float | None = None
     # Both serving modes side by side: {"greedy": {...}, "sampling": {...}}, each with
     # temperature/top_k/top_p, alpha, tau, speedup and tokens/s.
@@ -97,6 +101,13 @@ def mode_value(v: dict[str, Any], mode: str, key: str) -> Any:
     return v.get(key) if not greedy else None
 
 
+def _drafter_alpha(r: ValidateResult) -> str:
+    if r.drafter_alpha is None:
+        return "n/a"
+    at = " ".join(f"{x:.2f}" for x in r.drafter_acceptance_by_position or [])
+    return f"{r.drafter_alpha} / {at}" if at else f"{r.drafter_alpha}"
+
+
 def report_markdown(r: ValidateResult) -> str:
     """A short side-by-side table (p = target, q = drafter)."""
     b, s = r.baseline_tokens_per_s, r.speculative_tokens_per_s
@@ -107,7 +118,8 @@ def report_markdown(r: ValidateResult) -> str:
         ),
         ("gamma", f"{r.gamma}{' (auto)' if r.gamma_auto else ''}"),
         ("temperature / top_k / top_p", f"{r.temperature} / {r.top_k} / {r.top_p}"),
-        ("alpha (measured)", f"{r.alpha}"),
+        ("alpha (measured, every draft: prompt lookup's too)", f"{r.alpha}"),
+        ("the drafter's own alpha (its drafts only) / by position", _drafter_alpha(r)),
         ("alpha at temperature 1", f"{r.alpha_sampled}"),
         ("tau (tokens per target forward)", f"{r.tau} (temperature 1: {r.tau_sampled})"),
         ("c (drafter / target step time)", f"{r.c}; verify step = {r.verify_cost} target steps"),

@@ -206,6 +206,8 @@ def headline(
     by_pos = [a / t if t else 0.0 for a, t in zip(spec_out.accepted_at, spec_out.trials_at)]
     return {
         "alpha": round(spec_out.alpha, 4),
+        "drafter_alpha": round(spec_out.drafter_alpha, 4),
+        "drafter_acceptance_by_position": [round(x, 4) for x in spec_out.drafter_alpha_at()],
         "acceptance_rate": round(spec_out.accepted / max(spec_out.trials, 1), 4),
         "tau": round(spec_out.tau, 3),
         "c": round(c, 4),

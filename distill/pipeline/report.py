@@ -47,8 +47,10 @@ SUMMARY_KEYS = {
 
 # (label, how it was measured, stage, key): `{T}` is the sampling side's temperature.
 ROWS = [
-    ("alpha, greedy", "decode-time acceptance", "validate", "greedy.alpha"),
-    ("alpha, temperature {T}", "decode-time acceptance", "validate", "sampling.alpha"),
+    ("alpha, greedy", "decode-time acceptance, every draft (prompt lookup's too)", "validate", "greedy.alpha"),
+    ("alpha, temperature {T}", "decode-time acceptance, every draft (prompt lookup's too)", "validate", "sampling.alpha"),
+    ("the drafter's own alpha, greedy", "decode-time acceptance, the drafter's drafts only", "validate", "greedy.drafter_alpha"),
+    ("the drafter's own alpha, temperature {T}", "decode-time acceptance, the drafter's drafts only", "validate", "sampling.drafter_alpha"),
     ("tau (tokens per target forward), greedy", "decode-time", "validate", "greedy.tau"),
     ("tau, temperature {T}", "decode-time", "validate", "sampling.tau"),
     ("speedup over target-only (measured), greedy", "wall clock: median (range) of repeats", "validate", "greedy.speedup"),

@@ -27,6 +27,7 @@ from specdistill.decode.lookup import (
     best_length,
     find_continuation,
 )
+from specdistill.decode.outputs import DecodeOutput
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.conftest import tiny_llama
 from tests.decode.test_distribution import H, V, chi2_pvalue, exact_sequence_probs, sharp_llama
@@ -292,3 +293,33 @@ def test_two_engines_compare_the_drafter_alone_unless_asked(tmp_path, engines, l
     with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
         vs = ValidateSettings.from_cfg(compose(config_name="validate", overrides=overrides))
     assert vs.decoder.lookup == expect and vs.other is not None and vs.other.lookup == expect
+
+
+def test_the_drafters_own_alpha_leaves_lookup_rounds_out():
+    """The target as its own drafter (greedy: every draft it makes is kept) with lookup on a
+    repetitive prompt: lookup drafts are sometimes rejected, so the totals (alpha, accepted_at)
+    fall below 1 while the drafter's own acceptance stays exactly 1; counted round by round
+    (record_probs), the drafter's counters are the totals less the lookup rounds'; `merge` of
+    several decodes keeps them apart too."""
+    from specdistill.decode.validate.modes import merge
+
+    target = tiny_llama(vocab=24, layers=2, seed=3)
+    cfg = DecoderConfig(gamma=3, max_new_tokens=40, lookup=True)
+    dec = SpeculativeDecoder(target, target, cfg)
+    outs = [dec.generate(torch.tensor([repetitive_prompt(24, seed)])) for seed in range(6)]
+    total = merge(outs)
+    assert total.lookup_rounds > 0 and total.lookup_accepted < total.lookup_drafted
+    assert total.alpha < 1.0
+    assert total.drafter_alpha == 1.0
+    tested = [t - lt for t, lt in zip(total.trials_at, total.lookup_trials_at)]
+    assert sum(tested) > 0
+    assert all(a == 1.0 for a, t in zip(total.drafter_alpha_at(), tested) if t)
+    assert total.lookup_trials == sum(total.lookup_trials_at) > 0
+    # by hand: a lookup round of 3 drafts keeping 1 and a drafter round of 2 keeping 2
+    out = DecodeOutput(tokens=[[]], accepted_at=[0] * 3, trials_at=[0] * 3, draft_lengths=[0] * 4)
+    out.count_round([[5, 6, 7, 1, 9, 1.0, 0.0, 0.5]], [True], 3, [3], lookup=True)
+    out.count_round([[5, 6, 2, 9, 1.0, 1.0]], [True], 2, [2])
+    assert out.alpha == pytest.approx((1.0 + 0.0 + 1.0 + 1.0) / 4)
+    assert out.drafter_alpha == 1.0
+    assert out.drafter_alpha_at() == [1.0, 1.0, 0.0]
+    assert out.accepted_at == [2, 1, 0] and out.trials_at == [2, 2, 0]

@@ -65,10 +65,14 @@ def test_pipeline_end_to_end_and_resume(tmp_path, monkeypatch):
     text = (run_dir / "summary.md").read_text()
     assert text.startswith("# specdistill run")
     assert "| figure | how measured | base drafter | distilled drafter |" in text
-    alpha_row = (
-        f"| alpha, greedy | decode-time acceptance | {base['alpha']:.3g} | {report['alpha']:.3g} |"
-    )
+    alpha_row = f"| alpha, greedy | decode-time acceptance, every draft (prompt lookup's too) | {base['alpha']:.3g} | {report['alpha']:.3g} |"
     assert alpha_row in text
+    own = [report["modes"]["greedy"]["drafter_alpha"], base["modes"]["greedy"]["drafter_alpha"]]
+    own_row = (
+        "| the drafter's own alpha, greedy | decode-time acceptance, the drafter's drafts only"
+    )
+    assert f"{own_row} | {own[1]:.3g} | {own[0]:.3g} |" in text
+    assert report["drafter_alpha"] == own[0] and len(report["drafter_acceptance_by_position"]) > 0
     assert "held-out alpha, greedy" in text and str(exported.absolute()) in text
     assert "alpha, temperature 1" in text and set(report["modes"]) == {"greedy", "sampling"}
     assert (run_dir / "report.png").stat().st_size > 1000

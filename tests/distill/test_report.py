@@ -24,14 +24,18 @@ def _rows(stages):
 def test_table_puts_base_and_distilled_side_by_side_with_methods():
     """Reports from before `modes` (greedy top level, temperature-1 `*_sampled`) still read."""
     rows = _rows({"validate_base": BASE, "validate": DIST, "distill": DISTILL})
-    assert rows["alpha, greedy"] == "| alpha, greedy | decode-time acceptance | 0.37 | 0.89 |"
+    assert (
+        rows["alpha, greedy"]
+        == "| alpha, greedy | decode-time acceptance, every draft (prompt lookup's too) | 0.37 | 0.89 |"
+    )
     assert rows["alpha, temperature 1"].endswith("| 0.51 | 0.57 |")
     assert rows["HF assisted speedup, same pair"].endswith("| 0.73 | 0.91 |")
     assert rows["lossless (output = target's)"].endswith("| yes | no |")
     held = rows["held-out alpha, temperature 1"]
     assert "reference completions" in held and held.endswith("| 0.41 | 0.55 |")
-    # no sampled speedup was measured then, nor prompt lookup: those rows are left out
-    assert len(rows) == len(report.ROWS) - 2
+    # no sampled speedup was measured then, nor prompt lookup, nor the drafter's own alpha:
+    # those rows are left out
+    assert len(rows) == len(report.ROWS) - 4
 
 
 def _modes(greedy, sampled):
@@ -71,7 +75,8 @@ def test_both_serving_modes_with_speedups_and_the_serving_mode_held_out_figure()
         "temperature": 0.7,
         "alpha": 0.5,
         "modes": _modes(
-            {"alpha": 0.37, "tau": 1.6, "speedup": 0.5}, {"alpha": 0.5, "tau": 1.9, "speedup": 0.7}
+            {"alpha": 0.37, "drafter_alpha": 0.02, "tau": 1.6, "speedup": 0.5},
+            {"alpha": 0.5, "drafter_alpha": 0.4, "tau": 1.9, "speedup": 0.7},
         ),
     }
     dist = {
@@ -79,7 +84,8 @@ def test_both_serving_modes_with_speedups_and_the_serving_mode_held_out_figure()
         "temperature": 0.7,
         "alpha": 0.73,
         "modes": _modes(
-            {"alpha": 0.11, "tau": 1.1, "speedup": 0.4}, {"alpha": 0.73, "tau": 3.1, "speedup": 1.2}
+            {"alpha": 0.11, "drafter_alpha": 0.6, "tau": 1.1, "speedup": 0.4},
+            {"alpha": 0.73, "drafter_alpha": 0.7, "tau": 3.1, "speedup": 1.2},
         ),
         "draft_figures": {"lookup": {"round_share": 0.4, "acceptance": 0.93}},
     }
@@ -88,6 +94,11 @@ def test_both_serving_modes_with_speedups_and_the_serving_mode_held_out_figure()
     rows = _rows({"validate_base": base, "validate": dist, "distill": distill})
     assert rows["alpha, greedy"].endswith("| 0.37 | 0.11 |")
     assert rows["alpha, temperature 0.7, top_p 0.9"].endswith("| 0.5 | 0.73 |")
+    assert rows["the drafter's own alpha, greedy"] == (
+        "| the drafter's own alpha, greedy | decode-time acceptance, the drafter's drafts only "
+        "| 0.02 | 0.6 |"
+    )
+    assert rows["the drafter's own alpha, temperature 0.7, top_p 0.9"].endswith("| 0.4 | 0.7 |")
     assert rows["speedup over target-only (measured), greedy"].endswith("| 0.5 | 0.4 |")
     assert rows["speedup over target-only (measured), temperature 0.7, top_p 0.9"].endswith(
         "| 0.7 | 1.2 |"
@@ -108,7 +119,9 @@ def test_both_serving_modes_with_speedups_and_the_serving_mode_held_out_figure()
 
 def test_missing_figures_are_left_out_or_marked():
     lines = report.comparison_table({"validate": {"alpha": 0.8}})
-    assert lines[2:] == ["| alpha, greedy | decode-time acceptance | n/a | 0.8 |"]
+    assert lines[2:] == [
+        "| alpha, greedy | decode-time acceptance, every draft (prompt lookup's too) | n/a | 0.8 |"
+    ]
 
 
 def test_cli_rebuilds_summary_and_plot_from_a_run_folder(tmp_path, capsys):
@@ -121,7 +134,10 @@ def test_cli_rebuilds_summary_and_plot_from_a_run_folder(tmp_path, capsys):
     )
     report.main([str(tmp_path)])
     text = (tmp_path / "summary.md").read_text()
-    assert "| alpha, greedy | decode-time acceptance | 0.37 | 0.89 |" in text
+    assert (
+        "| alpha, greedy | decode-time acceptance, every draft (prompt lookup's too) | 0.37 | 0.89 |"
+        in text
+    )
     assert "Exported drafter (self-checked): `/r/export/drafter`" in text
     assert text == capsys.readouterr().out.rstrip("\n") + "\n"
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
