@@ -9,8 +9,9 @@ autoregressively (gamma drafter steps per round) and the parallel drafter at `co
 (`decoder.drafting=parallel`). Every timed repeat decodes the prompts with the target alone
 once, then with every entry in turn, prompt by prompt, so load drifts hit all alike; a speedup
 is the median over repeats of an entry's tokens/s over the same repeat's target-only tokens/s.
-Per entry: alpha by draft position, tau, the drafter's cost per round in target steps (gamma c,
-or one parallel forward of gamma + accepted-lag tokens, measured), measured and theoretical
+Per entry: the drafter's own alpha by draft position (prompt lookup's drafts apart), tau, the
+drafter's cost per round in target steps (gamma c, or one parallel forward of gamma +
+accepted-lag tokens, measured), measured and theoretical
 speedup (`round_speedup`: per-position acceptance over drafter cost + verify cost), and
 losslessness (greedy: token-identical to target-only). Both serving modes unless
 `both_modes=false`, `transformers` assisted generation with each drafter as the reference, and
