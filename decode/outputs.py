@@ -111,9 +111,6 @@ class DecodeOutput:
         stop at the first reject). host[r]: row r's drafts (g), accepted count, next token and
         per-position alpha; row r verified lengths[r] <= g of the round's g drafts. lookup: the
         drafts came from the context (decode.lookup): also counted in the lookup_* counters."""
-        if lookup and len(self.lookup_trials_at) < len(self.trials_at):
-            self.lookup_trials_at = [0] * len(self.trials_at)
-            self.lookup_accepted_at = [0] * len(self.accepted_at)
         for row, a, kr in zip(host, active, lengths):
             if not a:
                 continue

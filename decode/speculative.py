@@ -352,6 +352,8 @@ class SpeculativeDecoder:
             prefill_saved_s=pre.saved,
             accepted_at=[0] * kmax,
             trials_at=[0] * kmax,
+            lookup_accepted_at=[0] * kmax,
+            lookup_trials_at=[0] * kmax,
             draft_lengths=[0] * (kmax + 1),
         )
         steps = torch.arange(self.verify_widths[-1], device=self.device)

@@ -201,9 +201,8 @@ class DraftLengthPolicy:
         return best + 1 if best >= 0 and total[best] > 1e-12 else 0
 
     def _row_best_m(self, r: int, inc: list[float]) -> int:
-        """Row r's best number of drafts m >= 0 (`best_more` on its walk of acceptances)."""
-        if not self.costs.parallel:
-            return best_more(1.0, self.first[r], self.follow[r], inc, self.rate(r))[0]
+        """Row r's best number of drafts m >= 0 on its walk of acceptances (`best_more`'s
+        argmax, with a parallel drafter's per-depth averages in the walk)."""
         rate, best, best_g = self.rate(r), 0, 0.0
         for m, (tokens, c) in enumerate(zip(self._accepted_by_length(r), inc), 1):
             if tokens - rate * c > best_g + 1e-12:

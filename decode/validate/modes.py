@@ -74,23 +74,17 @@ def merge(outs: list[DecodeOutput]) -> DecodeOutput:
         total.lookup_accepted += o.lookup_accepted
         total.lookup_alpha_sum += o.lookup_alpha_sum
         total.lookup_trials += o.lookup_trials
-        for name in ("lookup_trials_at", "lookup_accepted_at"):
+        for name in _PER_POSITION:
             mine, theirs = getattr(total, name), getattr(o, name)
             if theirs:
                 setattr(total, name, [a + b for a, b in zip(mine or [0] * len(theirs), theirs)])
-        if o.draft_lengths:
-            total.draft_lengths = [
-                a + b
-                for a, b in zip(total.draft_lengths or [0] * len(o.draft_lengths), o.draft_lengths)
-            ]
-        if o.trials_at:
-            total.trials_at = [
-                a + b for a, b in zip(total.trials_at or [0] * len(o.trials_at), o.trials_at)
-            ]
-            total.accepted_at = [
-                a + b for a, b in zip(total.accepted_at or [0] * len(o.accepted_at), o.accepted_at)
-            ]
     return total
+
+
+# DecodeOutput's per-length and per-position counters, summed element by element
+_PER_POSITION = (
+    "draft_lengths", "trials_at", "accepted_at", "lookup_trials_at", "lookup_accepted_at",
+)  # fmt: skip
 
 
 def mode_name(temperature: float) -> str:

@@ -316,7 +316,8 @@ def test_the_drafters_own_alpha_leaves_lookup_rounds_out():
     assert all(a == 1.0 for a, t in zip(total.drafter_alpha_at(), tested) if t)
     assert total.lookup_trials == sum(total.lookup_trials_at) > 0
     # by hand: a lookup round of 3 drafts keeping 1 and a drafter round of 2 keeping 2
-    out = DecodeOutput(tokens=[[]], accepted_at=[0] * 3, trials_at=[0] * 3, draft_lengths=[0] * 4)
+    zeros = {f"{p}{n}_at": [0] * 3 for p in ("", "lookup_") for n in ("accepted", "trials")}
+    out = DecodeOutput(tokens=[[]], draft_lengths=[0] * 4, **zeros)
     out.count_round([[5, 6, 7, 1, 9, 1.0, 0.0, 0.5]], [True], 3, [3], lookup=True)
     out.count_round([[5, 6, 2, 9, 1.0, 1.0]], [True], 2, [2])
     assert out.alpha == pytest.approx((1.0 + 0.0 + 1.0 + 1.0) / 4)
