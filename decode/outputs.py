@@ -94,6 +94,17 @@ class DecodeOutput:
         moves, and what the held-out alpha of the distill stage predicts."""
         return (self.alpha_sum - self.lookup_alpha_sum) / max(self.trials - self.lookup_trials, 1)
 
+    @property
+    def drafter_trials(self) -> int:
+        """How many of the drafter's own drafts were put to the test: 0 means `drafter_alpha`'s
+        0.0 is no measurement (every tested draft was prompt lookup's), not a drafter that fails."""
+        return self.trials - self.lookup_trials
+
+    def drafter_trials_at(self) -> list[int]:
+        """The drafter's own tested drafts by draft position (lookup rounds left out)."""
+        look_t = self.lookup_trials_at or [0] * len(self.trials_at)
+        return [t - lt for t, lt in zip(self.trials_at, look_t)]
+
     def drafter_alpha_at(self) -> list[float]:
         """The drafter's own acceptance by draft position, each given the drafts before it were
         accepted (lookup rounds left out)."""

@@ -175,6 +175,7 @@ def mode_figures(dec, base_rates, spec_rates, spec_out: DecodeOutput) -> dict[st
         "top_p": s.top_p,
         "alpha": round(spec_out.alpha, 4),
         "drafter_alpha": round(spec_out.drafter_alpha, 4),
+        "drafter_trials": spec_out.drafter_trials,
         "tau": round(spec_out.tau, 3),
         "speedup": round(statistics.median(spec_rates) / statistics.median(base_rates), 3),
         # each repeat's own ratio (its target-only and speculative passes ran interleaved): the

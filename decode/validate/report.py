@@ -56,6 +56,10 @@ class ValidateResult:
     # these, the drafter's own drafts only (None in reports written before them)
     drafter_alpha: float | None = None
     drafter_acceptance_by_position: list[float] | None = None
+    # how many of its own drafts were tested (0: the 0.0 above is no measurement: every tested
+    # draft was prompt lookup's), overall and by position (None in reports written before them)
+    drafter_trials: int | None = None
+    drafter_trials_by_position: list[int] | None = None
     tau_sampled: float | None = None
     # Both serving modes side by side: {"greedy": {...}, "sampling": {...}}, each with
     # temperature/top_k/top_p, alpha, tau, speedup and tokens/s.
@@ -102,10 +106,19 @@ def mode_value(v: dict[str, Any], mode: str, key: str) -> Any:
 
 
 def _drafter_alpha(r: ValidateResult) -> str:
+    """The drafter's own acceptance with how many drafts it rests on; positions it never
+    drafted at read '-' (not 0.00), and no drafts at all reads n/a (not 0.0)."""
     if r.drafter_alpha is None:
         return "n/a"
-    at = " ".join(f"{x:.2f}" for x in r.drafter_acceptance_by_position or [])
-    return f"{r.drafter_alpha} / {at}" if at else f"{r.drafter_alpha}"
+    if r.drafter_trials == 0:
+        return "n/a (0 drafts of its own: every tested draft was prompt lookup's)"
+    tested = r.drafter_trials_by_position
+    at = " ".join(
+        "-" if tested is not None and i < len(tested) and not tested[i] else f"{x:.2f}"
+        for i, x in enumerate(r.drafter_acceptance_by_position or [])
+    )
+    n = f" ({r.drafter_trials} drafts)" if r.drafter_trials is not None else ""
+    return f"{r.drafter_alpha}{n} / {at}" if at else f"{r.drafter_alpha}{n}"
 
 
 def report_markdown(r: ValidateResult) -> str:

@@ -208,6 +208,8 @@ def headline(
         "alpha": round(spec_out.alpha, 4),
         "drafter_alpha": round(spec_out.drafter_alpha, 4),
         "drafter_acceptance_by_position": [round(x, 4) for x in spec_out.drafter_alpha_at()],
+        "drafter_trials": spec_out.drafter_trials,
+        "drafter_trials_by_position": spec_out.drafter_trials_at(),
         "acceptance_rate": round(spec_out.accepted / max(spec_out.trials, 1), 4),
         "tau": round(spec_out.tau, 3),
         "c": round(c, 4),

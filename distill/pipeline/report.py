@@ -118,6 +118,8 @@ def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> An
     if "." in key:
         mode, name = key.split(".")
         got = mode_value(v, mode, name)
+        if name == "drafter_alpha" and mode_value(v, mode, "drafter_trials") == 0:
+            return "n/a (0 drafts of its own)"  # every tested draft was prompt lookup's
         return _with_range(got, mode_value(v, mode, "speedup_range") if name == "speedup" else None)
     return v.get(key)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from specdistill.distill.pipeline import report
@@ -115,6 +116,32 @@ def test_both_serving_modes_with_speedups_and_the_serving_mode_held_out_figure()
     # pipeline.json of runs before the one sampling spec held the keys flat
     old = {"mode": "sampling", "temperature": 0.7, "top_p": 0.9}
     assert report.summary_markdown("/r", stages, 1.0, old, recipe) == text
+
+
+def test_a_drafter_that_drafted_nothing_reads_na_not_zero():
+    """Every tested draft prompt lookup's: the drafter's own 0.0 is no measurement, and the
+    summary and report.md say so; positions it never drafted at read '-'."""
+    from specdistill.decode.validate.report import ValidateResult, report_markdown
+
+    none = {"alpha": 0.53, "drafter_alpha": 0.0, "drafter_trials": 0, "tau": 1.6}
+    some = {"alpha": 0.54, "drafter_alpha": 0.47, "drafter_trials": 19, "tau": 1.7}
+    base = {**BASE, "modes": _modes(none, {**none, "drafter_alpha": 0.01, "drafter_trials": 70})}
+    dist = {**DIST, "modes": _modes(some, some)}
+    rows = _rows({"validate_base": base, "validate": dist, "distill": DISTILL})
+    assert rows["the drafter's own alpha, greedy"].endswith("| n/a (0 drafts of its own) | 0.47 |")
+    assert rows["the drafter's own alpha, temperature 0.7, top_p 0.9"].endswith("| 0.01 | 0.47 |")
+    rate = {"median": 10.0, "min": 9.0, "max": 11.0}
+    required = {f.name: 0 for f in dataclasses.fields(ValidateResult)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}  # fmt: skip
+    required |= {"output_dir": "/r", "target": "/t", "drafter": "/d", "device": "cpu",
+                 "dtype": "float32", "baseline_tokens_per_s": rate,
+                 "speculative_tokens_per_s": rate, "acceptance_by_position": []}  # fmt: skip
+    md = report_markdown(ValidateResult(**required, drafter_alpha=0.0, drafter_trials=0))
+    assert "| the drafter's own alpha (its drafts only) / by position | n/a (0 drafts" in md
+    r = ValidateResult(**required, drafter_alpha=0.5, drafter_trials=4,
+                       drafter_acceptance_by_position=[0.75, 0.0, 0.0],
+                       drafter_trials_by_position=[4, 3, 0])  # fmt: skip
+    assert "| 0.5 (4 drafts) / 0.75 0.00 - |" in report_markdown(r)
 
 
 def test_missing_figures_are_left_out_or_marked():
