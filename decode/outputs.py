@@ -109,10 +109,9 @@ class DecodeOutput:
         """The drafter's own acceptance by draft position, each given the drafts before it were
         accepted (lookup rounds left out)."""
         look_a = self.lookup_accepted_at or [0] * len(self.accepted_at)
-        look_t = self.lookup_trials_at or [0] * len(self.trials_at)
         return [
-            (a - la) / (t - lt) if t > lt else 0.0
-            for a, la, t, lt in zip(self.accepted_at, look_a, self.trials_at, look_t)
+            (a - la) / t if t > 0 else 0.0
+            for a, la, t in zip(self.accepted_at, look_a, self.drafter_trials_at())
         ]
 
     def count_round(

@@ -105,13 +105,18 @@ def mode_value(v: dict[str, Any], mode: str, key: str) -> Any:
     return v.get(key) if not greedy else None
 
 
+# what the drafter's own alpha reads as when it rests on no drafts (every tested draft was
+# prompt lookup's): report.md here and the pipeline's summary
+NO_OWN_DRAFTS = "n/a (0 drafts of its own)"
+
+
 def _drafter_alpha(r: ValidateResult) -> str:
     """The drafter's own acceptance with how many drafts it rests on; positions it never
     drafted at read '-' (not 0.00), and no drafts at all reads n/a (not 0.0)."""
     if r.drafter_alpha is None:
         return "n/a"
     if r.drafter_trials == 0:
-        return "n/a (0 drafts of its own: every tested draft was prompt lookup's)"
+        return f"{NO_OWN_DRAFTS}: every tested draft was prompt lookup's"
     tested = r.drafter_trials_by_position
     at = " ".join(
         "-" if tested is not None and i < len(tested) and not tested[i] else f"{x:.2f}"

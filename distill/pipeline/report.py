@@ -19,7 +19,7 @@ from typing import Any
 
 from specdistill.data.io import atomic_write_text, read_json
 from specdistill.decode.validate.modes import has_range
-from specdistill.decode.validate.report import mode_value
+from specdistill.decode.validate.report import NO_OWN_DRAFTS, mode_value
 from specdistill.distill.train.predict import reprice
 
 log = logging.getLogger("specdistill.report")
@@ -119,7 +119,7 @@ def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> An
         mode, name = key.split(".")
         got = mode_value(v, mode, name)
         if name == "drafter_alpha" and mode_value(v, mode, "drafter_trials") == 0:
-            return "n/a (0 drafts of its own)"  # every tested draft was prompt lookup's
+            return NO_OWN_DRAFTS
         return _with_range(got, mode_value(v, mode, "speedup_range") if name == "speedup" else None)
     return v.get(key)
 

@@ -315,20 +315,22 @@ def test_the_drafters_own_alpha_leaves_lookup_rounds_out():
     assert sum(tested) > 0
     assert all(a == 1.0 for a, t in zip(total.drafter_alpha_at(), tested) if t)
     assert total.lookup_trials == sum(total.lookup_trials_at) > 0
+
     # by hand: a lookup round of 3 drafts keeping 1 and a drafter round of 2 keeping 2
-    zeros = {f"{p}{n}_at": [0] * 3 for p in ("", "lookup_") for n in ("accepted", "trials")}
-    out = DecodeOutput(tokens=[[]], draft_lengths=[0] * 4, **zeros)
+    def counters() -> dict[str, list[int]]:  # fresh lists: count_round adds into them
+        return {f"{p}{n}_at": [0] * 3 for p in ("", "lookup_") for n in ("accepted", "trials")}
+
+    out = DecodeOutput(tokens=[[]], draft_lengths=[0] * 4, **counters())
     out.count_round([[5, 6, 7, 1, 9, 1.0, 0.0, 0.5]], [True], 3, [3], lookup=True)
     out.count_round([[5, 6, 2, 9, 1.0, 1.0]], [True], 2, [2])
     assert out.alpha == pytest.approx((1.0 + 0.0 + 1.0 + 1.0) / 4)
     assert out.drafter_alpha == 1.0
     assert out.drafter_alpha_at() == [1.0, 1.0, 0.0]
+    assert out.accepted_at == [2, 1, 0] and out.trials_at == [2, 2, 0]
     assert out.drafter_trials == 2 and out.drafter_trials_at() == [1, 1, 0]
     assert total.drafter_trials == sum(tested) == sum(total.drafter_trials_at())
     # a decode whose every tested draft was lookup's: its own 0.0 rests on no drafts
-    fresh = {k: [0] * 3 for k in zeros}  # `out` filled the lists of `zeros`
-    only = DecodeOutput(tokens=[[]], draft_lengths=[0] * 4, **fresh)
+    only = DecodeOutput(tokens=[[]], draft_lengths=[0] * 4, **counters())
     only.count_round([[5, 6, 7, 1, 9, 1.0, 0.0, 0.5]], [True], 3, [3], lookup=True)
     assert only.drafter_alpha == 0.0 and only.drafter_trials == 0
     assert only.drafter_trials_at() == [0, 0, 0] and only.trials > 0
-    assert out.accepted_at == [2, 1, 0] and out.trials_at == [2, 2, 0]
