@@ -37,7 +37,7 @@ from specdistill.decode.cache_layers import (
     packed_sdpa_for,
     slot_layer,
 )
-from specdistill.decode.cpu_matmul import has_two_column_weight, weight_major_linear
+from specdistill.decode.cpu_matmul import LINEAR, Layout, has_two_column_weight, weight_major_linear
 from specdistill.decode.draft_vocab import SubsetHead, swapped_head
 from specdistill.decode.lean_step import lean_forward, lean_problem
 
@@ -130,15 +130,15 @@ class ModelRunner:
         static: bool,
         capacity: int,
         compile_steps: bool = False,
-        weight_major: bool = False,
+        layout: Layout = LINEAR,
         head: tuple[str, SubsetHead] | None = None,
         lean: bool = False,
     ) -> None:
         self.model = model
         self.head = head  # a draft vocabulary's output layer, swapped in for each step
-        self.weight_major = weight_major  # few-row steps as weight @ x.T (decode.cpu_matmul)
+        self.layout = layout  # which few-row steps run as weight @ x.T (decode.cpu_matmul)
         # 1-token steps too, for a tall, narrow weight; a subset head is no longer one
-        self._one_row = weight_major and head is None and has_two_column_weight(model)
+        self._one_row = layout.one_row and head is None and has_two_column_weight(model)
         self.static = static
         self.capacity = capacity
         self.length = 0
@@ -198,7 +198,9 @@ class ModelRunner:
         if fn is not self._eager:  # compiled graphs guard on strides: views of a prompt recompile
             ids, position_ids = _fresh(ids), _fresh(position_ids)
         with (
-            weight_major_linear(self.weight_major and not prefill and (n > 1 or self._one_row)),
+            weight_major_linear(
+                not prefill and (self._one_row if n == 1 else self.layout.few_rows), self.layout
+            ),
             swapped_head(self.model, self.head),
             Attention(self.model.config, PACKED_SDPA if self._packed and n > 1 else None),
         ):

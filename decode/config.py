@@ -53,8 +53,10 @@ class DecoderConfig:
     compile: str | bool = "auto"
     record_probs: bool = False  # keep the target's probabilities per verified position
     host_sync_every: int = 0  # target-only decoding: tokens reach the host every N steps; 0: auto
-    # auto: on CPU, verify and catch-up steps (2-16 tokens) run linears as weight @ x.T, which
-    # costs about one 1-token step (decode.cpu_matmul); linear: F.linear everywhere
+    # CPU linears of few-row steps (decode.cpu_matmul): weight_major runs verify and catch-up
+    # steps (2-16 tokens) as weight @ x.T, which on some CPUs costs about one 1-token step and on
+    # others more than F.linear; auto times both per model on this machine
+    # (decode.matmul_choice); linear: F.linear everywhere
     cpu_matmul: str = "auto"
     # decode steps of a Llama-family model computed layer by layer without transformers'
     # per-call machinery (decode.lean_step; prefill and other models keep model.forward)
@@ -112,8 +114,10 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         raise ConfigError(
             f"decoder.host_sync_every={cfg.host_sync_every!r} must be an integer >= 0 (0 = auto)"
         )
-    if cfg.cpu_matmul not in ("auto", "linear"):
-        raise ConfigError(f"decoder.cpu_matmul={cfg.cpu_matmul!r}: use auto or linear")
+    if cfg.cpu_matmul not in ("auto", "weight_major", "linear"):
+        raise ConfigError(
+            f"decoder.cpu_matmul={cfg.cpu_matmul!r}: use auto, weight_major or linear"
+        )
     if not isinstance(cfg.lean_steps, bool):
         raise ConfigError(f"decoder.lean_steps={cfg.lean_steps!r} must be true or false")
     if cfg.compile not in ("auto", True, False, "drafter"):

@@ -15,17 +15,23 @@ hidden size, e.g. SmolLM2's tied LM head): MKL's 1-row GEMV there is slower than
 2026-11-25 "few-row linears on CPU"). Other weights keep `F.linear` for one row (the toy
 models' are all below the threshold).
 
+Neither holds on every CPU: on an AVX-512 / AMX Xeon the weight-major verify of the toy target
+cost 1.7 of its 1-token steps against 1.1 through `F.linear`. So a `Layout` says which of the
+two paths a model takes, and `decoder.cpu_matmul=auto` times both on the machine at hand
+(`decode/matmul_choice.py`).
+
 The switch is scoped: `weight_major_linear()` swaps `torch.nn.Linear.forward` for the duration of
 one decode step (the decoder is single-threaded), and only for inputs of 2-16 rows or one row
-over a tall, narrow weight; prefill and everything outside the decoder keep `F.linear`. Results
-agree with `F.linear` to float rounding (a different summation order), like any other change of
-GEMM kernel.
+over a tall, narrow weight, as the layout allows; prefill and everything outside the decoder keep
+`F.linear`. Results agree with `F.linear` to float rounding (a different summation order), like
+any other change of GEMM kernel.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +42,23 @@ MAX_ROWS = 16  # above this a GEMM is compute-bound and MKL's own choice is the 
 # loses; from 2048 inputs on it wins (decode/RESULTS.md, 2026-11-25 "few-row linears on CPU").
 ONE_ROW_MIN = 1 << 22
 ONE_ROW_MAX_IN = 1024
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which few-row inputs a model's decode steps compute weight-major (the rest: `F.linear`)."""
+
+    few_rows: bool = False  # 2..MAX_ROWS rows as weight @ x.T (verify and catch-up steps)
+    one_row: bool = False  # one row over a tall, narrow weight as a 2-column GEMM
+
+    @property
+    def any(self) -> bool:
+        return self.few_rows or self.one_row
+
+
+LINEAR = Layout()
+WEIGHT_MAJOR = Layout(few_rows=True, one_row=True)
+_active = WEIGHT_MAJOR  # the layout inside `weight_major_linear` (the decoder is single-threaded)
 
 
 def two_column(weight: torch.Tensor) -> bool:
@@ -49,12 +72,17 @@ def has_two_column_weight(model: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.Linear) and two_column(m.weight) for m in model.modules())
 
 
-def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def few_row_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    layout: Layout = WEIGHT_MAJOR,
+):
     """`F.linear(x, weight, bias)`, computed as `weight @ x.T` when x has 2..MAX_ROWS rows, or
-    one row over a tall, narrow weight (as two equal columns, one kept)."""
+    one row over a tall, narrow weight (as two equal columns, one kept), as `layout` allows."""
     rows = x.numel() // max(x.shape[-1], 1)
-    one_row = rows == 1 and two_column(weight)
-    if not (one_row or 2 <= rows <= MAX_ROWS):
+    one_row = layout.one_row and rows == 1 and two_column(weight)
+    if not (one_row or (layout.few_rows and 2 <= rows <= MAX_ROWS)):
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     if one_row:  # the row twice: a 2-column GEMM streams the weight faster than the 1-row GEMV
@@ -66,18 +94,20 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return few_row_linear(x, self.weight, self.bias)
+    return few_row_linear(x, self.weight, self.bias, _active)
 
 
 @contextmanager
-def weight_major_linear(enabled: bool = True) -> Iterator[None]:
-    """Within the block, every `nn.Linear` computes few-row inputs as `weight @ x.T`."""
-    if not enabled:
+def weight_major_linear(enabled: bool = True, layout: Layout = WEIGHT_MAJOR) -> Iterator[None]:
+    """Within the block, every `nn.Linear` computes few-row inputs as `weight @ x.T` where
+    `layout` says so."""
+    global _active
+    if not enabled or not layout.any:
         yield
         return
-    previous = torch.nn.Linear.forward
-    torch.nn.Linear.forward = _forward
+    previous, previous_layout = torch.nn.Linear.forward, _active
+    torch.nn.Linear.forward, _active = _forward, layout
     try:
         yield
     finally:
-        torch.nn.Linear.forward = previous
+        torch.nn.Linear.forward, _active = previous, previous_layout

@@ -48,6 +48,13 @@ from specdistill.decode.config import (
     check_pair_for_decoding,
     model_device_dtype,
 )
+from specdistill.decode.cpu_matmul import (
+    LINEAR,
+    MAX_ROWS,
+    WEIGHT_MAJOR,
+    Layout,
+    has_two_column_weight,
+)
 from specdistill.decode.draft_length import DraftCosts, make_policy, measure_costs, verify_widths
 from specdistill.decode.draft_length.costs_memo import CostsMemo
 from specdistill.decode.draft_length.policies import DraftLengthPolicy
@@ -55,6 +62,7 @@ from specdistill.decode.draft_vocab import draft_vocab_of, subset_head
 from specdistill.decode.drafters import DRAFTERS, Drafter, MappedVocab, mapped_drafter
 from specdistill.decode.drafters.mapped import check_mapped_decoding, check_mapped_pair
 from specdistill.decode.lookup import PromptLookup
+from specdistill.decode.matmul_choice import choose_layouts
 from specdistill.decode.outputs import DecodeOutput, RoundRecord
 from specdistill.decode.prefill_memo import PrefillMemo, prefill_timed
 from specdistill.decode.step_timer import StepTimer
@@ -112,7 +120,7 @@ class SpeculativeDecoder:
         # auto: 8 on CUDA, where the host can queue steps ahead; 1 on CPU, where it cannot and
         # steps past an EOS would only cost time
         self.sync_every = cfg.host_sync_every or (8 if cuda else 1)
-        self.weight_major = cfg.cpu_matmul == "auto" and self.device.type == "cpu"
+        self._layouts: dict[str, Layout] | None = None  # per role, on first use (`layout`)
         # most drafts a round may verify: gamma, or max_draft for the adaptive policies
         self.max_draft = cfg.gamma if cfg.draft_length == "fixed" else cfg.max_draft
         fixed = cfg.draft_length == "fixed"
@@ -194,9 +202,10 @@ class SpeculativeDecoder:
     def _capacity(self, slots: int) -> int:
         return bucket_capacity(slots) if self.compile else slots
 
-    def _runner(self, model, slots: int) -> ModelRunner:
+    def _runner(self, model, slots: int, layout: Layout | None = None) -> ModelRunner:
         """Compiled steps get a static cache of bucketed capacity (few shapes); eager steps keep
-        `slots`, so an eager target's steps never attend over a bucket's empty tail."""
+        `slots`, so an eager target's steps never attend over a bucket's empty tail. layout:
+        the CPU linear layout (default: the model's, `layout`)."""
         compiled = self.compile_target or (self.compile and model is self.drafter)
         cap = bucket_capacity(slots) if compiled else slots
         return ModelRunner(
@@ -204,10 +213,53 @@ class SpeculativeDecoder:
             static=self.static or compiled,
             capacity=cap,
             compile_steps=compiled,
-            weight_major=self.weight_major,
+            layout=self.layout(model) if layout is None else layout,
             head=self.draft_head if model is self.drafter else None,
             lean=self.cfg.lean_steps,
         )
+
+    def layout(self, model) -> Layout:
+        """How `model`'s few-row linears run on CPU (decode.cpu_matmul): `linear` or off CPU:
+        F.linear; `weight_major`: weight @ x.T; `auto`: whichever this machine runs faster in
+        the decoder's own steps (decode.matmul_choice; compiled steps keep weight-major, timing
+        them would compile every timed shape)."""
+        setting = self.cfg.cpu_matmul
+        if self.device.type != "cpu" or setting == "linear":
+            return LINEAR
+        if setting == "weight_major" or self.compile:
+            return WEIGHT_MAJOR
+        if self._layouts is None:
+            self._layouts = self._choose_layouts()
+        return self._layouts["target" if model is self.target else "drafter"]
+
+    def _choose_layouts(self) -> dict[str, Layout]:
+        """Time both layouts for the target (its verify widths) and the drafter (its catch-up
+        and multi-token draft widths), each 1-token step too where a tall, narrow weight could
+        take the 2-column path."""
+        models = {"target": self.target, "drafter": self.drafter}
+        k = self.max_draft
+        widths = {
+            "target": tuple(sorted({2, min(k + 1, MAX_ROWS)})),
+            "drafter": tuple(
+                sorted({2} | {w for w in self.drafting.draft_widths(k) if 2 <= w <= MAX_ROWS})
+            ),
+        }
+        sub = None if self.draft_head is None else len(self.draft_head[1].ids)
+        one_row = {  # a draft vocabulary's head is never one (`ModelRunner._one_row`)
+            "target": has_two_column_weight(self.target),
+            "drafter": sub is None and has_two_column_weight(self.drafter),
+        }
+        return choose_layouts(
+            models,
+            {role: partial(self._make_timed_runner, model) for role, model in models.items()},
+            widths,
+            one_row,
+            self.device,
+            key={"drafter": sub},
+        )
+
+    def _make_timed_runner(self, model, layout: Layout, slots: int) -> ModelRunner:
+        return self._runner(model, slots, layout)
 
     def spec_slots(self, batch: int, plen: int) -> int:
         """Slots a speculative decode may use: rows that reject early leave holes, so a batched

@@ -68,22 +68,22 @@ def _count_calls(monkeypatch) -> dict[int, int]:
     seen: dict[int, int] = {}
     real = cpu_matmul.few_row_linear
 
-    def spy(x, weight, bias):
+    def spy(x, weight, bias, layout=cpu_matmul.WEIGHT_MAJOR):
         rows = x.numel() // x.shape[-1]
         seen[rows] = seen.get(rows, 0) + 1
-        return real(x, weight, bias)
+        return real(x, weight, bias, layout)
 
     monkeypatch.setattr(cpu_matmul, "few_row_linear", spy)
     return seen
 
 
-@pytest.mark.parametrize("setting", ["auto", "auto-tall-head", "linear"])
+@pytest.mark.parametrize("setting", ["weight_major", "weight_major-tall-head", "linear"])
 def test_verify_steps_take_the_few_row_path_only_when_asked(monkeypatch, setting):
-    """auto on CPU: the (gamma+1)-token verify goes through few_row_linear, the prefill never
+    """weight_major on CPU: the (gamma+1)-token verify goes through few_row_linear, the prefill never
     does, 1-token steps only for a model with a tall, narrow weight (here the tiny models' [64,
     32] heads, thresholds lowered to qualify them); linear: nothing does. Output stays the
     target's greedy output."""
-    if setting == "auto-tall-head":
+    if setting == "weight_major-tall-head":
         monkeypatch.setattr(cpu_matmul, "ONE_ROW_MIN", 64 * 32)
         monkeypatch.setattr(cpu_matmul, "ONE_ROW_MAX_IN", 32)
     target = tiny_llama(vocab=64, layers=2, seed=0)
@@ -104,7 +104,7 @@ def test_verify_steps_take_the_few_row_path_only_when_asked(monkeypatch, setting
     else:
         assert seen.get(5, 0) > 0  # verify steps: gamma + 1 rows
         assert max(seen) < len(prompt)  # never the prefill
-        if setting == "auto":
+        if setting == "weight_major":
             assert all(rows >= 2 for rows in seen)  # no tall weight: 1-row steps stay plain
         else:
             assert seen.get(1, 0) > 0  # 1-token steps reach the 2-column path

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specdistill.decode.cache import ModelRunner
+from specdistill.decode.cpu_matmul import LINEAR, WEIGHT_MAJOR
 from specdistill.decode.draft_vocab import SubsetHead
 from specdistill.decode.lean_step import causal_mask, lean_problem
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
@@ -82,7 +83,8 @@ def _pair(model, steps: list[int], mask=None, pos=None, **runner):
 def test_dense_steps_match_the_model(make, weight_major):
     model = make()
     assert lean_problem(model) is None
-    hf, lean = _pair(model, [1, 3, 1, 5], weight_major=weight_major)
+    layout = WEIGHT_MAJOR if weight_major else LINEAR
+    hf, lean = _pair(model, [1, 3, 1, 5], layout=layout)
     for a, b in zip(hf, lean):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 

@@ -9,6 +9,7 @@ from hydra import compose, initialize_config_module
 
 from specdistill.data.io import read_json
 from specdistill.data.runtime import ConfigError
+from specdistill.decode.validate.report import NO_OWN_DRAFTS
 from specdistill.distill.pipeline import execute
 from specdistill.distill.pipeline import stage as pipeline
 
@@ -68,10 +69,15 @@ def test_pipeline_end_to_end_and_resume(tmp_path, monkeypatch):
     alpha_row = f"| alpha, greedy | decode-time acceptance, every draft (prompt lookup's too) | {base['alpha']:.3g} | {report['alpha']:.3g} |"
     assert alpha_row in text
     own = [report["modes"]["greedy"]["drafter_alpha"], base["modes"]["greedy"]["drafter_alpha"]]
+    # a drafter whose every tested draft was prompt lookup's reads n/a, not its 0.0
+    cells = [
+        NO_OWN_DRAFTS if r["modes"]["greedy"]["drafter_trials"] == 0 else f"{a:.3g}"
+        for r, a in ((report, own[0]), (base, own[1]))
+    ]
     own_row = (
         "| the drafter's own alpha, greedy | decode-time acceptance, the drafter's drafts only"
     )
-    assert f"{own_row} | {own[1]:.3g} | {own[0]:.3g} |" in text
+    assert f"{own_row} | {cells[1]} | {cells[0]} |" in text
     assert report["drafter_alpha"] == own[0] and len(report["drafter_acceptance_by_position"]) > 0
     assert "held-out alpha, greedy" in text and str(exported.absolute()) in text
     assert "alpha, temperature 1" in text and set(report["modes"]) == {"greedy", "sampling"}

@@ -1,0 +1,121 @@
+"""`decoder.cpu_matmul=auto`: each model's few-row linear layout, timed on the CPU at hand.
+
+`decode.cpu_matmul`'s weight-major path made an AVX2 EPYC's (gamma+1)-token verify cost about
+one 1-token step where `F.linear` cost several, and on an AVX-512 / AMX Xeon it made the same
+verify cost 1.7 steps where `F.linear` cost 1.1 (decode/RESULTS.md, 2026-11-28): which path wins
+is the machine's, not the model's. So `auto` times both in the decoder's own steps: each model's
+runner (same caches, lean steps and draft head as the decode) on a short synthetic context, at
+the widths its decode steps feed (verify widths for the target, catch-up and parallel widths
+for the drafter, the 1-token step where a tall, narrow weight could take the 2-column path), the
+two layouts and the two models interleaved sample by sample, so each step runs after the other
+model's as it does in a decode (that eviction is what the weight-major path streams better).
+Medians; weight-major only where it is clearly faster (`MARGIN`: a tie keeps `F.linear`, the
+kernel library's own choice). Memoised per model: validate's decoders over one pair time once,
+and its target-only baseline keeps the layout its speculative decodes use.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from specdistill.decode.cache import ModelRunner
+from specdistill.decode.cpu_matmul import LINEAR, MAX_ROWS, WEIGHT_MAJOR, Layout
+
+MARGIN = 0.95  # weight-major must take under this share of F.linear's time to be chosen
+CONTEXT = 64  # synthetic context tokens the timed steps attend over
+LAYOUTS = {"linear": LINEAR, "weight_major": WEIGHT_MAJOR}
+
+# model -> {(widths, one_row, key): Layout}; weak, so a freed model drops its entry
+_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def decide(times: Mapping[tuple[str, int], float], widths: Iterable[int], one_row: bool) -> Layout:
+    """The layout from median step times `times[(layout name, width)]` (seconds): weight-major
+    for few rows when its summed time over `widths` (>= 2) is under MARGIN of F.linear's, for
+    one row (one_row: the model has a tall, narrow weight) when its 1-token step is."""
+    few = [w for w in widths if 2 <= w <= MAX_ROWS]
+    few_rows = bool(few) and sum(times["weight_major", w] for w in few) < MARGIN * sum(
+        times["linear", w] for w in few
+    )
+    one = one_row and times["weight_major", 1] < MARGIN * times["linear", 1]
+    return Layout(few_rows=few_rows, one_row=one)
+
+
+@torch.inference_mode()
+def time_layouts(
+    make_runner: Mapping[str, Callable[[Layout, int], ModelRunner]],
+    widths: Mapping[str, tuple[int, ...]],
+    vocab: Mapping[str, int],
+    device: torch.device,
+    iters: int = 5,
+    reps: int = 2,
+) -> dict[str, dict[tuple[str, int], float]]:
+    """Per role: median seconds of `reps` back-to-back steps of each width, per layout.
+    make_runner[role](layout, slots) builds that role's runner as the decoder would."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    runners: dict[tuple[str, str], ModelRunner] = {}
+    for role, make in make_runner.items():
+        ids = torch.randint(0, vocab[role], (1, CONTEXT), generator=gen).to(device)
+        for name, layout in LAYOUTS.items():
+            runner = make(layout, CONTEXT + max(widths[role]) + 2)
+            runner.forward(ids, keep=1, prefill=True)
+            runners[role, name] = runner
+    samples: dict[str, dict[tuple[str, int], list[float]]] = {
+        role: {(name, w): [] for name in LAYOUTS for w in widths[role]} for role in make_runner
+    }
+    names = list(LAYOUTS)
+    for i in range(iters + 1):  # the first pass warms every shape up
+        for w in sorted({w for ws in widths.values() for w in ws}):
+            for name in names if i % 2 else names[::-1]:  # alternate which layout goes first
+                for role in make_runner:
+                    if w not in widths[role]:
+                        continue
+                    runner = runners[role, name]
+                    base, x = runner.length, torch.zeros(1, w, dtype=torch.long, device=device)
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        runner.forward(x, keep=w)
+                        runner.rollback(base)
+                    if i:
+                        samples[role][name, w].append(time.perf_counter() - t0)
+    return {
+        role: {key: statistics.median(v) for key, v in per.items()} for role, per in samples.items()
+    }
+
+
+def choose_layouts(
+    models: Mapping[str, torch.nn.Module],
+    make_runner: Mapping[str, Callable[[Layout, int], ModelRunner]],
+    widths: Mapping[str, tuple[int, ...]],
+    one_row: Mapping[str, bool],
+    device: torch.device,
+    key: Mapping[str, object] | None = None,
+) -> dict[str, Layout]:
+    """Each role's layout (see the module docstring): remembered per model, timed for the roles
+    not yet known (with the known ones' steps interleaved all the same). `one_row[role]`: the
+    role's runner would take the 2-column path for 1-token steps (time width 1 too); `key`:
+    what else makes a role's layout its own (e.g. a draft vocabulary's head)."""
+    key = key or {}
+    entry = {
+        role: (tuple(sorted(set(widths[role]))), one_row[role], key.get(role)) for role in models
+    }
+    known = {role: _MEMO.get(model, {}).get(entry[role]) for role, model in models.items()}
+    if all(layout is not None for layout in known.values()):
+        return {role: known[role] for role in models}
+    timed_widths = {
+        role: tuple(sorted(set(widths[role]) | ({1} if one_row[role] else set())))
+        for role in models
+    }
+    vocab = {role: int(model.config.vocab_size) for role, model in models.items()}
+    times = time_layouts(make_runner, timed_widths, vocab, device)
+    out = {}
+    for role, model in models.items():
+        layout = known[role] or decide(times[role], widths[role], one_row[role])
+        _MEMO.setdefault(model, {})[entry[role]] = layout
+        out[role] = layout
+    return out

@@ -1,0 +1,128 @@
+"""`decoder.cpu_matmul=auto` (decode.matmul_choice): the layout each model's few-row linears take is
+the one this machine runs faster, timed in the decoder's own steps, once per model."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdistill.decode import cpu_matmul, matmul_choice
+from specdistill.decode.cpu_matmul import LINEAR, WEIGHT_MAJOR, Layout
+from specdistill.decode.matmul_choice import MARGIN, decide
+from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
+from tests.conftest import tiny_llama
+from tests.decode.test_speculative import greedy_reference, prompts
+
+
+def _times(linear: dict[int, float], weight_major: dict[int, float]):
+    return {("linear", w): t for w, t in linear.items()} | {
+        ("weight_major", w): t for w, t in weight_major.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "linear, weight_major, widths, one_row, want",
+    [
+        ({2: 1.0, 9: 1.0}, {2: 0.5, 9: 0.5}, (2, 9), False, Layout(few_rows=True)),
+        # within the margin: F.linear (the kernel library's own choice) keeps the tie
+        ({2: 1.0, 9: 1.0}, {2: MARGIN, 9: MARGIN}, (2, 9), False, LINEAR),
+        # summed over the widths: a win at 2 rows does not pay for a loss at 9
+        ({2: 1.0, 9: 1.0}, {2: 0.5, 9: 1.7}, (2, 9), False, LINEAR),
+        # the 1-row path is priced only for a model with a tall, narrow weight
+        ({1: 1.0, 2: 1.0}, {1: 0.5, 2: 2.0}, (2,), True, Layout(one_row=True)),
+        ({1: 1.0, 2: 1.0}, {1: 0.5, 2: 0.5}, (2,), False, Layout(few_rows=True)),
+        ({1: 1.0, 2: 1.0}, {1: 0.5, 2: 0.5}, (2,), True, WEIGHT_MAJOR),
+    ],
+)
+def test_decide_picks_the_faster_layout_by_width(linear, weight_major, widths, one_row, want):
+    assert decide(_times(linear, weight_major), widths, one_row) == want
+
+
+def _spy_few_rows(monkeypatch, delay: float = 0.0) -> dict[int, int]:
+    """Rows of every input the weight-major path saw, counted; each call `delay` s slower."""
+    seen: dict[int, int] = {}
+    real = cpu_matmul.few_row_linear
+
+    def spy(x, weight, bias, layout=WEIGHT_MAJOR):
+        rows = x.numel() // x.shape[-1]
+        seen[rows] = seen.get(rows, 0) + 1
+        if delay:
+            time.sleep(delay)
+        return real(x, weight, bias, layout)
+
+    monkeypatch.setattr(cpu_matmul, "few_row_linear", spy)
+    return seen
+
+
+def _pair(seed: int = 0):
+    return tiny_llama(vocab=64, layers=2, seed=seed), tiny_llama(vocab=64, layers=1, seed=seed + 1)
+
+
+def test_auto_keeps_f_linear_where_weight_major_is_slower(monkeypatch):
+    """A machine where the weight-major path is slow (each call made 2 ms slower): auto times
+    it, keeps F.linear for both models, and the decode never takes the path; the output stays
+    the target's."""
+    seen = _spy_few_rows(monkeypatch, delay=0.002)
+    target, drafter = _pair()
+    dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=24))
+    assert dec.layout(target) == LINEAR and dec.layout(drafter) == LINEAR
+    assert seen  # the timing ran the weight-major steps
+    seen.clear()
+    prompt = prompts(2, 64, seed=3)[1]
+    out = dec.generate(torch.tensor([prompt]))
+    assert out.tokens[0] == greedy_reference(target, prompt, 24)
+    assert seen == {}
+
+
+def test_auto_takes_weight_major_where_f_linear_is_slower(monkeypatch):
+    """The mirror machine: F.linear over 2-16 rows made slow; auto picks weight-major for the
+    verify (gamma + 1 rows through few_row_linear), the output stays the target's."""
+    real_linear = F.linear
+
+    def slow_linear(x, weight, bias=None):
+        if 2 <= x.numel() // x.shape[-1] <= cpu_matmul.MAX_ROWS:
+            time.sleep(0.002)
+        return real_linear(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", slow_linear)
+    seen = _spy_few_rows(monkeypatch)
+    target, drafter = _pair(seed=4)
+    dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=24))
+    assert dec.layout(target).few_rows and dec.layout(drafter).few_rows
+    seen.clear()
+    prompt = prompts(2, 64, seed=3)[1]
+    out = dec.generate(torch.tensor([prompt]))
+    assert out.tokens[0] == greedy_reference(target, prompt, 24)
+    assert seen.get(5, 0) > 0 and all(rows >= 2 for rows in seen)
+
+
+def test_layouts_are_timed_once_per_model_and_the_settings_skip_timing(monkeypatch):
+    """Validate builds several decoders over one pair: the first times, the rest reuse its
+    layouts; a new drafter is timed beside the known target, whose layout stays. `linear` and
+    `weight_major` never time."""
+    calls: list[set[str]] = []
+    real = matmul_choice.time_layouts
+
+    def counting(make_runner, widths, vocab, device, iters=5, reps=2):
+        calls.append(set(make_runner))
+        return real(make_runner, widths, vocab, device, iters=1, reps=1)
+
+    monkeypatch.setattr(matmul_choice, "time_layouts", counting)
+    target, drafter = _pair(seed=8)
+    cfg = DecoderConfig(gamma=4, max_new_tokens=8)
+    first = SpeculativeDecoder(target, drafter, cfg)
+    chosen = first.layout(target)
+    second = SpeculativeDecoder(target, drafter, cfg)
+    assert second.layout(target) == chosen and second.layout(drafter) == first.layout(drafter)
+    assert len(calls) == 1
+    other = tiny_llama(vocab=64, layers=1, seed=11)
+    third = SpeculativeDecoder(target, other, cfg)
+    assert third.layout(target) == chosen and isinstance(third.layout(other), Layout)
+    assert len(calls) == 2
+    for setting, want in (("linear", LINEAR), ("weight_major", WEIGHT_MAJOR)):
+        fixed = SpeculativeDecoder(target, drafter, DecoderConfig(cpu_matmul=setting))
+        assert fixed.layout(target) == want and fixed.layout(drafter) == want
+    assert len(calls) == 2
