@@ -159,9 +159,10 @@ def _measure_mode(
         decs[("autoregressive", g)] = make(st.drafter, "autoregressive", g)
         decs[("parallel", g)] = make(par, "parallel", g)
     for dec in decs.values():
+        # untimed, exactly as validate warms its decoder (step costs measured, calibration
+        # started): an adaptive policy's state carries from decode to decode, so one more warm
+        # decode here made the bench's figure for a checkpoint differ from validate's
         warm_up(dec, st.batches, st.warm, seed)
-        if dec.cfg.draft_length != "fixed":  # step costs measured and calibration started untimed
-            dec.generate(st.warm[0][0], st.warm[0][1])
     fns = {"": probe.baseline} | {f"{m}:{g}": d.generate for (m, g), d in decs.items()}
     rates: dict[str, list[float]] = {k: [] for k in fns}
     first: dict[str, DecodeOutput] = {}
