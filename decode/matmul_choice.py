@@ -48,7 +48,7 @@ def decide(times: Mapping[tuple[str, int], float], widths: Iterable[int], one_ro
 
 @torch.inference_mode()
 def time_layouts(
-    make_runner: Mapping[str, Callable[[Layout, int], ModelRunner]],
+    make_runner: Mapping[str, Callable[[int, Layout], ModelRunner]],
     widths: Mapping[str, tuple[int, ...]],
     vocab: Mapping[str, int],
     device: torch.device,
@@ -56,13 +56,13 @@ def time_layouts(
     reps: int = 2,
 ) -> dict[str, dict[tuple[str, int], float]]:
     """Per role: median seconds of `reps` back-to-back steps of each width, per layout.
-    make_runner[role](layout, slots) builds that role's runner as the decoder would."""
+    make_runner[role](slots, layout) builds that role's runner as the decoder would."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     runners: dict[tuple[str, str], ModelRunner] = {}
     for role, make in make_runner.items():
         ids = torch.randint(0, vocab[role], (1, CONTEXT), generator=gen).to(device)
         for name, layout in LAYOUTS.items():
-            runner = make(layout, CONTEXT + max(widths[role]) + 2)
+            runner = make(CONTEXT + max(widths[role]) + 2, layout)
             runner.forward(ids, keep=1, prefill=True)
             runners[role, name] = runner
     samples: dict[str, dict[tuple[str, int], list[float]]] = {
@@ -90,7 +90,7 @@ def time_layouts(
 
 def choose_layouts(
     models: Mapping[str, torch.nn.Module],
-    make_runner: Mapping[str, Callable[[Layout, int], ModelRunner]],
+    make_runner: Mapping[str, Callable[[int, Layout], ModelRunner]],
     widths: Mapping[str, tuple[int, ...]],
     one_row: Mapping[str, bool],
     device: torch.device,

@@ -251,15 +251,12 @@ class SpeculativeDecoder:
         }
         return choose_layouts(
             models,
-            {role: partial(self._make_timed_runner, model) for role, model in models.items()},
+            {role: partial(self._runner, model) for role, model in models.items()},
             widths,
             one_row,
             self.device,
             key={"drafter": sub},
         )
-
-    def _make_timed_runner(self, model, layout: Layout, slots: int) -> ModelRunner:
-        return self._runner(model, slots, layout)
 
     def spec_slots(self, batch: int, plen: int) -> int:
         """Slots a speculative decode may use: rows that reject early leave holes, so a batched

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,14 +65,17 @@ def test_switch_is_scoped_and_restored_on_error():
     assert torch.nn.Linear.forward is original
 
 
-def _count_calls(monkeypatch) -> dict[int, int]:
-    """Rows of every input the few-row path saw, counted."""
+def count_calls(monkeypatch, delay: float = 0.0) -> dict[int, int]:
+    """Rows of every input the few-row path saw, counted; each call `delay` s slower (a machine
+    where that path is the slow one)."""
     seen: dict[int, int] = {}
     real = cpu_matmul.few_row_linear
 
     def spy(x, weight, bias, layout=cpu_matmul.WEIGHT_MAJOR):
         rows = x.numel() // x.shape[-1]
         seen[rows] = seen.get(rows, 0) + 1
+        if delay:
+            time.sleep(delay)
         return real(x, weight, bias, layout)
 
     monkeypatch.setattr(cpu_matmul, "few_row_linear", spy)
@@ -90,7 +95,7 @@ def test_verify_steps_take_the_few_row_path_only_when_asked(monkeypatch, setting
     drafter = tiny_llama(vocab=64, layers=1, seed=1)
     assert target.lm_head.weight.shape == (64, 32)
     original = torch.nn.Linear.forward
-    seen = _count_calls(monkeypatch)
+    seen = count_calls(monkeypatch)
     dec = SpeculativeDecoder(
         target,
         drafter,

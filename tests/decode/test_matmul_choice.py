@@ -14,6 +14,7 @@ from specdistill.decode.cpu_matmul import LINEAR, WEIGHT_MAJOR, Layout
 from specdistill.decode.matmul_choice import MARGIN, decide
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.conftest import tiny_llama
+from tests.decode.test_cpu_matmul import count_calls
 from tests.decode.test_speculative import greedy_reference, prompts
 
 
@@ -41,22 +42,6 @@ def test_decide_picks_the_faster_layout_by_width(linear, weight_major, widths, o
     assert decide(_times(linear, weight_major), widths, one_row) == want
 
 
-def _spy_few_rows(monkeypatch, delay: float = 0.0) -> dict[int, int]:
-    """Rows of every input the weight-major path saw, counted; each call `delay` s slower."""
-    seen: dict[int, int] = {}
-    real = cpu_matmul.few_row_linear
-
-    def spy(x, weight, bias, layout=WEIGHT_MAJOR):
-        rows = x.numel() // x.shape[-1]
-        seen[rows] = seen.get(rows, 0) + 1
-        if delay:
-            time.sleep(delay)
-        return real(x, weight, bias, layout)
-
-    monkeypatch.setattr(cpu_matmul, "few_row_linear", spy)
-    return seen
-
-
 def _pair(seed: int = 0):
     return tiny_llama(vocab=64, layers=2, seed=seed), tiny_llama(vocab=64, layers=1, seed=seed + 1)
 
@@ -65,7 +50,7 @@ def test_auto_keeps_f_linear_where_weight_major_is_slower(monkeypatch):
     """A machine where the weight-major path is slow (each call made 2 ms slower): auto times
     it, keeps F.linear for both models, and the decode never takes the path; the output stays
     the target's."""
-    seen = _spy_few_rows(monkeypatch, delay=0.002)
+    seen = count_calls(monkeypatch, delay=0.002)
     target, drafter = _pair()
     dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=24))
     assert dec.layout(target) == LINEAR and dec.layout(drafter) == LINEAR
@@ -88,7 +73,7 @@ def test_auto_takes_weight_major_where_f_linear_is_slower(monkeypatch):
         return real_linear(x, weight, bias)
 
     monkeypatch.setattr(torch.nn.functional, "linear", slow_linear)
-    seen = _spy_few_rows(monkeypatch)
+    seen = count_calls(monkeypatch)
     target, drafter = _pair(seed=4)
     dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=24))
     assert dec.layout(target).few_rows and dec.layout(drafter).few_rows
