@@ -199,7 +199,7 @@ class ModelRunner:
             ids, position_ids = _fresh(ids), _fresh(position_ids)
         with (
             weight_major_linear(
-                not prefill and (self._one_row if n == 1 else self.layout.few_rows), self.layout
+                not prefill and (self._one_row if n == 1 else self.layout.switches(n)), self.layout
             ),
             swapped_head(self.model, self.head),
             Attention(self.model.config, PACKED_SDPA if self._packed and n > 1 else None),

@@ -55,8 +55,9 @@ class DecoderConfig:
     host_sync_every: int = 0  # target-only decoding: tokens reach the host every N steps; 0: auto
     # CPU linears of few-row steps (decode.cpu_matmul): weight_major runs verify and catch-up
     # steps (2-16 tokens) as weight @ x.T, which on some CPUs costs about one 1-token step and on
-    # others more than F.linear; auto times both per model on this machine
-    # (decode.matmul_choice); linear: F.linear everywhere
+    # others more than F.linear; packed through oneDNN over weights reordered once (a second copy
+    # of them); auto times the three per model on this machine (decode.matmul_choice); linear:
+    # F.linear everywhere
     cpu_matmul: str = "auto"
     # decode steps of a Llama-family model computed layer by layer without transformers'
     # per-call machinery (decode.lean_step; prefill and other models keep model.forward)
@@ -114,9 +115,9 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         raise ConfigError(
             f"decoder.host_sync_every={cfg.host_sync_every!r} must be an integer >= 0 (0 = auto)"
         )
-    if cfg.cpu_matmul not in ("auto", "weight_major", "linear"):
+    if cfg.cpu_matmul not in ("auto", "weight_major", "packed", "linear"):
         raise ConfigError(
-            f"decoder.cpu_matmul={cfg.cpu_matmul!r}: use auto, weight_major or linear"
+            f"decoder.cpu_matmul={cfg.cpu_matmul!r}: use auto, weight_major, packed or linear"
         )
     if not isinstance(cfg.lean_steps, bool):
         raise ConfigError(f"decoder.lean_steps={cfg.lean_steps!r} must be true or false")

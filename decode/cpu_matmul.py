@@ -16,9 +16,13 @@ hidden size, e.g. SmolLM2's tied LM head): MKL's 1-row GEMV there is slower than
 models' are all below the threshold).
 
 Neither holds on every CPU: on an AVX-512 / AMX Xeon the weight-major verify of the toy target
-cost 1.7 of its 1-token steps against 1.1 through `F.linear`. So a `Layout` says which of the
-two paths a model takes, and `decoder.cpu_matmul=auto` times both on the machine at hand
-(`decode/matmul_choice.py`).
+cost 1.7 of its 1-token steps against 1.1 through `F.linear`. There a third path wins from a few
+rows up: MKL's `F.linear` switches kernels at 4 rows and its cost jumps, where oneDNN's linear
+over a weight reordered once into its own blocked layout (`packed_linear`) costs about the same
+from 1 row to 9 (decode/RESULTS.md, 2026-11-28 "oneDNN's prepacked weights"). The reordered copy
+costs the model's linear weights again in memory, so it is made only for a model whose layout
+takes it. So a `Layout` says which path a model's few-row inputs take, and
+`decoder.cpu_matmul=auto` times them on the machine at hand (`decode/matmul_choice.py`).
 
 The switch is scoped: `weight_major_linear()` swaps `torch.nn.Linear.forward` for the duration of
 one decode step (the decoder is single-threaded), and only for inputs of 2-16 rows or one row
@@ -29,6 +33,7 @@ any other change of GEMM kernel.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,15 +55,60 @@ class Layout:
 
     few_rows: bool = False  # 2..MAX_ROWS rows as weight @ x.T (verify and catch-up steps)
     one_row: bool = False  # one row over a tall, narrow weight as a 2-column GEMM
+    packed_from: int = 0  # packed_from..MAX_ROWS rows (>= 2) through `packed_linear`; 0: none
 
     @property
     def any(self) -> bool:
-        return self.few_rows or self.one_row
+        return self.few_rows or self.one_row or self.packed_from > 0
+
+    def packs(self, rows: int) -> bool:
+        """Whether an input of `rows` rows takes oneDNN's prepacked weight."""
+        return 2 <= self.packed_from <= rows <= MAX_ROWS
+
+    def switches(self, rows: int) -> bool:
+        """Whether a step of `rows` (>= 2) tokens per row needs the swapped `Linear.forward`."""
+        return self.few_rows or self.packs(rows)
 
 
 LINEAR = Layout()
 WEIGHT_MAJOR = Layout(few_rows=True, one_row=True)
+PACKED = Layout(packed_from=2)
 _active = WEIGHT_MAJOR  # the layout inside `weight_major_linear` (the decoder is single-threaded)
+
+
+# Linear module -> (the weight's tensor version when reordered, oneDNN's reordered weight); weak,
+# so a freed model drops its copies
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def packed_available() -> bool:
+    """Whether this torch build has oneDNN's linear over a prepacked weight (CPU builds do)."""
+    ops = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
+def packed_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` through oneDNN with the weight reordered once into oneDNN's blocked layout.
+    The copy is remade when the weight changes in place (online adaptation trains a drafter
+    between decodes), so it never serves stale weights."""
+    weight = module.weight
+    version = -1 if weight.is_inference() else weight._version  # inference tensors never change
+    got = _PACKED.get(module)
+    if got is None or got[0] != version:
+        with torch.inference_mode():
+            got = (version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+        _PACKED[module] = got
+    return torch.ops.mkldnn._linear_pointwise(x, got[1], module.bias, "none", [], "")
+
+
+def drop_packed(model: torch.nn.Module) -> None:
+    """Free the reordered copies of `model`'s weights (its layout does not take them)."""
+    for m in model.modules():
+        _PACKED.pop(m, None)
 
 
 def two_column(weight: torch.Tensor) -> bool:
@@ -94,13 +144,15 @@ def few_row_linear(
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if _active.packs(x.numel() // max(x.shape[-1], 1)):
+        return packed_linear(self, x)
     return few_row_linear(x, self.weight, self.bias, _active)
 
 
 @contextmanager
 def weight_major_linear(enabled: bool = True, layout: Layout = WEIGHT_MAJOR) -> Iterator[None]:
-    """Within the block, every `nn.Linear` computes few-row inputs as `weight @ x.T` where
-    `layout` says so."""
+    """Within the block, every `nn.Linear` computes few-row inputs as `weight @ x.T` or through
+    its prepacked weight where `layout` says so."""
     global _active
     if not enabled or not layout.any:
         yield

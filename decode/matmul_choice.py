@@ -3,15 +3,20 @@
 `decode.cpu_matmul`'s weight-major path made an AVX2 EPYC's (gamma+1)-token verify cost about
 one 1-token step where `F.linear` cost several, and on an AVX-512 / AMX Xeon it made the same
 verify cost 1.7 steps where `F.linear` cost 1.1 (decode/RESULTS.md, 2026-11-28): which path wins
-is the machine's, not the model's. So `auto` times both in the decoder's own steps: each model's
+is the machine's, not the model's; and on that Xeon oneDNN over prepacked weights beat both from
+4 rows up, where MKL's `F.linear` switches kernels (decode.cpu_matmul). So `auto` times the
+three in the decoder's own steps: each model's
 runner (same caches, lean steps and draft head as the decode) on a short synthetic context, at
 the widths its decode steps feed (verify widths for the target, catch-up and parallel widths
 for the drafter, the 1-token step where a tall, narrow weight could take the 2-column path), the
 two layouts and the two models interleaved sample by sample, so each step runs after the other
 model's as it does in a decode (that eviction is what the weight-major path streams better).
 Medians; weight-major only where it is clearly faster (`MARGIN`: a tie keeps `F.linear`, the
-kernel library's own choice). Memoised per model: validate's decoders over one pair time once,
-and its target-only baseline keeps the layout its speculative decodes use.
+kernel library's own choice), and the prepacked path from the width where it is clearly faster
+at every timed width above (a kernel switch is a step in the cost, so the widths between two
+timed ones follow them). A model whose layout does not take the prepacked path frees its
+reordered weights. Memoised per model: validate's decoders over one pair time once, and its
+target-only baseline keeps the layout its speculative decodes use.
 """
 
 from __future__ import annotations
@@ -24,11 +29,19 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from specdistill.decode.cache import ModelRunner
-from specdistill.decode.cpu_matmul import LINEAR, MAX_ROWS, WEIGHT_MAJOR, Layout
+from specdistill.decode.cpu_matmul import (
+    LINEAR,
+    MAX_ROWS,
+    PACKED,
+    WEIGHT_MAJOR,
+    Layout,
+    drop_packed,
+    packed_available,
+)
 
 MARGIN = 0.95  # weight-major must take under this share of F.linear's time to be chosen
 CONTEXT = 64  # synthetic context tokens the timed steps attend over
-LAYOUTS = {"linear": LINEAR, "weight_major": WEIGHT_MAJOR}
+LAYOUTS = {"linear": LINEAR, "weight_major": WEIGHT_MAJOR, "packed": PACKED}
 
 # model -> {(widths, one_row, key): Layout}; weak, so a freed model drops its entry
 _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -37,13 +50,21 @@ _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def decide(times: Mapping[tuple[str, int], float], widths: Iterable[int], one_row: bool) -> Layout:
     """The layout from median step times `times[(layout name, width)]` (seconds): weight-major
     for few rows when its summed time over `widths` (>= 2) is under MARGIN of F.linear's, for
-    one row (one_row: the model has a tall, narrow weight) when its 1-token step is."""
-    few = [w for w in widths if 2 <= w <= MAX_ROWS]
+    one row (one_row: the model has a tall, narrow weight) when its 1-token step is; then the
+    prepacked path (where timed) from the smallest width w at which it is under MARGIN of that
+    few-row choice at w and at every timed width above it."""
+    few = sorted(w for w in widths if 2 <= w <= MAX_ROWS)
     few_rows = bool(few) and sum(times["weight_major", w] for w in few) < MARGIN * sum(
         times["linear", w] for w in few
     )
     one = one_row and times["weight_major", 1] < MARGIN * times["linear", 1]
-    return Layout(few_rows=few_rows, one_row=one)
+    rival = "weight_major" if few_rows else "linear"
+    packed_from = 0
+    for w in reversed(few):
+        if ("packed", w) not in times or times["packed", w] >= MARGIN * times[rival, w]:
+            break
+        packed_from = w
+    return Layout(few_rows=few_rows, one_row=one, packed_from=packed_from)
 
 
 @torch.inference_mode()
@@ -59,16 +80,17 @@ def time_layouts(
     make_runner[role](slots, layout) builds that role's runner as the decoder would."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     runners: dict[tuple[str, str], ModelRunner] = {}
+    layouts = {n: lay for n, lay in LAYOUTS.items() if n != "packed" or packed_available()}
     for role, make in make_runner.items():
         ids = torch.randint(0, vocab[role], (1, CONTEXT), generator=gen).to(device)
-        for name, layout in LAYOUTS.items():
+        for name, layout in layouts.items():
             runner = make(CONTEXT + max(widths[role]) + 2, layout)
             runner.forward(ids, keep=1, prefill=True)
             runners[role, name] = runner
     samples: dict[str, dict[tuple[str, int], list[float]]] = {
-        role: {(name, w): [] for name in LAYOUTS for w in widths[role]} for role in make_runner
+        role: {(name, w): [] for name in layouts for w in widths[role]} for role in make_runner
     }
-    names = list(LAYOUTS)
+    names = list(layouts)
     for i in range(iters + 1):  # the first pass warms every shape up
         for w in sorted({w for ws in widths.values() for w in ws}):
             for name in names if i % 2 else names[::-1]:  # alternate which layout goes first
@@ -118,4 +140,12 @@ def choose_layouts(
         layout = known[role] or decide(times[role], widths[role], one_row[role])
         _MEMO.setdefault(model, {})[entry[role]] = layout
         out[role] = layout
+        if not layout.packed_from and not _takes_packed(model):
+            drop_packed(model)  # timing made the reordered copy; this model's steps never read it
     return out
+
+
+def _takes_packed(model: torch.nn.Module) -> bool:
+    """Whether any layout remembered for `model` (another drafter's pairing, another width set)
+    reads its reordered weights."""
+    return any(layout.packed_from for layout in _MEMO.get(model, {}).values())

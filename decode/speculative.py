@@ -51,9 +51,11 @@ from specdistill.decode.config import (
 from specdistill.decode.cpu_matmul import (
     LINEAR,
     MAX_ROWS,
+    PACKED,
     WEIGHT_MAJOR,
     Layout,
     has_two_column_weight,
+    packed_available,
 )
 from specdistill.decode.draft_length import DraftCosts, make_policy, measure_costs, verify_widths
 from specdistill.decode.draft_length.costs_memo import CostsMemo
@@ -220,12 +222,15 @@ class SpeculativeDecoder:
 
     def layout(self, model) -> Layout:
         """How `model`'s few-row linears run on CPU (decode.cpu_matmul): `linear` or off CPU:
-        F.linear; `weight_major`: weight @ x.T; `auto`: whichever this machine runs faster in
-        the decoder's own steps (decode.matmul_choice; compiled steps keep weight-major, timing
-        them would compile every timed shape)."""
+        F.linear; `weight_major`: weight @ x.T; `packed`: oneDNN over prepacked weights (F.linear
+        where this torch has no oneDNN); `auto`: whichever this machine runs faster in the
+        decoder's own steps (decode.matmul_choice; compiled steps keep weight-major, timing them
+        would compile every timed shape)."""
         setting = self.cfg.cpu_matmul
         if self.device.type != "cpu" or setting == "linear":
             return LINEAR
+        if setting == "packed":
+            return PACKED if packed_available() else LINEAR
         if setting == "weight_major" or self.compile:
             return WEIGHT_MAJOR
         if self._layouts is None:
@@ -238,8 +243,9 @@ class SpeculativeDecoder:
         take the 2-column path."""
         models = {"target": self.target, "drafter": self.drafter}
         k = self.max_draft
-        widths = {
-            "target": tuple(sorted({2, min(k + 1, MAX_ROWS)})),
+        top = min(k + 1, MAX_ROWS)
+        widths = {  # the target's verify widths, sampled: where a kernel switch sits matters
+            "target": tuple(sorted({top} | {w for w in (2, 3, 4, 6, 9, 12) if w <= top})),
             "drafter": tuple(
                 sorted({2} | {w for w in self.drafting.draft_widths(k) if 2 <= w <= MAX_ROWS})
             ),

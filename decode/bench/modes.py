@@ -4,9 +4,10 @@
         'compare_modes=[eager,compiled]'
 
 Modes: `eager` (dynamic cache, eager steps: the CPU default, each model's few-row linears as
-`decoder.cpu_matmul=auto` times them), `eager-linear` and `eager-weight-major` (the same with
-`decoder.cpu_matmul=linear` / `weight_major`: every few-row linear through `F.linear` / as
-`W @ x.T`, whatever auto would pick), `eager-hf` (the
+`decoder.cpu_matmul=auto` times them), `eager-linear`, `eager-weight-major` and `eager-packed`
+(the same with `decoder.cpu_matmul=linear` / `weight_major` / `packed`: every few-row linear
+through `F.linear` / as `W @ x.T` / through oneDNN's prepacked weight, whatever auto would
+pick), `eager-hf` (the
 same with `decoder.lean_steps=false`: every step through the model's own forward, not
 decode/lean_step.py), `static` (static cache, eager
 steps), `compiled` (static cache, compiled steps: inductor on CPU, CUDA graphs on CUDA),
@@ -38,6 +39,7 @@ MODES: dict[str, dict[str, Any]] = {
     "eager": {"cache": "dynamic", "compile": False},
     "eager-linear": {"cache": "dynamic", "compile": False, "cpu_matmul": "linear"},
     "eager-weight-major": {"cache": "dynamic", "compile": False, "cpu_matmul": "weight_major"},
+    "eager-packed": {"cache": "dynamic", "compile": False, "cpu_matmul": "packed"},
     "eager-hf": {"cache": "dynamic", "compile": False, "lean_steps": False},
     "static": {"cache": "static", "compile": False},
     "compiled": {"cache": "static", "compile": True},
