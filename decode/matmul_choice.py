@@ -9,7 +9,7 @@ three in the decoder's own steps: each model's
 runner (same caches, lean steps and draft head as the decode) on a short synthetic context, at
 the widths its decode steps feed (verify widths for the target, catch-up and parallel widths
 for the drafter, the 1-token step where a tall, narrow weight could take the 2-column path), the
-two layouts and the two models interleaved sample by sample, so each step runs after the other
+layouts and the two models interleaved sample by sample, so each step runs after the other
 model's as it does in a decode (that eviction is what the weight-major path streams better).
 Medians; weight-major only where it is clearly faster (`MARGIN`: a tie keeps `F.linear`, the
 kernel library's own choice), and the prepacked path from the width where it is clearly faster
@@ -39,7 +39,7 @@ from specdistill.decode.cpu_matmul import (
     packed_available,
 )
 
-MARGIN = 0.95  # weight-major must take under this share of F.linear's time to be chosen
+MARGIN = 0.95  # a path other than F.linear must take under this share of its rival's time
 CONTEXT = 64  # synthetic context tokens the timed steps attend over
 LAYOUTS = {"linear": LINEAR, "weight_major": WEIGHT_MAJOR, "packed": PACKED}
 
@@ -88,14 +88,15 @@ def time_layouts(
             runner.forward(ids, keep=1, prefill=True)
             runners[role, name] = runner
     samples: dict[str, dict[tuple[str, int], list[float]]] = {
-        role: {(name, w): [] for name in layouts for w in widths[role]} for role in make_runner
+        role: {(name, w): [] for name in layouts for w in widths[role] if _timed(name, w)}
+        for role in make_runner
     }
     names = list(layouts)
     for i in range(iters + 1):  # the first pass warms every shape up
         for w in sorted({w for ws in widths.values() for w in ws}):
             for name in names if i % 2 else names[::-1]:  # alternate which layout goes first
                 for role in make_runner:
-                    if w not in widths[role]:
+                    if w not in widths[role] or not _timed(name, w):
                         continue
                     runner = runners[role, name]
                     base, x = runner.length, torch.zeros(1, w, dtype=torch.long, device=device)
@@ -108,6 +109,11 @@ def time_layouts(
     return {
         role: {key: statistics.median(v) for key, v in per.items()} for role, per in samples.items()
     }
+
+
+def _timed(name: str, width: int) -> bool:
+    """The prepacked path takes 2 rows and more: its 1-token step would time `F.linear` again."""
+    return name != "packed" or width >= 2
 
 
 def choose_layouts(
