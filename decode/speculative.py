@@ -224,15 +224,16 @@ class SpeculativeDecoder:
         """How `model`'s few-row linears run on CPU (decode.cpu_matmul): `linear` or off CPU:
         F.linear; `weight_major`: weight @ x.T; `packed`: oneDNN over prepacked weights (F.linear
         where this torch has no oneDNN); `auto`: whichever this machine runs faster in the
-        decoder's own steps (decode.matmul_choice; compiled steps keep weight-major, timing them
-        would compile every timed shape)."""
+        decoder's own steps (decode.matmul_choice). Compiled steps keep weight-major whatever
+        the setting: timing them would compile every timed shape, and the prepacked path was
+        never tried under compile."""
         setting = self.cfg.cpu_matmul
         if self.device.type != "cpu" or setting == "linear":
             return LINEAR
-        if setting == "packed":
-            return PACKED if packed_available() else LINEAR
         if setting == "weight_major" or self.compile:
             return WEIGHT_MAJOR
+        if setting == "packed":
+            return PACKED if packed_available() else LINEAR
         if self._layouts is None:
             self._layouts = self._choose_layouts()
         return self._layouts["target" if model is self.target else "drafter"]
