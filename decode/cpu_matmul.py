@@ -69,6 +69,18 @@ class Layout:
         """Whether a step of `rows` (>= 2) tokens per row needs the swapped `Linear.forward`."""
         return self.few_rows or self.packs(rows)
 
+    def describe(self) -> str:
+        """The layout in words, for reports (which kernel path each row count takes)."""
+        parts = []
+        if self.few_rows:
+            upto = self.packed_from - 1 if self.packed_from else MAX_ROWS
+            parts.append(f"W @ x.T for 2-{upto} rows")
+        if self.packed_from:
+            parts.append(f"oneDNN prepacked for {self.packed_from}-{MAX_ROWS} rows")
+        if self.one_row:
+            parts.append("1 row over a tall, narrow weight as 2 columns")
+        return "; ".join(parts) + ("; F.linear otherwise" if parts else "F.linear")
+
 
 LINEAR = Layout()
 WEIGHT_MAJOR = Layout(few_rows=True, one_row=True)

@@ -67,6 +67,9 @@ class ValidateResult:
     hf_assisted: dict[str, Any] | None = None
     cache: str = "dynamic"
     compiled: bool = False
+    # the few-row linear path each model's decode steps took (decoder.cpu_matmul; None in
+    # reports written before it)
+    cpu_linears: dict[str, str] | None = None
     # Untimed time before the timed repeats: c measurement, warm-up, and compiling the decode
     # steps when `compiled` (steady-state tokens/s above exclude it).
     warmup_seconds: float = 0.0
@@ -110,6 +113,11 @@ def mode_value(v: dict[str, Any], mode: str, key: str) -> Any:
 NO_OWN_DRAFTS = "n/a (0 drafts of its own)"
 
 
+def _linears(linears: dict[str, str] | None) -> str:
+    """Each model's few-row linear path, or n/a for a report written before it was kept."""
+    return "n/a" if not linears else f"{linears['target']} / {linears['drafter']}"
+
+
 def _drafter_alpha(r: ValidateResult) -> str:
     """The drafter's own acceptance with how many drafts it rests on; positions it never
     drafted at read '-' (not 0.00), and no drafts at all reads n/a (not 0.0)."""
@@ -141,6 +149,7 @@ def report_markdown(r: ValidateResult) -> str:
         ("alpha at temperature 1", f"{r.alpha_sampled}"),
         ("tau (tokens per target forward)", f"{r.tau} (temperature 1: {r.tau_sampled})"),
         ("c (drafter / target step time)", f"{r.c}; verify step = {r.verify_cost} target steps"),
+        ("CPU linears: target / drafter", _linears(r.cpu_linears)),
         ("target-only tokens/s", f"{b['median']} (min {b['min']}, max {b['max']})"),
         ("speculative tokens/s", f"{s['median']} (min {s['min']}, max {s['max']})"),
         ("speedup (measured): median (range) of repeats", speedup_text(r.speedup, r.speedup_range)),

@@ -247,6 +247,10 @@ def settings(vs: ValidateSettings, st: Setup, dec: SpeculativeDecoder, gamma: in
         "cache": "static" if dec.static else "dynamic",
         "compiled": dec.compile,
         "draft_length": dec.cfg.draft_length,
+        "cpu_linears": {  # decoder.cpu_matmul's choice per model (auto: timed on this machine)
+            "target": dec.layout(dec.target).describe(),
+            "drafter": dec.layout(dec.drafter).describe(),
+        },
     }
 
 

@@ -106,6 +106,11 @@ def test_cli_small_run_writes_report(tmp_path, toy_tiny):
     assert report["alpha_sampled"] is not None
     assert report["drafter"] == str(toy_tiny.drafter_dir)
     assert (out / "report.md").read_text().count("|") > 20
+    # the few-row linear path auto timed for each model, in words, in both reports
+    linears = report["cpu_linears"]
+    assert set(linears) == {"target", "drafter"}
+    assert all(v.endswith(("F.linear", "F.linear otherwise")) for v in linears.values())
+    assert f"{linears['target']} / {linears['drafter']}" in (out / "report.md").read_text()
 
 
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, toy_tiny):

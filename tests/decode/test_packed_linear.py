@@ -59,6 +59,17 @@ def test_layout_packs_only_its_rows():
     assert lay.switches(5) and not lay.switches(3) and Layout(few_rows=True).switches(3)
 
 
+def test_layouts_in_words():
+    assert LINEAR.describe() == "F.linear"
+    assert cpu_matmul.WEIGHT_MAJOR.describe() == (
+        "W @ x.T for 2-16 rows; 1 row over a tall, narrow weight as 2 columns; F.linear otherwise"
+    )
+    assert PACKED.describe() == "oneDNN prepacked for 2-16 rows; F.linear otherwise"
+    assert Layout(few_rows=True, packed_from=4).describe() == (
+        "W @ x.T for 2-3 rows; oneDNN prepacked for 4-16 rows; F.linear otherwise"
+    )
+
+
 def _times(**per_layout: dict[int, float]):
     return {(name, w): t for name, ts in per_layout.items() for w, t in ts.items()}
 
