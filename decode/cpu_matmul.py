@@ -72,8 +72,8 @@ class Layout:
     def describe(self) -> str:
         """The layout in words, for reports (which kernel path each row count takes)."""
         parts = []
-        if self.few_rows:
-            upto = self.packed_from - 1 if self.packed_from else MAX_ROWS
+        upto = self.packed_from - 1 if self.packed_from else MAX_ROWS
+        if self.few_rows and upto >= 2:  # prepacked from 2 rows leaves weight-major none
             parts.append(f"W @ x.T for 2-{upto} rows")
         if self.packed_from:
             parts.append(f"oneDNN prepacked for {self.packed_from}-{MAX_ROWS} rows")

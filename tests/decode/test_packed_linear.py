@@ -68,6 +68,7 @@ def test_layouts_in_words():
     assert Layout(few_rows=True, packed_from=4).describe() == (
         "W @ x.T for 2-3 rows; oneDNN prepacked for 4-16 rows; F.linear otherwise"
     )
+    assert Layout(few_rows=True, packed_from=2).describe() == PACKED.describe()
 
 
 def _times(**per_layout: dict[int, float]):
