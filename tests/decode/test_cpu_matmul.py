@@ -65,20 +65,22 @@ def test_switch_is_scoped_and_restored_on_error():
     assert torch.nn.Linear.forward is original
 
 
-def count_calls(monkeypatch, delay: float = 0.0) -> dict[int, int]:
-    """Rows of every input the few-row path saw, counted; each call `delay` s slower (a machine
-    where that path is the slow one)."""
+def count_calls(monkeypatch, delay: float = 0.0, path: str = "few_row_linear") -> dict[int, int]:
+    """Rows of every input the few-row path `path` of decode.cpu_matmul (`few_row_linear`, or
+    `packed_linear`) saw, counted; each call `delay` s slower (a machine where that path is the
+    slow one)."""
     seen: dict[int, int] = {}
-    real = cpu_matmul.few_row_linear
+    real = getattr(cpu_matmul, path)
 
-    def spy(x, weight, bias, layout=cpu_matmul.WEIGHT_MAJOR):
+    def spy(*args):
+        x = next(a for a in args if isinstance(a, torch.Tensor))  # packed_linear: (module, x)
         rows = x.numel() // x.shape[-1]
         seen[rows] = seen.get(rows, 0) + 1
         if delay:
             time.sleep(delay)
-        return real(x, weight, bias, layout)
+        return real(*args)
 
-    monkeypatch.setattr(cpu_matmul, "few_row_linear", spy)
+    monkeypatch.setattr(cpu_matmul, path, spy)
     return seen
 
 

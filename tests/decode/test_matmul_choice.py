@@ -42,7 +42,8 @@ def test_decide_picks_the_faster_layout_by_width(linear, weight_major, widths, o
     assert decide(_times(linear, weight_major), widths, one_row) == want
 
 
-def _pair(seed: int = 0):
+def tiny_pair(seed: int = 0):
+    """A 2-layer target and a 1-layer drafter over one 64-token vocabulary."""
     return tiny_llama(vocab=64, layers=2, seed=seed), tiny_llama(vocab=64, layers=1, seed=seed + 1)
 
 
@@ -51,7 +52,7 @@ def test_auto_keeps_f_linear_where_weight_major_is_slower(monkeypatch):
     it, keeps F.linear for both models, and the decode never takes the path; the output stays
     the target's."""
     seen = count_calls(monkeypatch, delay=0.002)
-    target, drafter = _pair()
+    target, drafter = tiny_pair()
     dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=24))
     assert dec.layout(target) == LINEAR and dec.layout(drafter) == LINEAR
     assert seen  # the timing ran the weight-major steps
@@ -74,7 +75,7 @@ def test_auto_takes_weight_major_where_f_linear_is_slower(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "linear", slow_linear)
     seen = count_calls(monkeypatch)
-    target, drafter = _pair(seed=4)
+    target, drafter = tiny_pair(seed=4)
     dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=24))
     assert dec.layout(target).few_rows and dec.layout(drafter).few_rows
     seen.clear()
@@ -96,7 +97,7 @@ def test_layouts_are_timed_once_per_model_and_the_settings_skip_timing(monkeypat
         return real(make_runner, widths, vocab, device, iters=1, reps=1)
 
     monkeypatch.setattr(matmul_choice, "time_layouts", counting)
-    target, drafter = _pair(seed=8)
+    target, drafter = tiny_pair(seed=8)
     cfg = DecoderConfig(gamma=4, max_new_tokens=8)
     first = SpeculativeDecoder(target, drafter, cfg)
     chosen = first.layout(target)

@@ -14,7 +14,8 @@ from specdistill.decode import cpu_matmul, matmul_choice
 from specdistill.decode.cpu_matmul import LINEAR, MAX_ROWS, PACKED, Layout, packed_available
 from specdistill.decode.matmul_choice import MARGIN, decide
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
-from tests.conftest import tiny_llama
+from tests.decode.test_cpu_matmul import count_calls
+from tests.decode.test_matmul_choice import tiny_pair
 from tests.decode.test_speculative import greedy_reference, prompts
 
 pytestmark = pytest.mark.skipif(
@@ -123,29 +124,9 @@ def test_decide_takes_the_prepacked_path_from_where_it_wins(times, want):
     assert decide(times, sorted({w for _, w in times}), False) == want
 
 
-def _pair(seed: int = 0):
-    return tiny_llama(vocab=64, layers=2, seed=seed), tiny_llama(vocab=64, layers=1, seed=seed + 1)
-
-
-def _spy(monkeypatch, delay: float = 0.0) -> dict[int, int]:
-    """Rows of every input the prepacked path saw; each call `delay` s slower."""
-    seen: dict[int, int] = {}
-    real = cpu_matmul.packed_linear
-
-    def spy(module, x):
-        rows = x.numel() // x.shape[-1]
-        seen[rows] = seen.get(rows, 0) + 1
-        if delay:
-            time.sleep(delay)
-        return real(module, x)
-
-    monkeypatch.setattr(cpu_matmul, "packed_linear", spy)
-    return seen
-
-
 def test_packed_setting_runs_verify_steps_through_it_and_never_prefill(monkeypatch):
-    seen = _spy(monkeypatch)
-    target, drafter = _pair()
+    seen = count_calls(monkeypatch, path="packed_linear")
+    target, drafter = tiny_pair()
     dec = SpeculativeDecoder(
         target, drafter, DecoderConfig(gamma=4, max_new_tokens=24, cpu_matmul="packed")
     )
@@ -171,8 +152,8 @@ def test_auto_takes_the_prepacked_path_where_the_others_are_slow(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "linear", slow_linear)
     real_mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda a, b: time.sleep(0.002) or real_mm(a, b))
-    seen = _spy(monkeypatch)
-    target, drafter = _pair(seed=4)
+    seen = count_calls(monkeypatch, path="packed_linear")
+    target, drafter = tiny_pair(seed=4)
     dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=24))
     assert dec.layout(target).packed_from == 2 and dec.layout(drafter).packed_from == 2
     seen.clear()
@@ -185,8 +166,8 @@ def test_auto_takes_the_prepacked_path_where_the_others_are_slow(monkeypatch):
 def test_auto_frees_the_copies_where_the_prepacked_path_is_slow(monkeypatch):
     """Timing reorders every linear weight once; a model whose layout does not take the path
     must not keep that second copy of its weights."""
-    seen = _spy(monkeypatch, delay=0.002)
-    target, drafter = _pair(seed=6)
+    seen = count_calls(monkeypatch, delay=0.002, path="packed_linear")
+    target, drafter = tiny_pair(seed=6)
     dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=8))
     assert dec.layout(target).packed_from == 0 and dec.layout(drafter).packed_from == 0
     assert seen  # the timing ran the prepacked steps
