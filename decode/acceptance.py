@@ -155,6 +155,7 @@ def verify_sampling(
     u_sample: torch.Tensor,
     lenience: float = 1.0,
     lengths: torch.Tensor | None = None,
+    accept_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al. / Chen et al.) for rows that accept different lengths.
 
@@ -164,10 +165,13 @@ def verify_sampling(
     residual(p_j, q_j); with all G accepted, sample the bonus token from p_G.
     `lengths` (B,): row r proposed only its first lengths[r] drafts (the rest are not tested, and
     with all of them accepted the bonus token comes from p at position lengths[r]).
+    `accept_p`: `acceptance_probs(p[:, :G], q, draft, lenience)` when the caller has it already.
     Returns (n_accepted (B,), next_token (B,)).
     """
     b, g = draft.shape
-    ok = u_accept < acceptance_probs(p[:, :g], q, draft, lenience)
+    if accept_p is None:
+        accept_p = acceptance_probs(p[:, :g], q, draft, lenience)
+    ok = u_accept < accept_p
     if lengths is not None:
         proposed = torch.arange(g, device=draft.device)[None, :] < lengths[:, None]
         ok &= proposed

@@ -485,7 +485,9 @@ class SpeculativeDecoder:
         )
         n_list = [row[kv] for row in host]
         if st.adaptive:
-            st.policy.observe(lengths, n_list, active, prop.conf)
+            # sampled: each tested draft's acceptance probability, not its coin's outcome
+            probs = None if self.cfg.sampling.greedy else [row[2 * kv + 2 :] for row in host]
+            st.policy.observe(lengths, n_list, active, prop.conf, probs)
         maxn = max(n_list)
         if not st.dense:
             st.mask[:, length + 1 : length + width] &= st.steps[None, : width - 1] < n[:, None]

@@ -15,6 +15,7 @@ import torch
 
 from specdistill.decode.acceptance import (
     accept_prefix,
+    acceptance_probs,
     expected_alpha,
     greedy_agreement,
     probs_from_logits,
@@ -73,7 +74,10 @@ class Verifier:
         batched: the padding's slots are opened in the mask) and apply the acceptance rule, the
         same for every kind of drafter. q (B, K, V): the drafts' distributions (sampling; None
         when greedy); lengths: drafts row r verifies, when rows were cut short. Returns
-        (accepted counts, next tokens, per-position alpha, target logits, verify width)."""
+        (accepted counts, next tokens, per-position figures, target logits, verify width); the
+        per-position figures are (B, K) greedy agreement, or sampling (B, 2K): the expected
+        alpha sum_x min(p, q) of each position, then each draft's acceptance probability
+        min(1, p(x)/q(x)) (what the draft-length policies learn from: `settle`)."""
         s, (b, kd), tgt, steps = self.cfg.sampling, draft_t.shape, st.tgt, st.steps
         length, t, dense, generator = tgt.length, st.t, st.dense, st.generator
         vin = torch.cat([t[:, None], draft_t], 1)
@@ -94,6 +98,7 @@ class Verifier:
             return n, nxt, ok.float(), t_logits, width
         p = probs_from_logits(t_logits, s)
         q = q if q is not None else torch.zeros_like(p[:, :0])
+        accept_p = acceptance_probs(p[:, :kd], q, draft_t, self.cfg.lenience)
         n, nxt = verify_sampling(
             draft_t,
             p,
@@ -102,8 +107,9 @@ class Verifier:
             uniforms((b,), generator, self.device),
             self.cfg.lenience,
             lengths=len_t,
+            accept_p=accept_p,
         )
-        return n, nxt, expected_alpha(p[:, :kd], q), t_logits, width
+        return n, nxt, torch.cat([expected_alpha(p[:, :kd], q), accept_p], 1), t_logits, width
 
     def target_step(self, st: RoundState, active: list[bool]) -> torch.Tensor:
         """One target-only step inside a speculative decode (the floor); returns the next token."""
@@ -160,10 +166,10 @@ class Verifier:
         row_cut: bool = False,
         lookup: bool = False,
     ) -> list[list]:
-        """The round's one host sync (drafts, accepted counts, next tokens, per-position alpha;
-        token ids < 2^24 are exact in fp32), then its counters, its record and its tokens, the
-        same for every drafting mode (lookup: a prompt-lookup round's, counted apart too). Marks
-        finished rows in `done`; returns the host rows."""
+        """The round's one host sync (drafts, accepted counts, next tokens, the per-position
+        figures of `verify`; token ids < 2^24 are exact in fp32), then its counters, its record
+        and its tokens, the same for every drafting mode (lookup: a prompt-lookup round's,
+        counted apart too). Marks finished rows in `done`; returns the host rows."""
         draft_t, n, nxt, alpha_pos = verdict
         k = draft_t.shape[1]
         host = torch.cat([draft_t, n[:, None], nxt[:, None], alpha_pos], 1).float().tolist()

@@ -7,7 +7,10 @@ and fall back to plain target steps (a round with 0 drafts) when drafting does n
 Lossless by construction: a policy reads the drafter's own distributions q and the outcomes of
 *earlier* rounds, never the target's p of the round being drafted, so the acceptance rule stays
 exact for whatever length it picks (a length is just a stopping time of the draft; tests check
-greedy identity and the sampled distribution with a chi-square test).
+greedy identity and the sampled distribution with a chi-square test). When sampling, an earlier
+round's tested draft x counts as its acceptance probability min(1, p(x)/q(x)) rather than the
+0/1 outcome of its coin: the same expectation given x, less noise, so a few unlucky coins do not
+switch a drafter that pays off (`verdicts`).
 
 The cost model and the expected-gain rule the policies plan with are pure functions of
 `costs.py` (p = target, q = drafter, c = drafter step / target step, gamma = drafts per round).
@@ -49,6 +52,18 @@ from specdistill.decode.draft_length.costs import DraftCosts, best_more
 
 POLICIES = ("fixed", "heuristic", "confidence")
 SCOPES = ("batch", "row")
+
+
+def verdicts(accepted: int, length: int, probs: list[float] | None) -> list[float]:
+    """What a row's round taught about each draft put to the test (the first `accepted` + 1 of
+    its `length`): 1 / 0 for accepted / rejected, or with `probs` (sampling) each draft x's
+    acceptance probability min(1, p(x)/q(x)), the expectation of that 0/1 given x. A draft is
+    tested only when the ones before it were accepted, which the coins before it decided, not
+    its own: so the probability stays unbiased for it, without its coin's noise."""
+    tested = min(accepted + 1, length)
+    if probs is not None:
+        return [float(v) for v in probs[:tested]]
+    return [1.0 if j < accepted else 0.0 for j in range(tested)]
 
 
 @dataclass
@@ -321,9 +336,11 @@ class DraftLengthPolicy:
         accepted: list[int],
         active: list[bool],
         conf: list[list[float]] | None,
+        probs: list[list[float]] | None = None,
     ) -> None:
         """After the verify: row r verified lengths[r] drafts and accepted accepted[r]; conf
-        (B lists of K): the drafter's confidence per draft (confidence policy)."""
+        (B lists of K): the drafter's confidence per draft (confidence policy); probs (sampling,
+        B lists of K): each draft's acceptance probability (`verdicts`)."""
         k = max(lengths) if lengths else 0
         cost = self.costs.round_cost(k)
         for r, a in enumerate(active):
@@ -332,8 +349,7 @@ class DraftLengthPolicy:
             n, kr = accepted[r], lengths[r]
             self.tokens[r] += n + 1
             self.cost[r] += cost
-            for j in range(min(n + 1, kr)):  # positions put to the test
-                ok = 1.0 if j < n else 0.0
+            for j, ok in enumerate(verdicts(n, kr, None if probs is None else probs[r])):
                 self._learn(r, "first" if j == 0 else "follow", ok)
                 if j and self.costs.parallel:
                     self._learn_depth(r, j, ok)
@@ -375,8 +391,8 @@ class HeuristicLength(DraftLengthPolicy):
             return min(max(self.n), budget)
         return min(self.n[0], budget)
 
-    def observe(self, lengths, accepted, active, conf) -> None:
-        super().observe(lengths, accepted, active, conf)
+    def observe(self, lengths, accepted, active, conf, probs=None) -> None:
+        super().observe(lengths, accepted, active, conf, probs)
         k = max(lengths) if lengths else 0
         if k == 0:
             return
@@ -476,44 +492,46 @@ class ConfidenceLength(DraftLengthPolicy):
         best = 1 + max(range(k), key=total.__getitem__) if k else 0
         return [best] * self.b
 
-    def observe(self, lengths, accepted, active, conf) -> None:
+    def observe(self, lengths, accepted, active, conf, probs=None) -> None:
         if conf and self.costs.parallel:
-            self._observe_depths(lengths, accepted, active, conf)
-            super().observe(lengths, accepted, active, None)
+            self._observe_depths(lengths, accepted, active, conf, probs)
+            super().observe(lengths, accepted, active, None, probs)
             return
         if conf:
             cs, rs, oks, fc, fr, fok = [], [], [], [], [], []
             for r, a in enumerate(active):
                 if not a:
                     continue
-                n, t = accepted[r], min(accepted[r] + 1, lengths[r])
+                row = verdicts(accepted[r], lengths[r], None if probs is None else probs[r])
+                t = len(row)
                 cs += conf[r][:t]
                 rs += [self.r0[r]] * t
-                oks += [1.0 if j < n else 0.0 for j in range(t)]
+                oks += row
                 # pairs (confidence of an accepted draft, was the next one accepted?)
-                f = max(min(n, lengths[r] - 1), 0)
+                f = max(min(accepted[r], lengths[r] - 1), 0)
                 fc += conf[r][:f]
                 fr += [self.r0[r]] * f
-                fok += [1.0 if j < n else 0.0 for j in range(1, f + 1)]
+                fok += row[1 : f + 1]
             self.accept.update(cs, rs, oks)
             # without evidence of its own, the next draft is predicted like this one
             self.follow_cal.set_prior(self.accept.w)
             self.follow_cal.update(fc, fr, fok)
-        super().observe(lengths, accepted, active, conf)
+        super().observe(lengths, accepted, active, conf, probs)
 
-    def _observe_depths(self, lengths, accepted, active, conf) -> None:
+    def _observe_depths(self, lengths, accepted, active, conf, probs=None) -> None:
         """Each depth's calibration learns from the drafts put to the test at that depth (the
         ones whose predecessors were all accepted), with the depth before's fit as its prior."""
         per = [([], [], []) for _ in self.depth]
         for r, a in enumerate(active):
             if not a:
                 continue
-            n = accepted[r]
-            for j in range(min(n + 1, lengths[r])):
+            for j, verdict in enumerate(
+                verdicts(accepted[r], lengths[r], None if probs is None else probs[r])
+            ):
                 c, rs, ok = per[j]
                 c.append(conf[r][j])
                 rs.append(self.r0[r])
-                ok.append(1.0 if j < n else 0.0)
+                ok.append(verdict)
         for j, (c, rs, ok) in enumerate(per):
             if j:
                 self.depth[j].set_prior(self.depth[j - 1].w)
