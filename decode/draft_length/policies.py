@@ -176,18 +176,10 @@ class DraftLengthPolicy:
         """Throughput to beat for row r: realized tokens per modeled cost so far, at least 1."""
         return max(1.0, self.tokens[r] / self.cost[r])
 
-    def drafting_rate(self, r: int = 0) -> float:
-        """Expected tokens per target-step cost of row r's best drafting round at its recent
-        acceptance (`first`, `follow`), at least 1 (a plain step): what another source of
-        drafts (decode.lookup) must beat to take the round from the drafter."""
-        accepted = self._accepted_by_length(r)
-        rates = ((1.0 + a) / self.costs.round_cost(m) for m, a in enumerate(accepted, 1))
-        return max([1.0, *rates])
-
     def _accepted_by_length(self, r: int) -> list[float]:
         """Expected accepted drafts of row r's round of m = 1..max_k drafts at its recent
         acceptance: the first draft at `first`, each later one at `follow` given the ones
-        before were accepted (the one walk `drafting_rate` and `_best_m` share)."""
+        before were accepted."""
         out, reach, tokens = [], 1.0, 0.0
         parallel = self.costs.parallel
         for m in range(1, self.max_k + 1):

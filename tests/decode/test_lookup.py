@@ -97,32 +97,6 @@ def test_length_choice_matches_enumeration(accept, vpt):
             assert (j, rate) == (0, beat)
 
 
-@pytest.mark.parametrize("first,follow", [(0.2, 0.1), (0.6, 0.8), (0.9, 0.95)])
-def test_drafting_rate_matches_enumeration(first, follow):
-    """The rival a lookup draft must beat: the drafter's best round at the floor's averages,
-    expected tokens per cost by enumerating every accept/reject pattern of m drafts."""
-    from specdistill.decode.draft_length.policies import make_policy
-
-    costs = DraftCosts(c=0.3, verify_per_token=0.05, round_overhead=0.1)
-    policy = make_policy("confidence", 4, 5, costs)
-    policy.start(1)
-    policy.first, policy.follow = [first], [follow]
-    best = 1.0
-    for m in range(1, 6):
-        tokens = 0.0
-        for pattern in itertools.product([True, False], repeat=m):
-            prob, n, alive = 1.0, 0, True
-            for j, ok in enumerate(pattern):
-                a = first if j == 0 else follow
-                prob *= a if ok else 1 - a
-                if alive and ok:
-                    n += 1
-                alive = alive and ok
-            tokens += prob * (n + 1)
-        best = max(best, tokens / costs.round_cost(m))
-    assert policy.drafting_rate() == pytest.approx(best)
-
-
 def test_declined_matches_are_retried_and_outcomes_move_the_estimate():
     costs = DraftCosts(c=0.3, verify_per_token=0.5, round_overhead=0.5)
     look = PromptLookup([1, 2, 3, 1, 2])  # "1 2" occurred before: 3 follows
@@ -170,6 +144,39 @@ def test_greedy_lookup_is_token_identical(draft_length, drafter_kind):
         assert out.lookup_drafted >= out.lookup_accepted
         assert 0.0 <= out.lookup_acceptance <= 1.0
     assert rounds > 0 and accepted > 0  # lookup rounds ran, and some of their drafts held
+
+
+CHEAP = DraftCosts(c=0.05, verify_per_token=0.02, round_overhead=0.02)
+
+
+def test_a_match_is_taken_however_well_the_drafter_drafts(monkeypatch):
+    """The drafter is the target at a twentieth of its cost (every draft accepted: its rounds
+    pay far more than any lookup round), the policy adaptive: a lookup match still takes the
+    round whenever its own expected rate beats a plain step, as at a fixed gamma; the output
+    stays the target's greedy."""
+    target = tiny_llama(vocab=24, layers=2, seed=3)
+    found: list[bool] = []
+    real = PromptLookup.propose
+
+    def spy(self, budget, costs, *rest):
+        found.append(bool(find_continuation(self.history, self.index, self.min_ngram, budget)))
+        return real(self, budget, costs, *rest)
+
+    monkeypatch.setattr(PromptLookup, "propose", spy)
+    for draft_length in ("confidence", "fixed"):
+        cfg = DecoderConfig(
+            gamma=3, max_new_tokens=40, draft_length=draft_length, lookup=True, draft_costs=CHEAP
+        )
+        dec = SpeculativeDecoder(target, target, cfg)
+        found.clear()
+        taken = 0
+        for seed in range(6):
+            ids = torch.tensor([repetitive_prompt(24, seed)])
+            out = dec.generate(ids)
+            assert out.tokens == dec.baseline(ids).tokens
+            taken += out.lookup_rounds
+        assert sum(found) > 0
+        assert taken >= 0.75 * sum(found)  # turned down only where lookup's own rate does not pay
 
 
 def test_batches_decode_without_lookup():
