@@ -63,6 +63,7 @@ from specdistill.decode.draft_length.policies import DraftLengthPolicy
 from specdistill.decode.draft_vocab import draft_vocab_of, subset_head
 from specdistill.decode.drafters import DRAFTERS, Drafter, MappedVocab, mapped_drafter
 from specdistill.decode.drafters.mapped import check_mapped_decoding, check_mapped_pair
+from specdistill.decode.drafters.parallel import trained_depth
 from specdistill.decode.lookup import PromptLookup
 from specdistill.decode.matmul_choice import choose_layouts
 from specdistill.decode.outputs import DecodeOutput, RoundRecord
@@ -126,6 +127,10 @@ class SpeculativeDecoder:
         # most drafts a round may verify: gamma, or max_draft for the adaptive policies
         self.max_draft = cfg.gamma if cfg.draft_length == "fixed" else cfg.max_draft
         fixed = cfg.draft_length == "fixed"
+        if not fixed and cfg.drafting == "parallel" and mapped is None:
+            # an adaptive round proposes no mask past the depth the drafter was trained for:
+            # those masks draft what it never learnt (a fixed gamma is the user's to choose)
+            self.max_draft = min(self.max_draft, trained_depth(drafter) or self.max_draft)
         self.verify_widths = [self.max_draft + 1] if fixed else verify_widths(self.max_draft)
         self._costs = cfg.draft_costs
         self._measured: dict[int, DraftCosts] = {}  # by batch size

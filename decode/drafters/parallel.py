@@ -45,6 +45,14 @@ def resolve_mask_token(drafter, configured: int | None, vocab: int) -> int:
     return mask_id
 
 
+def trained_depth(drafter) -> int | None:
+    """Drafts a round the parallel drafter was trained to propose (`parallel_drafting.max_drafts`
+    in its config.json, as distill writes it and vLLM reads it); None when it does not say."""
+    spec = getattr(getattr(drafter, "config", None), "parallel_drafting", None)
+    depth = spec.get("max_drafts") if isinstance(spec, dict) else None
+    return depth if isinstance(depth, int) and not isinstance(depth, bool) and depth > 0 else None
+
+
 class ParallelDrafter(Drafter):
     """One forward over [lag, t, k-1 masks] per round (`decoder.drafting=parallel`)."""
 

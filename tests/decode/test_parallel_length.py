@@ -9,6 +9,8 @@ output follows the target's law (chi-square on a small vocabulary).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -141,6 +143,25 @@ def test_parallel_confidence_up_to_15_drafts_is_token_identical(pair, scope):
         out = dec.generate(ids, mask)
         assert out.tokens == [greedy_reference(target, r, 40) for r in rows]
         assert len(out.draft_lengths) == 16 and 0 < out.accepted < out.trials
+
+
+@pytest.mark.parametrize("policy", ["confidence", "heuristic", "fixed"])
+def test_adaptive_rounds_stop_at_the_depth_the_drafter_was_trained_for(pair, policy):
+    """A drafter whose config.json says it was trained for 2 drafts a round
+    (`parallel_drafting.max_drafts`, as distill writes it): adaptive rounds propose and verify
+    at most 2 however large max_draft is; a fixed gamma stays the user's; output stays the
+    target's greedy."""
+    target, drafter = pair
+    trained = copy.deepcopy(drafter)
+    trained.config.parallel_drafting = {"mask_token_id": MASK, "max_drafts": 2}
+    cfg = _cfg(policy, PAR, max_draft=8, gamma=4, max_new_tokens=24)
+    dec = SpeculativeDecoder(target, trained, cfg)
+    assert dec.max_draft == (4 if policy == "fixed" else 2)
+    for prompt in prompts(3, 8, seed=4):
+        out = dec.generate(torch.tensor([prompt]))
+        assert out.tokens[0] == greedy_reference(target, prompt, 24)
+        assert len(out.draft_lengths) == dec.max_draft + 1
+    assert SpeculativeDecoder(target, drafter, cfg).max_draft == (4 if policy == "fixed" else 8)
 
 
 @pytest.mark.parametrize("policy", ["confidence", "heuristic"])
