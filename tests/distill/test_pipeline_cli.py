@@ -199,7 +199,7 @@ def test_the_sized_pair_plans_its_parallel_chains_and_a_user_key_wins(cli):
     code, (p,), err = cli("pair=smollm2", "drafting=parallel")
     assert code == 0, err
     par = p["distill"]["config"]["parallel"]
-    assert (par["depth"], par["anchors"]) == (4, 8)
+    assert (par["depth"], par["anchors"]) == (2, 16)
     code, (p,), err = cli("pair=smollm2", "drafting=parallel", "distill.parallel.depth=6")
     assert code == 0, err
     assert p["distill"]["config"]["parallel"]["depth"] == 6
