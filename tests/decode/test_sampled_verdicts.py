@@ -20,8 +20,8 @@ from specdistill.decode.acceptance import acceptance_probs, verify_sampling
 from specdistill.decode.draft_length import DraftCosts, make_policy
 from specdistill.decode.draft_length.policies import verdicts
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
-from tests.conftest import tiny_llama
-from tests.decode.test_speculative import greedy_reference, prompts, truncated_copy
+from tests.decode.test_draft_length import pair as pair
+from tests.decode.test_speculative import greedy_reference, prompts
 
 
 def test_verdicts_by_hand():
@@ -83,12 +83,6 @@ def test_a_drafter_that_pays_rarely_looks_as_if_it_did_not():
             unpaid[kind] += not pol._pays([True])
     assert unpaid["probs"] < unpaid["coins"] / 2
     assert unpaid["coins"] / trials > 0.05
-
-
-@pytest.fixture(scope="module")
-def pair():
-    target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0)
-    return target, truncated_copy(target)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
