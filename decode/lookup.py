@@ -28,14 +28,12 @@ EMA = 0.2  # weight of the newest lookup draft's outcome in the running acceptan
 RETRY_EVERY = 8  # a match the running acceptance turns down is still tried once in this many
 
 
-def best_length(
-    accept: float, available: int, costs: DraftCosts, beat: float = 1.0
-) -> tuple[int, float]:
+def best_length(accept: float, available: int, costs: DraftCosts) -> tuple[int, float]:
     """(drafts, rate): how many of `available` lookup drafts to verify when each is accepted with
     probability `accept` given the ones before were (rate: expected tokens per target-step cost;
-    no drafter forward), if any count's rate exceeds `beat` (1: a plain target step; else the
-    drafter's own best round); (0, beat) when none does."""
-    best, rate = 0, beat
+    no drafter forward), if any count's rate beats a plain target step's 1; (0, 1.0) when none
+    does."""
+    best, rate = 0, 1.0
     for j in range(1, available + 1):
         r = expected_tokens([accept] * j) / costs.verify_cost(j)
         if r > rate + 1e-12:
@@ -86,14 +84,16 @@ class PromptLookup:
                     index[n][tuple(h[i - n : i])] = i
             h.append(tok)
 
-    def propose(self, budget: int, costs: DraftCosts, beat: float = 1.0) -> list[int]:
+    def propose(self, budget: int, costs: DraftCosts) -> list[int]:
         """This round's lookup drafts (at most `budget`), or [] to let the drafter (or the floor)
         take the round: no match, or one whose expected rate at the running acceptance does not
-        beat `beat` (still tried once in RETRY_EVERY, so a good spell later is noticed)."""
+        beat a plain step (still tried once in RETRY_EVERY, so a good spell later is noticed).
+        Not priced against the drafter's best round: that turned down lookup rounds that paid
+        (decode/RESULTS.md)."""
         found = find_continuation(self.history, self.index, self.min_ngram, budget)
         if not found:
             return []
-        j, _ = best_length(self.accept, len(found), costs, beat)
+        j, _ = best_length(self.accept, len(found), costs)
         if j == 0:
             self.declined += 1
             if self.declined < RETRY_EVERY:

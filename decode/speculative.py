@@ -447,8 +447,6 @@ class SpeculativeDecoder:
         budget = self._draft_width(st.out.tokens, st.done)
         if st.lookup is not None:
             st.lookup.catch_up(st.out.tokens[0])  # the prompt and row 0's output so far
-            # taken whenever it beats a plain step: priced against the drafter's best round as
-            # well, it turned down rounds that paid (the real pair: decode/RESULTS.md)
             found = st.lookup.propose(budget, st.policy.costs)
             if found:
                 self._lookup_round(st, found, active)

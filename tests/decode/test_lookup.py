@@ -87,14 +87,13 @@ def exact_rate(accept: float, j: int, costs: DraftCosts) -> float:
 @pytest.mark.parametrize("vpt", [0.02, 0.15, 0.4])
 def test_length_choice_matches_enumeration(accept, vpt):
     costs = DraftCosts(c=0.3, verify_per_token=vpt, round_overhead=0.05)
-    for beat in (1.0, 1.3):
-        j, rate = best_length(accept, 6, costs, beat)
-        rates = {m: exact_rate(accept, m, costs) for m in range(1, 7)}
-        top = max(rates, key=rates.get)
-        if rates[top] > beat:
-            assert j == top and rate == pytest.approx(rates[top])
-        else:
-            assert (j, rate) == (0, beat)
+    j, rate = best_length(accept, 6, costs)
+    rates = {m: exact_rate(accept, m, costs) for m in range(1, 7)}
+    top = max(rates, key=rates.get)
+    if rates[top] > 1.0:
+        assert j == top and rate == pytest.approx(rates[top])
+    else:
+        assert (j, rate) == (0, 1.0)
 
 
 def test_declined_matches_are_retried_and_outcomes_move_the_estimate():
@@ -158,9 +157,9 @@ def test_a_match_is_taken_however_well_the_drafter_drafts(monkeypatch):
     found: list[bool] = []
     real = PromptLookup.propose
 
-    def spy(self, budget, costs, *rest):
+    def spy(self, budget, costs):
         found.append(bool(find_continuation(self.history, self.index, self.min_ngram, budget)))
-        return real(self, budget, costs, *rest)
+        return real(self, budget, costs)
 
     monkeypatch.setattr(PromptLookup, "propose", spy)
     for draft_length in ("confidence", "fixed"):
