@@ -127,7 +127,7 @@ class SpeculativeDecoder:
         # most drafts a round may verify: gamma, or max_draft for the adaptive policies
         self.max_draft = cfg.gamma if cfg.draft_length == "fixed" else cfg.max_draft
         fixed = cfg.draft_length == "fixed"
-        if not fixed and cfg.drafting == "parallel" and mapped is None:
+        if not fixed and cfg.drafting == "parallel":  # (a mapped drafter is refused above)
             # an adaptive round proposes no mask past the depth the drafter was trained for:
             # those masks draft what it never learnt (a fixed gamma is the user's to choose)
             self.max_draft = min(self.max_draft, trained_depth(drafter) or self.max_draft)
