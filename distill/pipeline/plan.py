@@ -159,6 +159,52 @@ class _Planner:
             report = report or step
         return report  # type: ignore[return-value]
 
+    def compose_long(self, stage: str, dataset: str | None = None, **values: Any) -> DictConfig:
+        """A long-context step's config (`long_context`): the stage's section of the pipeline
+        config (its threads, top-k, decoder) under `long_context.<stage>`'s keys, with the long
+        prompt set picked as a group. The section's own `dataset` keys stay out: they belong to
+        the short set (a toy world's `toy:` key means nothing to a long set)."""
+        section = OmegaConf.to_container(self.cfg.get(stage) or OmegaConf.create(), resolve=False)
+        section.pop("dataset", None)  # type: ignore[union-attr]
+        merged = OmegaConf.merge(section, self.cfg.long_context.get(stage) or {})
+        cfg = self.cfg.copy()
+        OmegaConf.set_struct(cfg, False)
+        cfg[stage] = merged
+        return _Planner(cfg, self.overrides).compose(stage, dataset, **values)
+
+    def long_context_steps(
+        self, run_dir: Path, drafter_path: str | None, drafter: Step | None, short_eval: str | None
+    ) -> None:
+        """Issue 36's leg: Seq-KD rows after long prompts (generate_long), the run's drafter
+        fine-tuned on them (distill_long; its `final/` is the long drafter: `best/` is picked on
+        the short held-out rows, which a long fine-tune trades a little of), then the base,
+        short-trained and long-trained drafters validated by context-length bucket on held-out
+        long prompts, one validate step each (validate_long_base, _short, validate_long)."""
+        lc = self.cfg.long_context
+        name = str(lc.dataset)
+        out = run_dir / "generate_long"
+        gen = self.add("generate_long", "generate", out,
+                       self.compose_long("generate", name, output_dir=str(out)), [])  # fmt: skip
+        out = run_dir / "distill_long"
+        dcfg = self.compose_long("distill", output_dir=str(out), data__path=gen.out_dir)
+        if drafter_path:
+            dcfg.pair.drafter = drafter_path  # fine-tune the run's drafter, not the base
+        if short_eval and dcfg.eval.source == "target":  # read the short held-out rows distill
+            dcfg.eval.source, dcfg.eval.path = "path", short_eval  # wrote; never the target
+        long = self.add("distill_long", "distill", out, dcfg, [gen, drafter])
+        if "validate" not in self.cfg.stages:
+            return
+        drafters = [("validate_long_base", None, None), ("validate_long", str(out / "final"), long)]
+        if drafter_path:
+            drafters.insert(1, ("validate_long_short", drafter_path, drafter))
+        for step_name, path, reads in drafters:
+            out = run_dir / step_name
+            own = {} if path else {"decoder__drafting": "autoregressive"}  # as validate_base
+            vcfg = self.compose_long("validate", name, output_dir=str(out), **own)
+            if path:
+                vcfg.pair.drafter = path
+            self.add(step_name, "validate", out, vcfg, [reads])
+
     def export_step(
         self, run_dir: Path, drafter_path: str | None, reads: list, report: Step | None
     ) -> None:
@@ -233,6 +279,16 @@ def build_plan(cfg: DictConfig) -> list[Step]:
         reads = [drafter] if drafter else []
         if "validate" in stages:
             report = plan.validate_steps(run_dir, drafter_path, reads)
+        if (cfg.get("long_context") or {}).get("enabled", False):
+            short_eval = None
+            if (
+                drafter
+                and drafter.stage == "distill"
+                and drafter.config["eval"]["source"] == "target"
+            ):
+                d = drafter.config
+                short_eval = str(d["eval"]["path"] or Path(d["output_dir"]) / "eval_continuations")
+            plan.long_context_steps(run_dir, drafter_path, drafter, short_eval)
         if "export" in stages:
             plan.export_step(run_dir, drafter_path, reads, report)
     steps = [*plan.steps, _report_step(cfg, run_dir, plan.steps)]

@@ -94,7 +94,7 @@ def summarize(stages: dict[str, dict]) -> dict[str, Any]:
     """Flat `stage.key` figures for pipeline.json (validate_base reads like validate)."""
     out: dict[str, Any] = {}
     for stage, figures in stages.items():
-        for key in SUMMARY_KEYS.get(stage.removesuffix("_base"), ()):
+        for key in SUMMARY_KEYS.get(stage.split("_")[0], ()):  # validate_long_base: validate
             if key in figures:
                 out[f"{stage}.{key}"] = figures[key]
     if "export" in stages:
@@ -173,42 +173,66 @@ def _bucket_cell(rows: dict[str, dict], name: str, mode: str, key: str) -> str:
     return _shown(_with_range(m.get(key), m.get("speedup_range") if key == "speedup" else None))
 
 
-def bucket_table(stages: dict[str, dict]) -> list[str]:
-    """One per-bucket table when the validate reports have context-length buckets (long prompt
-    sets, decode/validate/buckets.py): base / distilled drafter in each cell; c, the verify
-    cost, prefill and KV memory are the distilled pair's (the base's when it alone ran)."""
-    base = {r["bucket"]: r for r in (stages.get("validate_base") or {}).get("buckets") or []}
-    dist = {r["bucket"]: r for r in (stages.get("validate") or {}).get("buckets") or []}
-    names = list(dict.fromkeys([*base, *dist]))
+# (step, label) of the validate reports a per-bucket table sets side by side
+SHORT_SIDES = (("validate_base", "base"), ("validate", "distilled"))
+LONG_SIDES = (  # long_context.enabled (issue 36): held-out long prompts
+    ("validate_long_base", "base"),
+    ("validate_long_short", "short-trained"),
+    ("validate_long", "long-trained"),
+)
+_BUCKET_FIGURES = (  # (mode, key, header): a mode's columns appear when a side decoded in it
+    ("greedy", "alpha", "alpha, greedy"),
+    ("sampling", "alpha", "alpha, temperature {t}"),
+    ("greedy", "tau", "tau, greedy"),
+    ("greedy", "speedup", "speedup, greedy"),
+    ("greedy", "decode_speedup", "speedup, decode only, greedy"),
+    ("sampling", "speedup", "speedup, temperature {t}"),
+    ("sampling", "decode_speedup", "speedup, decode only, temperature {t}"),
+)
+
+
+def bucket_table(
+    stages: dict[str, dict], sides: tuple[tuple[str, str], ...] = SHORT_SIDES
+) -> list[str]:
+    """One per-bucket table when the validate reports of `sides` have context-length buckets
+    (long prompt sets, decode/validate/buckets.py): the sides' figures in each cell, in order;
+    c, the verify cost, prefill and KV memory are the last side's that ran (the trained
+    drafter's; the base's when it alone ran). A mode's columns appear only when some side
+    decoded in it (the long leg decodes the serving mode only)."""
+    rows = {
+        step: {r["bucket"]: r for r in (stages.get(step) or {}).get("buckets") or []}
+        for step, _ in sides
+    }
+    present = [(step, label) for step, label in sides if rows[step]]
+    names = list(dict.fromkeys(name for step, _ in present for name in rows[step]))
     if not names:
         return []
     t = _sampling_temperature(stages)
+    ran = {m for step, _ in present for r in rows[step].values() for m in r.get("modes", {})}
+    figures = [(m, k, h.format(t=t)) for m, k, h in _BUCKET_FIGURES if m in ran]
+    if "sampling" in ran:  # the short table's columns, as before: no decode-only T=1 column
+        figures = [
+            f for f in figures if f[:2] != ("sampling", "decode_speedup") or "greedy" not in ran
+        ]
+    labels = " / ".join(label for _, label in present)
+    heads = ["bucket", "prompts (mean tokens)", *(h for _, _, h in figures),
+             "c / verify cost", "prefill s, target / drafter", "KV MiB, target / drafter"]  # fmt: skip
     lines = [
         "",
-        "By context-length bucket (decode-time, base / distilled drafter; speedups end to end, "
+        f"By context-length bucket (decode-time, {labels} drafter; speedups end to end, "
         "prefills included, median (range) of repeats; c and the verify cost timed at the bucket's length):",
         "",
-        f"| bucket | prompts (mean tokens) | alpha, greedy | alpha, temperature {t} | "
-        "tau, greedy | speedup, greedy | speedup, decode only, greedy | "
-        f"speedup, temperature {t} | c / verify cost | prefill s, target / drafter | "
-        "KV MiB, target / drafter |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| " + " | ".join(heads) + " |",
+        "|" + " --- |" * len(heads),
     ]
     for name in names:
-        own = dist.get(name) or base[name]
+        own = next(rows[step][name] for step, _ in reversed(present) if name in rows[step])
         pf, kv = own["prefill_seconds"], own["kv_cache"]
         cells = [
             f"{own['prompts']} ({own['mean_prompt_tokens']:g})",
             *(
-                f"{_bucket_cell(base, name, mode, key)} / {_bucket_cell(dist, name, mode, key)}"
-                for mode, key in (
-                    ("greedy", "alpha"),
-                    ("sampling", "alpha"),
-                    ("greedy", "tau"),
-                    ("greedy", "speedup"),
-                    ("greedy", "decode_speedup"),
-                    ("sampling", "speedup"),
-                )
+                " / ".join(_bucket_cell(rows[step], name, mode, key) for step, _ in present)
+                for mode, key, _ in figures
             ),
             f"{_shown(own['c'])} / {_shown(own['verify_cost'])}",
             f"{_shown(pf['target'])} / {_shown(pf['drafter'])}",
@@ -216,6 +240,29 @@ def bucket_table(stages: dict[str, dict]) -> list[str]:
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+def long_context_lines(stages: dict[str, dict]) -> list[str]:
+    """`long_context.enabled`: the long fine-tune (rows, steps, wall, its drafter) and the three
+    drafters by bucket on held-out long prompts."""
+    table = bucket_table(stages, LONG_SIDES)
+    d = stages.get("distill_long")
+    if not table and not d:
+        return []
+    lines = ["", "## Long contexts (`long_context`)"]
+    if d:
+        g = stages.get("generate_long") or {}
+        rows = f"{_shown(g.get('samples'))} Seq-KD rows after long prompts"
+        if g.get("wall_seconds") is not None:
+            rows += f" (generated in {_shown(g['wall_seconds'])} s)"
+        lines += [
+            "",
+            f"The run's drafter fine-tuned on {rows}: {d.get('steps')} steps, "
+            f"{_shown(d.get('wall_seconds'))} s; the long-trained drafter is `{d.get('final_path')}` "
+            f"(held-out alpha on the short rows {_shown(d.get('alpha_before'))} -> "
+            f"{_shown(d.get('alpha_after'))}).",
+        ]
+    return lines + table
 
 
 def decoder_words(v: dict[str, Any]) -> str:
@@ -273,6 +320,7 @@ def summary_markdown(
             f"Use it: `{e['usage']}`",
         ]
         lines += vllm_lines(e.get("vllm"))
+    lines += long_context_lines(stages)
     if wall_seconds is not None:
         lines += ["", f"wall time: {wall_seconds} s"]
     return "\n".join(lines) + "\n"

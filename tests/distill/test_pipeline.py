@@ -131,3 +131,54 @@ def test_a_stage_thread_setting_does_not_leak_into_the_next(tmp_path, monkeypatc
         assert seen == [2, 2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(own)
+
+
+LONG_LEG = [
+    "long_context.enabled=true",
+    "++long_context.generate.dataset.buckets=[0-512]",
+    "++long_context.generate.dataset.per_bucket=4",
+    "++long_context.generate.dataset.max_tokens=400",  # the toy target's context is 512
+    "++long_context.generate.max_new_tokens=16",
+    "long_context.distill.max_steps=2",
+    "long_context.distill.eval_every=2",
+    "long_context.distill.save_every=2",
+    "++long_context.validate.dataset.buckets=[0-512]",
+    "++long_context.validate.dataset.per_bucket=2",
+    "++long_context.validate.dataset.max_tokens=400",
+]
+
+
+def test_long_context_leg_end_to_end(tmp_path, monkeypatch):
+    """`long_context.enabled=true` on the tiny toy world (issue 36's leg, its buckets cut to the
+    toy target's context): long Seq-KD rows, the distilled drafter fine-tuned on them, three
+    drafters validated by bucket, each lossless; summary.md sets them side by side; a rerun
+    runs nothing."""
+    run_dir = tmp_path / "run"
+    cfg = _cfg(run_dir, ["stages=[generate,distill,validate]", "validate_base=false", *LONG_LEG])
+    result = pipeline.run(cfg)
+    long_names = ["generate_long", "distill_long", "validate_long_base", "validate_long_short",
+                  "validate_long"]  # fmt: skip
+    assert set(result.stages) == {"generate", "distill", "validate", *long_names}
+    gen = result.stages["generate_long"]
+    assert gen["samples"] == 4 and gen["skipped_long_prompts"] == 0
+    tuned = result.stages["distill_long"]
+    assert tuned["steps"] == 2 and tuned["final_path"] == str(run_dir / "distill_long" / "final")
+    drafters = {}
+    for name in long_names[2:]:
+        r = read_json(run_dir / name / "report.json")
+        assert r["lossless"] is True and list(r["modes"]) == ["greedy"], name
+        assert [b["bucket"] for b in r["buckets"]] == ["0-512"] and r["prompts"] == 2
+        drafters[name] = r["config"]["pair"]["drafter"]
+    assert drafters == {"validate_long_base": None,
+                        "validate_long_short": str(run_dir / "distill" / "best"),
+                        "validate_long": tuned["final_path"]}  # fmt: skip
+    text = (run_dir / "summary.md").read_text()
+    assert "## Long contexts (`long_context`)" in text
+    assert "base / short-trained / long-trained drafter" in text
+    assert next(line for line in text.splitlines() if line.startswith("| 0-512 | 2 ("))
+
+    def boom(stage):
+        raise AssertionError(f"{stage} ran again")
+
+    monkeypatch.setattr(execute, "_stage_runner", boom)
+    assert pipeline.run(cfg).stages["distill_long"] == tuned

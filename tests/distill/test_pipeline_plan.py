@@ -104,3 +104,82 @@ def test_vllm_flag_validates_the_exported_drafter_in_vllm(tmp_path):
     assert exp["vllm"]["output_dir"] == str(run / "export" / "drafter") + "_vllm"
     changed = [n for n in steps if n != "report" and steps[n].fingerprint != plain[n].fingerprint]
     assert changed == ["export"]
+
+
+LONG = "long_context.enabled=true"
+
+
+def test_long_context_leg_fine_tunes_the_runs_drafter_and_validates_three_by_bucket(tmp_path):
+    """`long_context.enabled=true` (issue 36): Seq-KD rows after long train-split prompts, the
+    distilled drafter fine-tuned on them (reading distill's short held-out rows, never the
+    target), then base, short- and long-trained drafters validated on held-out long prompts;
+    each long step takes its stage's section of the pipeline config under the leg's own keys,
+    except the section's dataset keys, which belong to the short set."""
+    run = tmp_path / "run"
+    user = ["++generate.dataset.limit=12", "++generate.topk_logprobs=4",
+            "++distill.loss_chunk_size=128", "++distill.micro_batch_size=4",
+            "++long_context.validate.dataset.per_bucket=3"]  # fmt: skip
+    cfg = _cfg(run, LONG, *user)
+    plain = {s.name: s for s in build_plan(_cfg(run, *user))}
+    steps = {s.name: s for s in build_plan(cfg)}
+    assert list(steps) == ["generate", "distill", "validate_base", "validate", "generate_long",
+                           "distill_long", "validate_long_base", "validate_long_short",
+                           "validate_long", "export", "report"]  # fmt: skip
+    for name in plain:  # the short run's steps are untouched by the leg
+        if name != "report":
+            assert steps[name].fingerprint == plain[name].fingerprint, name
+    gen, dis, long = steps["generate_long"], steps["distill_long"], steps["distill"]
+    assert gen.out_dir == str(run / "generate_long") and gen.needs == []
+    g = gen.config
+    assert g["dataset"]["source"] == "long" and g["dataset"]["split"] is None  # generate: train
+    assert g["dataset"]["limit"] is None and g["topk_logprobs"] == 4  # not the short set's limit
+    assert (g["batch_size"], g["chunk_size"]) == (1, 4)
+    d = dis.config
+    assert (
+        d["pair"]["drafter"] == str(run / "distill" / "best") and d["data"]["path"] == gen.out_dir
+    )
+    assert (d["eval"]["source"], d["eval"]["path"]) == (
+        "path", str(run / "distill" / "eval_continuations"))  # fmt: skip
+    assert (d["micro_batch_size"], d["loss_chunk_size"], d["max_steps"]) == (1, 128, 20)
+    assert dis.needs == ["generate_long", "distill"] and long.config["micro_batch_size"] == 4
+    drafters = {n: steps[n].config["pair"]["drafter"] for n in
+                ("validate_long_base", "validate_long_short", "validate_long")}  # fmt: skip
+    assert drafters == {"validate_long_base": None,
+                        "validate_long_short": str(run / "distill" / "best"),
+                        "validate_long": str(run / "distill_long" / "final")}  # fmt: skip
+    assert [steps[n].needs for n in drafters] == [[], ["distill"], ["distill_long"]]
+    for name in drafters:
+        v = steps[name].config
+        assert v["dataset"]["source"] == "long" and v["dataset"]["per_bucket"] == 3
+        assert (v["num_prompts"], v["both_modes"], v["hf_assisted"]) == (None, False, False)
+    assert steps["validate_long_base"].config["decoder"]["drafting"] == "autoregressive"
+    assert cfg.distill.micro_batch_size == 4  # the plan composed copies, not the user's config
+    assert steps["export"].config["drafter"] == str(run / "distill" / "best")  # still the run's
+
+    # A changed long fine-tune re-runs what reads it, nothing of the short run.
+    changed = _cfg(run, LONG, *user, "long_context.distill.max_steps=7")
+    again = {s.name: s.fingerprint for s in build_plan(changed)}
+    assert [n for n in again if again[n] != steps[n].fingerprint] == [
+        "distill_long",
+        "validate_long",
+    ]
+
+
+def test_long_context_leg_without_distill_or_after_online(tmp_path):
+    """Without a distill step the leg fine-tunes the pair's drafter and validates two drafters
+    (base and long); after online it fine-tunes the online drafter, whose stage wrote no short
+    held-out rows, so distill_long keeps its own eval."""
+    run = tmp_path / "run"
+    steps = {s.name: s for s in build_plan(_cfg(run, LONG, "stages=[generate,validate]"))}
+    assert [n for n in steps if "long" in n] == ["generate_long", "distill_long",
+                                                 "validate_long_base", "validate_long"]  # fmt: skip
+    assert steps["distill_long"].config["pair"]["drafter"] is None
+    assert steps["distill_long"].needs == ["generate_long"]
+    online = {s.name: s for s in build_plan(_cfg(run, LONG, "stages=[distill,online,validate]"))}
+    d = online["distill_long"].config
+    assert d["pair"]["drafter"] == str(run / "online" / "drafter")
+    assert d["eval"]["source"] == "target" and d["eval"]["path"] is None
+    assert online["validate_long_short"].config["pair"]["drafter"] == d["pair"]["drafter"]
+    assert "validate_long_base" not in {
+        s.name for s in build_plan(_cfg(run, LONG, "stages=[generate,distill]"))
+    }

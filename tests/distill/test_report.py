@@ -292,6 +292,55 @@ def test_bucket_speedups_show_their_range_of_repeats():
     assert "median (range) of repeats" in "\n".join(lines)
 
 
+def _greedy_only(bucket):
+    return {**bucket, "modes": {"greedy": bucket["modes"]["greedy"]}}
+
+
+def test_long_context_table_sets_three_drafters_side_by_side_in_the_mode_they_ran():
+    """`long_context.enabled`: base / short-trained / long-trained drafter per bucket; the leg
+    decodes the serving mode only, so only that mode's columns appear; c, prefill and KV are
+    the long-trained pair's; a bucket one side lacks reads n/a there."""
+    sides = {
+        "validate_long_base": {"buckets": [_greedy_only(_bucket("4k-8k", 0.05, 0.97))]},
+        "validate_long_short": {"buckets": [_greedy_only(_bucket("4k-8k", 0.45, 1.1))]},
+        "validate_long": {"buckets": [_greedy_only(_bucket("0-512", 0.55, 1.2)),
+                                      _greedy_only(_bucket("4k-8k", 0.58, 1.25, c=0.18))]},
+    }  # fmt: skip
+    lines = report.bucket_table(sides, report.LONG_SIDES)
+    assert lines[3] == (
+        "| bucket | prompts (mean tokens) | alpha, greedy | tau, greedy | speedup, greedy | "
+        "speedup, decode only, greedy | c / verify cost | prefill s, target / drafter | "
+        "KV MiB, target / drafter |"
+    )
+    assert "base / short-trained / long-trained drafter" in lines[1]
+    rows = {
+        line.split(" | ")[0]: line
+        for line in lines
+        if line.startswith("| 0") or line.startswith("| 4")
+    }
+    assert rows["| 4k-8k"] == (
+        "| 4k-8k | 2 (300.5) | 0.05 / 0.45 / 0.58 | 2 / 2 / 2 | 0.97 / 1.1 / 1.25 | "
+        "1.07 / 1.2 / 1.35 | 0.18 / 1.5 | 1.25 / 0.25 | 3.0 / 0.5 |"
+    )
+    assert rows["| 0-512"].startswith("| 0-512 | 2 (300.5) | n/a / n/a / 0.55 |")
+    assert report.bucket_table(sides) == []  # the short table: no validate / validate_base
+    distill_long = {"steps": 24, "wall_seconds": 812.5, "final_path": "/r/distill_long/final",
+                    "alpha_before": 0.6, "alpha_after": 0.58}  # fmt: skip
+    stages = {**sides, "distill_long": distill_long,
+              "generate_long": {"samples": 36, "wall_seconds": 600.0}}  # fmt: skip
+    text = report.summary_markdown("RUN", stages, 10.0)
+    assert "## Long contexts (`long_context`)" in text and rows["| 4k-8k"] in text
+    assert (
+        "fine-tuned on 36 Seq-KD rows after long prompts (generated in 600 s): 24 steps, "
+        "812 s; the long-trained drafter is `/r/distill_long/final` "
+        "(held-out alpha on the short rows 0.6 -> 0.58)"
+    ) in text
+    assert "## Long contexts" not in report.summary_markdown("RUN", {"validate": DIST}, None)
+    # pipeline.json's flat summary reads the long steps' reports as validate / distill ones
+    flat = report.summarize({"validate_long": {"alpha": 0.5}, "distill_long": {"steps": 24}})
+    assert flat == {"validate_long.alpha": 0.5, "distill_long.steps": 24}
+
+
 def test_held_out_alpha_is_the_shipped_checkpoints_not_the_last_steps():
     """best/ is picked by held-out alpha: where the best step is not the last, the table shows
     best/'s figure (the run ships best/), not the last evaluation's."""
