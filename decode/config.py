@@ -31,6 +31,7 @@ from specdistill.decode.draft_length import (
     costs_from_mapping,
 )
 from specdistill.decode.drafters import DRAFTING
+from specdistill.decode.drafters.context import check_drafter_context
 from specdistill.decode.drafters.mapped import check_context
 
 VERIFY_COSTS = ("by_width", "linear")  # how measured draft costs price the verify widths
@@ -88,6 +89,9 @@ class DecoderConfig:
     # prompt lookup (decode.lookup): at batch 1, a round whose context's last n-gram occurred
     # before verifies the tokens that followed it (no drafter forward); other rounds as before
     lookup: bool = False
+    # how much of the prompt the drafter reads (decode.drafters.context): auto (all of it within
+    # its own trained positions) | all | N (the last N prompt tokens)
+    drafter_context: int | str = "auto"
 
     @property
     def lossy(self) -> bool:
@@ -169,6 +173,7 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
         )
     if not isinstance(cfg.lookup, bool):
         raise ConfigError(f"decoder.lookup={cfg.lookup!r} must be true or false")
+    check_drafter_context(cfg.drafter_context)
     if cfg.drafting not in DRAFTING:
         raise ConfigError(f"decoder.drafting={cfg.drafting!r}: use {' or '.join(DRAFTING)}")
     if cfg.draft_vocab not in ("auto", "full"):
@@ -187,7 +192,7 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
 _SHARED = (
     "sampling", "lenience", "cache", "compile", "record_probs", "host_sync_every", "cpu_matmul",
     "lean_steps", "draft_length", "max_draft", "draft_scope", "draft_floor", "probe_every", "draft_costs",
-    "verify_costs", "drafting", "mask_token_id", "draft_vocab", "lookup",
+    "verify_costs", "drafting", "mask_token_id", "draft_vocab", "lookup", "drafter_context",
 )  # fmt: skip
 
 
@@ -223,6 +228,7 @@ class DecoderSettings:
     # auto: prompt lookup when greedy only (at temperature 1 a one-hot draft is accepted with
     # probability p(x): too rarely to pay for its verify position, decode/RESULTS.md)
     lookup: bool | str = "auto"
+    drafter_context: int | str = "auto"
     # a drafter with its own tokenizer (decode/drafters/mapped.py): tli | text; read where the
     # mapped pair is loaded (decode/validate/mapped.py), not by DecoderConfig
     mapped_context: str = "tli"
@@ -263,6 +269,9 @@ class DecoderSettings:
             mask_token_id=node.get("mask_token_id"),
             draft_vocab=str(get("draft_vocab")),
             lookup=_lookup(get("lookup"), field),
+            drafter_context=check_drafter_context(
+                get("drafter_context"), f"{field}.drafter_context"
+            ),
             mapped_context=check_context(get("mapped_context")),
         )
         return settings.check(field)

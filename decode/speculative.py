@@ -62,6 +62,7 @@ from specdistill.decode.draft_length.costs_memo import CostsMemo
 from specdistill.decode.draft_length.policies import DraftLengthPolicy
 from specdistill.decode.draft_vocab import draft_vocab_of, subset_head
 from specdistill.decode.drafters import DRAFTERS, Drafter, MappedVocab, mapped_drafter
+from specdistill.decode.drafters.context import context_cut, drafter_positions
 from specdistill.decode.drafters.mapped import check_mapped_decoding, check_mapped_pair
 from specdistill.decode.drafters.parallel import trained_depth
 from specdistill.decode.lookup import PromptLookup
@@ -158,6 +159,13 @@ class SpeculativeDecoder:
         self.prefill_memo = prefill_memo
         self.drafting.prefill_memo = prefill_memo
         self.costs_memo = costs_memo
+        self.drafter_limit = drafter_positions(drafter)  # decoder.drafter_context=auto's bound
+
+    def drafter_cut(self, plen: int) -> int:
+        """Leading slots of a `plen`-slot prompt the drafter skips (`decoder.drafter_context`,
+        decode/drafters/context.py): the decode reaches plen + max_new_tokens + a round's drafts."""
+        horizon = plen + self.cfg.max_new_tokens + self.max_draft + 1
+        return context_cut(plen, horizon, self.cfg.drafter_context, self.drafter_limit)
 
     def get_policy(self, input_ids: torch.Tensor | None = None):
         """The draft-length policy (decode.draft_length); its calibration lives as long as the
@@ -359,15 +367,16 @@ class SpeculativeDecoder:
         decode's `spec_slots` so compiled steps reuse its graphs)."""
         ids = input_ids.to(self.device)
         slots = slots or ids.shape[1] + max(self.verify_widths[-1], self.max_draft + 1) + 2
+        cut = self.drafter_cut(ids.shape[1])  # the drafter's steps over the context it reads
         return StepTimer(
             ids,
             slots,
             {
                 "target": lambda n: self._runner(self.target, n),
-                "drafter": self.drafting.make_runner,
+                "drafter": lambda n: self.drafting.make_runner(n - cut),
             },
             self.drafting.draft_widths,
-            self.drafting.drafter_ids,
+            lambda x: self.drafting.drafter_ids(x[:, cut:]),
             self.prefill_memo,
         )
 
@@ -405,7 +414,8 @@ class SpeculativeDecoder:
         mask[:, :plen] = mask0
         # With the floor, the drafter reads the prompt only when a round first drafts: a decode
         # that never drafts costs what target-only decoding does (no drafter prefill).
-        self.drafting.start(ids, mask0, mask, dense, slots, lazy=adaptive and cfg.draft_floor)
+        lazy = adaptive and cfg.draft_floor
+        self.drafting.start(ids, mask0, mask, dense, slots, lazy, self.drafter_cut(plen))
         pre = prefill_timed(tgt, ids, mask0, dense, self.prefill_memo)
         t, pos = pre.t, pre.pos
         out = DecodeOutput(

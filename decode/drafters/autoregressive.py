@@ -20,8 +20,8 @@ from specdistill.decode.drafters.base import Drafter, KeepDrafting, Proposal, co
 class AutoregressiveDrafter(Drafter):
     """k drafter steps per round (`decoder.drafting=autoregressive`, the default)."""
 
-    def start(self, ids, prompt_mask, mask, dense, slots, lazy) -> None:
-        super().start(ids, prompt_mask, mask, dense, slots, lazy)
+    def start(self, ids, prompt_mask, mask, dense, slots, lazy, cut: int = 0) -> None:
+        super().start(ids, prompt_mask, mask, dense, slots, lazy, cut)
         # tokens in the target's cache the drafter has not read yet, oldest first
         self.lag: list[torch.Tensor] = []
         self.drafted = 0
@@ -90,7 +90,7 @@ class AutoregressiveDrafter(Drafter):
         if accepted == self.drafted:
             self.lag = [drafts[:, -1]]
         else:
-            self.runner.rollback(new_length)
+            self.rollback(new_length)
 
     def draft_widths(self, k: int) -> tuple[int, ...]:
         return (1,) * k

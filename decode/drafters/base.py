@@ -16,7 +16,9 @@ forward over k-1 mask tokens; mapped: another tokenizer) lives behind these meth
   vocabulary smaller or larger only by padding).
 
 Both caches share one slot layout (`specdistill.decode.cache`): slot i of the drafter's cache
-holds the token of slot i of the target's, so the loop's 2-D mask serves both.
+holds the token of slot i of the target's, so the loop's 2-D mask serves both; a drafter that
+reads only the end of the prompt (`decoder.drafter_context`, `context.py`) skips the first `cut`
+slots: its slot i is the target's slot i + cut, its view of the mask starts there.
 """
 
 from __future__ import annotations
@@ -102,13 +104,24 @@ class Drafter(ABC):
         dense: bool,
         slots: int,
         lazy: bool,
+        cut: int = 0,
     ) -> None:
         """Begin a decode of the left-padded prompts `ids` (target ids); `mask` is the loop's
         shared slot mask (read, never written here). lazy: prefill at the first `propose`, so
-        a decode that never drafts costs what target-only decoding does."""
-        self.runner = self.make_runner(slots)
-        self.mask, self.dense = mask, dense
-        self._prompt: tuple[torch.Tensor, torch.Tensor] | None = (ids, prompt_mask)
+        a decode that never drafts costs what target-only decoding does. cut: the drafter skips
+        the first `cut` prompt slots (`context.context_cut`)."""
+        self.runner = self.make_runner(slots - cut)
+        self.cut, self.mask, self.dense = (
+            cut,
+            mask[:, cut:],
+            dense,
+        )  # a view: the loop's writes show
+        # batched rows: positions are the target's minus the row's real tokens before the cut
+        self.shift = prompt_mask[:, :cut].sum(1, keepdim=True) if cut and not dense else None
+        self._prompt: tuple[torch.Tensor, torch.Tensor] | None = (
+            ids[:, cut:],
+            prompt_mask[:, cut:],
+        )
         self.prefill_seconds = 0.0  # this decode's prefill of q's cache (0 until it runs)
         self.prefill_saved = 0.0  # of those, seconds a prefill memo restored instead of running
         if not lazy:
@@ -179,14 +192,25 @@ class Drafter(ABC):
 
     # ------------------------------------------------------------------ helpers
     def _forward(self, x: torch.Tensor, xpos: torch.Tensor | None, keep: int) -> torch.Tensor:
-        """Append x (target ids; positions xpos unless dense) to the cache; the last `keep`
-        positions' logits over the target's vocabulary."""
-        attn = (
-            None
-            if self.dense
-            else step_mask(self.runner, self.mask, self.runner.length + x.shape[1])
-        )
+        """Append x (target ids; the target's positions xpos unless dense) to the cache; the
+        last `keep` positions' logits over the target's vocabulary."""
+        attn = None
+        if not self.dense:
+            attn = step_mask(self.runner, self._slot_mask(), self.runner.length + x.shape[1])
+            if self.shift is not None:
+                xpos = xpos - self.shift
         return self.target_logits(self.runner.forward(self.drafter_ids(x), attn, xpos, keep=keep))
+
+    def _slot_mask(self) -> torch.Tensor:
+        """This drafter's view of the shared mask, padded to a static cache's capacity (after a
+        cut, a compiled drafter's bucketed capacity may outgrow the view; slots past the
+        decode's are never written)."""
+        pad = self.runner.capacity - self.mask.shape[1] if self.runner.static else 0
+        return torch.nn.functional.pad(self.mask, (0, pad)) if pad > 0 else self.mask
+
+    def rollback(self, new_length: int) -> None:
+        """Drop the drafter's slots from the target's slot `new_length` on."""
+        self.runner.rollback(new_length - self.cut)
 
     def _feed(self, x, xpos, widths: list[int]):
         """Feed x's first sum(widths) tokens in chunks of these widths (compiled steps see few

@@ -66,8 +66,8 @@ class ParallelDrafter(Drafter):
     def reserved_ids(self) -> set[int]:
         return {self.mask_token_id}
 
-    def start(self, ids, prompt_mask, mask, dense, slots, lazy) -> None:
-        super().start(ids, prompt_mask, mask, dense, slots, lazy)
+    def start(self, ids, prompt_mask, mask, dense, slots, lazy, cut: int = 0) -> None:
+        super().start(ids, prompt_mask, mask, dense, slots, lazy, cut)
         # tokens the drafter has not read yet (the accepted drafts of the last round and the
         # tokens of plain target steps) and their positions
         self.lag = ids.new_zeros(ids.shape[0], 0)

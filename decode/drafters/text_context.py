@@ -50,14 +50,18 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
 class TextContextDrafter(MappedDrafter):
     """Text-mode context over the mapped drafter (see the module docstring)."""
 
-    def start(self, ids, prompt_mask, mask, dense, slots, lazy) -> None:
+    def start(self, ids, prompt_mask, mask, dense, slots, lazy, cut: int = 0) -> None:
         """Keep each row's target tokens (the drafter reads their text at its first round, so
-        a decode that never drafts never runs the drafter: `lazy` holds by construction)."""
-        self.mask, self.dense = mask, dense
+        a decode that never drafts never runs the drafter: `lazy` holds by construction);
+        `cut`: the text of the prompt's first `cut` target slots is never read (counted in the
+        target's tokens, this drafter's own tokens being re-cut from the text)."""
+        self.mask, self.dense, self.cut = mask, dense, cut
         # the drafter reads the prompt's text within its first round: no separate prefill
         self.prefill_seconds = self.prefill_saved = 0.0
         b, plen = ids.shape
-        self.rows: list[list[int]] = [ids[r, :-1][prompt_mask[r, :-1]].tolist() for r in range(b)]
+        self.rows: list[list[int]] = [
+            ids[r, cut:-1][prompt_mask[r, cut:-1]].tolist() for r in range(b)
+        ]
         self.tlen = plen - 1  # slots in the target's cache (t goes at this slot)
         self.pending: list[int] = []  # the round's t, per row (host)
         self.cached: list[list[int]] = [[] for _ in range(b)]  # drafter ids held, per row

@@ -194,12 +194,16 @@ def with_theory(fig: dict[str, Any], gamma: int, c: float, verify_cost: float) -
     }
 
 
-def kv_memory(target_config, drafter_config, tokens: int, target_dtype, drafter_dtype) -> dict:
-    """KV-cache bytes of p and q holding `tokens` slots (one row), from their configs."""
+def kv_memory(
+    target_config, drafter_config, tokens: int, target_dtype, drafter_dtype, skipped: int = 0
+) -> dict:
+    """KV-cache bytes of p and q holding `tokens` slots (one row), from their configs; q holds
+    `skipped` fewer (the prompt slots `decoder.drafter_context` leaves it unread)."""
     return {
         "tokens": tokens,
+        "drafter_tokens": tokens - skipped,
         "target_bytes": kv_cache_bytes(target_config, tokens, target_dtype),
-        "drafter_bytes": kv_cache_bytes(drafter_config, tokens, drafter_dtype),
+        "drafter_bytes": kv_cache_bytes(drafter_config, tokens - skipped, drafter_dtype),
     }
 
 
@@ -246,9 +250,11 @@ def measure_buckets(
             mode: with_theory(bucket_mode_figures(idx, ps, mode == "greedy"), gamma, c, verify)
             for mode, ps in passes.items()
         }
+        longest = max(tokens)
         kv = kv_memory(
-            target.config, drafter.config, max(tokens) + max_new_tokens, target.dtype, drafter.dtype
-        )
+            target.config, drafter.config, longest + max_new_tokens, target.dtype, drafter.dtype,
+            dec.drafter_cut(longest),
+        )  # fmt: skip
         rows.append(
             {
                 "bucket": name,
@@ -271,6 +277,12 @@ def measure_buckets(
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}"
+
+
+def _kv_tokens(kv: dict[str, Any]) -> str:
+    """Slots held: one count, or target / drafter where the drafter reads less of the prompt."""
+    d = kv.get("drafter_tokens", kv["tokens"])
+    return str(kv["tokens"]) if d == kv["tokens"] else f"{kv['tokens']} / {d}"
 
 
 def bucket_markdown(rows: list[dict[str, Any]] | None) -> list[str]:
@@ -296,7 +308,7 @@ def bucket_markdown(rows: list[dict[str, Any]] | None) -> list[str]:
                 f"{speedup_text(m['speedup'], m.get('speedup_range'))} | "
                 f"{m['decode_speedup']}x | {m['theoretical_speedup_measured_verify']}x | "
                 f"{pf['target']} / {pf['drafter']} | {_mib(kv['target_bytes'])} / "
-                f"{_mib(kv['drafter_bytes'])} ({kv['tokens']}) | {lossless} |"
+                f"{_mib(kv['drafter_bytes'])} ({_kv_tokens(kv)}) | {lossless} |"
             )
     lines += [
         "",

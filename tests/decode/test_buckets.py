@@ -327,3 +327,28 @@ def test_a_gqa_model_decodes_token_identically_with_packed_verifies():
     assert PACKED_SDPA in used and target.config._attn_implementation == "sdpa"
     assert 0 < out.accepted < out.trials
     assert out.tokens[0] == greedy_reference(target, prompt[0].tolist(), 20)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_drafter_reading_the_prompts_end_holds_that_much_kv(toy_tiny, tmp_path, monkeypatch):
+    """`decoder.drafter_context=32`: each bucket's drafter KV is at most the longest prompt's last
+    32 tokens + the new ones (the target's the whole prompt), and every decode stays lossless."""
+    argv = ["validate", *QUICK, "decoder.draft_length=fixed", "decoder.drafter_context=32",
+            "both_modes=false", "repeats=1", f"output_dir={tmp_path}"]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    main()
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["lossless"] is True and report["config"]["decoder"]["drafter_context"] == 32
+    from specdistill.data.models.pairs import load_pair, resolve_pair
+
+    _, drafter, _ = load_pair(resolve_pair({"toy": "toy-tiny"}))
+    for r in report["buckets"]:
+        kv = r["kv_cache"]
+        assert kv["tokens"] == r["max_prompt_tokens"] + 8
+        assert kv["drafter_tokens"] == min(kv["tokens"], 32 + 8)
+        assert kv["drafter_bytes"] == kv_cache_bytes(
+            drafter.config, kv["drafter_tokens"], torch.float32
+        )
+    assert report["buckets"][1]["kv_cache"]["drafter_tokens"] == 40  # 64-200: a cut prompt
+    md = (tmp_path / "report.md").read_text()
+    assert f"({report['buckets'][1]['kv_cache']['tokens']} / 40)" in md
