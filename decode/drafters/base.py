@@ -111,11 +111,8 @@ class Drafter(ABC):
         a decode that never drafts costs what target-only decoding does. cut: the drafter skips
         the first `cut` prompt slots (`context.context_cut`)."""
         self.runner = self.make_runner(slots - cut)
-        self.cut, self.mask, self.dense = (
-            cut,
-            mask[:, cut:],
-            dense,
-        )  # a view: the loop's writes show
+        self.cut, self.dense = cut, dense
+        self.mask = mask[:, cut:]  # a view: the loop's later writes show through
         # batched rows: positions are the target's minus the row's real tokens before the cut
         self.shift = prompt_mask[:, :cut].sum(1, keepdim=True) if cut and not dense else None
         self._prompt: tuple[torch.Tensor, torch.Tensor] | None = (
