@@ -228,7 +228,10 @@ class DecoderSettings:
     # auto: prompt lookup when greedy only (at temperature 1 a one-hot draft is accepted with
     # probability p(x): too rarely to pay for its verify position, decode/RESULTS.md)
     lookup: bool | str = "auto"
-    drafter_context: int | str = "auto"
+    # the stages' drafter reads the prompt's last 1024 tokens: at long contexts a small
+    # drafter's prefill of the whole prompt costs more than its drafts save, and the end kept
+    # its acceptance (decode/RESULTS.md, drafter_context by context length)
+    drafter_context: int | str = 1024
     # a drafter with its own tokenizer (decode/drafters/mapped.py): tli | text; read where the
     # mapped pair is loaded (decode/validate/mapped.py), not by DecoderConfig
     mapped_context: str = "tli"
