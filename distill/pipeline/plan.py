@@ -1,7 +1,9 @@
 """The pipeline's plan: every step's stage config composed once, resolved, with its hand-offs.
 
 `build_plan(cfg)` turns the pipeline config into a list of Steps (generate, distill, online,
-validate_base, validate, validate_<set>, export, report), in the order they run. A Step holds its
+validate_base, validate, validate_<set>, with `long_context.enabled` generate_long, distill_long,
+validate_long_base, validate_long_short and validate_long, then export, report), in the order
+they run. A Step holds its
 stage's primary config (`conf/<stage>.yaml`) composed with the pipeline's pair, the serving
 mode's and recipe's overrides (distill/pipeline/serving.py), the run's folders, the seed and the
 user's `STAGE.KEY=VALUE` keys, resolved to a plain dict: exactly what the stage runs, wherever
@@ -62,7 +64,7 @@ PLAN_DIR = "plan"  # <run_dir>/plan/<step>.yaml: what each step's job loads
 class Step:
     """One unit of work: a stage on its fully composed config, and the steps it reads from."""
 
-    name: str  # generate, distill, online, validate_base, validate, validate_<set>, export, report
+    name: str  # generate, distill, online, validate_base, validate, validate_<set>, *_long*, export, report
     stage: str  # which stage runs it (validate_* steps run `validate`)
     module: str  # the stage's `python -m` entry point
     out_dir: str
@@ -173,7 +175,7 @@ class _Planner:
         return _Planner(cfg, self.overrides).compose(stage, dataset, **values)
 
     def long_context_steps(
-        self, run_dir: Path, drafter_path: str | None, drafter: Step | None, short_eval: str | None
+        self, run_dir: Path, drafter_path: str | None, drafter: Step | None
     ) -> None:
         """Issue 36's leg: Seq-KD rows after long prompts (generate_long), the run's drafter
         fine-tuned on them (distill_long; its `final/` is the long drafter: `best/` is picked on
@@ -189,8 +191,9 @@ class _Planner:
         dcfg = self.compose_long("distill", output_dir=str(out), data__path=gen.out_dir)
         if drafter_path:
             dcfg.pair.drafter = drafter_path  # fine-tune the run's drafter, not the base
-        if short_eval and dcfg.eval.source == "target":  # read the short held-out rows distill
-            dcfg.eval.source, dcfg.eval.path = "path", short_eval  # wrote; never the target
+        short_eval = _written_eval(drafter)
+        if short_eval and dcfg.eval.source == "target":  # the same held-out rows, not re-run
+            dcfg.eval.source, dcfg.eval.path = "path", short_eval
         long = self.add("distill_long", "distill", out, dcfg, [gen, drafter])
         if "validate" not in self.cfg.stages:
             return
@@ -220,6 +223,15 @@ class _Planner:
         # no serving keys, no seed: a copy
         ecfg = compose_stage("export", self.cfg, StageOverrides(values=values))
         self.add("export", "export", out, ecfg, [*reads, report])
+
+
+def _written_eval(step: Step | None) -> str | None:
+    """Where a distill step writes the target's held-out continuations (`eval.source=target`),
+    so a later fine-tune reads them instead of running the target again; None otherwise."""
+    if step is None or step.stage != "distill" or step.config["eval"]["source"] != "target":
+        return None
+    ev = step.config["eval"]
+    return str(ev["path"] or Path(step.config["output_dir"]) / "eval_continuations")
 
 
 def pipeline_dataset(dataset: DictConfig, own: Any) -> DictConfig:
@@ -280,15 +292,7 @@ def build_plan(cfg: DictConfig) -> list[Step]:
         if "validate" in stages:
             report = plan.validate_steps(run_dir, drafter_path, reads)
         if (cfg.get("long_context") or {}).get("enabled", False):
-            short_eval = None
-            if (
-                drafter
-                and drafter.stage == "distill"
-                and drafter.config["eval"]["source"] == "target"
-            ):
-                d = drafter.config
-                short_eval = str(d["eval"]["path"] or Path(d["output_dir"]) / "eval_continuations")
-            plan.long_context_steps(run_dir, drafter_path, drafter, short_eval)
+            plan.long_context_steps(run_dir, drafter_path, drafter)
         if "export" in stages:
             plan.export_step(run_dir, drafter_path, reads, report)
     steps = [*plan.steps, _report_step(cfg, run_dir, plan.steps)]
