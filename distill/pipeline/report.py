@@ -210,10 +210,8 @@ def bucket_table(
     t = _sampling_temperature(stages)
     ran = {m for step, _ in present for r in rows[step].values() for m in r.get("modes", {})}
     figures = [(m, k, h.format(t=t)) for m, k, h in _BUCKET_FIGURES if m in ran]
-    if "sampling" in ran:  # the short table's columns, as before: no decode-only T=1 column
-        figures = [
-            f for f in figures if f[:2] != ("sampling", "decode_speedup") or "greedy" not in ran
-        ]
+    if "greedy" in ran:  # one decode-only column: greedy's when it ran
+        figures = [f for f in figures if f[:2] != ("sampling", "decode_speedup")]
     labels = " / ".join(label for _, label in present)
     heads = ["bucket", "prompts (mean tokens)", *(h for _, _, h in figures),
              "c / verify cost", "prefill s, target / drafter", "KV MiB, target / drafter"]  # fmt: skip
