@@ -324,6 +324,14 @@ def test_long_context_table_sets_three_drafters_side_by_side_in_the_mode_they_ra
     )
     assert rows["| 0-512"].startswith("| 0-512 | 2 (300.5) | n/a / n/a / 0.55 |")
     assert report.bucket_table(sides) == []  # the short table: no validate / validate_base
+    sampled = {"validate_long": {"buckets": [{**_bucket("4k-8k", 0.6, 1.2), "modes": {
+        "sampling": _bucket("4k-8k", 0.6, 1.2)["modes"]["sampling"]}}]}}  # fmt: skip
+    heads = report.bucket_table(sampled, report.LONG_SIDES)[3]
+    assert (
+        "| alpha, temperature 1 | speedup, temperature 1 | speedup, decode only, temperature 1 |"
+        in heads
+    )
+    assert "greedy" not in heads
     distill_long = {"steps": 24, "wall_seconds": 812.5, "final_path": "/r/distill_long/final",
                     "alpha_before": 0.6, "alpha_after": 0.58}  # fmt: skip
     stages = {**sides, "distill_long": distill_long,
