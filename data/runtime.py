@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -72,20 +73,75 @@ def resolve_device(name: str = "auto") -> torch.device:
     return dev
 
 
-def set_threads(setting: Any, device: torch.device, *, field: str = "threads") -> None:
+# torch's own thread count at import: its cores (OMP_NUM_THREADS and the affinity mask honoured)
+_CORES = torch.get_num_threads()
+_prefill_threads: int | None = None  # set_threads' prefill count; None: prefills keep the steps'
+
+
+def _thread_count(setting: Any, field: str, auto: int) -> int | None:
+    """N threads for `auto` | `default` (None: leave torch's) | N, or a ConfigError naming `field`."""
+    if setting in (None, "default"):
+        return None
+    n = auto if setting == "auto" else setting
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"{field}={setting!r} must be auto, default or a positive integer")
+    return n
+
+
+def set_threads(
+    setting: Any,
+    device: torch.device,
+    *,
+    field: str = "threads",
+    prefill: Any = "default",
+    prefill_field: str = "prefill_threads",
+) -> None:
     """`auto`: one CPU thread; `default` (or null): torch's own choice; N: N threads.
 
     Decode steps of small models are a few tiny matmuls each, and on a shared CPU a second
     thread's synchronisation stalls them (figures: data/RESULTS.md, "the toy world's build and
-    CPU threads").
+    CPU threads"). A prompt's prefill is the opposite: one forward of big matmuls over every
+    prompt token that scales with cores, and at long prompts it is most of a request's wall time
+    for the target alone as for speculative decoding. `prefill` sets the threads that
+    `prefill_threads()` blocks run with: `auto` = torch's own count at start (every core it
+    would use), `default` (or null) = the steps' count, N = N.
     """
-    if setting in (None, "default"):
+    global _prefill_threads
+    n = _thread_count(setting, field, auto=1)
+    pre = _thread_count(prefill, prefill_field, auto=_CORES)
+    if device.type != "cpu":
+        _prefill_threads = None
         return
-    n = 1 if setting == "auto" else setting
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"{field}={setting!r} must be auto, default or a positive integer")
-    if device.type == "cpu":
+    if n is not None:
         torch.set_num_threads(n)
+    _prefill_threads = pre
+
+
+@contextmanager
+def prefill_threads() -> Iterator[None]:
+    """Run the block (a prompt's prefill) with `set_threads`' prefill count, then the steps' again."""
+    n, before = _prefill_threads, torch.get_num_threads()
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
+def kept_threads() -> Iterator[None]:
+    """Restore the thread counts (steps' and prefills') after the block: a stage's setting (generate
+    threads=auto: 1) must not slow the next stage of an in-process pipeline."""
+    global _prefill_threads
+    steps, prefill = torch.get_num_threads(), _prefill_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads(steps)
+        _prefill_threads = prefill
 
 
 def pad_rows(

@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import torch
 
-from specdistill.data.runtime import ConfigError, padded_positions
+from specdistill.data.runtime import ConfigError, padded_positions, prefill_threads
 from specdistill.decode.cache_layers import (
     PACKED_SDPA,
     Attention,
@@ -166,7 +166,14 @@ class ModelRunner:
         keep: int = 0,
         prefill: bool = False,
     ) -> torch.Tensor:
-        """Logits of the last `keep` positions (0: all) after appending `ids` to the cache."""
+        """Logits of the last `keep` positions (0: all) after appending `ids` to the cache.
+        A prefill runs with the process's prefill thread count (data.runtime.set_threads)."""
+        if prefill:
+            with prefill_threads():
+                return self._timed(ids, attention_mask, position_ids, keep, prefill)
+        return self._timed(ids, attention_mask, position_ids, keep, prefill)
+
+    def _timed(self, ids, attention_mask, position_ids, keep: int, prefill: bool) -> torch.Tensor:
         clock = ForwardClock.current
         if clock is None:
             return self._forward(ids, attention_mask, position_ids, keep, prefill)

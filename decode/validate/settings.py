@@ -46,6 +46,7 @@ class ValidateSettings:
     device: str = "auto"
     dtype: str = "auto"
     threads: Any = "auto"  # auto | default | N (data.runtime.set_threads checks it)
+    prefill_threads: Any = "auto"  # a prompt's prefill: auto (every core) | default | N
     hf_assisted: bool = True
     plot: bool = True
     prefill_once: str = "auto"  # auto (long prompt sets) | true | false: decode.prefill_memo
@@ -98,6 +99,7 @@ class ValidateSettings:
             device=str(setting(cfg, cls, "device")),
             dtype=str(setting(cfg, cls, "dtype")),
             threads=setting(cfg, cls, "threads"),
+            prefill_threads=setting(cfg, cls, "prefill_threads"),
             hf_assisted=bool(setting(cfg, cls, "hf_assisted")),
             plot=bool(setting(cfg, cls, "plot")),
             prefill_once=prefill_once,

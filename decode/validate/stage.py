@@ -104,7 +104,7 @@ def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) 
     vs = vs or ValidateSettings.from_cfg(cfg)  # the stage's and the decoder's checks
     check_prompt_settings(cfg.dataset)
     device = resolve_device(vs.device)
-    set_threads(vs.threads, device)
+    set_threads(vs.threads, device, prefill=vs.prefill_threads)
     dtype = parse_dtype(vs.dtype, device)
     spec = resolve_pair(cfg.pair, stage="validate", mapped_ok=True)
     for key, name, rev in (

@@ -39,7 +39,9 @@ _POSITIVE = (
 TOPK_GREEDY = 32
 TOPK_SAMPLING = 4096
 # Settings that do not change what a run computes: a resumed run may change them.
-_RUN_ONLY = ("resume", "output_dir", "logger", "device", "threads", "plot", "hydra")
+_RUN_ONLY = (
+    "resume", "output_dir", "logger", "device", "threads", "prefill_threads", "plot", "hydra",
+)  # fmt: skip
 
 
 def _int(cfg: DictConfig, key: str) -> int:
@@ -89,6 +91,7 @@ class OnlineSettings:
     device: str = "auto"
     dtype: str = "auto"
     threads: Any = "auto"
+    prefill_threads: Any = "auto"
     log_tokens: bool = False
     plot: bool = True
 
@@ -124,6 +127,7 @@ class OnlineSettings:
             device=str(setting(cfg, cls, "device")),
             dtype=str(setting(cfg, cls, "dtype")),
             threads=setting(cfg, cls, "threads"),
+            prefill_threads=setting(cfg, cls, "prefill_threads"),
             log_tokens=bool(setting(cfg, cls, "log_tokens")),
             plot=bool(setting(cfg, cls, "plot")),
         )

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json, read_json
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, kept_threads
 from specdistill.distill.pipeline.plan import STAGES, Step
 from specdistill.distill.pipeline.report import summarize, write_report
 
@@ -81,11 +80,8 @@ def run_step(step: Step, config: dict[str, Any] | None = None) -> dict:
         return read_json(step.result_path)
     log.info("[%s] running -> %s", step.name, step.out_dir)
     t0 = time.perf_counter()
-    threads = torch.get_num_threads()
-    try:
+    with kept_threads():  # a stage's thread setting (generate threads=auto: 1) ends with it
         out = _stage_runner(step.stage)(OmegaConf.create(config or step.config))
-    finally:  # a stage's thread setting (generate threads=auto: 1) must not slow the next one
-        torch.set_num_threads(threads)
     if not main_process() or getattr(out, "merged", True) is False:
         return {}
     result = read_json(step.result_path)
