@@ -96,15 +96,16 @@ def set_threads(
     prefill: Any = "default",
     prefill_field: str = "prefill_threads",
 ) -> None:
-    """`auto`: one CPU thread; `default` (or null): torch's own choice; N: N threads.
+    """`auto`: one CPU thread; `default` (or null): torch's own choice (every core); N: N threads.
 
-    Decode steps of small models are a few tiny matmuls each, and on a shared CPU a second
-    thread's synchronisation stalls them (figures: data/RESULTS.md, "the toy world's build and
-    CPU threads"). A prompt's prefill is the opposite: one forward of big matmuls over every
-    prompt token that scales with cores, and at long prompts it is most of a request's wall time
-    for the target alone as for speculative decoding. `prefill` sets the threads that
-    `prefill_threads()` blocks run with: `auto` = torch's own count at start (every core it
-    would use), `default` (or null) = the steps' count, N = N.
+    One thread is for a shared, busy machine, where a second thread's synchronisation stalls
+    small steps (data/RESULTS.md, "the toy world's build and CPU threads"), and for one-thread
+    shard processes (generate's `processes`). On a quiet machine every core is faster for the
+    target alone and for speculative decoding alike: a real model's decode step streams all its
+    weights, and more cores read them faster (decode/RESULTS.md, threads), so the decoding stages
+    take torch's own count. A prompt's prefill is big matmuls over every prompt token, which
+    scale with cores whatever the steps do: `prefill` sets the threads `prefill_threads()` blocks
+    run with: `auto` = torch's own count at start, `default` (or null) = the steps' count, N = N.
     """
     global _prefill_threads
     n = _thread_count(setting, field, auto=1)

@@ -45,7 +45,7 @@ class ValidateSettings:
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
-    threads: Any = "auto"  # auto | default | N (data.runtime.set_threads checks it)
+    threads: Any = "default"  # default (torch's: every core) | auto (1) | N (set_threads checks it)
     prefill_threads: Any = "auto"  # a prompt's prefill: auto (every core) | default | N
     hf_assisted: bool = True
     plot: bool = True

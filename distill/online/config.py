@@ -90,7 +90,7 @@ class OnlineSettings:
     resume: bool = False
     device: str = "auto"
     dtype: str = "auto"
-    threads: Any = "auto"
+    threads: Any = "default"  # torch's own count: every core (conf/online.yaml)
     prefill_threads: Any = "auto"
     log_tokens: bool = False
     plot: bool = True
