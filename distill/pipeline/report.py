@@ -55,6 +55,7 @@ ROWS = [
     ("tau, temperature {T}", "decode-time", "validate", "sampling.tau"),
     ("speedup over target-only (measured), greedy", "wall clock: median (range) of repeats", "validate", "greedy.speedup"),
     ("speedup over target-only (measured), temperature {T}", "wall clock: median (range) of repeats", "validate", "sampling.speedup"),
+    ("tokens per second, greedy: target-only / speculative", "wall clock: medians of repeats", "validate", "greedy.rates"),
     ("theoretical speedup, serving mode", "cost model: alpha, c, draft lengths", "validate", "theoretical_speedup"),
     ("HF assisted speedup, same pair", "wall clock, serving mode", "validate", "hf_speedup"),
     ("rounds drafted by prompt lookup, serving mode", "share of rounds (acceptance)", "validate", "lookup"),
@@ -117,11 +118,21 @@ def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> An
         return f"{lk['round_share']:.2f} ({lk['acceptance']:.2f})" if lk else None
     if "." in key:
         mode, name = key.split(".")
+        if name == "rates":  # the absolute speed beside the ratio: what the thread count buys
+            return _rates(v, mode)
         got = mode_value(v, mode, name)
         if name == "drafter_alpha" and mode_value(v, mode, "drafter_trials") == 0:
             return NO_OWN_DRAFTS
         return _with_range(got, mode_value(v, mode, "speedup_range") if name == "speedup" else None)
     return v.get(key)
+
+
+def _rates(v: dict[str, Any], mode: str) -> str | None:
+    """ "target-only / speculative" tokens per second (medians of the timed repeats), or None."""
+    rates = [mode_value(v, mode, f"{side}_tokens_per_s") for side in ("baseline", "speculative")]
+    if not all(isinstance(r, dict) and r.get("median") is not None for r in rates):
+        return None
+    return " / ".join(_shown(float(r["median"])) for r in rates)
 
 
 def _with_range(got: Any, low_high: list[float] | None) -> Any:

@@ -34,9 +34,9 @@ def test_table_puts_base_and_distilled_side_by_side_with_methods():
     assert rows["lossless (output = target's)"].endswith("| yes | no |")
     held = rows["held-out alpha, temperature 1"]
     assert "reference completions" in held and held.endswith("| 0.41 | 0.55 |")
-    # no sampled speedup was measured then, nor prompt lookup, nor the drafter's own alpha:
-    # those rows are left out
-    assert len(rows) == len(report.ROWS) - 4
+    # no sampled speedup was measured then, nor prompt lookup, nor the drafter's own alpha, nor
+    # tokens per second by mode: those rows are left out
+    assert len(rows) == len(report.ROWS) - 5
 
 
 def _modes(greedy, sampled):
@@ -85,7 +85,14 @@ def test_both_serving_modes_with_speedups_and_the_serving_mode_held_out_figure()
         "temperature": 0.7,
         "alpha": 0.73,
         "modes": _modes(
-            {"alpha": 0.11, "drafter_alpha": 0.6, "tau": 1.1, "speedup": 0.4},
+            {
+                "alpha": 0.11,
+                "drafter_alpha": 0.6,
+                "tau": 1.1,
+                "speedup": 0.4,
+                "baseline_tokens_per_s": {"median": 20.0},
+                "speculative_tokens_per_s": {"median": 8.0},
+            },
             {"alpha": 0.73, "drafter_alpha": 0.7, "tau": 3.1, "speedup": 1.2},
         ),
         "draft_figures": {"lookup": {"round_share": 0.4, "acceptance": 0.93}},
@@ -105,6 +112,7 @@ def test_both_serving_modes_with_speedups_and_the_serving_mode_held_out_figure()
         "| 0.7 | 1.2 |"
     )
     assert rows["rounds drafted by prompt lookup, serving mode"].endswith("| n/a | 0.40 (0.93) |")
+    assert rows["tokens per second, greedy: target-only / speculative"].endswith("| n/a | 20 / 8 |")
     held = rows["held-out alpha, temperature 0.7, top_p 0.9"]
     assert "sum min(p,q) on the target's sampled continuations" in held
     assert len(rows) == len(report.ROWS)
@@ -149,6 +157,22 @@ def test_missing_figures_are_left_out_or_marked():
     assert lines[2:] == [
         "| alpha, greedy | decode-time acceptance, every draft (prompt lookup's too) | n/a | 0.8 |"
     ]
+
+
+def test_tokens_per_second_stand_beside_the_speedup():
+    """The absolute speed of both sides (medians of the repeats): a ratio alone hides what a
+    thread count or a machine does to both; a side without rates reads n/a."""
+
+    def rates(base, spec):
+        return {"baseline_tokens_per_s": {"median": base, "min": 0.0, "max": 99.0},
+                "speculative_tokens_per_s": {"median": spec, "min": 0.0, "max": 99.0}}  # fmt: skip
+
+    dist = {**DIST, "modes": _modes({"speedup": 1.25, **rates(30.12, 37.59)}, {})}
+    base = {**BASE, "modes": _modes({"speedup": 1.1}, {})}
+    row = _rows({"validate_base": base, "validate": dist})[
+        "tokens per second, greedy: target-only / speculative"
+    ]
+    assert row.endswith("| wall clock: medians of repeats | n/a | 30.1 / 37.6 |")
 
 
 def test_cli_rebuilds_summary_and_plot_from_a_run_folder(tmp_path, capsys):
