@@ -132,7 +132,11 @@ def _rates(v: dict[str, Any], mode: str) -> str | None:
     rates = [mode_value(v, mode, f"{side}_tokens_per_s") for side in ("baseline", "speculative")]
     if not all(isinstance(r, dict) and r.get("median") is not None for r in rates):
         return None
-    return " / ".join(_shown(float(r["median"])) for r in rates)
+    return " / ".join(_rate(float(r["median"])) for r in rates)
+
+
+def _rate(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"  # 1224, not 1.22e+03
 
 
 def _with_range(got: Any, low_high: list[float] | None) -> Any:

@@ -173,6 +173,10 @@ def test_tokens_per_second_stand_beside_the_speedup():
         "tokens per second, greedy: target-only / speculative"
     ]
     assert row.endswith("| wall clock: medians of repeats | n/a | 30.1 / 37.6 |")
+    fast = {**DIST, "modes": _modes(rates(733.4, 1224.3), {})}
+    assert _rows({"validate": fast})[
+        "tokens per second, greedy: target-only / speculative"
+    ].endswith("| n/a | 733 / 1224 |")
 
 
 def test_cli_rebuilds_summary_and_plot_from_a_run_folder(tmp_path, capsys):
