@@ -7,7 +7,8 @@ cost grows with the context, and so may the drafter's acceptance fall, so one av
 short and long prompts says little: here every bucket gets its own
 
 - **prompts, mean / max prompt tokens** (as decoded, after the `long_prompts` fit);
-- **alpha, tau, measured speedup** in both serving modes, from the validate run's own timed,
+- **alpha (every draft, and the drafter's own apart from prompt lookup's, with its count of
+  tested drafts), tau, measured speedup** in both serving modes, from the validate run's own timed,
   interleaved repeats (`modes.timed_repeats` records each batch; no extra decoding): the
   speedup is target-only vs speculative tokens/s over that bucket's decodes, end to end
   (prefills included, what a user waits for) and **decode only** (each decode's own measured
@@ -158,6 +159,10 @@ def bucket_mode_figures(
     return {
         **lookup,
         "alpha": round(spec_out.alpha, 4),
+        # the drafter's own drafts apart from prompt lookup's: what the long fine-tune moves
+        # (every draft's alpha above is mostly lookup's on a long prompt that repeats itself)
+        "drafter_alpha": round(spec_out.drafter_alpha, 4),
+        "drafter_trials": spec_out.drafter_trials,
         "tau": round(spec_out.tau, 3),
         "speedup": round(statistics.median(spec) / statistics.median(base), 3),
         "speedup_range": speedup_range(base, spec),
@@ -285,6 +290,16 @@ def _kv_tokens(kv: dict[str, Any]) -> str:
     return str(kv["tokens"]) if d == kv["tokens"] else f"{kv['tokens']} / {d}"
 
 
+def drafter_alpha_text(mode: dict[str, Any]) -> str:
+    """`0.53 (64)`: the drafter's own acceptance and how many of its drafts were tested; `n/a
+    (0)` when none was (every round prompt lookup's: no measurement, not a drafter that fails);
+    `n/a` for reports from before the figure."""
+    alpha, trials = mode.get("drafter_alpha"), mode.get("drafter_trials")
+    if alpha is None or trials is None:
+        return "n/a"
+    return f"n/a ({trials})" if trials == 0 else f"{alpha:.3g} ({trials})"
+
+
 def bucket_markdown(rows: list[dict[str, Any]] | None) -> list[str]:
     """report.md's per-bucket table: one row per bucket and serving mode."""
     if not rows:
@@ -293,10 +308,11 @@ def bucket_markdown(rows: list[dict[str, Any]] | None) -> list[str]:
         "",
         "## By context-length bucket",
         "",
-        "| bucket | mode | prompts | mean prompt tokens | alpha | tau | c | verify cost | "
+        "| bucket | mode | prompts | mean prompt tokens | alpha | the drafter's own alpha (drafts) "
+        "| tau | c | verify cost | "
         "speedup, end to end (range of repeats) | speedup, decode only | theoretical (measured verify) | "
         "prefill s, target / drafter | KV MiB, target / drafter (tokens) | lossless |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pf, kv = r["prefill_seconds"], r["kv_cache"]
@@ -304,7 +320,8 @@ def bucket_markdown(rows: list[dict[str, Any]] | None) -> list[str]:
             lossless = "" if m["lossless"] is None else str(m["lossless"])
             lines.append(
                 f"| {r['bucket']} | {mode} | {r['prompts']} | {r['mean_prompt_tokens']} | "
-                f"{m['alpha']} | {m['tau']} | {r['c']} | {r['verify_cost']} | "
+                f"{m['alpha']} | {drafter_alpha_text(m)} | {m['tau']} | {r['c']} | "
+                f"{r['verify_cost']} | "
                 f"{speedup_text(m['speedup'], m.get('speedup_range'))} | "
                 f"{m['decode_speedup']}x | {m['theoretical_speedup_measured_verify']}x | "
                 f"{pf['target']} / {pf['drafter']} | {_mib(kv['target_bytes'])} / "

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.data.io import atomic_write_text, read_json
+from specdistill.decode.validate.buckets import drafter_alpha_text
 from specdistill.decode.validate.modes import has_range
 from specdistill.decode.validate.report import NO_OWN_DRAFTS, mode_value
 from specdistill.distill.train.predict import reprice
@@ -185,6 +186,8 @@ def comparison_table(stages: dict[str, dict]) -> list[str]:
 
 def _bucket_cell(rows: dict[str, dict], name: str, mode: str, key: str) -> str:
     m = (rows.get(name) or {}).get("modes", {}).get(mode) or {}
+    if key == "drafter_alpha":
+        return drafter_alpha_text(m)
     return _shown(_with_range(m.get(key), m.get("speedup_range") if key == "speedup" else None))
 
 
@@ -197,7 +200,9 @@ LONG_SIDES = (  # long_context.enabled (issue 36): held-out long prompts
 )
 _BUCKET_FIGURES = (  # (mode, key, header): a mode's columns appear when a side decoded in it
     ("greedy", "alpha", "alpha, greedy"),
+    ("greedy", "drafter_alpha", "the drafter's own alpha, greedy (drafts tested)"),
     ("sampling", "alpha", "alpha, temperature {t}"),
+    ("sampling", "drafter_alpha", "the drafter's own alpha, temperature {t} (drafts tested)"),
     ("greedy", "tau", "tau, greedy"),
     ("greedy", "speedup", "speedup, greedy"),
     ("greedy", "decode_speedup", "speedup, decode only, greedy"),
@@ -212,8 +217,9 @@ def bucket_table(
     """One per-bucket table when the validate reports of `sides` have context-length buckets
     (long prompt sets, decode/validate/buckets.py): the sides' figures in each cell, in order;
     c, the verify cost, prefill and KV memory are the last side's that ran (the trained
-    drafter's; the base's when it alone ran). A mode's columns appear only when some side
-    decoded in it (the long leg decodes the serving mode only)."""
+    drafter's; the base's when it alone ran). A figure's column appears only when some side
+    reported it: a mode's only where a side decoded in it (the long leg decodes the serving
+    mode only), the drafter's own alpha only from reports that count it."""
     rows = {
         step: {r["bucket"]: r for r in (stages.get(step) or {}).get("buckets") or []}
         for step, _ in sides
@@ -223,9 +229,11 @@ def bucket_table(
     if not names:
         return []
     t = _sampling_temperature(stages)
-    ran = {m for step, _ in present for r in rows[step].values() for m in r.get("modes", {})}
-    figures = [(m, k, h.format(t=t)) for m, k, h in _BUCKET_FIGURES if m in ran]
-    if "greedy" in ran:  # one decode-only column: greedy's when it ran
+    # (mode, figure) pairs some side reported (a report from before a figure lacks its column)
+    ran = {(m, k) for step, _ in present for r in rows[step].values()
+           for m, fig in r.get("modes", {}).items() for k in fig}  # fmt: skip
+    figures = [(m, k, h.format(t=t)) for m, k, h in _BUCKET_FIGURES if (m, k) in ran]
+    if ("greedy", "decode_speedup") in ran:  # one decode-only column: greedy's when it ran
         figures = [f for f in figures if f[:2] != ("sampling", "decode_speedup")]
     labels = " / ".join(label for _, label in present)
     heads = ["bucket", "prompts (mean tokens)", *(h for _, _, h in figures),

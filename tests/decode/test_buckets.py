@@ -42,11 +42,15 @@ from tests.decode.sliding_models import mistral
 # ----------------------------------------------------------------------------- aggregation
 
 
-def _out(tokens, alpha_sum=0.0, trials=0, block=0, rounds=0, pt=0.0, pd=0.0) -> DecodeOutput:
+def _out(
+    tokens, alpha_sum=0.0, trials=0, block=0, rounds=0, pt=0.0, pd=0.0, look=(0.0, 0)
+) -> DecodeOutput:
     return DecodeOutput(
         tokens=tokens,
         alpha_sum=alpha_sum,
         trials=trials,
+        lookup_alpha_sum=look[0],
+        lookup_trials=look[1],
         block_tokens=block,
         row_rounds=rounds,
         prefill_target_s=pt,
@@ -59,7 +63,7 @@ def _passes() -> list[TimedPass]:
     base = [_out([[1] * 4], pt=0.5), _out([[2] * 6], pt=2.0), _out([[3] * 4], pt=0.5)]
     spec = [
         _out([[1] * 4], alpha_sum=3.0, trials=4, block=4, rounds=2, pt=0.5, pd=0.1),
-        _out([[2] * 6], alpha_sum=1.0, trials=5, block=6, rounds=5, pt=2.0, pd=0.4),
+        _out([[2] * 6], alpha_sum=1.0, trials=5, block=6, rounds=5, pt=2.0, pd=0.4, look=(1.0, 2)),
         _out([[3, 3, 3, 9]], alpha_sum=1.0, trials=4, block=4, rounds=2, pt=0.5, pd=0.1),
     ]
     first = TimedPass([1.5, 5.0, 2.5], base, [1.0, 4.0, 1.4], spec)
@@ -87,6 +91,10 @@ def test_bucket_figures_match_hand_computed_values():
     # each repeat's own ratio: 1.5 / 1.2 and 1.5 / 1.0 (bucket A's repeats agree)
     assert b["speedup_range"] == [1.25, 1.5] and a["speedup_range"] == [1.667, 1.667]
     assert b["alpha"] == 0.2 and b["tau"] == 1.2
+    # the drafter's own: bucket B's 5 tests less lookup's 2 (1 accepted) -> 0 of 3; bucket A
+    # had no lookup round: its own alpha is every draft's, over all 8 tests
+    assert (b["drafter_alpha"], b["drafter_trials"]) == (0.0, 3)
+    assert (a["drafter_alpha"], a["drafter_trials"]) == (a["alpha"], 8)
     assert bucket_mode_figures([1], passes, greedy=False)["lossless"] is None
     # prefill: target over the 4 decodes of each repeat (0.5, 0.5, 0.5, 0.5, 0.3 x 4) / 8
     assert bucket_prefill([0, 2], passes) == {"target": 0.4, "drafter": 0.1}
@@ -271,10 +279,12 @@ def test_validate_writes_per_bucket_figures_and_stays_lossless(toy_tiny, tmp_pat
         assert greedy["lossless"] is True and r["modes"]["sampling"]["lossless"] is None
         assert 0 <= greedy["alpha"] <= 1 and 1 <= greedy["tau"] <= report["gamma"] + 1
         assert greedy["speedup"] > 0 and greedy["decode_speedup"] > 0
+        assert 0 <= greedy["drafter_alpha"] <= 1 and 0 <= greedy["drafter_trials"]
         low, high = greedy["speedup_range"]
         assert 0 < low <= high
     text = (tmp_path / "report.md").read_text()
     assert "## By context-length bucket" in text and "| 64-200 | sampling | 2 |" in text
+    assert "| alpha | the drafter's own alpha (drafts) | tau |" in text
     assert bucket_markdown(rows)[1] == "## By context-length bucket"
 
 

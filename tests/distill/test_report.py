@@ -320,6 +320,26 @@ def test_bucket_speedups_show_their_range_of_repeats():
     assert "median (range) of repeats" in "\n".join(lines)
 
 
+def test_bucket_table_shows_the_drafters_own_alpha_with_its_tested_drafts():
+    """Reports that count the drafter's own drafts get its column: alpha (drafts tested), and
+    `n/a (0)` where every tested draft was prompt lookup's; a side from before the figure
+    reads n/a, and a table of such reports only has no column for it (asserted above)."""
+
+    def own(bucket, alpha, trials):
+        g = {**bucket["modes"]["greedy"], "drafter_alpha": alpha, "drafter_trials": trials}
+        return {**bucket, "modes": {"greedy": g}}
+
+    sides = {
+        "validate_long_base": {"buckets": [own(_bucket("4k-8k", 0.6, 1.0), 0.0, 0)]},
+        "validate_long_short": {"buckets": [_greedy_only(_bucket("4k-8k", 0.5, 1.1))]},
+        "validate_long": {"buckets": [own(_bucket("4k-8k", 0.6, 1.2), 0.5312, 64)]},
+    }
+    lines = report.bucket_table(sides, report.LONG_SIDES)
+    assert "| alpha, greedy | the drafter's own alpha, greedy (drafts tested) | tau" in lines[3]
+    row = next(line for line in lines if line.startswith("| 4k-8k"))
+    assert "| 0.6 / 0.5 / 0.6 | n/a (0) / n/a / 0.531 (64) | 2 / 2 / 2 |" in row
+
+
 def _greedy_only(bucket):
     return {**bucket, "modes": {"greedy": bucket["modes"]["greedy"]}}
 
