@@ -29,7 +29,8 @@ def process_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     x = logits.float()
     if sampling.greedy:
         return x
-    x = x / sampling.temperature
+    if sampling.temperature != 1.0:  # x / 1 is x: one op less in every T=1 step
+        x = x / sampling.temperature
     v = x.shape[-1]
     if 0 < sampling.top_k < v:
         kth = torch.topk(x, sampling.top_k, dim=-1).values[..., -1:]

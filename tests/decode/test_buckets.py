@@ -279,7 +279,7 @@ def test_validate_writes_per_bucket_figures_and_stays_lossless(toy_tiny, tmp_pat
         assert greedy["lossless"] is True and r["modes"]["sampling"]["lossless"] is None
         assert 0 <= greedy["alpha"] <= 1 and 1 <= greedy["tau"] <= report["gamma"] + 1
         assert greedy["speedup"] > 0 and greedy["decode_speedup"] > 0
-        assert 0 <= greedy["drafter_alpha"] <= 1 and 0 <= greedy["drafter_trials"]
+        assert 0 <= greedy["drafter_alpha"] <= 1 and greedy["drafter_trials"] >= 0
         low, high = greedy["speedup_range"]
         assert 0 < low <= high
     text = (tmp_path / "report.md").read_text()
