@@ -23,7 +23,9 @@ its `cat` weight plus (1 - cat_mix) times its `token` weight (both sum to the sa
 deep masks keep a floor while the drafter's first drafts are still wrong (from a base drafter
 the chains' soft acceptance is small, and `cat` alone leaves depths >= 3 nearly untrained:
 distill/RESULTS.md). `acceptance_length` adds -E itself (summed over chains, divided by
-the window's chains, times `length_weight`) to the `cat`-weighted divergence. Anchors are subsampled (`anchors` per
+the window's chains, times `length_weight`) to the `cat`-weighted divergence. `miss_weight`
+(any objective) weighs contexts that end just after a token the drafter missed, where rounds
+start (`after_miss_factors`). Anchors are subsampled (`anchors` per
 sequence, at random among completion positions) to bound the packed length T + anchors (K-1).
 """
 
@@ -95,6 +97,11 @@ def check_parallel_config(node) -> None:
     if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 <= mix <= 1:
         raise ConfigError(
             f"parallel.cat_mix={mix!r} must be a number in [0, 1] (the share of the cat weights)"
+        )
+    mw = node.get("miss_weight", 1.0)
+    if isinstance(mw, bool) or not isinstance(mw, (int, float)) or not mw > 0:
+        raise ConfigError(
+            f"parallel.miss_weight={mw!r} must be a number > 0 (1: every context alike)"
         )
     lw = node.get("length_weight", 1.0)
     if isinstance(lw, bool) or not isinstance(lw, (int, float)) or not lw > 0:
@@ -336,6 +343,47 @@ def objective_weights(
     total = w.sum()
     cat = w * (base.sum() / total) if float(total) > 0 else base
     return cat if cat_mix >= 1 else cat_mix * cat + (1.0 - cat_mix) * base
+
+
+def after_miss_factors(
+    packed: dict[str, torch.Tensor],
+    drafter_top: torch.Tensor,
+    target_top: torch.Tensor,
+    miss_weight: float,
+) -> torch.Tensor:
+    """(B, N) loss multipliers `parallel.miss_weight`: `miss_weight` at every packed position
+    whose context ends just after a token the drafter missed, 1 elsewhere (pure).
+
+    A round starts at the token the target put where the drafter's draft was rejected (or at
+    the bonus token no draft proposed), so the drafts a round keeps are made in contexts that
+    end in a token the drafter did not predict; a uniform draw of anchors puts only the
+    drafter's miss rate of chains there, and its masks agree with the target far less after a
+    miss than after a hit (issue 34's probe). drafter_top, target_top (B, N): the drafter's and
+    the target's argmax at each packed position (the prediction of its label); the greedy
+    disagreement marks a miss in either serving mode. Real position i is after a miss when
+    position i - 1 missed (i = 0 never is); a chain slot when its anchor is."""
+    b = drafter_top.shape[0]
+    t = int((packed["depth"][0] == 1).sum())  # real positions come first
+    labelled = packed["weight"][:, :t] > 0
+    missed = labelled & (drafter_top[:, :t] != target_top[:, :t])
+    first = torch.zeros(b, 1, dtype=torch.bool, device=missed.device)
+    after = torch.cat([first, missed[:, :-1]], 1)  # (B, T)
+    anchors = packed["anchors"]
+    a = anchors.shape[1]
+    m = (packed["weight"].shape[1] - t) // max(a, 1)
+    slots = torch.arange(a, device=anchors.device).repeat_interleave(m)
+    j = anchors[:, slots]  # (B, A m): each chain slot's anchor
+    chain_after = (j >= 0) & after.gather(1, j.clamp(min=0))
+    heavy = torch.cat([after, chain_after], 1)
+    return torch.where(heavy, float(miss_weight), 1.0).to(packed["weight"].dtype)
+
+
+def reweigh(weights: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """weights * factors, scaled back to the weights' own total (pure): the window's
+    normaliser, and so the learning rate's meaning, stay the same; only the split moves."""
+    out = weights * factors
+    total = out.sum()
+    return out * (weights.sum() / total) if float(total) > 0 else weights
 
 
 def chains_expected_length(accept: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:

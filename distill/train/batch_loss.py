@@ -112,6 +112,14 @@ def packed_logits_and_targets(
             }
     kwargs = {k: parallel.gather_positions(v, packed["label_pos"]) for k, v in kwargs.items()}
     kwargs["weights"] = packed["weight"]
+    miss_weight = tr.s.parallel.miss_weight  # type: ignore[union-attr]
+    factors = None
+    if miss_weight != 1.0:  # contexts just after a drafter miss, where rounds start
+        drafter_top = _packed_argmax(logits, keep, packed["weight"].shape)
+        factors = parallel.after_miss_factors(
+            packed, drafter_top, _target_argmax(kwargs), miss_weight
+        )
+        kwargs["weights"] = parallel.reweigh(packed["weight"], factors)
     if keep is not None:  # the labelled positions only, in the order `hidden[keep]` took them
         kwargs = {k: v[keep][None] for k, v in kwargs.items()}
         return logits, torch.ones_like(kwargs["weights"], dtype=torch.bool), kwargs
@@ -120,9 +128,38 @@ def packed_logits_and_targets(
         accept = parallel.packed_acceptance(logits, kwargs, s.greedy, float(s.temperature or 1))
         mix = tr.s.parallel.cat_mix  # type: ignore[union-attr]
         kwargs["weights"] = parallel.objective_weights(accept.detach(), packed, mix)
+        if factors is not None:
+            kwargs["weights"] = parallel.reweigh(kwargs["weights"], factors)
         if objective == "acceptance_length":
             kwargs["length_sum"] = parallel.chains_expected_length(accept, packed)
     return logits, packed["weight"] > 0, kwargs
+
+
+@torch.no_grad()
+def _packed_argmax(
+    logits: torch.Tensor | HeadInput, keep: torch.Tensor | None, shape: torch.Size
+) -> torch.Tensor:
+    """(B, N) the drafter's argmax at each packed position (-1 where the masked head skipped
+    it): from the full logits, or the kept positions' row (a `HeadInput` in chunks of rows)."""
+    if keep is None:
+        return logits.argmax(-1)  # type: ignore[union-attr]
+    if isinstance(logits, HeadInput):
+        n, step = logits.hidden.reshape(-1, logits.hidden.shape[-1]).shape[0], 1024
+        top = torch.cat([logits.logits(slice(i, i + step)).argmax(-1) for i in range(0, n, step)])
+    else:
+        top = logits[0].argmax(-1)
+    out = torch.full(shape, -1, dtype=torch.long, device=top.device)
+    out[keep] = top
+    return out
+
+
+def _target_argmax(targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B, N) the target's argmax at each packed position: of its logits, or of the stored
+    top-k (the top log-prob's id)."""
+    if "topk_ids" in targets:
+        lp = targets["topk_lp"]
+        return targets["topk_ids"].long().gather(-1, lp.argmax(-1, keepdim=True)).squeeze(-1)
+    return targets["target_logits"].argmax(-1)
 
 
 def shared_vocab_loss(

@@ -88,6 +88,7 @@ class ParallelSettings:
     objective: str = "token"  # token | cat | acceptance_length
     length_weight: float = 1.0
     cat_mix: float = 1.0  # cat / acceptance_length: the share of the cat weights (rest: token)
+    miss_weight: float = 1.0  # contexts just after a drafter miss, where rounds start
     mask_token_id: int | str | None = "auto"  # auto: the tokenizer's pad id
 
     @classmethod
@@ -100,6 +101,7 @@ class ParallelSettings:
             objective=str(setting(node, cls, "objective")),
             length_weight=float(setting(node, cls, "length_weight")),
             cat_mix=float(setting(node, cls, "cat_mix")),
+            miss_weight=float(setting(node, cls, "miss_weight")),
             mask_token_id=setting(node, cls, "mask_token_id"),
         )
 

@@ -123,7 +123,10 @@ def test_masked_position_loss_matches_brute_force(divergence):
 def test_parallel_config_errors_name_the_field():
     ok = {"depth": 8, "anchors": 16, "decay": 0.8}
     check_parallel_config(ok)
-    for key, bad in (("depth", 1), ("anchors", 0), ("decay", 1.5), ("depth", True)):
+    check_parallel_config(ok | {"miss_weight": 4})
+    bad_values = (("depth", 1), ("anchors", 0), ("decay", 1.5), ("depth", True),
+                  ("miss_weight", 0), ("miss_weight", -2.0), ("miss_weight", "x"))  # fmt: skip
+    for key, bad in bad_values:
         with pytest.raises(ConfigError, match=f"parallel.{key}="):
             check_parallel_config(ok | {key: bad})
 
@@ -192,3 +195,71 @@ def test_parallel_conversion_raises_acceptance_past_depth1(distill_cfg, tmp_path
     assert config.mask_token_id == par["mask_token_id"]
     with pytest.raises(ConfigError, match="parallel.depth=1"):
         train.run(distill_cfg(tmp_path / "bad", "drafting=parallel", "parallel.depth=1"))
+
+
+def test_after_miss_factors_mark_contexts_that_end_just_after_a_drafter_miss():
+    """Brute force over a packed batch: real position i and every chain slot anchored at i get
+    the weight exactly when the drafter's argmax at real position i - 1 (a labelled one) was not
+    the target's; unlabelled positions never count as misses; `reweigh` keeps the total."""
+    from specdistill.distill.parallel import after_miss_factors, reweigh
+
+    ids, att, lm = batch()
+    anchors = choose_anchors(lm, 100)
+    packed = pack_parallel(ids, att, lm, anchors, K, MASK, 0.8)
+    b, n = packed["weight"].shape
+    t = ids.shape[1]
+    g = torch.Generator().manual_seed(5)
+    target_top = torch.randint(0, 4, (b, n), generator=g)
+    drafter_top = torch.randint(0, 4, (b, n), generator=g)  # about a quarter agree
+    got = after_miss_factors(packed, drafter_top, target_top, 3.0)
+    for r in range(b):
+        missed = [
+            bool(lm[r, i]) and int(drafter_top[r, i]) != int(target_top[r, i]) for i in range(t)
+        ]
+        for i in range(t):
+            assert float(got[r, i]) == (3.0 if i > 0 and missed[i - 1] else 1.0)
+        for slot in range(n - t):
+            j = int(anchors[r, slot // (K - 1)])
+            want = 3.0 if j > 0 and missed[j - 1] else 1.0
+            assert float(got[r, t + slot]) == want, (r, slot, j)
+    assert float((got == 3.0).sum()) > 0 and float((got == 1.0).sum()) > 0
+    w = reweigh(packed["weight"], got)
+    torch.testing.assert_close(w.sum(), packed["weight"].sum())
+    on = packed["weight"] > 0
+    ratio = (w[on] / packed["weight"][on]) / got[on]  # one common scale
+    torch.testing.assert_close(ratio, ratio[0].expand_as(ratio))
+    assert bool((w[~on] == 0).all())
+    flat = torch.ones_like(got)
+    assert torch.equal(reweigh(packed["weight"], flat), packed["weight"])
+
+
+def test_miss_weight_gives_the_same_weights_with_the_masked_and_the_full_head():
+    """The stage's packed weights with `parallel.miss_weight`: the masked head (the kept
+    positions' logits row, and hidden states + head in chunks) and the full packed logits find
+    the same misses, so the same weights reach the loss."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from specdistill.distill.train import batch_loss
+
+    model = tiny_llama(vocab=64, layers=2, hidden=32, seed=3)
+    ids, att, lm = batch()
+    packed = pack_parallel(ids, att, lm, choose_anchors(lm, 100), K, MASK, 0.8)
+    target = tiny_llama(vocab=64, layers=1, hidden=16, seed=9)
+
+    def trainer(chunked):
+        par = SimpleNamespace(objective="token", miss_weight=4.0, cat_mix=1.0)
+        return SimpleNamespace(
+            s=SimpleNamespace(parallel=par), model=model, vocab=64, chunked=chunked, topk=False,
+            target=target, accelerator=SimpleNamespace(autocast=contextlib.nullcontext),
+        )  # fmt: skip
+
+    b = {"input_ids": ids, "attention_mask": att}
+    with torch.no_grad():
+        full = batch_loss.packed_logits_and_targets(trainer(False), b, packed, False, False)[2]
+        row = batch_loss.packed_logits_and_targets(trainer(False), b, packed, False, True)[2]
+        chunk = batch_loss.packed_logits_and_targets(trainer(True), b, packed, False, True)[2]
+    keep = packed["weight"] > 0
+    assert not torch.equal(full["weights"], packed["weight"])  # some contexts were reweighed
+    torch.testing.assert_close(full["weights"][keep][None], row["weights"])
+    torch.testing.assert_close(full["weights"][keep][None], chunk["weights"])
