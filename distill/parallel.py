@@ -25,8 +25,8 @@ the chains' soft acceptance is small, and `cat` alone leaves depths >= 3 nearly 
 distill/RESULTS.md). `acceptance_length` adds -E itself (summed over chains, divided by
 the window's chains, times `length_weight`) to the `cat`-weighted divergence. `miss_weight`
 (any objective) weighs contexts that end just after a token the drafter missed, where rounds
-start (`after_miss_factors`). Anchors are subsampled (`anchors` per
-sequence, at random among completion positions) to bound the packed length T + anchors (K-1).
+start (`after_miss_factors`). Anchors are subsampled (`anchors` per sequence, at random among
+completion positions) to bound the packed length T + anchors (K-1).
 """
 
 from __future__ import annotations

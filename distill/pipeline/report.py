@@ -198,7 +198,7 @@ LONG_SIDES = (  # long_context.enabled (issue 36): held-out long prompts
     ("validate_long_short", "short-trained"),
     ("validate_long", "long-trained"),
 )
-_BUCKET_FIGURES = (  # (mode, key, header): a mode's columns appear when a side decoded in it
+_BUCKET_FIGURES = (  # (mode, key, header): a column appears when a side reported that figure
     ("greedy", "alpha", "alpha, greedy"),
     ("greedy", "drafter_alpha", "the drafter's own alpha, greedy (drafts tested)"),
     ("sampling", "alpha", "alpha, temperature {t}"),
