@@ -306,18 +306,25 @@ def packed_acceptance(
     figures at its label: `target_logits` or stored `topk_ids`/`topk_lp`), differentiable in q:
     q(target's argmax) for a greedy target, sum_x min(p, q) at `temperature` for sampling
     (over the stored top-k a lower bound, as the held-out eval scores it)."""
+    if greedy:
+        lq = torch.log_softmax(logits.float(), -1)
+        return soft_acceptance(lq, target_ids=target_argmax(targets))
     if "topk_ids" in targets:
         ids, lpk = targets["topk_ids"].long(), targets["topk_lp"].float()
         lq = torch.log_softmax(logits.float(), -1)
-        if greedy:
-            top = ids.gather(-1, lpk.argmax(-1, keepdim=True)).squeeze(-1)
-            return soft_acceptance(lq, target_ids=top)
         return soft_acceptance(lq.gather(-1, ids), lp=lpk)
     p = targets["target_logits"].float()
-    if greedy:
-        return soft_acceptance(torch.log_softmax(logits.float(), -1), target_ids=p.argmax(-1))
     lq = torch.log_softmax(logits.float() / temperature, -1)
     return soft_acceptance(lq, lp=torch.log_softmax(p / temperature, -1))
+
+
+def target_argmax(targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B, N) the target's argmax at each packed position: of its logits (`target_logits`), or
+    of the stored top-k (`topk_ids` at the top `topk_lp`)."""
+    if "topk_ids" in targets:
+        lp = targets["topk_lp"]
+        return targets["topk_ids"].long().gather(-1, lp.argmax(-1, keepdim=True)).squeeze(-1)
+    return targets["target_logits"].argmax(-1)
 
 
 def objective_weights(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specdistill.distill import parallel
-from specdistill.distill.head_loss import HeadInput, fused_distill_loss
+from specdistill.distill.head_loss import HeadInput, fused_distill_loss, positions_per_chunk
 from specdistill.distill.intersection import tli_loss
 from specdistill.distill.losses import distill_loss
 from specdistill.distill.train.logits import has_plain_head, masked_head_input, masked_logits
@@ -117,7 +117,7 @@ def packed_logits_and_targets(
     if miss_weight != 1.0:  # contexts just after a drafter miss, where rounds start
         drafter_top = _packed_argmax(logits, keep, packed["weight"].shape)
         factors = parallel.after_miss_factors(
-            packed, drafter_top, _target_argmax(kwargs), miss_weight
+            packed, drafter_top, parallel.target_argmax(kwargs), miss_weight
         )
         kwargs["weights"] = parallel.reweigh(packed["weight"], factors)
     if keep is not None:  # the labelled positions only, in the order `hidden[keep]` took them
@@ -140,26 +140,19 @@ def _packed_argmax(
     logits: torch.Tensor | HeadInput, keep: torch.Tensor | None, shape: torch.Size
 ) -> torch.Tensor:
     """(B, N) the drafter's argmax at each packed position (-1 where the masked head skipped
-    it): from the full logits, or the kept positions' row (a `HeadInput` in chunks of rows)."""
+    it): from the full logits, or the kept positions' row (a `HeadInput` in the fused loss's
+    chunks of rows, so no more than one chunk's logits exist at once)."""
     if keep is None:
         return logits.argmax(-1)  # type: ignore[union-attr]
     if isinstance(logits, HeadInput):
-        n, step = logits.hidden.reshape(-1, logits.hidden.shape[-1]).shape[0], 1024
+        n = logits.hidden.reshape(-1, logits.hidden.shape[-1]).shape[0]
+        step = positions_per_chunk(logits.weight.shape[0], n)
         top = torch.cat([logits.logits(slice(i, i + step)).argmax(-1) for i in range(0, n, step)])
     else:
         top = logits[0].argmax(-1)
     out = torch.full(shape, -1, dtype=torch.long, device=top.device)
     out[keep] = top
     return out
-
-
-def _target_argmax(targets: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(B, N) the target's argmax at each packed position: of its logits, or of the stored
-    top-k (the top log-prob's id)."""
-    if "topk_ids" in targets:
-        lp = targets["topk_lp"]
-        return targets["topk_ids"].long().gather(-1, lp.argmax(-1, keepdim=True)).squeeze(-1)
-    return targets["target_logits"].argmax(-1)
 
 
 def shared_vocab_loss(
