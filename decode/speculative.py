@@ -499,9 +499,14 @@ class SpeculativeDecoder:
         )
         n_list = [row[kv] for row in host]
         if st.adaptive:
-            # sampled: each tested draft's acceptance probability, not its coin's outcome
-            probs = None if self.cfg.sampling.greedy else [row[2 * kv + 2 :] for row in host]
-            st.policy.observe(lengths, n_list, active, prop.conf, probs)
+            # sampled: each tested draft's acceptance probability, not its coin's outcome, and
+            # each position's expected acceptance (exact where lenience is 1, `verify`)
+            probs = alphas = None
+            if not self.cfg.sampling.greedy:
+                probs = [row[2 * kv + 2 :] for row in host]
+                if self.cfg.lenience == 1.0:
+                    alphas = [row[kv + 2 : 2 * kv + 2] for row in host]
+            st.policy.observe(lengths, n_list, active, prop.conf, probs, alphas)
         maxn = max(n_list)
         if not st.dense:
             st.mask[:, length + 1 : length + width] &= st.steps[None, : width - 1] < n[:, None]

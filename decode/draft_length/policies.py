@@ -10,7 +10,10 @@ exact for whatever length it picks (a length is just a stopping time of the draf
 greedy identity and the sampled distribution with a chi-square test). When sampling, an earlier
 round's tested draft x counts as its acceptance probability min(1, p(x)/q(x)) rather than the
 0/1 outcome of its coin: the same expectation given x, less noise, so a few unlucky coins do not
-switch a drafter that pays off (`verdicts`).
+switch a drafter that pays off (`verdicts`). The floor's averages, which ask how often a draft is
+accepted whatever it drafts, take the position's expected acceptance sum_x min(p, q) instead:
+the same expectation again, averaged over x as well (the calibrations keep min(1, p(x)/q(x)):
+they predict from q(x), the drafted token's own probability).
 
 The cost model and the expected-gain rule the policies plan with are pure functions of
 `costs.py` (p = target, q = drafter, c = drafter step / target step, gamma = drafts per round).
@@ -171,6 +174,11 @@ class DraftLengthPolicy:
         self.probing = False  # `interval` and `skipped` carry over from the last call
         self.shadowed = False  # this round's policy saw verdicts of skipped steps
         self.row_k: list[int] | None = None
+        # ... unless this call's starting averages (the lifetime's) say drafting pays: a hold
+        # carried over is the last prompt's verdict, and a new prompt should not serve out the
+        # rest of a weak one's interval (a drafter that never pays keeps its hold and backoff)
+        if self.floor and self.skipped and self._pays([True] * batch):
+            self.skipped = 0
 
     def rate(self, r: int) -> float:
         """Throughput to beat for row r: realized tokens per modeled cost so far, at least 1."""
@@ -191,34 +199,42 @@ class DraftLengthPolicy:
             out.append(tokens)
         return out
 
-    def _best_m(self, active: list[bool]) -> int:
+    def _best_m(self, active: list[bool], bar: float | None = None) -> int:
         """The number of drafts m >= 0 that pays best at the rows' recent acceptance (0: a
-        target step beats every m). Batch scope: gains summed over the active rows; row scope:
-        the most any active row wants."""
+        target step beats every m): each m's expected tokens less `bar` tokens per unit of its
+        extra cost (None: the row's realized `rate`). Batch scope: gains summed over the active
+        rows; row scope: the most any active row wants."""
         inc = self.increments[0]
         if self.scope == "row":
-            return max((self._row_best_m(r, inc) for r in range(self.b) if active[r]), default=0)
+            return max(
+                (self._row_best_m(r, inc, bar) for r in range(self.b) if active[r]), default=0
+            )
         total = [0.0] * len(inc)
         for r in range(self.b):
             if active[r]:
-                rate = self.rate(r)
+                rate = self.rate(r) if bar is None else bar
                 for i, (tokens, c) in enumerate(zip(self._accepted_by_length(r), inc)):
                     total[i] += tokens - rate * c
         best = max(range(len(total)), key=total.__getitem__, default=-1)
         return best + 1 if best >= 0 and total[best] > 1e-12 else 0
 
-    def _row_best_m(self, r: int, inc: list[float]) -> int:
+    def _row_best_m(self, r: int, inc: list[float], bar: float | None = None) -> int:
         """Row r's best number of drafts m >= 0 on its walk of acceptances (`best_more`'s
         argmax, with a parallel drafter's per-depth averages in the walk)."""
-        rate, best, best_g = self.rate(r), 0, 0.0
+        rate, best, best_g = self.rate(r) if bar is None else bar, 0, 0.0
         for m, (tokens, c) in enumerate(zip(self._accepted_by_length(r), inc), 1):
             if tokens - rate * c > best_g + 1e-12:
                 best, best_g = m, tokens - rate * c
         return best
 
     def _pays(self, active: list[bool]) -> bool:
-        """Does drafting (some m >= 1 drafts at the rows' recent acceptance) beat a target step?"""
-        return self._best_m(active) > 0
+        """Does drafting (some m >= 1 drafts at the rows' recent acceptance) beat a target step,
+        i.e. does some round of m drafts yield more tokens than it costs in target steps? The
+        bar is a plain step's one token per step, not the realized `rate`: that rate is what
+        drafting achieved so far, and early in a decode a few lucky rounds lift it past what any
+        round is expected to yield, which switched a drafter that pays off (`rate` prices the
+        drafts after the first, where the alternative is a round that already drafts)."""
+        return self._best_m(active, bar=1.0) > 0
 
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
         """Before drafting: this round's most drafts (<= budget), 0 for a plain target step.
@@ -329,19 +345,23 @@ class DraftLengthPolicy:
         active: list[bool],
         conf: list[list[float]] | None,
         probs: list[list[float]] | None = None,
+        alphas: list[list[float]] | None = None,
     ) -> None:
         """After the verify: row r verified lengths[r] drafts and accepted accepted[r]; conf
         (B lists of K): the drafter's confidence per draft (confidence policy); probs (sampling,
-        B lists of K): each draft's acceptance probability (`verdicts`)."""
+        B lists of K): each draft's acceptance probability (`verdicts`); alphas (sampling, B
+        lists of K): each position's expected acceptance sum_x min(p, q), what the floor's
+        averages learn when given (probs otherwise)."""
         k = max(lengths) if lengths else 0
         cost = self.costs.round_cost(k)
+        seen = probs if alphas is None else alphas
         for r, a in enumerate(active):
             if not a:
                 continue
             n, kr = accepted[r], lengths[r]
             self.tokens[r] += n + 1
             self.cost[r] += cost
-            for j, ok in enumerate(verdicts(n, kr, None if probs is None else probs[r])):
+            for j, ok in enumerate(verdicts(n, kr, None if seen is None else seen[r])):
                 self._learn(r, "first" if j == 0 else "follow", ok)
                 if j and self.costs.parallel:
                     self._learn_depth(r, j, ok)
@@ -383,8 +403,8 @@ class HeuristicLength(DraftLengthPolicy):
             return min(max(self.n), budget)
         return min(self.n[0], budget)
 
-    def observe(self, lengths, accepted, active, conf, probs=None) -> None:
-        super().observe(lengths, accepted, active, conf, probs)
+    def observe(self, lengths, accepted, active, conf, probs=None, alphas=None) -> None:
+        super().observe(lengths, accepted, active, conf, probs, alphas)
         k = max(lengths) if lengths else 0
         if k == 0:
             return
@@ -484,10 +504,10 @@ class ConfidenceLength(DraftLengthPolicy):
         best = 1 + max(range(k), key=total.__getitem__) if k else 0
         return [best] * self.b
 
-    def observe(self, lengths, accepted, active, conf, probs=None) -> None:
+    def observe(self, lengths, accepted, active, conf, probs=None, alphas=None) -> None:
         if conf and self.costs.parallel:
             self._observe_depths(lengths, accepted, active, conf, probs)
-            super().observe(lengths, accepted, active, None, probs)
+            super().observe(lengths, accepted, active, None, probs, alphas)
             return
         if conf:
             cs, rs, oks, fc, fr, fok = [], [], [], [], [], []
@@ -508,7 +528,7 @@ class ConfidenceLength(DraftLengthPolicy):
             # without evidence of its own, the next draft is predicted like this one
             self.follow_cal.set_prior(self.accept.w)
             self.follow_cal.update(fc, fr, fok)
-        super().observe(lengths, accepted, active, conf, probs)
+        super().observe(lengths, accepted, active, conf, probs, alphas)
 
     def _observe_depths(self, lengths, accepted, active, conf, probs=None) -> None:
         """Each depth's calibration learns from the drafts put to the test at that depth (the

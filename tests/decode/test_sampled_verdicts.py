@@ -6,6 +6,8 @@ of the coin's 0/1 outcome (`policies.verdicts`). These tests check the two have 
 expectation at every draft position by exact enumeration of drafts and coins, that the
 probabilities keep a drafter that pays from looking as if it did not, and that a sampled decode
 hands the policy fractional probabilities (greedy: none) while its output stays the target's.
+The floor's averages learn each tested position's expected acceptance sum_x min(p, q) instead:
+the same expectation once more, averaged over the drafted token too.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from specdistill.data.sampling import Sampling
-from specdistill.decode.acceptance import acceptance_probs, verify_sampling
+from specdistill.decode.acceptance import acceptance_probs, expected_alpha, verify_sampling
 from specdistill.decode.draft_length import DraftCosts, make_policy
 from specdistill.decode.draft_length.policies import verdicts
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
@@ -37,30 +39,47 @@ def test_probabilities_have_the_coins_expectation_at_every_position():
     every draft pair (weighted by q) and every coin on a 16-point midpoint grid (exact for such
     probabilities) through `verify_sampling`; per position, the summed 0/1 verdicts and the
     summed probability verdicts of the tested drafts have the same expectation, and the
-    probabilities' second moment is no larger (less noise for the same mean)."""
-    p = torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.25, 0.25, 0.25, 0.25], [0.25] * 4])[None]
+    probabilities' second moment is no larger (less noise for the same mean). The second
+    position's p depends on the first draft (p2[x1]), as a real target's does; the expected
+    acceptances sum_x min(p, q) of the tested positions (what the floor learns) have the coins'
+    expectation too, with a second moment no larger than the probabilities'."""
+    p1 = torch.tensor([0.5, 0.25, 0.125, 0.125])
+    p2 = torch.tensor(
+        [
+            [0.25] * 4,
+            [0.5, 0.125, 0.25, 0.125],
+            [0.125, 0.5, 0.25, 0.125],
+            [0.25, 0.5, 0.125, 0.125],
+        ]
+    )
     q = torch.tensor([[0.25, 0.5, 0.125, 0.125], [0.5, 0.125, 0.25, 0.125]])[None]
     grid = [(i + 0.5) / 16 for i in range(16)]
-    coins, probs = [0.0, 0.0], [0.0, 0.0]
-    coins2, probs2 = 0.0, 0.0
+    coins, probs, alphas = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
+    coins2, probs2, alphas2 = 0.0, 0.0, 0.0
     for x1, x2 in itertools.product(range(4), repeat=2):
+        p = torch.stack([p1, p2[x1], torch.full((4,), 0.25)])[None]
         draft = torch.tensor([[x1, x2]])
         weight_x = float(q[0, 0, x1] * q[0, 1, x2])
         acc = acceptance_probs(p[:, :2], q, draft)
         assert all(float(a) * 8 == int(float(a) * 8) for a in acc[0])  # the grid is exact
+        exp_alpha = expected_alpha(p[:, :2], q)[0].tolist()
         for u1, u2 in itertools.product(grid, repeat=2):
             w = weight_x / len(grid) ** 2
             n, _ = verify_sampling(draft, p, q, torch.tensor([[u1, u2]]), torch.tensor([0.5]))
             by_coin = verdicts(int(n), 2, None)
             by_prob = verdicts(int(n), 2, acc[0].tolist())
-            assert len(by_coin) == len(by_prob)  # the same drafts were tested
-            for j, (c, pr) in enumerate(zip(by_coin, by_prob)):
+            by_alpha = verdicts(int(n), 2, exp_alpha)
+            assert len(by_coin) == len(by_prob) == len(by_alpha)  # the same drafts were tested
+            for j, (c, pr, al) in enumerate(zip(by_coin, by_prob, by_alpha)):
                 coins[j] += w * c
                 probs[j] += w * pr
+                alphas[j] += w * al
             coins2 += w * sum(c * c for c in by_coin)
             probs2 += w * sum(pr * pr for pr in by_prob)
+            alphas2 += w * sum(al * al for al in by_alpha)
     assert probs == pytest.approx(coins, abs=1e-12)
-    assert probs2 < coins2
+    assert alphas == pytest.approx(coins, abs=1e-12)
+    assert alphas2 < probs2 < coins2
 
 
 def test_a_drafter_that_pays_rarely_looks_as_if_it_did_not():
@@ -102,20 +121,41 @@ def test_a_decode_hands_the_policy_probabilities_when_sampling(pair, temperature
     seen = []
     observe = pol.observe
 
-    def spy(lengths, accepted, active, conf, probs=None):
-        seen.append((list(lengths), list(accepted), probs))
-        return observe(lengths, accepted, active, conf, probs)
+    def spy(lengths, accepted, active, conf, probs=None, alphas=None):
+        seen.append((list(lengths), list(accepted), probs, alphas))
+        return observe(lengths, accepted, active, conf, probs, alphas)
 
     pol.observe = spy
     out = dec.generate(torch.tensor([prompt]), generator=torch.Generator().manual_seed(1))
     assert seen
     if temperature == 0.0:
-        assert all(probs is None for _, _, probs in seen)
+        assert all(probs is None and alphas is None for _, _, probs, alphas in seen)
         assert out.tokens[0] == greedy_reference(target, prompt, 24)
         return
-    values = []
-    for lengths, accepted, probs in seen:
+    values, expected = [], []
+    for lengths, accepted, probs, alphas in seen:
         assert probs is not None and len(probs[0]) == max(lengths)
+        assert alphas is not None and len(alphas[0]) == max(lengths)
         values += verdicts(accepted[0], lengths[0], probs[0])
-    assert all(0.0 <= v <= 1.0 for v in values)
+        expected += verdicts(accepted[0], lengths[0], alphas[0])
+    assert all(0.0 <= v <= 1.0 for v in values + expected)
     assert any(0.0 < v < 1.0 for v in values)  # probabilities, not coins
+    assert any(abs(a - b) > 1e-6 for a, b in zip(values, expected))  # two different figures
+
+
+def test_the_floor_learns_expected_acceptance_and_the_calibration_the_draft_s():
+    """Given both, the floor's averages move towards the positions' expected acceptance and the
+    confidence calibration fits the drafted tokens' own acceptance probabilities."""
+    costs = DraftCosts(c=0.2, verify_per_token=0.05, round_overhead=0.05)
+    pol = make_policy("confidence", 2, 2, costs)
+    pol.start(1)
+    fitted = []
+    update = pol.accept.update
+    pol.accept.update = lambda cs, rs, oks: (fitted.extend(oks), update(cs, rs, oks))
+    for _ in range(40):
+        pol.start(1)
+        pol.plan(2, [True])
+        pol.observe([2], [1], [True], [[0.5, 0.5]], [[0.9, 0.8]], [[0.2, 0.1]])
+    assert pol.first[0] == pytest.approx(0.2, abs=0.02)  # the lifetime prior: the alphas
+    assert pol.follow[0] == pytest.approx(0.1, abs=0.02)
+    assert set(fitted) == {0.9, 0.8}

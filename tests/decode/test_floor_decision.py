@@ -1,0 +1,100 @@
+"""The floor's decision: draft when some round of m drafts yields more tokens than it costs.
+
+p = target, q = drafter. Before a round the floor (`DraftLengthPolicy._pays`) weighs a plain
+target step (one token for one step) against rounds of m >= 1 drafts at the rows' running
+acceptance. These tests check it against brute force (every accept/reject outcome of a round
+enumerated), that the realized throughput of the decode so far does not move it (a lucky start
+once switched a drafter that pays off), and that a hold carried over from the previous call
+ends when this call's starting averages say drafting pays.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specdistill.decode.draft_length import DraftCosts, make_policy
+
+
+def brute_tokens(accept: list[float]) -> float:
+    """Expected tokens of a round whose j-th draft is accepted with probability accept[j] given
+    the ones before: every outcome enumerated, the accepted prefix plus the target's token."""
+    total = 0.0
+    for outcome in itertools.product([True, False], repeat=len(accept)):
+        weight = 1.0
+        for ok, a in zip(outcome, accept):
+            weight *= a if ok else 1.0 - a
+        n = next((j for j, ok in enumerate(outcome) if not ok), len(accept))
+        total += weight * (n + 1)
+    return total
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_the_floor_drafts_where_some_round_yields_more_than_it_costs(parallel):
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        c, per_token, overhead = (0.6 * torch.rand(3, generator=g)).tolist()
+        costs = DraftCosts(
+            c=c, verify_per_token=per_token, round_overhead=overhead, parallel=parallel
+        )
+        pol = make_policy("confidence", 4, 4, costs)
+        pol.start(1)
+        pol.first = [float(torch.rand(1, generator=g))]
+        pol.follow = [float(torch.rand(1, generator=g))]
+        pol.later = [torch.rand(3, generator=g).tolist()]
+        # a decode that has yielded 1.8 tokens a step so far: the bar stays a plain step's
+        pol.tokens, pol.cost = [9.0], [5.0]
+        later = pol.later[0] if parallel else [pol.follow[0]] * 3
+        rounds = [[pol.first[0], *later[: m - 1]] for m in range(1, 5)]
+        want = any(brute_tokens(acc) > costs.round_cost(len(acc)) + 1e-9 for acc in rounds)
+        edge = min(abs(brute_tokens(acc) - costs.round_cost(len(acc))) for acc in rounds)
+        if edge > 1e-6:  # (a round exactly at break-even is either's)
+            assert pol._pays([True]) == want
+
+
+def test_a_lucky_start_does_not_switch_a_drafter_that_pays_off():
+    """One draft pays from 0.3 acceptance on; after two rounds that kept every draft the
+    realized throughput is 1.6 tokens a step, and a running acceptance of 0.45 still drafts."""
+    costs = DraftCosts(c=0.2, verify_per_token=0.05, round_overhead=0.05)
+    assert costs.round_cost(1) == pytest.approx(1.3)
+    pol = make_policy("confidence", 4, 4, costs)
+    pol.start(1)
+    pol.tokens, pol.cost = [8.0], [5.0]
+    pol.first, pol.follow = [0.45], [0.2]
+    assert pol.rate(0) == pytest.approx(1.6)
+    assert pol.plan(4, [True]).k > 0
+    pol.first = [0.25]  # below one draft's break-even, whatever follows
+    pol.follow = [0.25]
+    assert pol.plan(4, [True]).k == 0
+
+
+def _hold(pol) -> None:
+    """Run a call until the floor holds (plain steps with a probe still some steps away)."""
+    pol.start(1)
+    pol.first, pol.follow = [0.01], [0.01]
+    assert pol.plan(4, [True]).k == 0
+    pol.observe_step([True])
+    assert pol.plan(4, [True]).k == 0
+    assert 0 < pol.skipped < pol.interval
+
+
+@pytest.mark.parametrize("lifetime_pays", [True, False])
+def test_a_new_call_ends_a_carried_hold_only_where_drafting_pays(lifetime_pays):
+    """The hold (and its step count) carries from call to call, so a drafter that never pays
+    probes once per interval however short the decodes; a new call whose starting averages (the
+    lifetime's) say drafting pays drafts from its first round instead."""
+    costs = DraftCosts(c=0.2, verify_per_token=0.05, round_overhead=0.05)
+    pol = make_policy("confidence", 4, 4, costs, probe_every=8)
+    acc = 0.9 if lifetime_pays else 0.05
+    pol._life["first"] = [1000 * acc, 1000.0]
+    pol._life["follow"] = [1000 * acc, 1000.0]
+    _hold(pol)
+    skipped = pol.skipped
+    pol.start(1)
+    plan = pol.plan(4, [True])
+    if lifetime_pays:
+        assert plan.k > 0 and not plan.probe
+    else:
+        assert plan.k == 0 and pol.skipped == skipped + 1
