@@ -199,42 +199,34 @@ class DraftLengthPolicy:
             out.append(tokens)
         return out
 
-    def _best_m(self, active: list[bool], bar: float | None = None) -> int:
+    def _best_m(self, active: list[bool]) -> int:
         """The number of drafts m >= 0 that pays best at the rows' recent acceptance (0: a
-        target step beats every m): each m's expected tokens less `bar` tokens per unit of its
-        extra cost (None: the row's realized `rate`). Batch scope: gains summed over the active
-        rows; row scope: the most any active row wants."""
+        target step beats every m). Batch scope: gains summed over the active rows; row scope:
+        the most any active row wants."""
         inc = self.increments[0]
         if self.scope == "row":
-            return max(
-                (self._row_best_m(r, inc, bar) for r in range(self.b) if active[r]), default=0
-            )
+            return max((self._row_best_m(r, inc) for r in range(self.b) if active[r]), default=0)
         total = [0.0] * len(inc)
         for r in range(self.b):
             if active[r]:
-                rate = self.rate(r) if bar is None else bar
+                rate = self.rate(r)
                 for i, (tokens, c) in enumerate(zip(self._accepted_by_length(r), inc)):
                     total[i] += tokens - rate * c
         best = max(range(len(total)), key=total.__getitem__, default=-1)
         return best + 1 if best >= 0 and total[best] > 1e-12 else 0
 
-    def _row_best_m(self, r: int, inc: list[float], bar: float | None = None) -> int:
+    def _row_best_m(self, r: int, inc: list[float]) -> int:
         """Row r's best number of drafts m >= 0 on its walk of acceptances (`best_more`'s
         argmax, with a parallel drafter's per-depth averages in the walk)."""
-        rate, best, best_g = self.rate(r) if bar is None else bar, 0, 0.0
+        rate, best, best_g = self.rate(r), 0, 0.0
         for m, (tokens, c) in enumerate(zip(self._accepted_by_length(r), inc), 1):
             if tokens - rate * c > best_g + 1e-12:
                 best, best_g = m, tokens - rate * c
         return best
 
     def _pays(self, active: list[bool]) -> bool:
-        """Does drafting (some m >= 1 drafts at the rows' recent acceptance) beat a target step,
-        i.e. does some round of m drafts yield more tokens than it costs in target steps? The
-        bar is a plain step's one token per step, not the realized `rate`: that rate is what
-        drafting achieved so far, and early in a decode a few lucky rounds lift it past what any
-        round is expected to yield, which switched a drafter that pays off (`rate` prices the
-        drafts after the first, where the alternative is a round that already drafts)."""
-        return self._best_m(active, bar=1.0) > 0
+        """Does drafting (some m >= 1 drafts at the rows' recent acceptance) beat a target step?"""
+        return self._best_m(active) > 0
 
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
         """Before drafting: this round's most drafts (<= budget), 0 for a plain target step.
