@@ -44,12 +44,13 @@ def test_the_floor_drafts_where_some_round_beats_the_realized_rate(parallel):
         pol.first = [float(torch.rand(1, generator=g))]
         pol.follow = [float(torch.rand(1, generator=g))]
         pol.later = [torch.rand(3, generator=g).tolist()]
-        realized = 0.5 + float(torch.rand(1, generator=g))  # below 1: the bar is still 1
+        realized = 0.5 + float(torch.rand(1, generator=g))  # 0.5-1.5 (below 1 the bar is 1)
         pol.tokens, pol.cost = [5.0 * realized], [5.0]
         rate = max(1.0, realized)
         later = pol.later[0] if parallel else [pol.follow[0]] * 3
         rounds = [[pol.first[0], *later[: m - 1]] for m in range(1, 5)]
-        # a round of m drafts against m plain steps' worth of time at the realized rate
+        # m drafts' expected accepted tokens against their cost beyond a plain step, priced at
+        # the realized rate
         gains = [brute_tokens(a) - 1 - rate * (costs.round_cost(len(a)) - 1) for a in rounds]
         if min(abs(x) for x in gains) > 1e-6:  # (a round exactly at the bar is either's)
             assert pol._pays([True]) == any(x > 0 for x in gains)
