@@ -4,8 +4,9 @@ p = target, q = drafter. Before a round the floor (`DraftLengthPolicy._pays`) we
 target step against rounds of m >= 1 drafts at the rows' running acceptance: some m must yield
 more tokens than the throughput already realized (`rate`, at least a plain step's one token a
 step) buys with its extra cost. These tests check it against brute force (every accept/reject
-outcome of a round enumerated), and that a hold carried over from the previous call ends when
-this call's starting averages say drafting pays.
+outcome of a round enumerated), that a hold carried over from the previous call ends when
+this call's starting averages say drafting pays, and that a decode that never drafts never
+builds the drafter's cache.
 """
 
 from __future__ import annotations
@@ -84,3 +85,37 @@ def test_a_new_call_ends_a_carried_hold_only_where_drafting_pays(lifetime_pays):
         assert plan.k > 0 and not plan.probe
     else:
         assert plan.k == 0 and pol.skipped == skipped + 1
+
+
+@pytest.mark.parametrize("drafting", ["autoregressive", "parallel"])
+def test_a_decode_that_never_drafts_never_builds_the_drafter_s_cache(drafting):
+    """The floor's plain steps cost what target-only steps do: the drafter's prompt is read at
+    its first round (lazy prefill), and its runner (cache and all) is built then too; a decode
+    that drafts builds one, and stays the target's greedy output either way."""
+    from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
+    from tests.conftest import tiny_llama
+    from tests.decode.test_speculative import greedy_reference, prompts, truncated_copy
+
+    target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0)
+    drafter = truncated_copy(target)
+    for costs, built in ((DraftCosts(c=5.0), 0), (DraftCosts(c=0.1), 1)):
+        cfg = DecoderConfig(
+            max_new_tokens=10,
+            draft_length="confidence",
+            max_draft=3,
+            probe_every=32,  # no probe inside one decode
+            draft_costs=costs,
+            drafting=drafting,
+            mask_token_id=63 if drafting == "parallel" else None,
+        )
+        dec = SpeculativeDecoder(target, drafter, cfg)
+        calls = []
+        make = dec.drafting.make_runner
+        dec.drafting.make_runner = lambda slots, calls=calls, make=make: (
+            calls.append(slots) or make(slots)
+        )
+        prompt = prompts(1, 64, seed=4)[0]
+        out = dec.generate(torch.tensor([prompt]))
+        assert out.tokens[0] == greedy_reference(target, prompt, 10)
+        assert len(calls) == built
+        assert (out.drafter_forwards > 0) == bool(built)
