@@ -86,8 +86,8 @@ class Drafter(ABC):
     @property
     def runner(self) -> ModelRunner:
         """This decode's drafter runner, built at its first use: a decode the floor keeps from
-        drafting never builds one (building its cache costs a fraction of a millisecond,
-        against the few milliseconds of a toy decode step)."""
+        drafting never builds one, so its plain steps cost what target-only decoding does (for
+        a small pair building the cache is a visible share of a decode)."""
         if self._runner is None:
             self._runner = self.make_runner(self._runner_slots)
         return self._runner
