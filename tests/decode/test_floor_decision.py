@@ -17,6 +17,9 @@ import pytest
 import torch
 
 from specdistill.decode.draft_length import DraftCosts, make_policy
+from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
+from tests.conftest import tiny_llama
+from tests.decode.test_speculative import greedy_reference, prompts, truncated_copy
 
 
 def brute_tokens(accept: list[float]) -> float:
@@ -92,10 +95,6 @@ def test_a_decode_that_never_drafts_never_builds_the_drafter_s_cache(drafting):
     """The floor's plain steps cost what target-only steps do: the drafter's prompt is read at
     its first round (lazy prefill), and its runner (cache and all) is built then too; a decode
     that drafts builds one, and stays the target's greedy output either way."""
-    from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
-    from tests.conftest import tiny_llama
-    from tests.decode.test_speculative import greedy_reference, prompts, truncated_copy
-
     target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0)
     drafter = truncated_copy(target)
     for costs, built in ((DraftCosts(c=5.0), 0), (DraftCosts(c=0.1), 1)):

@@ -148,7 +148,6 @@ def test_the_floor_learns_expected_acceptance_and_the_calibration_the_draft_s():
     confidence calibration fits the drafted tokens' own acceptance probabilities."""
     costs = DraftCosts(c=0.2, verify_per_token=0.05, round_overhead=0.05)
     pol = make_policy("confidence", 2, 2, costs)
-    pol.start(1)
     fitted = []
     update = pol.accept.update
     pol.accept.update = lambda cs, rs, oks: (fitted.extend(oks), update(cs, rs, oks))
