@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from tqdm.auto import tqdm
 
 from specdistill.data.runtime import ConfigError, spread
 from specdistill.data.sampling import Sampling
@@ -112,7 +113,10 @@ def other_decoder(decoder: DecoderSettings, other_sampling: Any) -> DecoderSetti
     return decoder.replace(sampling=side)
 
 
-def timed_repeats(dec, batches, seed: int, repeats: int, passes: list[TimedPass] | None = None):
+def timed_repeats(
+    dec, batches, seed: int, repeats: int, passes: list[TimedPass] | None = None,
+    progress: str | None = None,
+):  # fmt: skip
     """Interleaved target-only / speculative passes (load drifts hit both alike).
 
     Batch by batch, target-only then speculative, as the bench interleaves its entries: a load
@@ -122,10 +126,19 @@ def timed_repeats(dec, batches, seed: int, repeats: int, passes: list[TimedPass]
 
     Returns (baseline tokens/s per repeat, speculative tokens/s per repeat, first baseline
     output, first speculative output), the outputs merged over batches. `passes`: a list that
-    receives every repeat batch by batch (validate's per-bucket figures read it).
+    receives every repeat batch by batch (validate's per-bucket figures read it). `progress`:
+    the label of a bar over the batches with the repeat's speedup so far (a long prompt set
+    decodes for many minutes); it moves between timed calls, never inside one.
     """
     base_rates, spec_rates = [], []
     base_out = spec_out = None
+    bar = tqdm(
+        total=repeats * len(batches),
+        desc=progress,
+        unit="prompt" if all(ids.shape[0] == 1 for ids, _ in batches) else "batch",
+        disable=progress is None,
+        dynamic_ncols=True,
+    )
     for rep in range(repeats):
         gens = [torch.Generator(device="cpu").manual_seed(seed + rep) for _ in range(2)]
         tbs: list[float] = []
@@ -135,15 +148,22 @@ def timed_repeats(dec, batches, seed: int, repeats: int, passes: list[TimedPass]
         for ids, mask in batches:
             _timed_call(dec.baseline, ids, mask, gens[0], tbs, bo)
             _timed_call(dec.generate, ids, mask, gens[1], tss, so)
+            bar.update(1)
+            bar.set_postfix_str(f"{_tokens(so) * sum(tbs) / (sum(tss) * max(_tokens(bo), 1)):.2f}x")
         tb, ts = sum(tbs), sum(tss)
         if passes is not None:
             passes.append(TimedPass(tbs, bo, tss, so))
-        base_rates.append(sum(len(t) for o in bo for t in o.tokens) / tb)
-        spec_rates.append(sum(len(t) for o in so for t in o.tokens) / ts)
+        base_rates.append(_tokens(bo) / tb)
+        spec_rates.append(_tokens(so) / ts)
         if rep == 0:
             base_out, spec_out = merge(bo), merge(so)
+    bar.close()
     assert base_out is not None and spec_out is not None
     return base_rates, spec_rates, base_out, spec_out
+
+
+def _tokens(outs: list[DecodeOutput]) -> int:
+    return sum(len(t) for o in outs for t in o.tokens)
 
 
 def speedup_range(base_rates: list[float], spec_rates: list[float]) -> list[float]:
@@ -191,14 +211,15 @@ def mode_figures(dec, base_rates, spec_rates, spec_out: DecodeOutput) -> dict[st
 
 def measure_other_mode(
     make: Callable[[DecoderSettings], Any], other: DecoderSettings, batches, warm, seed: int,
-    repeats: int, passes: list[TimedPass] | None = None,
+    repeats: int, passes: list[TimedPass] | None = None, progress: bool = False,
 ):  # fmt: skip
     """Decode the other serving mode with a fresh decoder (same gamma), warmed up untimed;
-    `passes` receives its repeats batch by batch (see `timed_repeats`)."""
+    `passes` receives its repeats batch by batch, `progress` shows them (see `timed_repeats`)."""
     dec = make(other)
     run_all(dec.baseline, warm, seed)
     run_all(dec.generate, warm, seed)
-    base_rates, spec_rates, _, spec_out = timed_repeats(dec, batches, seed, repeats, passes)
-    return mode_name(dec.cfg.sampling.temperature), mode_figures(
-        dec, base_rates, spec_rates, spec_out
+    name = mode_name(dec.cfg.sampling.temperature)
+    base_rates, spec_rates, _, spec_out = timed_repeats(
+        dec, batches, seed, repeats, passes, f"validate {name}" if progress else None
     )
+    return name, mode_figures(dec, base_rates, spec_rates, spec_out)

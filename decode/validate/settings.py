@@ -49,6 +49,7 @@ class ValidateSettings:
     prefill_threads: Any = "auto"  # a prompt's prefill: auto (every core) | default | N
     hf_assisted: bool = True
     plot: bool = True
+    progress: bool = True  # a bar over the timed decodes (stderr)
     prefill_once: str = "auto"  # auto (long prompt sets) | true | false: decode.prefill_memo
     engines: tuple[str, ...] = ("ours",)
     vllm_draft_sample_method: str | None = None  # engines=[ours,vllm]: vllm.draft_sample_method
@@ -102,6 +103,7 @@ class ValidateSettings:
             prefill_threads=setting(cfg, cls, "prefill_threads"),
             hf_assisted=bool(setting(cfg, cls, "hf_assisted")),
             plot=bool(setting(cfg, cls, "plot")),
+            progress=bool(setting(cfg, cls, "progress")),
             prefill_once=prefill_once,
             engines=engines,
             vllm_draft_sample_method=method,

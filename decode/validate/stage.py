@@ -313,6 +313,7 @@ def measure_serving(
         vs.seed,
         vs.repeats,
         None if passes is None else passes.setdefault(mode, []),
+        f"validate {mode}" if vs.progress else None,
     )
     lossless, mismatched = lossless_check(dec, base_out, spec_out, st.dtype, notes)
     costs = None
@@ -342,7 +343,7 @@ def side_measurements(
         other_passes: list = []
         name, other = measure_other_mode(
             lambda ds: make(gamma, ds), vs.other, st.batches, st.warm, seed, repeats,
-            None if passes is None else other_passes,
+            None if passes is None else other_passes, vs.progress,
         )  # fmt: skip
         sv.modes[name] = other
         if passes is not None:
@@ -351,7 +352,13 @@ def side_measurements(
     if dec.cfg.draft_length != "fixed":  # the policy beside fixed gamma, same interleaving
         fdec = make(gamma, vs.decoder.replace(draft_length="fixed"))
         warm_up(fdec, st.batches, st.warm, seed)
-        fb, fs, _, _ = timed_repeats(fdec, st.batches, seed, repeats)
+        fb, fs, _, _ = timed_repeats(
+            fdec,
+            st.batches,
+            seed,
+            repeats,
+            progress=f"validate fixed gamma {gamma}" if vs.progress else None,
+        )
         fixed_speedup = round(statistics.median(fs) / statistics.median(fb), 3)
     hf = None
     if vs.hf_assisted:

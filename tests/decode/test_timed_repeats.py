@@ -59,3 +59,15 @@ def test_speedup_text_prints_the_range_only_where_repeats_differ():
     assert speedup_text(1.09, [1.05, 1.12]) == "1.09x (1.05-1.12)"
     assert speedup_text(1.09, [1.09, 1.09]) == "1.09x"
     assert speedup_text(1.09, None) == "1.09x"  # a report written before the range existed
+
+
+def test_progress_bar_counts_every_batch_and_leaves_outputs_alone(capsys):
+    """validate's bar (stderr) names the pass and counts each batch of each repeat; the decodes
+    and their random streams are the same with and without it."""
+    batches = [(torch.tensor([[b]]), torch.ones(1, 1)) for b in range(3)]
+    quiet = timed_repeats(Recorder(), batches, seed=5, repeats=2)
+    assert capsys.readouterr().err == ""
+    shown = timed_repeats(Recorder(), batches, seed=5, repeats=2, progress="validate greedy")
+    err = capsys.readouterr().err
+    assert "validate greedy" in err and "6/6" in err and "prompt" in err
+    assert shown[2].tokens == quiet[2].tokens and shown[3].tokens == quiet[3].tokens
