@@ -127,7 +127,7 @@ def timed_repeats(
     Returns (baseline tokens/s per repeat, speculative tokens/s per repeat, first baseline
     output, first speculative output), the outputs merged over batches. `passes`: a list that
     receives every repeat batch by batch (validate's per-bucket figures read it). `progress`:
-    the label of a bar over the batches with the repeat's speedup so far (a long prompt set
+    the label of a bar over the batches with the speedup so far (a long prompt set
     decodes for many minutes); it moves between timed calls, never inside one.
     """
     base_rates, spec_rates = [], []
@@ -139,6 +139,8 @@ def timed_repeats(
         disable=progress is None,
         dynamic_ncols=True,
     )
+    tok_b = tok_s = 0  # the bar's running totals over the repeats so far: target-only, ours
+    sec_b = sec_s = 0.0
     for rep in range(repeats):
         gens = [torch.Generator(device="cpu").manual_seed(seed + rep) for _ in range(2)]
         tbs: list[float] = []
@@ -148,8 +150,10 @@ def timed_repeats(
         for ids, mask in batches:
             _timed_call(dec.baseline, ids, mask, gens[0], tbs, bo)
             _timed_call(dec.generate, ids, mask, gens[1], tss, so)
+            tok_b, sec_b = tok_b + _tokens(bo[-1:]), sec_b + tbs[-1]
+            tok_s, sec_s = tok_s + _tokens(so[-1:]), sec_s + tss[-1]
             bar.update(1)
-            bar.set_postfix_str(f"{_tokens(so) * sum(tbs) / (sum(tss) * max(_tokens(bo), 1)):.2f}x")
+            bar.set_postfix_str(f"{tok_s * sec_b / (sec_s * max(tok_b, 1)):.2f}x")
         tb, ts = sum(tbs), sum(tss)
         if passes is not None:
             passes.append(TimedPass(tbs, bo, tss, so))

@@ -297,6 +297,11 @@ def measure_serving(
     """Choose gamma (measuring c), warm up untimed, time target-only against speculative
     decoding in interleaved repeats, and check losslessness: the report's headline."""
     t_warm = time.perf_counter()
+    log.info(
+        "validate: timing the pair's steps on the warm-up prompt (%d tokens)%s",
+        st.warm[0][0].shape[1],
+        ", then a pilot decode for gamma=auto" if vs.decoder.gamma is None else "",
+    )
     gamma, dec, c, verify_cost = choose_gamma(vs, st, make, notes)
     if dec.parallel:  # one drafter forward per round: the formula's gamma c is its cost
         c = forward_cost(dec, st.warm[0][0], gamma + 1, vs.step_time_iters) / gamma
@@ -304,6 +309,7 @@ def measure_serving(
             f"parallel drafting: c = one drafter forward of gamma+1 tokens / gamma = {c:.3f} "
             "(the theoretical speedup's gamma c is one forward per round)"
         )
+    log.info("validate: untimed warm-up, then the timed repeats (%d)", vs.repeats)
     warm_up(dec, st.batches, st.warm, vs.seed)  # untimed, then interleaved timed repeats
     warmup_seconds = time.perf_counter() - t_warm
     mode = mode_name(dec.cfg.sampling.temperature)
@@ -362,6 +368,7 @@ def side_measurements(
         fixed_speedup = round(statistics.median(fs) / statistics.median(fb), 3)
     hf = None
     if vs.hf_assisted:
+        log.info("validate: transformers' assisted generation on the same prompts")
         hf = hf_assisted_speed(
             st.target, st.drafter, st.tok, st.warm, st.batches, dec.cfg, repeats, sv.base_out,
             assistant_tokenizer=st.mapped.draft_tokenizer if st.mapped else None,
@@ -397,6 +404,7 @@ def run(cfg: DictConfig) -> ValidateResult:
     dec, modes = sv.dec, sv.modes
     by_bucket = None
     if plan:  # per bucket: both modes' figures, c and verify cost timed at its length, KV
+        log.info("validate: step costs at each context-length bucket's median prompt")
         by_bucket = measure_buckets(
             plan, st.batches, dec, sv.gamma, vs.step_time_iters, vs.max_new_tokens, passes
         )

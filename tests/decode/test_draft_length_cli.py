@@ -5,6 +5,7 @@ token-identical, and bad settings are one `error:` line naming the field."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -21,10 +22,16 @@ def _cfg(tmp_path, *extra: str):
         return compose(config_name="validate", overrides=overrides)
 
 
-def test_validate_reports_the_policy_beside_fixed_gamma(tmp_path, toy_tiny):
+def test_validate_reports_the_policy_beside_fixed_gamma(tmp_path, toy_tiny, caplog, capsys):
     from specdistill.decode.validate.stage import run
 
+    caplog.set_level(logging.INFO, logger="specdistill.decode.validate.stage")
     r = run(_cfg(tmp_path, "decoder.draft_length=confidence", "decoder.max_draft=6"))
+    # each phase says what it runs; each timed pass has its bar (progress: true), on stderr
+    assert "validate: untimed warm-up, then the timed repeats (1)" in caplog.text
+    err = capsys.readouterr().err
+    for label in ("validate greedy", "validate sampling", "validate fixed gamma 4"):
+        assert f"{label}: 100%" in err
     assert r.lossless is True and r.draft_length == "confidence"
     f = r.draft_figures
     assert f is not None and f["max_draft"] == 6 and len(f["draft_lengths"]) == 7
