@@ -33,7 +33,9 @@ before each round the rule above, with the row's moving averages of first-draft 
 acceptance, decides between drafting and a plain target step; once a target step wins, the next
 `interval` rounds are target steps, then a probe round drafts (the drafter catches up on the
 skipped tokens in one forward). A probe that does not pay for itself doubles the interval (up to
-64 probe_every, carried from call to call), one that does resets it to `probe_every`.
+64 probe_every, carried from call to call), one that does resets it to `probe_every`; a losing
+probe after which even the most hopeful acceptance the lifetime's verdicts allow (a Hoeffding
+bound at 1 - `doubt`) does not pay sets the longest interval at once (`_could_pay`).
 
 Batches (`draft_scope`): `batch` picks one length for all rows from their summed gains (a batched
 drafter step costs the same however many rows use it); `row` lets each row stop on its own
@@ -48,6 +50,7 @@ acceptance falls with its depth, where an autoregressive drafter's later drafts 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from specdistill.decode.draft_length.calibration import Calibration
@@ -106,6 +109,10 @@ class DraftLengthPolicy:
     # that never pays keeps probing every few dozen tokens (decode/RESULTS.md); a drafter that
     # pays resets the interval at its first probe, so a long ladder costs it nothing
     max_backoff = 64
+    # the chance that a losing probe's Hoeffding bound writes off a drafter that pays: when even
+    # the most hopeful acceptance the lifetime's verdicts allow at this level does not pay, the
+    # interval jumps to its longest at once instead of climbing the ladder (`_could_pay`)
+    doubt = 0.01
     ema = 0.3  # `recent`, the calibration's history feature
     floor_ema = 0.1  # `first` / `follow`, what the floor decides on: slower, a few misses at a
     # sequence's start should not switch a good drafter off (measured: 0.3 did, on the toy pair)
@@ -227,6 +234,37 @@ class DraftLengthPolicy:
     def _pays(self, active: list[bool]) -> bool:
         """Does drafting (some m >= 1 drafts at the rows' recent acceptance) beat a target step?"""
         return self._best_m(active) > 0
+
+    def _hopeful(self, counts: list[float], fallback: float) -> float:
+        """The most hopeful acceptance lifetime verdicts (counts: their sum and number, each
+        in [0, 1]) allow at confidence 1 - doubt: their mean plus Hoeffding's
+        sqrt(ln(1 / doubt) / 2n), at most 1; `fallback` when there are none."""
+        hits, seen = counts
+        if seen <= 0:
+            return fallback
+        return min(1.0, hits / seen + math.sqrt(math.log(1.0 / self.doubt) / (2.0 * seen)))
+
+    def _could_pay(self, active: list[bool]) -> bool:
+        """Would drafting pay at the most hopeful acceptances the lifetime's verdicts allow
+        (`_hopeful`)? No means the evidence already rules drafting out, and more probes would
+        buy little. A later draft with no verdicts of its own is taken to be as good as the
+        first (the floor's own prior for it, 0.5, is less hopeful); each parallel depth falls
+        back on the one before. doubt 0: nothing is ever ruled out (the plain ladder)."""
+        if self.doubt <= 0:
+            return True
+        first = self._hopeful(self._life["first"], 1.0)
+        follow = self._hopeful(self._life["follow"], first)
+        later, before = [], first
+        for counts in self._life_depth:
+            before = self._hopeful(counts, before)
+            later.append(before)
+        saved = self.first, self.follow, self.later
+        self.first, self.follow = [first] * self.b, [follow] * self.b
+        self.later = [list(later) for _ in range(self.b)]
+        try:
+            return self._pays(active)
+        finally:
+            self.first, self.follow, self.later = saved
 
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
         """Before drafting: this round's most drafts (<= budget), 0 for a plain target step.
@@ -369,8 +407,13 @@ class DraftLengthPolicy:
             else:
                 got = sum(n + 1 for n, a in zip(accepted, active) if a)
                 paid = got >= cost * sum(active)
-            backoff = min(2 * self.interval, self.max_backoff * self.probe_every)
-            self.interval = self.probe_every if paid else backoff
+            longest = self.max_backoff * self.probe_every
+            if paid:
+                self.interval = self.probe_every
+            elif self._could_pay(active):
+                self.interval = min(2 * self.interval, longest)
+            else:  # ruled out by the evidence, not one probe's luck: no ladder to climb
+                self.interval = longest
         self.shadowed = False
         self.row_k = None
 

@@ -16,6 +16,7 @@ import torch
 from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import probs_from_logits
 from specdistill.decode.draft_length import DraftCosts, make_policy, modeled_speedup
+from specdistill.decode.draft_length.policies import DraftLengthPolicy
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.conftest import tiny_llama
 from tests.decode.test_speculative import greedy_reference, left_pad, prompts, truncated_copy
@@ -95,8 +96,10 @@ def test_shadow_verdicts_equal_a_brute_force_forward(pair, drafting, temperature
     assert checked >= 12  # the floor skipped steps and the probes read them
 
 
-def test_shadow_verdicts_batched_uneven_prompts(pair):
+def test_shadow_verdicts_batched_uneven_prompts(pair, monkeypatch):
     target, drafter = pair
+    # the probe ladder without its jump (`doubt` 0): more probes, more verdicts to check
+    monkeypatch.setattr(DraftLengthPolicy, "doubt", 0.0)
     cfg = DecoderConfig(
         max_new_tokens=24, draft_length="confidence", probe_every=2, draft_costs=DEAR
     )

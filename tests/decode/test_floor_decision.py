@@ -4,14 +4,17 @@ p = target, q = drafter. Before a round the floor (`DraftLengthPolicy._pays`) we
 target step against rounds of m >= 1 drafts at the rows' running acceptance: some m must yield
 more tokens than the throughput already realized (`rate`, at least a plain step's one token a
 step) buys with its extra cost. These tests check it against brute force (every accept/reject
-outcome of a round enumerated), that a hold carried over from the previous call ends when
-this call's starting averages say drafting pays, and that a decode that never drafts never
-builds the drafter's cache.
+outcome of a round enumerated), the same brute force at the most hopeful acceptances the
+lifetime's verdicts allow (`_could_pay`, which decides whether a losing probe climbs the backoff
+ladder or jumps to its top), that a hold carried over from the previous call ends when this
+call's starting averages say drafting pays, and that a decode that never drafts never builds the
+drafter's cache.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -58,6 +61,86 @@ def test_the_floor_drafts_where_some_round_beats_the_realized_rate(parallel):
         gains = [brute_tokens(a) - 1 - rate * (costs.round_cost(len(a)) - 1) for a in rounds]
         if min(abs(x) for x in gains) > 1e-6:  # (a round exactly at the bar is either's)
             assert pol._pays([True]) == any(x > 0 for x in gains)
+
+
+def hoeffding(hits_seen: list[float], fallback: float, doubt: float) -> float:
+    """The mean of verdicts in [0, 1] plus Hoeffding's one-sided width at level doubt, at most
+    1 (`fallback` without verdicts)."""
+    hits, seen = hits_seen
+    if seen == 0:
+        return fallback
+    return min(1.0, hits / seen + math.sqrt(math.log(1 / doubt) / (2 * seen)))
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_could_pay_is_the_floor_at_hoeffding_bounds_of_the_lifetime(parallel):
+    """Each acceptance at its verdicts' mean + sqrt(ln(1/doubt) / 2n) (at most 1); a later draft
+    without verdicts at the first draft's bound, a parallel depth without them at the depth
+    before's; priced by brute force at the realized rate like `_pays`. The rows' running
+    averages are left as they were."""
+    g = torch.Generator().manual_seed(5)
+    decided = 0
+    for _ in range(300):
+        c, per_token, overhead = (0.8 * torch.rand(3, generator=g)).tolist()
+        costs = DraftCosts(
+            c=c, verify_per_token=per_token, round_overhead=overhead, parallel=parallel
+        )
+        pol = make_policy("confidence", 4, 4, costs)
+        pol.start(2)
+        counts = []
+        for _ in range(2 + len(pol._life_depth)):
+            seen = float(torch.randint(0, 200, (1,), generator=g))
+            counts.append([seen * float(torch.rand(1, generator=g)), seen])
+        pol._life["first"], pol._life["follow"] = counts[0], counts[1]
+        pol._life_depth = counts[2:]
+        running = ([0.3, 0.2], [0.4, 0.1], [list(r) for r in pol.later])
+        pol.first, pol.follow = list(running[0]), list(running[1])
+        realized = 0.5 + float(torch.rand(1, generator=g))
+        pol.tokens, pol.cost = [5.0 * realized] * 2, [5.0] * 2
+        rate = max(1.0, realized)
+        first = hoeffding(counts[0], 1.0, pol.doubt)
+        follow = hoeffding(counts[1], first, pol.doubt)
+        depths, before = [], first
+        for d in counts[2:]:
+            before = hoeffding(d, before, pol.doubt)
+            depths.append(before)
+        later = depths if parallel else [follow] * 3
+        rounds = [[first, *later[: m - 1]] for m in range(1, 5)]
+        gains = [brute_tokens(a) - 1 - rate * (costs.round_cost(len(a)) - 1) for a in rounds]
+        if min(abs(x) for x in gains) > 1e-6:
+            assert pol._could_pay([True, False]) == any(x > 0 for x in gains)
+            decided += not any(x > 0 for x in gains)
+        assert (pol.first, pol.follow, pol.later) == running
+    assert decided > 10  # some cases are ruled out, not all
+
+
+def _losing_probe(pol, acceptance: float, verdicts: int) -> None:
+    """A probe round after `verdicts` skipped steps whose shadow verdicts are all
+    `acceptance`, its one draft rejected: the floor judges it on the averages."""
+    assert pol.plan(4, [True]).probe
+    pol.observe_shadow([[acceptance] * verdicts], [True], pairs=False, block=True)
+    pol.observe([1], [0], [True], [[0.5]])
+
+
+@pytest.mark.parametrize(("acceptance", "jumps"), [(0.1, True), (0.55, False)])
+def test_a_losing_probe_jumps_to_the_longest_interval_only_where_the_evidence_rules_out(
+    acceptance, jumps
+):
+    """Where a round pays from an acceptance of about 0.65: 40 verdicts at 0.1 rule drafting out
+    (the interval goes to max_backoff * probe_every at once); at 0.55 they do not (the bound
+    lies above break-even), and the interval doubles as before."""
+    costs = DraftCosts(c=0.3, verify_per_token=0.05, round_overhead=0.3)
+    pol = make_policy("confidence", 4, 4, costs, probe_every=8)
+    pol.start(1)
+    pol.first, pol.follow = [0.01], [0.01]
+    assert pol.plan(4, [True]).k == 0
+    for _ in range(pol.interval - 1):
+        pol.observe_step([True])
+        assert pol.plan(4, [True]).k == 0
+    pol.observe_step([True])
+    _losing_probe(pol, acceptance, 40)
+    longest = pol.max_backoff * pol.probe_every
+    assert pol.interval == (longest if jumps else 16)
 
 
 def _hold(pol) -> None:

@@ -20,6 +20,7 @@ from specdistill.decode.draft_length import (
     DraftCosts,
     expected_tokens,
 )
+from specdistill.decode.draft_length.policies import DraftLengthPolicy
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.decode.test_distribution import chi2_pvalue, exact_sequence_probs
 from tests.decode.test_distribution import models as models
@@ -167,8 +168,11 @@ def test_adaptive_rounds_stop_at_the_depth_the_drafter_was_trained_for(pair, pol
 @pytest.mark.parametrize("policy", ["confidence", "heuristic"])
 @pytest.mark.parametrize("scope", ["batch", "row"])
 @pytest.mark.parametrize("costs", [PAR, DEAR], ids=["cheap", "dear"])
-def test_parallel_adaptive_greedy_batched(pair, policy, scope, costs):
+def test_parallel_adaptive_greedy_batched(pair, policy, scope, costs, monkeypatch):
     target, drafter = pair
+    # dear costs rule drafting out after the first losing probe (`_could_pay`); the ladder
+    # without that jump keeps probing, so both calls verify parallel drafts in batched rows
+    monkeypatch.setattr(DraftLengthPolicy, "doubt", 0.0)
     cfg = _cfg(policy, costs, max_draft=5, max_new_tokens=20, draft_scope=scope, cache="static")
     dec = SpeculativeDecoder(target, drafter, cfg)
     rows = prompts(5, 8, seed=6)
