@@ -111,6 +111,9 @@ def mode_value(v: dict[str, Any], mode: str, key: str) -> Any:
 # what the drafter's own alpha reads as when it rests on no drafts (every tested draft was
 # prompt lookup's): report.md here and the pipeline's summary
 NO_OWN_DRAFTS = "n/a (0 drafts of its own)"
+# what an acceptance over every draft reads as when no draft was tested at all (the floor took
+# plain target steps throughout): the pipeline's summary; 0 would read as every draft rejected
+NO_DRAFTS = "n/a (0 drafts: target steps only)"
 
 
 def _linears(linears: dict[str, str] | None) -> str:

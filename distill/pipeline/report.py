@@ -20,7 +20,7 @@ from typing import Any
 from specdistill.data.io import atomic_write_text, read_json
 from specdistill.decode.validate.buckets import drafter_alpha_text
 from specdistill.decode.validate.modes import has_range
-from specdistill.decode.validate.report import NO_OWN_DRAFTS, mode_value
+from specdistill.decode.validate.report import NO_DRAFTS, NO_OWN_DRAFTS, mode_value
 from specdistill.distill.train.predict import reprice
 
 log = logging.getLogger("specdistill.report")
@@ -124,6 +124,9 @@ def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> An
         got = mode_value(v, mode, name)
         if name == "drafter_alpha" and mode_value(v, mode, "drafter_trials") == 0:
             return NO_OWN_DRAFTS
+        tested = mode_value(v, mode, "trials_at")  # per position; absent in older reports
+        if name == "alpha" and tested is not None and not any(tested):
+            return NO_DRAFTS
         return _with_range(got, mode_value(v, mode, "speedup_range") if name == "speedup" else None)
     return v.get(key)
 

@@ -418,3 +418,15 @@ def test_summary_says_how_the_decoder_drafted():
     text = report.summary_markdown("/r", {"validate": adaptive}, None)
     assert "draft length `confidence` (at most 6 drafts a round), cpu" in text
     assert "gamma 4" not in text
+
+
+def test_an_acceptance_over_no_drafts_reads_n_a_not_zero():
+    """A mode whose decodes never tested a draft (the floor took target steps throughout) has no
+    acceptance: the summary says so instead of printing 0, which would read as all rejected."""
+    none = {"alpha": 0.0, "tau": 1.0, "trials_at": [0, 0, 0, 0], "drafter_trials": 0}
+    some = {"alpha": 0.5, "tau": 1.1, "trials_at": [4, 1, 0, 0], "drafter_trials": 4}
+    dist = {**DIST, "modes": _modes({"alpha": 0.9, "tau": 3.0}, none)}
+    base = {**BASE, "modes": _modes({"alpha": 0.8, "tau": 2.0}, some)}
+    rows = _rows({"validate_base": base, "validate": dist, "distill": DISTILL})
+    assert rows["alpha, temperature 0.7, top_p 0.9"].endswith(f"| 0.5 | {report.NO_DRAFTS} |")
+    assert rows["alpha, greedy"].endswith("| 0.8 | 0.9 |")
