@@ -38,16 +38,26 @@ def brute_tokens(accept: list[float]) -> float:
     return total
 
 
+def _random_policy(g: torch.Generator, parallel: bool, scale: float, batch: int):
+    """A started confidence policy (4 drafts at most) on random costs below `scale`."""
+    c, per_token, overhead = (scale * torch.rand(3, generator=g)).tolist()
+    costs = DraftCosts(c=c, verify_per_token=per_token, round_overhead=overhead, parallel=parallel)
+    pol = make_policy("confidence", 4, 4, costs)
+    pol.start(batch)
+    return pol, costs
+
+
+def _gains(rounds: list[list[float]], rate: float, costs: DraftCosts) -> list[float]:
+    """Each round's expected accepted tokens against its cost beyond a plain step, priced at
+    `rate` (rounds[m - 1]: the acceptances of its m drafts)."""
+    return [brute_tokens(a) - 1 - rate * (costs.round_cost(len(a)) - 1) for a in rounds]
+
+
 @pytest.mark.parametrize("parallel", [False, True])
 def test_the_floor_drafts_where_some_round_beats_the_realized_rate(parallel):
     g = torch.Generator().manual_seed(3)
     for _ in range(300):
-        c, per_token, overhead = (0.6 * torch.rand(3, generator=g)).tolist()
-        costs = DraftCosts(
-            c=c, verify_per_token=per_token, round_overhead=overhead, parallel=parallel
-        )
-        pol = make_policy("confidence", 4, 4, costs)
-        pol.start(1)
+        pol, costs = _random_policy(g, parallel, 0.6, 1)
         pol.first = [float(torch.rand(1, generator=g))]
         pol.follow = [float(torch.rand(1, generator=g))]
         pol.later = [torch.rand(3, generator=g).tolist()]
@@ -56,9 +66,7 @@ def test_the_floor_drafts_where_some_round_beats_the_realized_rate(parallel):
         rate = max(1.0, realized)
         later = pol.later[0] if parallel else [pol.follow[0]] * 3
         rounds = [[pol.first[0], *later[: m - 1]] for m in range(1, 5)]
-        # m drafts' expected accepted tokens against their cost beyond a plain step, priced at
-        # the realized rate
-        gains = [brute_tokens(a) - 1 - rate * (costs.round_cost(len(a)) - 1) for a in rounds]
+        gains = _gains(rounds, rate, costs)  # priced at the realized rate
         if min(abs(x) for x in gains) > 1e-6:  # (a round exactly at the bar is either's)
             assert pol._pays([True]) == any(x > 0 for x in gains)
 
@@ -81,12 +89,7 @@ def test_could_pay_is_the_floor_at_hoeffding_bounds_of_the_lifetime(parallel):
     g = torch.Generator().manual_seed(5)
     decided = 0
     for _ in range(300):
-        c, per_token, overhead = (0.8 * torch.rand(3, generator=g)).tolist()
-        costs = DraftCosts(
-            c=c, verify_per_token=per_token, round_overhead=overhead, parallel=parallel
-        )
-        pol = make_policy("confidence", 4, 4, costs)
-        pol.start(2)
+        pol, costs = _random_policy(g, parallel, 0.8, 2)
         counts = []
         for _ in range(2 + len(pol._life_depth)):
             seen = float(torch.randint(0, 200, (1,), generator=g))
@@ -106,7 +109,7 @@ def test_could_pay_is_the_floor_at_hoeffding_bounds_of_the_lifetime(parallel):
             depths.append(before)
         later = depths if parallel else [follow] * 3
         rounds = [[first, *later[: m - 1]] for m in range(1, 5)]
-        gains = [brute_tokens(a) - 1 - rate * (costs.round_cost(len(a)) - 1) for a in rounds]
+        gains = _gains(rounds, rate, costs)
         if min(abs(x) for x in gains) > 1e-6:
             assert pol._could_pay([True, False]) == any(x > 0 for x in gains)
             decided += not any(x > 0 for x in gains)
