@@ -247,8 +247,9 @@ class DraftLengthPolicy:
     def _could_pay(self, active: list[bool]) -> bool:
         """Would drafting pay at the most hopeful acceptances the lifetime's verdicts allow
         (`_hopeful`)? No means the evidence already rules drafting out, and more probes would
-        buy little. A later draft with no verdicts of its own is taken to be as good as the
-        first (the floor's own prior for it, 0.5, is less hopeful); each parallel depth falls
+        buy little. A later draft with no verdicts of its own (sampled rounds that stop after
+        one draft test none) is taken to be as good as the first: at a temperature a draft's
+        acceptance hardly depends on whether the one before was kept. Each parallel depth falls
         back on the one before. doubt 0: nothing is ever ruled out (the plain ladder)."""
         if self.doubt <= 0:
             return True

@@ -129,9 +129,10 @@ def _losing_probe(pol, acceptance: float, verdicts: int) -> None:
 def test_a_losing_probe_jumps_to_the_longest_interval_only_where_the_evidence_rules_out(
     acceptance, jumps
 ):
-    """Where a round pays from an acceptance of about 0.65: 40 verdicts at 0.1 rule drafting out
-    (the interval goes to max_backoff * probe_every at once); at 0.55 they do not (the bound
-    lies above break-even), and the interval doubles as before."""
+    """Where a round pays from an acceptance of about 0.62 (two drafts: 1 + a + a^2 = 2 target
+    steps): 40 verdicts at 0.1 rule drafting out (the interval goes to max_backoff *
+    probe_every at once); at 0.55 they do not (the bound lies above break-even), and the
+    interval doubles as before."""
     costs = DraftCosts(c=0.3, verify_per_token=0.05, round_overhead=0.3)
     pol = make_policy("confidence", 4, 4, costs, probe_every=8)
     pol.start(1)
