@@ -191,42 +191,47 @@ class DraftLengthPolicy:
         """Throughput to beat for row r: realized tokens per modeled cost so far, at least 1."""
         return max(1.0, self.tokens[r] / self.cost[r])
 
-    def _accepted_by_length(self, r: int) -> list[float]:
-        """Expected accepted drafts of row r's round of m = 1..max_k drafts at its recent
-        acceptance: the first draft at `first`, each later one at `follow` given the ones
-        before were accepted."""
+    def _walk(self, first: float, follow: float, later: list[float]) -> list[float]:
+        """Expected accepted drafts of a round of m = 1..max_k drafts: the first draft accepted
+        at `first`, each later one, given the ones before were, at `follow` (autoregressive)
+        or at its depth's `later` (parallel)."""
         out, reach, tokens = [], 1.0, 0.0
-        parallel = self.costs.parallel
         for m in range(1, self.max_k + 1):
-            if m == 1:
-                reach *= self.first[r]
-            else:
-                reach *= self.later[r][m - 2] if parallel else self.follow[r]
+            reach *= first if m == 1 else later[m - 2] if self.costs.parallel else follow
             tokens += reach
             out.append(tokens)
         return out
 
-    def _best_m(self, active: list[bool]) -> int:
-        """The number of drafts m >= 0 that pays best at the rows' recent acceptance (0: a
-        target step beats every m). Batch scope: gains summed over the active rows; row scope:
-        the most any active row wants."""
+    def _accepted_by_length(self, r: int) -> list[float]:
+        """Row r's `_walk` at its recent acceptance."""
+        return self._walk(self.first[r], self.follow[r], self.later[r])
+
+    def _best_m(self, active: list[bool], walks: list[list[float]] | None = None) -> int:
+        """The number of drafts m >= 0 that pays best at the rows' recent acceptance, or on
+        the given per-row `walks` (0: a target step beats every m). Batch scope: gains summed
+        over the active rows; row scope: the most any active row wants."""
         inc = self.increments[0]
+        if walks is None:
+            walks = [self._accepted_by_length(r) if active[r] else [] for r in range(self.b)]
         if self.scope == "row":
-            return max((self._row_best_m(r, inc) for r in range(self.b) if active[r]), default=0)
+            return max(
+                (self._row_best_m(r, inc, walks[r]) for r in range(self.b) if active[r]),
+                default=0,
+            )
         total = [0.0] * len(inc)
         for r in range(self.b):
             if active[r]:
                 rate = self.rate(r)
-                for i, (tokens, c) in enumerate(zip(self._accepted_by_length(r), inc)):
+                for i, (tokens, c) in enumerate(zip(walks[r], inc)):
                     total[i] += tokens - rate * c
         best = max(range(len(total)), key=total.__getitem__, default=-1)
         return best + 1 if best >= 0 and total[best] > 1e-12 else 0
 
-    def _row_best_m(self, r: int, inc: list[float]) -> int:
+    def _row_best_m(self, r: int, inc: list[float], walk: list[float]) -> int:
         """Row r's best number of drafts m >= 0 on its walk of acceptances (`best_more`'s
         argmax, with a parallel drafter's per-depth averages in the walk)."""
         rate, best, best_g = self.rate(r), 0, 0.0
-        for m, (tokens, c) in enumerate(zip(self._accepted_by_length(r), inc), 1):
+        for m, (tokens, c) in enumerate(zip(walk, inc), 1):
             if tokens - rate * c > best_g + 1e-12:
                 best, best_g = m, tokens - rate * c
         return best
@@ -259,13 +264,7 @@ class DraftLengthPolicy:
         for counts in self._life_depth:
             before = self._hopeful(counts, before)
             later.append(before)
-        saved = self.first, self.follow, self.later
-        self.first, self.follow = [first] * self.b, [follow] * self.b
-        self.later = [list(later) for _ in range(self.b)]
-        try:
-            return self._pays(active)
-        finally:
-            self.first, self.follow, self.later = saved
+        return self._best_m(active, [self._walk(first, follow, later)] * self.b) > 0
 
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
         """Before drafting: this round's most drafts (<= budget), 0 for a plain target step.
