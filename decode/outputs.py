@@ -139,3 +139,8 @@ class DecodeOutput:
                     self.lookup_accepted_at[j] += int(j < n)
                     self.lookup_alpha_sum += row[g + 2 + j]
                     self.lookup_trials += 1
+
+
+def emitted_tokens(outs: list[DecodeOutput]) -> int:
+    """Tokens the decodes emitted, over every row of every output (a rate's numerator)."""
+    return sum(len(t) for o in outs for t in o.tokens)

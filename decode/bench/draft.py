@@ -30,6 +30,7 @@ from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.config import DEFAULT_GAMMA, DecoderSettings
 from specdistill.decode.draft_length import DraftCosts, draft_figures
+from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
 from specdistill.decode.validate.modes import merge, mode_name, run_all
 from specdistill.decode.validate.settings import ValidateSettings
@@ -141,10 +142,10 @@ def _measure_mode(
     for rep in range(reps):
         # interleaved per batch, not per pass: on a shared machine load changes within seconds
         secs, outs = interleaved(fns, st.batches, seed + rep)
-        base_rates.append(_tokens(outs[""]) / secs[""])
+        base_rates.append(emitted_tokens(outs[""]) / secs[""])
         base_out = base_out or merge(outs[""])
         for label in decs:
-            rates[label].append(_tokens(outs[label]) / secs[label])
+            rates[label].append(emitted_tokens(outs[label]) / secs[label])
             first.setdefault(label, merge(outs[label]))
     assert base_out is not None
     base = statistics.median(base_rates)
@@ -189,10 +190,6 @@ def _row(label: str, dec, out: DecodeOutput, rates: list[float], base_rates: lis
         "tokens_per_s": round(statistics.median(rates), 2),
         "lossless": out.tokens == base_out.tokens if greedy else None,
     }
-
-
-def _tokens(outs: list[DecodeOutput]) -> int:
-    return sum(len(t) for o in outs for t in o.tokens)
 
 
 def interleaved(fns: dict[str, Any], batches, seed: int):

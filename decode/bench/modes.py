@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.acceptance import theoretical_speedup
+from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.speculative import SpeculativeDecoder
 from specdistill.decode.validate.settings import ValidateSettings
 from specdistill.decode.validate.stage import _merge, _run_all, setup, warm_up
@@ -89,8 +90,8 @@ def run_modes(cfg: DictConfig) -> list[dict[str, Any]]:
         for mode in modes:
             tb, bo = _run_all(decs[mode].baseline, st.batches, seed + rep)
             ts, so = _run_all(decs[mode].generate, st.batches, seed + rep)
-            rates[mode][0].append(sum(len(t) for o in bo for t in o.tokens) / tb)
-            rates[mode][1].append(sum(len(t) for o in so for t in o.tokens) / ts)
+            rates[mode][0].append(emitted_tokens(bo) / tb)
+            rates[mode][1].append(emitted_tokens(so) / ts)
             first.setdefault(mode, (_merge(bo), _merge(so)))
     reference = first[modes[0]][0].tokens
     for mode in modes:

@@ -34,6 +34,7 @@ from specdistill.data.runtime import ConfigError
 from specdistill.decode.acceptance import round_speedup
 from specdistill.decode.bench.draft import interleaved
 from specdistill.decode.config import DEFAULT_GAMMA, DecoderSettings
+from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
 from specdistill.decode.validate.modes import merge, mode_name
 from specdistill.decode.validate.settings import ValidateSettings
@@ -169,7 +170,7 @@ def _measure_mode(
     for rep in range(reps):
         secs, outs = interleaved(fns, st.batches, seed + rep)
         for k in fns:
-            rates[k].append(_tokens(outs[k]) / secs[k])
+            rates[k].append(emitted_tokens(outs[k]) / secs[k])
             first.setdefault(k, merge(outs[k]))
     base = first[""]
     greedy = probe.cfg.sampling.greedy
@@ -246,10 +247,6 @@ def _row(st, dec, mode: str, g: int | str, o: DecodeOutput, base: DecodeOutput, 
         "tokens_per_s": round(statistics.median(rates[key]), 2),
         "lossless": o.tokens == base.tokens if dec.cfg.sampling.greedy else None,
     }
-
-
-def _tokens(outs: list[DecodeOutput]) -> int:
-    return sum(len(t) for o in outs for t in o.tokens)
 
 
 def parallel_markdown(report: dict[str, Any]) -> str:

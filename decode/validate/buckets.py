@@ -39,6 +39,7 @@ import torch
 from specdistill.data.runtime import pad_rows, spread
 from specdistill.decode.acceptance import expected_tau, theoretical_speedup
 from specdistill.decode.cache_layers import KV_FORMULA, kv_cache_bytes
+from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.validate.modes import TimedPass, merge, speedup_range, speedup_text
 from specdistill.decode.validate.timing import forward_cost, measure_c
 
@@ -117,10 +118,6 @@ def regroup(st: Any, batch_size: int) -> tuple[Any, BucketPlan | None]:
 # ----------------------------------------------------------------------------- aggregation
 
 
-def _tokens(outs) -> int:
-    return sum(len(t) for o in outs for t in o.tokens)
-
-
 def _rate(tokens: int, seconds: float) -> float:
     return tokens / max(seconds, 1e-9)
 
@@ -142,10 +139,10 @@ def bucket_mode_figures(
         tb, ts = sum(p.base_seconds[i] for i in idx), sum(p.spec_seconds[i] for i in idx)
         pb = sum(o.prefill_target_s + o.prefill_drafter_s for o in bo)
         ps = sum(o.prefill_target_s + o.prefill_drafter_s for o in so)
-        base.append(_rate(_tokens(bo), tb))
-        spec.append(_rate(_tokens(so), ts))
-        base_dec.append(_rate(_tokens(bo), tb - pb))
-        spec_dec.append(_rate(_tokens(so), ts - ps))
+        base.append(_rate(emitted_tokens(bo), tb))
+        spec.append(_rate(emitted_tokens(so), ts))
+        base_dec.append(_rate(emitted_tokens(bo), tb - pb))
+        spec_dec.append(_rate(emitted_tokens(so), ts - ps))
     first = passes[0]
     spec_out = merge([first.spec_outs[i] for i in idx])
     base_out = merge([first.base_outs[i] for i in idx])

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from specdistill.data.runtime import ConfigError, spread
 from specdistill.data.sampling import Sampling
 from specdistill.decode.config import DecoderSettings
+from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.speculative import DecodeOutput
 
 
@@ -150,24 +151,20 @@ def timed_repeats(
         for ids, mask in batches:
             _timed_call(dec.baseline, ids, mask, gens[0], tbs, bo)
             _timed_call(dec.generate, ids, mask, gens[1], tss, so)
-            tok_b, sec_b = tok_b + _tokens(bo[-1:]), sec_b + tbs[-1]
-            tok_s, sec_s = tok_s + _tokens(so[-1:]), sec_s + tss[-1]
+            tok_b, sec_b = tok_b + emitted_tokens(bo[-1:]), sec_b + tbs[-1]
+            tok_s, sec_s = tok_s + emitted_tokens(so[-1:]), sec_s + tss[-1]
             bar.update(1)
             bar.set_postfix_str(f"{tok_s * sec_b / (sec_s * max(tok_b, 1)):.2f}x")
         tb, ts = sum(tbs), sum(tss)
         if passes is not None:
             passes.append(TimedPass(tbs, bo, tss, so))
-        base_rates.append(_tokens(bo) / tb)
-        spec_rates.append(_tokens(so) / ts)
+        base_rates.append(emitted_tokens(bo) / tb)
+        spec_rates.append(emitted_tokens(so) / ts)
         if rep == 0:
             base_out, spec_out = merge(bo), merge(so)
     bar.close()
     assert base_out is not None and spec_out is not None
     return base_rates, spec_rates, base_out, spec_out
-
-
-def _tokens(outs: list[DecodeOutput]) -> int:
-    return sum(len(t) for o in outs for t in o.tokens)
 
 
 def speedup_range(base_rates: list[float], spec_rates: list[float]) -> list[float]:
