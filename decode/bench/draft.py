@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
+from tqdm.auto import tqdm
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.runtime import ConfigError
@@ -139,14 +140,16 @@ def _measure_mode(
     first: dict[str, DecodeOutput] = {}
     base_out = None
     fns = {"": probe.baseline} | {label: dec.generate for label, dec in decs.items()}
+    bar = repeats_bar(vs, st.batches, f"bench {mode_name(ds.sampling.temperature)}")
     for rep in range(reps):
         # interleaved per batch, not per pass: on a shared machine load changes within seconds
-        secs, outs = interleaved(fns, st.batches, seed + rep)
+        secs, outs = interleaved(fns, st.batches, seed + rep, bar)
         base_rates.append(emitted_tokens(outs[""]) / secs[""])
         base_out = base_out or merge(outs[""])
         for label in decs:
             rates[label].append(emitted_tokens(outs[label]) / secs[label])
             first.setdefault(label, merge(outs[label]))
+    bar.close()
     assert base_out is not None
     base = statistics.median(base_rates)
     greedy = probe.cfg.sampling.greedy
@@ -192,9 +195,22 @@ def _row(label: str, dec, out: DecodeOutput, rates: list[float], base_rates: lis
     }
 
 
-def interleaved(fns: dict[str, Any], batches, seed: int):
+def repeats_bar(vs: ValidateSettings, batches, label: str) -> tqdm:
+    """A bar over a bench's timed repeats, batch by batch (`progress`, as validate's): a bench
+    of several entries decodes every prompt once per entry and repeat, minutes on a CPU."""
+    return tqdm(
+        total=vs.repeats * len(batches),
+        desc=label,
+        unit="prompt" if all(ids.shape[0] == 1 for ids, _ in batches) else "batch",
+        disable=not vs.progress,
+        dynamic_ncols=True,
+    )
+
+
+def interleaved(fns: dict[str, Any], batches, seed: int, bar: tqdm | None = None):
     """Run every function on each batch in turn (one generator per function, seeded alike), so
-    all of them meet the same load; returns (seconds per function, outputs per function)."""
+    all of them meet the same load; returns (seconds per function, outputs per function).
+    `bar` moves once per batch, after all functions ran on it (never inside a timed call)."""
     gens = {k: torch.Generator(device="cpu").manual_seed(seed) for k in fns}
     secs = dict.fromkeys(fns, 0.0)
     outs: dict[str, list[DecodeOutput]] = {k: [] for k in fns}
@@ -203,6 +219,8 @@ def interleaved(fns: dict[str, Any], batches, seed: int):
             t0 = time.perf_counter()
             outs[k].append(fn(ids, mask, generator=gens[k]))
             secs[k] += time.perf_counter() - t0
+        if bar is not None:
+            bar.update(1)
     return secs, outs
 
 

@@ -32,7 +32,7 @@ from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.models.pairs import load_role, resolve_pair
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.acceptance import round_speedup
-from specdistill.decode.bench.draft import interleaved
+from specdistill.decode.bench.draft import interleaved, repeats_bar
 from specdistill.decode.config import DEFAULT_GAMMA, DecoderSettings
 from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
@@ -167,11 +167,13 @@ def _measure_mode(
     fns = {"": probe.baseline} | {f"{m}:{g}": d.generate for (m, g), d in decs.items()}
     rates: dict[str, list[float]] = {k: [] for k in fns}
     first: dict[str, DecodeOutput] = {}
+    bar = repeats_bar(vs, st.batches, f"bench parallel {mode_name(ds.sampling.temperature)}")
     for rep in range(reps):
-        secs, outs = interleaved(fns, st.batches, seed + rep)
+        secs, outs = interleaved(fns, st.batches, seed + rep, bar)
         for k in fns:
             rates[k].append(emitted_tokens(outs[k]) / secs[k])
             first.setdefault(k, merge(outs[k]))
+    bar.close()
     base = first[""]
     greedy = probe.cfg.sampling.greedy
     rows = [

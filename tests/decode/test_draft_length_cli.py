@@ -72,7 +72,7 @@ def test_validate_times_the_pairs_forwards_once_over_its_decoders(tmp_path, toy_
     assert calls == {"forwards": 1, "glue": [0.0, 1.0]}
 
 
-def test_bench_compare_draft_side_by_side(tmp_path, toy_tiny):
+def test_bench_compare_draft_side_by_side(tmp_path, toy_tiny, capsys):
     from specdistill.decode.bench.draft import run_draft
 
     # the first adaptive entry prices widths on a line: the shared costs still time each width
@@ -91,6 +91,9 @@ def test_bench_compare_draft_side_by_side(tmp_path, toy_tiny):
     # one cost measurement for the adaptive entries, every verify width timed (max_draft 8)
     assert len(saved["modes"]["greedy"]["draft_costs"]["verify_tokens"]) == 8
     assert "costs (target steps): c " in (tmp_path / "draft.md").read_text()
+    # a bar per serving mode over its timed repeats, finished (stderr)
+    err = capsys.readouterr().err
+    assert "bench greedy: 100%" in err and "bench sampling: 100%" in err
 
 
 def test_bad_compare_draft_entry_names_the_field(tmp_path):
