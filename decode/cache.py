@@ -25,6 +25,8 @@ from __future__ import annotations
 import inspect
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import ClassVar
 
 import torch
@@ -133,8 +135,13 @@ class ModelRunner:
         layout: Layout = LINEAR,
         head: tuple[str, SubsetHead] | None = None,
         lean: bool = False,
+        prefill_cast: torch.dtype | None = None,
     ) -> None:
+        """prefill_cast: run prompt prefills under autocast to this dtype (`decoder.prefill_dtype`,
+        `_cast_prefill`); None, or the model's own dtype: prefills in the model's dtype."""
         self.model = model
+        self.dtype = next(model.parameters()).dtype
+        self.prefill_cast = None if prefill_cast in (None, self.dtype) else prefill_cast
         self.head = head  # a draft vocabulary's output layer, swapped in for each step
         self.layout = layout  # which few-row steps run as weight @ x.T (decode.cpu_matmul)
         # 1-token steps too, for a tall, narrow weight; a subset head is no longer one
@@ -169,9 +176,29 @@ class ModelRunner:
         """Logits of the last `keep` positions (0: all) after appending `ids` to the cache.
         A prefill runs with the process's prefill thread count (data.runtime.set_threads)."""
         if prefill:
-            with prefill_threads():
+            with prefill_threads(), self._cast_prefill(ids.device):
                 return self._timed(ids, attention_mask, position_ids, keep, prefill)
         return self._timed(ids, attention_mask, position_ids, keep, prefill)
+
+    @contextmanager
+    def _cast_prefill(self, device: torch.device) -> Iterator[None]:
+        """A prefill's matmuls in `prefill_cast` (autocast: bf16 runs on a CPU's AMX tiles, several
+        times fp32's rate on a long prompt), while the cache keeps the model's dtype: each K and V
+        written is cast back, so every decode step after it runs exactly as after any prefill.
+        Target-only and speculative decoding share this path, so they stay token-identical; the
+        prompt's cache differs from a full-precision prefill's by bf16 rounding."""
+        if self.prefill_cast is None:
+            yield
+            return
+        dtype, layers = self.dtype, list(self.cache.layers)
+        for layer in layers:  # on the instance, so the class's update stays as it was
+            layer.update = _casting_update(layer.update, dtype)
+        try:
+            with torch.autocast(device.type, dtype=self.prefill_cast):
+                yield
+        finally:
+            for layer in layers:
+                del layer.update
 
     def _timed(self, ids, attention_mask, position_ids, keep: int, prefill: bool) -> torch.Tensor:
         clock = ForwardClock.current
@@ -303,6 +330,15 @@ def prompt_feed(ids: torch.Tensor, mask: torch.Tensor, dense: bool):
     attn = None if dense else mask[:, :-1]
     pos = None if dense else padded_positions(mask)[:, :-1]
     return ids[:, :-1], attn, pos, t, tpos
+
+
+def _casting_update(update, dtype: torch.dtype):
+    """A cache layer's `update` that writes K and V in `dtype` (`ModelRunner._cast_prefill`)."""
+
+    def cast(key_states, value_states, *args, **kwargs):
+        return update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
+    return cast
 
 
 def prefill_prompt(

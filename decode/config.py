@@ -34,7 +34,11 @@ from specdistill.decode.drafters import DRAFTING
 from specdistill.decode.drafters.context import check_drafter_context
 from specdistill.decode.drafters.mapped import check_context
 
-VERIFY_COSTS = ("by_width", "linear")  # how measured draft costs price the verify widths
+VERIFY_COSTS = ("by_width", "linear")
+PREFILL_DTYPES = {
+    "model": None,
+    "bf16": torch.bfloat16,
+}  # decoder.prefill_dtype -> autocast dtype  # how measured draft costs price the verify widths
 DEFAULT_GAMMA = 4  # drafts per round when the config does not say; also gamma=auto's pilot
 DEFAULT_MAX_GAMMA = 12  # gamma=auto searches 1..max_gamma
 
@@ -92,6 +96,9 @@ class DecoderConfig:
     # how much of the prompt the drafter reads (decode.drafters.context): auto (all of it within
     # its own trained positions) | all | N (the last N prompt tokens)
     drafter_context: int | str = "auto"
+    # model: prompt prefills in the models' own dtype | bf16: under bf16 autocast (decode steps
+    # and the caches keep the model's dtype; ModelRunner._cast_prefill)
+    prefill_dtype: str = "model"
 
     @property
     def lossy(self) -> bool:
@@ -174,6 +181,11 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
     if not isinstance(cfg.lookup, bool):
         raise ConfigError(f"decoder.lookup={cfg.lookup!r} must be true or false")
     check_drafter_context(cfg.drafter_context)
+    if cfg.prefill_dtype not in PREFILL_DTYPES:
+        raise ConfigError(
+            f"decoder.prefill_dtype={cfg.prefill_dtype!r}: use model (prefill in the models' "
+            "own dtype) or bf16 (prefill matmuls in bfloat16, the cache kept in the model's)"
+        )
     if cfg.drafting not in DRAFTING:
         raise ConfigError(f"decoder.drafting={cfg.drafting!r}: use {' or '.join(DRAFTING)}")
     if cfg.draft_vocab not in ("auto", "full"):
@@ -193,6 +205,7 @@ _SHARED = (
     "sampling", "lenience", "cache", "compile", "record_probs", "host_sync_every", "cpu_matmul",
     "lean_steps", "draft_length", "max_draft", "draft_scope", "draft_floor", "probe_every", "draft_costs",
     "verify_costs", "drafting", "mask_token_id", "draft_vocab", "lookup", "drafter_context",
+    "prefill_dtype",
 )  # fmt: skip
 
 
@@ -235,6 +248,9 @@ class DecoderSettings:
     # a drafter with its own tokenizer (decode/drafters/mapped.py): tli | text; read where the
     # mapped pair is loaded (decode/validate/mapped.py), not by DecoderConfig
     mapped_context: str = "tli"
+    # model: prefills in the models' dtype, every logit the full-precision target's | bf16: a
+    # long prompt's prefill under bf16 autocast (decode/RESULTS.md), both sides of a speedup alike
+    prefill_dtype: str = "model"
 
     @classmethod
     def from_node(cls, node: Any, field: str = "decoder") -> DecoderSettings:
@@ -276,6 +292,7 @@ class DecoderSettings:
                 get("drafter_context"), f"{field}.drafter_context"
             ),
             mapped_context=check_context(get("mapped_context")),
+            prefill_dtype=str(get("prefill_dtype")),
         )
         return settings.check(field)
 

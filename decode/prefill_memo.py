@@ -55,7 +55,7 @@ class _Entry:
 
 
 class PrefillMemo:
-    """Prefilled caches by (model, fed prompt ids, their mask), kept while they fit in
+    """Prefilled caches by (model, prefill dtype, fed prompt ids, their mask), kept while they fit in
     `max_bytes`. Hits and misses are counted (`hits`, `misses`) for reports and tests."""
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
@@ -68,7 +68,9 @@ class PrefillMemo:
     @staticmethod
     def _key(runner: ModelRunner, fed: torch.Tensor, attn: torch.Tensor | None) -> tuple:
         mask = None if attn is None else attn.cpu().numpy().tobytes()
-        return (id(runner.model), tuple(fed.shape), fed.cpu().numpy().tobytes(), mask)
+        # a prefill under autocast (`ModelRunner.prefill_cast`) writes another cache
+        fed_bytes = fed.cpu().numpy().tobytes()
+        return (id(runner.model), runner.prefill_cast, tuple(fed.shape), fed_bytes, mask)
 
     @staticmethod
     def qualifies(runner: ModelRunner) -> bool:

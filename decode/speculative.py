@@ -43,6 +43,7 @@ from specdistill.decode.cache import (
     step_mask,
 )
 from specdistill.decode.config import (
+    PREFILL_DTYPES,
     DecoderConfig,
     check_decoder_config,
     check_pair_for_decoding,
@@ -231,6 +232,7 @@ class SpeculativeDecoder:
             layout=self.layout(model) if layout is None else layout,
             head=self.draft_head if model is self.drafter else None,
             lean=self.cfg.lean_steps,
+            prefill_cast=PREFILL_DTYPES[self.cfg.prefill_dtype],
         )
 
     def layout(self, model) -> Layout:

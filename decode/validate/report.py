@@ -67,6 +67,8 @@ class ValidateResult:
     hf_assisted: dict[str, Any] | None = None
     cache: str = "dynamic"
     compiled: bool = False
+    # decoder.prefill_dtype: model (prompt prefills in `dtype`) | bf16 (under bf16 autocast)
+    prefill_dtype: str = "model"
     # the few-row linear path each model's decode steps took (decoder.cpu_matmul; None in
     # reports written before it)
     cpu_linears: dict[str, str] | None = None
@@ -143,7 +145,8 @@ def report_markdown(r: ValidateResult) -> str:
     rows = [
         (
             "device / dtype",
-            f"{r.device} / {r.dtype} ({r.cache} cache{', compiled' if r.compiled else ''})",
+            f"{r.device} / {r.dtype} ({r.cache} cache{', compiled' if r.compiled else ''}"
+            f"{', prefills in bf16' if r.prefill_dtype == 'bf16' else ''})",
         ),
         ("gamma", f"{r.gamma}{' (auto)' if r.gamma_auto else ''}"),
         ("temperature / top_k / top_p", f"{r.temperature} / {r.top_k} / {r.top_p}"),

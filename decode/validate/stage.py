@@ -246,6 +246,7 @@ def settings(vs: ValidateSettings, st: Setup, dec: SpeculativeDecoder, gamma: in
         "repeats": vs.repeats,
         "cache": "static" if dec.static else "dynamic",
         "compiled": dec.compile,
+        "prefill_dtype": dec.cfg.prefill_dtype,
         "draft_length": dec.cfg.draft_length,
         "cpu_linears": {  # decoder.cpu_matmul's choice per model (auto: timed on this machine)
             "target": dec.layout(dec.target).describe(),
