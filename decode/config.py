@@ -34,11 +34,9 @@ from specdistill.decode.drafters import DRAFTING
 from specdistill.decode.drafters.context import check_drafter_context
 from specdistill.decode.drafters.mapped import check_context
 
-VERIFY_COSTS = ("by_width", "linear")
-PREFILL_DTYPES = {
-    "model": None,
-    "bf16": torch.bfloat16,
-}  # decoder.prefill_dtype -> autocast dtype  # how measured draft costs price the verify widths
+VERIFY_COSTS = ("by_width", "linear")  # how measured draft costs price the verify widths
+# decoder.prefill_dtype -> the dtype a prompt's prefill runs under (autocast; None: the model's)
+PREFILL_DTYPES = {"model": None, "bf16": torch.bfloat16}
 DEFAULT_GAMMA = 4  # drafts per round when the config does not say; also gamma=auto's pilot
 DEFAULT_MAX_GAMMA = 12  # gamma=auto searches 1..max_gamma
 
