@@ -73,6 +73,8 @@ from specdistill.decode.prefill_memo import PrefillMemo, prefill_timed
 from specdistill.decode.step_timer import StepTimer
 from specdistill.decode.verify import RoundState, Verifier
 
+AUTOCAST = ("cpu", "cuda")  # devices whose autocast runs a bf16 prefill (decoder.prefill_dtype)
+
 # re-exported: callers import the decoder's types from here
 __all__ = [
     "DecodeOutput",
@@ -115,6 +117,12 @@ class SpeculativeDecoder:
         check_rollback(drafter, "pair.drafter")
         self.target, self.drafter, self.cfg = target, drafter, cfg
         self.device, self.dtype = model_device_dtype(target)
+        if PREFILL_DTYPES[cfg.prefill_dtype] is not None and self.device.type not in AUTOCAST:
+            raise ConfigError(
+                f"decoder.prefill_dtype={cfg.prefill_dtype}: a bf16 prefill runs under autocast, "
+                f"which this decoder supports on {' and '.join(AUTOCAST)}, not {self.device.type}; "
+                "set decoder.prefill_dtype=model"
+            )
         cuda = self.device.type == "cuda"
         compile_on = cfg.compile is True or (cfg.compile == "auto" and cuda)
         # `static` is the target's cache (and an eager drafter's); compiled drafter steps always

@@ -109,3 +109,11 @@ def test_a_shared_memo_never_restores_a_cache_of_the_other_prefill_dtype():
     # one prefill run per setting (the target's), the repeats restored
     assert (memo.misses, memo.hits) == (2, 2)
     assert outs["model"][0] == outs["model"][1] and outs["bf16"][0] == outs["bf16"][1]
+
+
+def test_a_bf16_prefill_off_cpu_and_cuda_is_refused_before_decoding():
+    target = tiny_llama(vocab=64, layers=2, hidden=32, seed=8).to("meta")
+    cfg = DecoderConfig(gamma=2, max_new_tokens=4, prefill_dtype="bf16")
+    with pytest.raises(ConfigError, match=r"^decoder\.prefill_dtype=bf16: .* not meta; set "):
+        SpeculativeDecoder(target, truncated_copy(target, 1), cfg)
+    SpeculativeDecoder(target, truncated_copy(target, 1), DecoderConfig(gamma=2, max_new_tokens=4))
