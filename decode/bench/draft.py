@@ -33,7 +33,7 @@ from specdistill.decode.config import DEFAULT_GAMMA, DecoderSettings
 from specdistill.decode.draft_length import DraftCosts, draft_figures
 from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
-from specdistill.decode.validate.modes import merge, mode_name, run_all
+from specdistill.decode.validate.modes import merge, mode_name, repeats_bar, run_all
 from specdistill.decode.validate.settings import ValidateSettings
 from specdistill.decode.validate.stage import setup, warm_up
 from specdistill.decode.validate.timing import auto_gamma, hf_assisted_speed, measure_c
@@ -140,7 +140,8 @@ def _measure_mode(
     first: dict[str, DecodeOutput] = {}
     base_out = None
     fns = {"": probe.baseline} | {label: dec.generate for label, dec in decs.items()}
-    bar = repeats_bar(vs, st.batches, f"bench {mode_name(ds.sampling.temperature)}")
+    label = f"bench {mode_name(ds.sampling.temperature)}"
+    bar = repeats_bar(reps, st.batches, label if vs.progress else None)
     for rep in range(reps):
         # interleaved per batch, not per pass: on a shared machine load changes within seconds
         secs, outs = interleaved(fns, st.batches, seed + rep, bar)
@@ -193,18 +194,6 @@ def _row(label: str, dec, out: DecodeOutput, rates: list[float], base_rates: lis
         "tokens_per_s": round(statistics.median(rates), 2),
         "lossless": out.tokens == base_out.tokens if greedy else None,
     }
-
-
-def repeats_bar(vs: ValidateSettings, batches, label: str) -> tqdm:
-    """A bar over a bench's timed repeats, batch by batch (`progress`, as validate's): a bench
-    of several entries decodes every prompt once per entry and repeat, minutes on a CPU."""
-    return tqdm(
-        total=vs.repeats * len(batches),
-        desc=label,
-        unit="prompt" if all(ids.shape[0] == 1 for ids, _ in batches) else "batch",
-        disable=not vs.progress,
-        dynamic_ncols=True,
-    )
 
 
 def interleaved(fns: dict[str, Any], batches, seed: int, bar: tqdm | None = None):

@@ -32,11 +32,11 @@ from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.models.pairs import load_role, resolve_pair
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.acceptance import round_speedup
-from specdistill.decode.bench.draft import interleaved, repeats_bar
+from specdistill.decode.bench.draft import interleaved
 from specdistill.decode.config import DEFAULT_GAMMA, DecoderSettings
 from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
-from specdistill.decode.validate.modes import merge, mode_name
+from specdistill.decode.validate.modes import merge, mode_name, repeats_bar
 from specdistill.decode.validate.settings import ValidateSettings
 from specdistill.decode.validate.stage import setup, warm_up
 from specdistill.decode.validate.timing import forward_cost, hf_assisted_speed, measure_c
@@ -167,7 +167,8 @@ def _measure_mode(
     fns = {"": probe.baseline} | {f"{m}:{g}": d.generate for (m, g), d in decs.items()}
     rates: dict[str, list[float]] = {k: [] for k in fns}
     first: dict[str, DecodeOutput] = {}
-    bar = repeats_bar(vs, st.batches, f"bench parallel {mode_name(ds.sampling.temperature)}")
+    label = f"bench parallel {mode_name(ds.sampling.temperature)}"
+    bar = repeats_bar(reps, st.batches, label if vs.progress else None)
     for rep in range(reps):
         secs, outs = interleaved(fns, st.batches, seed + rep, bar)
         for k in fns:

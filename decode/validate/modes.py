@@ -133,13 +133,7 @@ def timed_repeats(
     """
     base_rates, spec_rates = [], []
     base_out = spec_out = None
-    bar = tqdm(
-        total=repeats * len(batches),
-        desc=progress,
-        unit="prompt" if all(ids.shape[0] == 1 for ids, _ in batches) else "batch",
-        disable=progress is None,
-        dynamic_ncols=True,
-    )
+    bar = repeats_bar(repeats, batches, progress)
     tok_b = tok_s = 0  # the bar's running totals over the repeats so far: target-only, ours
     sec_b = sec_s = 0.0
     for rep in range(repeats):
@@ -165,6 +159,18 @@ def timed_repeats(
     bar.close()
     assert base_out is not None and spec_out is not None
     return base_rates, spec_rates, base_out, spec_out
+
+
+def repeats_bar(repeats: int, batches, label: str | None) -> tqdm:
+    """A bar over timed repeats, batch by batch (validate's and the bench's): `label` names it,
+    None hides it. A long prompt set, or a bench of several entries, decodes for minutes."""
+    return tqdm(
+        total=repeats * len(batches),
+        desc=label,
+        unit="prompt" if all(ids.shape[0] == 1 for ids, _ in batches) else "batch",
+        disable=label is None,
+        dynamic_ncols=True,
+    )
 
 
 def speedup_range(base_rates: list[float], spec_rates: list[float]) -> list[float]:
