@@ -6,7 +6,9 @@ The pieces of the generate stage that touch the model, kept apart from its bookk
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,19 +19,48 @@ from specdistill.data.runtime import eos_ids, pad_rows, padded_positions
 from specdistill.data.sampling import Sampling
 
 
+def sampled_prompt(index: int, share: float) -> bool:
+    """Whether prompt `index` of a mixed Seq-KD set is sampled (else greedy): every prefix of
+    the prompt indices holds `share` of sampled prompts to within one, spread evenly, so a
+    shard, a chunk or a `dataset.limit` of the set keeps the mix."""
+    return _sampled_before(index + 1, share) > _sampled_before(index, share)
+
+
+def _sampled_before(n: int, share: float) -> int:
+    """floor(n * share), held against round-off (0.7 * 90 is 62.99999... in floats)."""
+    return math.floor(n * share + 1e-9)
+
+
 @dataclass(frozen=True)
 class GenerationSettings:
     """How the target p decodes: greedy (sampling.temperature 0) or sampled with `sampling`,
-    `num_samples` completions per prompt, up to `max_new_tokens` each."""
+    `num_samples` completions per prompt, up to `max_new_tokens` each.
+
+    `sampled_share` < 1 (with sampling) makes a mixed set: that share of the prompts sampled, the
+    rest greedy (`sampled_prompt`), so one Seq-KD set serves a drafter for both serving modes.
+    """
 
     max_new_tokens: int
     sampling: Sampling
     num_samples: int
     seed: int
+    sampled_share: float = 1.0
 
     @property
     def do_sample(self) -> bool:
         return not self.sampling.greedy
+
+    @property
+    def mixed(self) -> bool:
+        return self.do_sample and self.sampled_share < 1.0
+
+    def samples(self, index: int) -> bool:
+        """Whether prompt `index` is sampled under these settings."""
+        return self.do_sample and (not self.mixed or sampled_prompt(index, self.sampled_share))
+
+    def greedy_part(self) -> GenerationSettings:
+        """The settings a mixed set's greedy prompts decode with."""
+        return dataclasses.replace(self, sampling=Sampling(), sampled_share=1.0)
 
     def record(self) -> dict[str, Any]:
         """The settings as generation_config.json's `sampling` (what decides the rows).
@@ -39,7 +70,7 @@ class GenerationSettings:
         greedy runs recorded transformers' neutral values (1, 0, 1) for them.
         """
         s = self.sampling if self.do_sample else Sampling(temperature=1.0)
-        return {
+        record = {
             "max_new_tokens": self.max_new_tokens,
             "do_sample": self.do_sample,
             "temperature": s.temperature,
@@ -48,6 +79,7 @@ class GenerationSettings:
             "num_samples": self.num_samples,
             "seed": self.seed,
         }
+        return record | ({"sampled_share": self.sampled_share} if self.mixed else {})
 
 
 @dataclass(frozen=True)
@@ -206,7 +238,22 @@ def generate_rows(
     topk: int,
     on_batch: Callable[[int, int], None] = lambda rows, tokens: None,
 ) -> tuple[list[dict[str, Any]], int]:
-    """The dataset rows for `prompts` (in the given order) and the number of tokens generated."""
+    """The dataset rows for `prompts` (in the given order) and the number of tokens generated.
+
+    A mixed set (`s.mixed`) decodes its greedy and its sampled prompts in separate calls (one
+    generation config a call) and returns the rows in the given order."""
+    if s.mixed:
+        parts = [[p for p in prompts if s.samples(p.index) == sampled] for sampled in (False, True)]
+        greedy, g_tokens = generate_rows(
+            model, tokenizer, parts[0], s.greedy_part(), batch_size, topk, on_batch
+        )
+        plain = dataclasses.replace(s, sampled_share=1.0)
+        sampled, s_tokens = generate_rows(
+            model, tokenizer, parts[1], plain, batch_size, topk, on_batch
+        )
+        order = {p.index: i for i, p in enumerate(prompts)}
+        rows = sorted(greedy + sampled, key=lambda r: (order[r["prompt_index"]], r["sample_index"]))
+        return rows, g_tokens + s_tokens
     eos = eos_ids(model.generation_config, tokenizer)
     gen_config = generation_config(s, tokenizer.pad_token_id, eos)
     per_call = max(1, batch_size // s.num_samples)  # batch_size counts sequences

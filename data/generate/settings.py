@@ -25,6 +25,21 @@ from specdistill.data.sampling import Sampling
 _POSITIVE = ("max_new_tokens", "batch_size", "num_samples", "chunk_size")
 
 
+def _sampled_share(cfg: Any) -> float:
+    """`sampled_share` (absent: 1), checked: a share in (0, 1]."""
+    raw = cfg.get("sampled_share", 1.0) if hasattr(cfg, "get") else 1.0
+    try:
+        share = float(raw)
+    except (TypeError, ValueError):
+        share = float("nan")
+    if isinstance(raw, bool) or not 0.0 < share <= 1.0:
+        raise ConfigError(
+            f"sampled_share={raw!r} must lie in (0, 1]: the share of prompts sampled "
+            "(1: all of them; e.g. 0.5 for a mixed greedy + sampled set)"
+        )
+    return share
+
+
 @dataclass(frozen=True)
 class GenerateSettings:
     """conf/generate.yaml's own settings, checked (`pair`, `dataset` and `bench` stay nodes).
@@ -69,7 +84,19 @@ class GenerateSettings:
             sampling=Sampling.from_parent(cfg, "sampling"),
             num_samples=int(cfg.num_samples),
             seed=int(cfg.seed),
+            sampled_share=_sampled_share(cfg),
         )
+        if generation.sampled_share < 1.0 and not generation.do_sample:
+            raise ConfigError(
+                f"sampled_share={generation.sampled_share} with sampling.temperature=0: a mixed "
+                "set samples that share of the prompts; set sampling.temperature > 0 (e.g. 1.0)"
+            )
+        if generation.mixed and generation.num_samples > 1:
+            raise ConfigError(
+                f"sampled_share={generation.sampled_share} with num_samples="
+                f"{generation.num_samples}: the greedy prompts' samples would be identical "
+                "copies; use num_samples=1 for a mixed set (or sampled_share=1)"
+            )
         if generation.num_samples > 1 and not generation.do_sample:
             raise ConfigError(
                 f"num_samples={generation.num_samples} with sampling.temperature=0 (greedy) would "

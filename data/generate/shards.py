@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from filelock import FileLock
 
+from specdistill.data.generate.batched import sampled_prompt
 from specdistill.data.io import atomic_write_json, guard_write, read_json
 from specdistill.data.runtime import ConfigError
 
@@ -270,6 +271,11 @@ def _result(
     span = max((float(r["generation_seconds"]) for r in records), default=0.0)
     walls = [float(r["wall_seconds"]) for r in records]
     stats = config["prompt_stats"]
+    share = config["sampling"].get("sampled_share")  # a mixed set: how many rows were sampled
+    mixed = {}
+    if share is not None:
+        indices = table.column("prompt_index").to_pylist()
+        mixed = {"sampled_samples": sum(sampled_prompt(int(i), float(share)) for i in indices)}
     return {
         "output_dir": config["output_dir"],
         "fingerprint": config["fingerprint"],
@@ -278,6 +284,7 @@ def _result(
         "prompts": len(set(table.column("prompt_index").to_pylist())),
         "samples_per_prompt": int(config["sampling"]["num_samples"]),
         "samples": table.num_rows,
+        **mixed,
         "skipped_long_prompts": stats["skipped_long"],
         "skipped_empty_prompts": stats["skipped_empty"],
         "truncated_long_prompts": stats["truncated_long"],

@@ -371,8 +371,11 @@ def generate_rows_vllm(
     from vllm.inputs import TokensPrompt
 
     pairs = [(p, j) for p in prompts for j in range(s.num_samples)]
+    greedy = s.greedy_part()  # a mixed set's greedy prompts
     params = [
-        sampling_params(s, eos, topk, row_seed(s.seed, p.index, j) if s.do_sample else None)
+        sampling_params(s, eos, topk, row_seed(s.seed, p.index, j))
+        if s.samples(p.index)
+        else sampling_params(greedy, eos, topk, None)
         for p, j in pairs
     ]
     outputs = engine.generate(

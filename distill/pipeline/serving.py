@@ -7,7 +7,8 @@ The pipeline's `serving` group (greedy | sampling, with `serving.sampling`, the 
 mode) become each stage's `StageOverrides` (distill/compose.py: group choices, and typed values
 merged into the composed config), one spec per place that samples:
 
-- generate: Seq-KD greedy or sampled (recipe.seqkd) -> `sampling`;
+- generate: Seq-KD greedy, sampled or mixed (recipe.seqkd; mixed: `recipe.seqkd_share` of the
+  prompts sampled, the rest greedy) -> `sampling`, `sampled_share`;
 - distill: loss, beta, loss temperature, lmbda, the on-policy drafter's `onpolicy.sampling`, and
   the held-out metric that picks best/ (`eval.sampling`): expected acceptance in the serving mode
   on the target's own continuations;
@@ -31,7 +32,7 @@ from specdistill.distill.losses import DIVERGENCES
 
 MODES = ("greedy", "sampling")
 DRAFTING = ("autoregressive", "parallel")
-SEQKD = ("greedy", "sampled")
+SEQKD = ("greedy", "sampled", "mixed")
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,17 @@ def check_recipe(node: Any) -> dict[str, Any]:
     """The `recipe` config, checked (plain dict)."""
     r = _plain(node)
     if r.get("seqkd") not in SEQKD:
-        raise ConfigError(f"recipe.seqkd={r.get('seqkd')!r}: use greedy or sampled")
+        raise ConfigError(f"recipe.seqkd={r.get('seqkd')!r}: use greedy, sampled or mixed")
+    share = r.get("seqkd_share", 0.5)
+    if r["seqkd"] == "mixed" and (
+        isinstance(share, bool)
+        or not isinstance(share, (int, float))
+        or not 0.0 < float(share) < 1.0
+    ):
+        raise ConfigError(
+            f"recipe.seqkd_share={share!r} must lie in (0, 1) with recipe.seqkd=mixed: the "
+            "share of prompts sampled, the rest greedy (e.g. 0.5)"
+        )
     if r.get("loss") not in DIVERGENCES:
         raise ConfigError(f"recipe.loss={r.get('loss')!r} is not one of {', '.join(DIVERGENCES)}")
     lmbda = r.get("lmbda")
@@ -118,11 +129,14 @@ def stage_overrides(serving: Serving, recipe: dict[str, Any]) -> dict[str, Stage
     `validate`, `online`): group choices and typed values. Pure: the pipeline composes each
     stage with them."""
     s = serving.sampling
+    generate: dict[str, Any] = {}
     if recipe["seqkd"] == "greedy":
         seqkd = Sampling()
     else:
         t = _temperature(recipe.get("seqkd_temperature", 1.0), serving)
         seqkd = Sampling(temperature=t, top_k=s.top_k, top_p=s.top_p)
+        if recipe["seqkd"] == "mixed":
+            generate["sampled_share"] = float(recipe.get("seqkd_share", 0.5))
     # The drafter samples its on-policy batches at the recipe's temperature, nothing cut.
     onpolicy = Sampling(temperature=_temperature(recipe.get("onpolicy_temperature", 1.0), serving))
     distill: dict[str, Any] = {
@@ -143,7 +157,7 @@ def stage_overrides(serving: Serving, recipe: dict[str, Any]) -> dict[str, Stage
                 distill[f"switch.{key}"] = switch[key]
     decoder = {"decoder.sampling": s.as_dict()}
     return {
-        "generate": StageOverrides(values={"sampling": seqkd.as_dict()}),
+        "generate": StageOverrides(values={"sampling": seqkd.as_dict(), **generate}),
         "distill": StageOverrides((f"loss={recipe['loss']}",), distill),
         "validate": StageOverrides(
             (f"decoder={serving.mode}",), {**decoder, "other_sampling": serving.report.as_dict()}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import datasets
@@ -151,6 +153,52 @@ def test_sampled_run_is_seeded_and_has_n_samples(generate_cfg, tmp_path):
     assert [(r[0], r[1]) for r in rows] == [(i, j) for i in range(5) for j in range(3)]
     assert rows == _rows(tmp_path / "b")
     assert len({tuple(r[3]) for r in rows}) > 5  # samples differ from one another
+
+
+@pytest.mark.parametrize("share", [0.25, 1 / 3, 0.5, 0.7, 1.0])
+def test_sampled_prompts_hold_the_share_in_every_window(share):
+    """Exact over all windows of 0..119: a prefix holds floor(n * share) sampled prompts, any
+    contiguous range (a shard, a chunk) its share to within one."""
+    marks = [batched.sampled_prompt(i, share) for i in range(120)]
+    for n in range(121):
+        assert sum(marks[:n]) == math.floor(n * Fraction(share).limit_denominator(100))
+    for a in range(120):
+        for b in range(a + 1, 121):
+            assert abs(sum(marks[a:b]) - (b - a) * share) < 1 + 1e-9
+
+
+def test_mixed_run_keeps_greedy_rows_and_samples_the_share(generate_cfg, tmp_path):
+    """sampled_share=0.5: the greedy prompts' rows are the greedy run's, token for token; the
+    sampled ones are seeded (a rerun draws the same), and the record names the share."""
+    mixed = ("sampling.temperature=1.0", "sampled_share=0.5", "dataset.limit=10", "batch_size=3")
+    gen.run(generate_cfg(*mixed, out=tmp_path / "a"))
+    gen.run(generate_cfg(*mixed, out=tmp_path / "b"))
+    gen.run(generate_cfg("dataset.limit=10", "batch_size=3", out=tmp_path / "greedy"))
+    rows, greedy = _rows(tmp_path / "a"), _rows(tmp_path / "greedy")
+    assert [r[0] for r in rows] == list(range(10)) and rows == _rows(tmp_path / "b")
+    sampled = [batched.sampled_prompt(i, 0.5) for i in range(10)]
+    assert sum(sampled) == 5
+    assert all(r == g for r, g, s in zip(rows, greedy, sampled) if not s)
+    assert any(r[3] != g[3] for r, g, s in zip(rows, greedy, sampled) if s)
+    record = json.loads((tmp_path / "a" / "generation_config.json").read_text())["sampling"]
+    assert record["sampled_share"] == 0.5 and record["temperature"] == 1.0
+    plain = json.loads((tmp_path / "greedy" / "generation_config.json").read_text())["sampling"]
+    assert "sampled_share" not in plain  # earlier runs' records (and fingerprints) unchanged
+    assert json.loads((tmp_path / "a" / "result.json").read_text())["sampled_samples"] == 5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["sampled_share=0"], r"sampled_share=0 must lie in \(0, 1\]"),
+        (["sampled_share=1.5"], r"sampled_share=1\.5 must lie"),
+        (["sampled_share=0.5"], r"sampled_share=0\.5 with sampling\.temperature=0"),
+        (["sampled_share=0.5", "sampling.temperature=1.0", "num_samples=2"], "num_samples=2"),
+    ],
+)
+def test_bad_sampled_share_is_named(generate_cfg, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        GenerateSettings.from_cfg(generate_cfg(*overrides))
 
 
 def test_topk_logprobs_match_a_direct_forward_pass(generate_cfg, toy_tiny_pair, tmp_path):

@@ -21,6 +21,7 @@ import datasets
 import pytest
 import torch
 
+from specdistill.data.generate import batched
 from specdistill.data.generate import stage as gen
 from specdistill.data.generate import vllm_engine as vb
 from specdistill.data.generate.batched import GenerationSettings
@@ -250,6 +251,21 @@ def test_vllm_sampled_rows_do_not_depend_on_sharding(vllm_model, tmp_path):
     assert [r[:2] for r in rows] == [(i, j) for i in range(12) for j in range(2)]
     pairs = [(rows[k][3], rows[k + 1][3]) for k in range(0, 24, 2)]
     assert sum(x != y for x, y in pairs) >= 6  # two samples of a prompt usually differ
+
+
+@pytest.mark.vllm
+def test_vllm_mixed_set_is_the_greedy_and_the_sampled_runs_interleaved(vllm_model, tmp_path):
+    """sampled_share=0.5: each row is the greedy run's or the sampled run's (per-row seeds draw
+    the same tokens), as `sampled_prompt` assigns the prompt."""
+    common = ("dataset.limit=10", "max_new_tokens=8", *VLLM_QUICK)
+    sampled = ("sampling.temperature=1.0",)
+    _run(vllm_model, tmp_path / "mixed", *common, *sampled, "sampled_share=0.5")
+    _run(vllm_model, tmp_path / "greedy", *common)
+    _run(vllm_model, tmp_path / "sampled", *common, *sampled)
+    mixed, greedy, drawn = (_rows(tmp_path / n) for n in ("mixed", "greedy", "sampled"))
+    marks = [batched.sampled_prompt(i, 0.5) for i in range(10)]
+    assert mixed == [d if s else g for g, d, s in zip(greedy, drawn, marks)]
+    assert greedy != drawn  # the two runs differ, so the interleaving is seen
 
 
 @pytest.mark.vllm

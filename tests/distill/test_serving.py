@@ -68,9 +68,18 @@ def test_sampled_seqkd_recipe_and_user_overrides_win():
     assert val.decoder.gamma == 3 and val.decoder.sampling.temperature == 0.7
 
 
+def test_mixed_seqkd_recipe_sets_the_sampled_share():
+    cfg = _pipeline_cfg("recipe.seqkd=mixed", "recipe.seqkd_share=0.25")
+    gen = _stage("generate", cfg)
+    assert (gen.sampling.temperature, gen.sampled_share) == (1.0, 0.25)
+    assert _stage("generate", _pipeline_cfg()).sampled_share == 1.0  # greedy: nothing sampled
+
+
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
+        (["recipe.seqkd=mixed", "recipe.seqkd_share=1.0"], "recipe.seqkd_share"),
+        (["recipe.seqkd=mixed", "recipe.seqkd_share=0"], "recipe.seqkd_share"),
         (["serving.mode=beam"], "serving.mode"),
         (["serving=sampling", "serving.sampling.temperature=0"], "serving.sampling.temperature"),
         (["serving.sampling.temperature=0.7"], "serving.sampling.temperature"),  # greedy + T
