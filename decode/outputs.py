@@ -7,6 +7,7 @@ tau = tokens emitted per target forward.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,35 @@ class RoundRecord:
     active: list[bool]
     target_probs: torch.Tensor | None = None
     lengths: list[int] | None = None  # drafts row r verified, when rows differ (draft_scope=row)
+
+
+class VerifiedRow(NamedTuple):
+    """One row of a verified round as the host reads it (`Verifier.settle`'s one sync).
+
+    `drafts`: the round's proposals; `accepted`: how many the target kept; `next_token`: its
+    correction or bonus token; `alphas`: each position's figure (greedy: 1.0 where the draft is
+    the target's argmax; sampled: the expected acceptance sum_x min(p, q)); `probs`: sampled
+    only, each draft's acceptance probability min(1, p(x)/q(x)) (else empty).
+    """
+
+    drafts: list[int]
+    accepted: int
+    next_token: int
+    alphas: list[float]
+    probs: list[float]
+
+    @classmethod
+    def from_host(cls, row: list[float], k: int) -> VerifiedRow:
+        """Row r of [drafts (k), accepted, next token, alphas (k), probs (k or none)] as moved
+        to the host in fp32 (token ids < 2^24 are exact)."""
+        return cls(
+            [int(v) for v in row[:k]], int(row[k]), int(row[k + 1]), row[k + 2 : 2 * k + 2],
+            row[2 * k + 2 :],
+        )  # fmt: skip
+
+    def emitted(self) -> list[int]:
+        """The tokens the round emits for this row: the kept drafts, then the next token."""
+        return [*self.drafts[: self.accepted], self.next_token]
 
 
 @dataclass
@@ -115,16 +145,19 @@ class DecodeOutput:
         ]
 
     def count_round(
-        self, host: list[list], active: list[bool], g: int, lengths: list[int], lookup: bool = False
+        self,
+        rows: list[VerifiedRow],
+        active: list[bool],
+        lengths: list[int],
+        lookup: bool = False,
     ) -> None:
         """Add one verified round's acceptance counters over the rows still decoding (trials
-        stop at the first reject). host[r]: row r's drafts (g), accepted count, next token and
-        per-position alpha; row r verified lengths[r] <= g of the round's g drafts. lookup: the
-        drafts came from the context (decode.lookup): also counted in the lookup_* counters."""
-        for row, a, kr in zip(host, active, lengths):
+        stop at the first reject); row r verified lengths[r] of its drafts. lookup: the drafts
+        came from the context (decode.lookup): also counted in the lookup_* counters."""
+        for row, a, kr in zip(rows, active, lengths):
             if not a:
                 continue
-            n = row[g]
+            n = row.accepted
             self.row_rounds += 1
             self.block_tokens += n + 1
             self.accepted += n
@@ -132,12 +165,12 @@ class DecodeOutput:
             for j in range(min(n + 1, kr)):  # positions that were put to the test
                 self.trials_at[j] += 1
                 self.accepted_at[j] += int(j < n)
-                self.alpha_sum += row[g + 2 + j]
+                self.alpha_sum += row.alphas[j]
                 self.trials += 1
                 if lookup:
                     self.lookup_trials_at[j] += 1
                     self.lookup_accepted_at[j] += int(j < n)
-                    self.lookup_alpha_sum += row[g + 2 + j]
+                    self.lookup_alpha_sum += row.alphas[j]
                     self.lookup_trials += 1
 
 

@@ -504,18 +504,18 @@ class SpeculativeDecoder:
             st, draft_t, q, lengths if row_cut else None
         )
         st.out.target_forwards += 1
-        host = self.verifier.settle(
+        rows = self.verifier.settle(
             st.out, st.done, active, (draft_t, n, nxt, alpha_pos), t_logits, lengths, row_cut
         )
-        n_list = [row[kv] for row in host]
+        n_list = [row.accepted for row in rows]
         if st.adaptive:
             # sampled: each tested draft's acceptance probability, not its coin's outcome, and
             # each position's expected acceptance (exact where lenience is 1, `verify`)
             probs = alphas = None
             if not self.cfg.sampling.greedy:
-                probs = [row[2 * kv + 2 :] for row in host]
+                probs = [row.probs for row in rows]
                 if self.cfg.lenience == 1.0:
-                    alphas = [row[kv + 2 : 2 * kv + 2] for row in host]
+                    alphas = [row.alphas for row in rows]
             st.policy.observe(lengths, n_list, active, prop.conf, probs, alphas)
         maxn = max(n_list)
         if not st.dense:
@@ -536,10 +536,10 @@ class SpeculativeDecoder:
             q = torch.nn.functional.one_hot(draft_t, self.vocab).to(self.dtype)
         n, nxt, alpha_pos, t_logits, _ = self.verifier.verify(st, draft_t, q, None)
         st.out.target_forwards += 1
-        host = self.verifier.settle(
+        rows = self.verifier.settle(
             st.out, st.done, active, (draft_t, n, nxt, alpha_pos), t_logits, [k], lookup=True
         )
-        got = host[0][k]
+        got = rows[0].accepted
         st.lookup.observe(k, got)
         st.out.lookup_rounds += 1
         st.out.lookup_drafted += k

@@ -27,7 +27,7 @@ from specdistill.decode.cache import ModelRunner, step_mask
 from specdistill.decode.config import DecoderConfig
 from specdistill.decode.draft_length.policies import DraftLengthPolicy
 from specdistill.decode.lookup import PromptLookup
-from specdistill.decode.outputs import DecodeOutput, RoundRecord
+from specdistill.decode.outputs import DecodeOutput, RoundRecord, VerifiedRow
 
 
 @dataclass
@@ -167,16 +167,16 @@ class Verifier:
         lengths: list[int],
         row_cut: bool = False,
         lookup: bool = False,
-    ) -> list[list]:
+    ) -> list[VerifiedRow]:
         """The round's one host sync (drafts, accepted counts, next tokens, the per-position
-        figures of `verify`; token ids < 2^24 are exact in fp32), then its counters, its record
-        and its tokens, the same for every drafting mode (lookup: a prompt-lookup round's,
-        counted apart too). Marks finished rows in `done`; returns the host rows."""
+        figures of `verify`), then its counters, its record and its tokens, the same for every
+        drafting mode (lookup: a prompt-lookup round's, counted apart too). Marks finished rows
+        in `done`; returns the rows as the host read them."""
         draft_t, n, nxt, alpha_pos = verdict
         k = draft_t.shape[1]
         host = torch.cat([draft_t, n[:, None], nxt[:, None], alpha_pos], 1).float().tolist()
-        host = [[int(v) for v in row[: k + 2]] + row[k + 2 :] for row in host]
-        out.count_round(host, active, k, lengths, lookup)
+        rows = [VerifiedRow.from_host(row, k) for row in host]
+        out.count_round(rows, active, lengths, lookup)
         if self.cfg.record_probs:
             out.rounds.append(
                 RoundRecord(
@@ -189,10 +189,10 @@ class Verifier:
                     lengths=lengths if row_cut else None,
                 )
             )
-        for r, row in enumerate(host):
+        for r, row in enumerate(rows):
             if not done[r]:
-                done[r] = self.emit(out.tokens[r], [*row[: row[k]], row[k + 1]])
-        return host
+                done[r] = self.emit(out.tokens[r], row.emitted())
+        return rows
 
     def emit(self, row: list[int], tokens: list[int]) -> bool:
         """Append up to the budget, stopping after an EOS; True when the row is finished."""

@@ -27,7 +27,7 @@ from specdistill.decode.lookup import (
     best_length,
     find_continuation,
 )
-from specdistill.decode.outputs import DecodeOutput
+from specdistill.decode.outputs import DecodeOutput, VerifiedRow
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.conftest import tiny_llama
 from tests.decode.test_distribution import H, V, chi2_pvalue, exact_sequence_probs, sharp_llama
@@ -327,8 +327,10 @@ def test_the_drafters_own_alpha_leaves_lookup_rounds_out():
         return {f"{p}{n}_at": [0] * 3 for p in ("", "lookup_") for n in ("accepted", "trials")}
 
     out = DecodeOutput(tokens=[[]], draft_lengths=[0] * 4, **counters())
-    out.count_round([[5, 6, 7, 1, 9, 1.0, 0.0, 0.5]], [True], 3, [3], lookup=True)
-    out.count_round([[5, 6, 2, 9, 1.0, 1.0]], [True], 2, [2])
+    out.count_round(
+        [VerifiedRow.from_host([5, 6, 7, 1, 9, 1.0, 0.0, 0.5], 3)], [True], [3], lookup=True
+    )
+    out.count_round([VerifiedRow.from_host([5, 6, 2, 9, 1.0, 1.0], 2)], [True], [2])
     assert out.alpha == pytest.approx((1.0 + 0.0 + 1.0 + 1.0) / 4)
     assert out.drafter_alpha == 1.0
     assert out.drafter_alpha_at() == [1.0, 1.0, 0.0]
@@ -337,6 +339,8 @@ def test_the_drafters_own_alpha_leaves_lookup_rounds_out():
     assert total.drafter_trials == sum(tested) == sum(total.drafter_trials_at())
     # a decode whose every tested draft was lookup's: its own 0.0 rests on no drafts
     only = DecodeOutput(tokens=[[]], draft_lengths=[0] * 4, **counters())
-    only.count_round([[5, 6, 7, 1, 9, 1.0, 0.0, 0.5]], [True], 3, [3], lookup=True)
+    only.count_round(
+        [VerifiedRow.from_host([5, 6, 7, 1, 9, 1.0, 0.0, 0.5], 3)], [True], [3], lookup=True
+    )
     assert only.drafter_alpha == 0.0 and only.drafter_trials == 0
     assert only.drafter_trials_at() == [0, 0, 0] and only.trials > 0

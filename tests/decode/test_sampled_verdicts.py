@@ -21,6 +21,7 @@ from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import acceptance_probs, expected_alpha, verify_sampling
 from specdistill.decode.draft_length import DraftCosts, make_policy
 from specdistill.decode.draft_length.policies import verdicts
+from specdistill.decode.outputs import VerifiedRow
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.decode.test_draft_length import pair as pair
 from tests.decode.test_speculative import greedy_reference, prompts
@@ -102,6 +103,16 @@ def test_a_drafter_that_pays_rarely_looks_as_if_it_did_not():
             unpaid[kind] += not pol._pays([True])
     assert unpaid["probs"] < unpaid["coins"] / 2
     assert unpaid["coins"] / trials > 0.05
+
+
+def test_a_verified_row_names_the_host_layout():
+    """[drafts, accepted, next, alphas, probs] as `settle` moves it: greedy rows have no probs."""
+    greedy = VerifiedRow.from_host([7.0, 8.0, 1.0, 9.0, 1.0, 0.0], 2)
+    assert greedy == VerifiedRow([7, 8], 1, 9, [1.0, 0.0], [])
+    assert greedy.emitted() == [7, 9]
+    sampled = VerifiedRow.from_host([7.0, 8.0, 2.0, 3.0, 0.6, 0.4, 0.9, 0.5], 2)
+    assert (sampled.alphas, sampled.probs) == ([0.6, 0.4], [0.9, 0.5])
+    assert sampled.emitted() == [7, 8, 3] and isinstance(sampled.accepted, int)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
