@@ -23,6 +23,7 @@ from tests.decode.test_speculative import greedy_reference, left_pad, prompts, t
 
 DEAR = DraftCosts(c=0.9, verify_per_token=0.1, round_overhead=0.3)  # the floor engages
 CHEAP = DraftCosts(c=0.2, verify_per_token=0.02, round_overhead=0.05)
+SOMETIMES = DraftCosts(c=0.7, verify_per_token=0.05, round_overhead=0.2)  # T=1: plain and drafts
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +264,65 @@ def test_failed_probes_back_off_to_the_cap_and_a_paying_one_resets():
     assert intervals == [4, 8, 16, 32, 64, 128, 128, 128, 128]
     run_until_probe(accepted=4)  # every draft accepted: the probe paid
     assert intervals[-1] == pol.probe_every
+
+
+@pytest.mark.parametrize(
+    ("temperature", "setting"),
+    [
+        (1.0, {"probe_every": 2, "draft_costs": SOMETIMES, "lookup": False}),
+        (0.0, {"draft_costs": CHEAP, "lookup": True}),  # greedy outputs repeat: lookup rounds
+    ],
+    ids=["after-floor-steps", "after-lookup-rounds"],
+)
+def test_autoregressive_q_is_a_cache_free_forward_at_every_draft(
+    pair, temperature, setting, monkeypatch
+):
+    """Losslessness cannot see a drafter fed the wrong tokens or positions (the verify corrects
+    it, only acceptance drops): every draft's q (sampling; greedy: q's probability of its draft,
+    the confidence) must come from a cache-free forward over the prompt, the tokens emitted so
+    far and the round's earlier drafts, also after the plain steps and lookup rounds whose
+    tokens the drafter reads late (its lag)."""
+    target, drafter = pair
+    monkeypatch.setattr(DraftLengthPolicy, "doubt", 0.0)  # the probe ladder: more probes
+    sampling = Sampling(temperature=temperature)
+    cfg = DecoderConfig(
+        max_new_tokens=48, max_draft=3, draft_length="confidence", sampling=sampling, **setting
+    )
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    rounds: list[tuple[int, list[int], torch.Tensor | None, list[float]]] = []
+    state: dict = {}
+    propose, play = dec.drafting.propose, dec._round
+
+    def spy_propose(*args, **kw):
+        prop = propose(*args, **kw)
+        q = None if prop.q is None else prop.q[0].clone()
+        rounds.append((len(state["out"].tokens[0]), prop.tokens[0].tolist(), q, prop.conf[0]))
+        return prop
+
+    def spy_round(st):
+        state["out"] = st.out
+        return play(st)
+
+    dec.drafting.propose, dec._round = spy_propose, spy_round
+    gen = torch.Generator().manual_seed(0)
+    checked = lagged = 0
+    for prompt in prompts(5, 64, seed=13):
+        rounds.clear()
+        out = dec.generate(torch.tensor([prompt]), generator=gen)
+        seq = prompt + out.tokens[0]
+        lagged += out.lookup_rounds + out.draft_lengths[0]
+        for done, drafts, q, conf in rounds:
+            chain = seq[: len(prompt) + done]
+            for j, d in enumerate(drafts):
+                with torch.inference_mode():
+                    logits = drafter(torch.tensor([chain])).logits[0, -1, :64]
+                if q is None:  # greedy: the draft is q's argmax, its confidence q's probability
+                    assert d == int(logits.argmax()), (len(chain), j)
+                    want = float(torch.softmax(logits.float(), -1)[d])
+                    assert conf[j] == pytest.approx(want, abs=1e-6), (len(chain), j)
+                else:
+                    want_q = probs_from_logits(logits, sampling)
+                    assert torch.allclose(q[j, :64].float(), want_q, atol=1e-6), (len(chain), j)
+                chain = [*chain, d]
+                checked += 1
+    assert checked >= 30 and lagged >= 20  # drafts checked, many after the drafter lagged
