@@ -23,7 +23,9 @@ from tests.decode.test_speculative import greedy_reference, left_pad, prompts, t
 
 DEAR = DraftCosts(c=0.9, verify_per_token=0.1, round_overhead=0.3)  # the floor engages
 CHEAP = DraftCosts(c=0.2, verify_per_token=0.02, round_overhead=0.05)
-SOMETIMES = DraftCosts(c=0.7, verify_per_token=0.05, round_overhead=0.2)  # T=1: plain and drafts
+# T=1: plain steps and drafting rounds both (a parallel round's one forward needs a dearer c)
+SOMETIMES = DraftCosts(c=0.7, verify_per_token=0.05, round_overhead=0.2)
+SOMETIMES_PARALLEL = DraftCosts(c=1.2, verify_per_token=0.05, round_overhead=0.4)
 
 
 @pytest.fixture(scope="module")
@@ -266,27 +268,44 @@ def test_failed_probes_back_off_to_the_cap_and_a_paying_one_resets():
     assert intervals[-1] == pol.probe_every
 
 
+FLOOR = {"probe_every": 2, "lookup": False}
+LOOKUP = {"draft_costs": CHEAP, "lookup": True}  # greedy outputs repeat: lookup rounds
+
+
 @pytest.mark.parametrize(
-    ("temperature", "setting"),
+    ("drafting", "temperature", "setting"),
     [
-        (1.0, {"probe_every": 2, "draft_costs": SOMETIMES, "lookup": False}),
-        (0.0, {"draft_costs": CHEAP, "lookup": True}),  # greedy outputs repeat: lookup rounds
+        ("autoregressive", 1.0, {**FLOOR, "draft_costs": SOMETIMES}),
+        ("parallel", 1.0, {**FLOOR, "draft_costs": SOMETIMES_PARALLEL}),
+        ("autoregressive", 0.0, LOOKUP),
+        ("parallel", 0.0, LOOKUP),
     ],
-    ids=["after-floor-steps", "after-lookup-rounds"],
+    ids=[
+        "ar-after-floor-steps",
+        "parallel-after-floor-steps",
+        "ar-after-lookup",
+        "parallel-after-lookup",
+    ],
 )
-def test_autoregressive_q_is_a_cache_free_forward_at_every_draft(
-    pair, temperature, setting, monkeypatch
-):
+def test_every_drafts_q_is_a_cache_free_forward(pair, drafting, temperature, setting, monkeypatch):
     """Losslessness cannot see a drafter fed the wrong tokens or positions (the verify corrects
-    it, only acceptance drops): every draft's q (sampling; greedy: q's probability of its draft,
-    the confidence) must come from a cache-free forward over the prompt, the tokens emitted so
-    far and the round's earlier drafts, also after the plain steps and lookup rounds whose
-    tokens the drafter reads late (its lag)."""
+    it, only acceptance drops; vLLM PR 55257's one-token shift of a PARD drafter): every draft's
+    q (sampling; greedy: q's probability of its draft, the confidence) must come from a
+    cache-free forward over the prompt, the tokens emitted so far and what follows them in the
+    round (autoregressive: its earlier drafts; parallel: mask tokens), also after the plain steps
+    and lookup rounds whose tokens the drafter reads late (its lag)."""
     target, drafter = pair
     monkeypatch.setattr(DraftLengthPolicy, "doubt", 0.0)  # the probe ladder: more probes
     sampling = Sampling(temperature=temperature)
+    mask_id = 63 if drafting == "parallel" else None
     cfg = DecoderConfig(
-        max_new_tokens=48, max_draft=3, draft_length="confidence", sampling=sampling, **setting
+        max_new_tokens=48,
+        max_draft=3,
+        draft_length="confidence",
+        sampling=sampling,
+        drafting=drafting,
+        mask_token_id=mask_id,
+        **setting,
     )
     dec = SpeculativeDecoder(target, drafter, cfg)
     rounds: list[tuple[int, list[int], torch.Tensor | None, list[float]]] = []
@@ -315,7 +334,12 @@ def test_autoregressive_q_is_a_cache_free_forward_at_every_draft(
             chain = seq[: len(prompt) + done]
             for j, d in enumerate(drafts):
                 with torch.inference_mode():
-                    logits = drafter(torch.tensor([chain])).logits[0, -1, :64]
+                    if mask_id is None:
+                        logits = drafter(torch.tensor([chain])).logits[0, -1, :64]
+                    else:  # one forward: q_j at the (j-1)-th mask after the real tokens
+                        real = chain[: len(chain) - j]
+                        x = torch.tensor([real + [mask_id] * (len(drafts) - 1)])
+                        logits = drafter(x).logits[0, len(real) - 1 + j, :64]
                 if q is None:  # greedy: the draft is q's argmax, its confidence q's probability
                     assert d == int(logits.argmax()), (len(chain), j)
                     want = float(torch.softmax(logits.float(), -1)[d])
