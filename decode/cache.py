@@ -41,7 +41,7 @@ from specdistill.decode.cache_layers import (
 )
 from specdistill.decode.cpu_matmul import LINEAR, Layout, has_two_column_weight, weight_major_linear
 from specdistill.decode.draft_vocab import SubsetHead, swapped_head
-from specdistill.decode.lean_step import lean_forward, lean_problem
+from specdistill.decode.lean_step import lean_forward, lean_plan, lean_problem
 
 ROLLBACK_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
 
@@ -164,6 +164,7 @@ class ModelRunner:
             and not compile_steps
             and lean_problem(model, (types, self.window)) is None
         )
+        self._plan = lean_plan(model) if self._lean else None
 
     def forward(
         self,
@@ -240,8 +241,8 @@ class ModelRunner:
         ):
             if lean:
                 logits = lean_forward(
-                    self.model, self.cache, ids, attention_mask, position_ids, self.length,
-                    keep, self._packed,
+                    self.model, self._plan, self.cache, ids, attention_mask, position_ids,
+                    self.length, keep, self._packed,
                 )  # fmt: skip
             else:
                 logits = fn(

@@ -5,10 +5,12 @@ decorators (deprecation, config defaults, output capturing), builds a causal mas
 `create_causal_mask`, and calls every submodule through `nn.Module.__call__`; on the toy pair
 that is about as long as the arithmetic of the drafter's step, so it set c (drafter step /
 target step) more than the models' sizes did. `lean_forward` runs the same computation from the
-same modules and weights (embedding, RMSNorms, projections, the model's own rotary embedding and
-`apply_rotary_pos_emb`, the cache's own layers, `transformers`' SDPA attention or the packed
-GQA one) with the mask built directly from the decoder's slot mask. Prefill keeps the model's own
-forward (long, compute-bound; not worth a second path).
+same modules and weights (embedding, RMSNorms, projections, the model's own rotary embedding, the
+cache's own layers, `transformers`' SDPA attention or the packed GQA one) with the mask built
+directly from the decoder's slot mask, the modules looked up once per runner (`lean_plan`) and
+the norms and rotations written out op for op (`rms_norm`, `rotary_tables`): the same bits as
+the model's forward computes them, fewer dispatches. Prefill keeps the model's own forward (long,
+compute-bound; not worth a second path).
 
 Only models whose forward is exactly that computation qualify (`lean_problem`): Llama, Mistral or
 Qwen2 with SDPA attention, SiLU MLP, full attention in every layer, no tensor-parallel split;
@@ -18,11 +20,16 @@ or a test) keeps `model.forward`. tests/decode/test_lean_step.py holds the two p
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 # Llama's decoder layer, or one whose only differences the modules carry (Qwen2: biased q/k/v
 # projections; Mistral: a sliding window, refused below when set)
 LEAN_TYPES = ("llama", "mistral", "qwen2")
+# each type's own RMSNorm class, whose formula `rms_norm` writes out (a norm swapped for another
+# class, e.g. by a quantisation or a test, keeps `model.forward`)
+RMS_NORMS = {"llama": "LlamaRMSNorm", "mistral": "MistralRMSNorm", "qwen2": "Qwen2RMSNorm"}
 
 
 def lean_problem(model, layers: tuple[list[str], int | None] | None = None) -> str | None:
@@ -48,6 +55,13 @@ def lean_problem(model, layers: tuple[list[str], int | None] | None = None) -> s
         hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")
     ):
         return "an unfamiliar module layout"
+    norms = [inner.norm] + [
+        getattr(layer, name, None)
+        for layer in inner.layers
+        for name in ("input_layernorm", "post_attention_layernorm")
+    ]
+    if not all(type(n).__name__ == RMS_NORMS[config.model_type] for n in norms):
+        return "a norm other than the model type's own RMSNorm"
     return None
 
 
@@ -66,8 +80,88 @@ def causal_mask(
     return mask2d[:, None, None, :width].bool() & causal
 
 
+class LeanLayer(NamedTuple):
+    """One decoder layer's modules, looked up once (`nn.Module.__getattr__` costs about a
+    microsecond a call, and a step looked up some thirty a layer). Modules, not their weights:
+    weights are read at each call, so in-place training and a patched `nn.Linear.forward` (the
+    CPU linear layouts, decode.cpu_matmul) apply as they would through the model's forward."""
+
+    in_norm: torch.nn.Module
+    q: torch.nn.Linear
+    k: torch.nn.Linear
+    v: torch.nn.Linear
+    o: torch.nn.Linear
+    post_norm: torch.nn.Module
+    gate: torch.nn.Linear
+    up: torch.nn.Linear
+    down: torch.nn.Linear
+    act: torch.nn.Module
+    attn: torch.nn.Module
+
+
+class LeanPlan(NamedTuple):
+    """What `lean_forward` reads of a model, resolved once per `ModelRunner` (a decode's life):
+    a module swapped into the model after that is not seen, so a runner is never kept across
+    such a change."""
+
+    embed: torch.nn.Embedding
+    rotary: torch.nn.Module
+    norm: torch.nn.Module
+    layers: tuple[LeanLayer, ...]
+    head_dim: int
+    scaling: float
+
+
+def lean_plan(model) -> LeanPlan:
+    """The modules of a model `lean_problem` accepts, in the order `lean_forward` runs them."""
+    inner = model.model
+    layers = tuple(
+        LeanLayer(
+            layer.input_layernorm,
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.self_attn.o_proj,
+            layer.post_attention_layernorm,
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+            layer.mlp.down_proj,
+            layer.mlp.act_fn,
+            layer.self_attn,
+        )
+        for layer in list(inner.layers)[: model.config.num_hidden_layers]
+    )
+    attn = layers[0].attn
+    return LeanPlan(
+        inner.embed_tokens, inner.rotary_emb, inner.norm, layers, attn.head_dim, attn.scaling
+    )
+
+
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)` for the RMSNorm of Llama, Mistral and Qwen2 (the same formula, op for op, so
+    the same bits), without its casts where x is float32 already (each cast is a dispatch)."""
+    if x.dtype == torch.float32:
+        return norm.weight * (
+            x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        )
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """cos and sin (B, n, D) as (B, 1, n, D), sin with its first half negated, and D / 2: then
+    `x * cos + x.roll(D / 2, -1) * sin'` is `apply_rotary_pos_emb`'s `x * cos + rotate_half(x) *
+    sin` bit for bit (a negation is exact, wherever it is applied), in four ops a tensor instead
+    of seven, with the tables built once a step instead of once a layer."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), -1), half
+
+
 def lean_forward(
     model,
+    plan: LeanPlan,
     cache,
     ids: torch.Tensor,
     mask2d: torch.Tensor | None,
@@ -78,34 +172,33 @@ def lean_forward(
 ) -> torch.Tensor:
     """Logits of the last `keep` positions (0: all) of `ids` (B, n) appended to `cache` at
     `length` slots: `model(input_ids=ids, attention_mask=mask2d, position_ids=position_ids,
-    past_key_values=cache, logits_to_keep=keep).logits`, computed layer by layer. `packed`:
-    multi-token steps attend through `packed_gqa_attention` (as the runner's own forward does)."""
+    past_key_values=cache, logits_to_keep=keep).logits`, computed layer by layer from `plan`
+    (`lean_plan(model)`). `packed`: multi-token steps attend through `packed_gqa_attention` (as
+    the runner's own forward does)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from specdistill.decode.cache_layers import packed_gqa_attention
 
-    inner = model.model
     b, n = ids.shape
-    x = inner.embed_tokens.forward(ids)
+    x = plan.embed.forward(ids)
     if position_ids is None:
         position_ids = torch.arange(length, length + n, device=ids.device)[None]
-    cos, sin = inner.rotary_emb.forward(x, position_ids)
+    cos, sin, half = rotary_tables(*plan.rotary.forward(x, position_ids))
     mask = causal_mask(mask2d, length, n, b, ids.device)
     attend = packed_gqa_attention if packed and n > 1 else sdpa_attention_forward
-    for i, layer in enumerate(inner.layers[: model.config.num_hidden_layers]):
-        attn, mlp = layer.self_attn, layer.mlp
-        h = layer.input_layernorm.forward(x)
-        shape = (b, n, -1, attn.head_dim)
-        q = attn.q_proj.forward(h).view(shape).transpose(1, 2)
-        k = attn.k_proj.forward(h).view(shape).transpose(1, 2)
-        v = attn.v_proj.forward(h).view(shape).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        k, v = cache.layers[i].update(k, v)
-        o, _ = attend(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
-        x = x + attn.o_proj.forward(o.reshape(b, n, -1).contiguous())
-        h = layer.post_attention_layernorm.forward(x)
-        gate = mlp.act_fn(mlp.gate_proj.forward(h))
-        x = x + mlp.down_proj.forward(gate * mlp.up_proj.forward(h))
-    x = inner.norm.forward(x[:, -keep:] if keep else x)
+    shape, scaling = (b, n, -1, plan.head_dim), plan.scaling
+    slots = cache.layers
+    for i, layer in enumerate(plan.layers):
+        h = rms_norm(layer.in_norm, x)
+        q = layer.q.forward(h).view(shape).transpose(1, 2)
+        k = layer.k.forward(h).view(shape).transpose(1, 2)
+        v = layer.v.forward(h).view(shape).transpose(1, 2)
+        q = q * cos + q.roll(half, -1) * sin
+        k = k * cos + k.roll(half, -1) * sin
+        k, v = slots[i].update(k, v)
+        o, _ = attend(layer.attn, q, k, v, mask, dropout=0.0, scaling=scaling)
+        x = x + layer.o.forward(o.reshape(b, n, -1).contiguous())
+        h = rms_norm(layer.post_norm, x)
+        x = x + layer.down.forward(layer.act(layer.gate.forward(h)) * layer.up.forward(h))
+    x = rms_norm(plan.norm, x[:, -keep:] if keep else x)
     return model.get_output_embeddings()(x)

@@ -10,7 +10,7 @@ import torch
 from specdistill.decode.cache import ModelRunner
 from specdistill.decode.cpu_matmul import LINEAR, WEIGHT_MAJOR
 from specdistill.decode.draft_vocab import SubsetHead
-from specdistill.decode.lean_step import causal_mask, lean_problem
+from specdistill.decode.lean_step import causal_mask, lean_problem, rms_norm, rotary_tables
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.conftest import tiny_llama
 
@@ -115,6 +115,50 @@ def test_draft_vocab_head_matches_the_model():
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("make", MODELS, ids=MODEL_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_and_rotations_are_the_models_own_bits(make, dtype):
+    """`rms_norm` and `rotary_tables` write out the model's RMSNorm and `apply_rotary_pos_emb`
+    op for op: equal to the last bit (not within a tolerance), so the lean step's logits are the
+    ones the written-out modules would give."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = make().to(dtype)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(2, 5, model.config.hidden_size, generator=g) * 3).to(dtype)
+    for norm in (model.model.norm, model.model.layers[0].input_layernorm):
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)
+        assert torch.equal(rms_norm(norm, x), norm(x))
+    heads, dim = model.config.num_attention_heads, model.model.layers[0].self_attn.head_dim
+    q = torch.randn(2, heads, 5, dim, generator=g).to(dtype)
+    k = torch.randn(2, 2, 5, dim, generator=g).to(dtype)
+    cos, sin = model.model.rotary_emb(x, torch.tensor([[3, 9, 10, 11, 40], [0, 1, 2, 3, 4]]))
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    cos1, sin1, half = rotary_tables(cos, sin)
+    assert torch.equal(q * cos1 + q.roll(half, -1) * sin1, want_q)
+    assert torch.equal(k * cos1 + k.roll(half, -1) * sin1, want_k)
+
+
+@torch.inference_mode()
+def test_the_plan_reads_weights_at_each_step():
+    """A runner resolves the modules once; weights replaced after that (a new Parameter, as
+    loading or a layout change may do) are what its next step computes with."""
+    model = tiny_llama(seed=6)
+    runners = [ModelRunner(model, static=False, capacity=32, lean=lean) for lean in (False, True)]
+    assert runners[1]._lean
+    prompt = torch.randint(1, 64, (1, 8), generator=torch.Generator().manual_seed(2))
+    for r in runners:
+        r.forward(prompt, prefill=True)
+    layer = model.model.layers[1]
+    g = torch.Generator().manual_seed(3)
+    layer.post_attention_layernorm.weight = torch.nn.Parameter(torch.rand(32, generator=g) + 0.5)
+    layer.mlp.up_proj.weight = torch.nn.Parameter(torch.randn(64, 32, generator=g))
+    hf, lean = (r.forward(torch.tensor([[5]]), keep=1) for r in runners)
+    torch.testing.assert_close(lean, hf, rtol=1e-5, atol=1e-5)
+
+
 def test_causal_mask_is_bottom_right_and_keeps_the_slot_mask():
     m = causal_mask(None, 3, 2, 1, "cpu")[0, 0]
     assert m.tolist() == [[True] * 4 + [False], [True] * 5]
@@ -136,6 +180,9 @@ def test_who_qualifies():
     eager.config._attn_implementation = "eager"
     assert "sdpa" in lean_problem(eager)
     assert not ModelRunner(tiny_llama(), static=True, capacity=8, lean=True)._lean
+    swapped = tiny_llama()  # a norm of another formula: `rms_norm` would not compute it
+    swapped.model.layers[1].post_attention_layernorm = torch.nn.LayerNorm(32)
+    assert lean_problem(swapped) == "a norm other than the model type's own RMSNorm"
 
 
 @torch.inference_mode()
