@@ -153,7 +153,12 @@ class ModelRunner:
         types, self.window = cache_layer_types(model.config)
         self.hybrid = self.window is not None and "full_attention" in types
         self.cache = rollback_cache(model.config, static=static, capacity=capacity)
-        self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+        params = inspect.signature(model.forward).parameters
+        self._keep_arg = "logits_to_keep" in params
+        # transformers 5 renamed the forward's cache argument `cache`; `past_key_values` is
+        # deprecated there and due to go within the versions pyproject allows: pass the name
+        # this model's forward takes (older forwards and remote code know only the old one)
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._packed = packed_sdpa_for(model)  # multi-token steps: packed GQA attention
         self._eager = model.forward
         self._step = compiled_forward(model) if compile_steps else self._eager
@@ -224,6 +229,7 @@ class ModelRunner:
         if attention_mask is not None and self.window is not None:
             attention_mask = self._window_masks(attention_mask.bool(), n)
         kwargs = {"logits_to_keep": keep} if self._keep_arg and keep else {}
+        kwargs[self._cache_arg] = self.cache
         # The first call lazily allocates the cache; it must run eagerly so the buffers get static
         # addresses (allocated inside a CUDA-graph step they would live in the graph's pool and
         # be overwritten by the next replay). Prompts of one token have no prefill to do this.
@@ -249,7 +255,6 @@ class ModelRunner:
                     input_ids=ids,
                     attention_mask=attention_mask,
                     position_ids=position_ids,
-                    past_key_values=self.cache,
                     use_cache=True,
                     **kwargs,
                 ).logits

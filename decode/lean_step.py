@@ -172,7 +172,7 @@ def lean_forward(
 ) -> torch.Tensor:
     """Logits of the last `keep` positions (0: all) of `ids` (B, n) appended to `cache` at
     `length` slots: `model(input_ids=ids, attention_mask=mask2d, position_ids=position_ids,
-    past_key_values=cache, logits_to_keep=keep).logits`, computed layer by layer from `plan`
+    cache=cache, logits_to_keep=keep).logits`, computed layer by layer from `plan`
     (`lean_plan(model)`). `packed`: multi-token steps attend through `packed_gqa_attention` (as
     the runner's own forward does)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

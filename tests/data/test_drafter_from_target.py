@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -90,8 +91,14 @@ def test_built_drafter_is_the_chosen_layers(target_dir):
         assert torch.equal(drafter(ids).logits, _manual(target, ids, [0, 2, 5]))
         # and the KV cache works layer by layer (decoding one token after a prefix)
         full = drafter(ids).logits[:, -1]
-        past = drafter(ids[:, :-1], use_cache=True).past_key_values
-        step = drafter(ids[:, -1:], past_key_values=past, use_cache=True).logits[:, -1]
+        # the cache by the name this transformers' forward takes (`cache` since its rename)
+        name = (
+            "cache"
+            if "cache" in inspect.signature(drafter.forward).parameters
+            else "past_key_values"
+        )
+        past = drafter(ids[:, :-1], use_cache=True)[name]
+        step = drafter(ids[:, -1:], use_cache=True, **{name: past}).logits[:, -1]
         assert torch.allclose(full, step, atol=1e-5)
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.get_vocab() == AutoTokenizer.from_pretrained(target_dir).get_vocab()

@@ -172,7 +172,7 @@ def _instrument(model):
     @functools.wraps(inner)
     def forward(*args, **kwargs):
         out = inner(*args, **kwargs)
-        cache = kwargs["past_key_values"]
+        cache = kwargs["cache"] if "cache" in kwargs else kwargs["past_key_values"]
         keys = cache.layers[0].keys
         seen.append((kwargs["input_ids"].shape[1], id(cache), keys.untyped_storage().data_ptr()))
         return out

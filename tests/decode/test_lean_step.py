@@ -205,3 +205,45 @@ def test_decodes_agree_with_and_without_lean_steps(temperature):
     assert outs[0] == outs[1]
     if temperature == 0.0:
         assert outs[0][0] == outs[0][1]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("make", MODELS, ids=MODEL_IDS)
+def test_the_cache_goes_by_the_name_the_forward_takes(make):
+    """`transformers` 5 renamed the forward's cache argument `cache` and deprecated
+    `past_key_values` (due to go within the versions pyproject allows): a runner passes the
+    name the model's forward takes, so prefills and `model.forward` steps warn of nothing; a
+    forward that knows only the old name (older models, remote code) still gets its cache."""
+    import inspect
+    import warnings
+
+    model = make()
+    takes_cache = "cache" in inspect.signature(model.forward).parameters
+    prompt = torch.randint(1, 64, (1, 9), generator=torch.Generator().manual_seed(4))
+    runner = ModelRunner(model, static=False, capacity=32, lean=False)
+    assert runner._cache_arg == ("cache" if takes_cache else "past_key_values")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        runner.forward(prompt, prefill=True)
+        want = runner.forward(torch.tensor([[3, 4]]))
+
+    plain = model.forward
+    got_names: list[str] = []
+
+    def old_style(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                  use_cache=None, logits_to_keep=0):  # fmt: skip
+        got_names.append("past_key_values")
+        kw = {"cache" if takes_cache else "past_key_values": past_key_values}
+        return plain(input_ids=input_ids, attention_mask=attention_mask,
+                     position_ids=position_ids, use_cache=use_cache,
+                     logits_to_keep=logits_to_keep, **kw)  # fmt: skip
+
+    model.forward = old_style
+    try:
+        old = ModelRunner(model, static=False, capacity=32, lean=False)
+        assert old._cache_arg == "past_key_values"
+        old.forward(prompt, prefill=True)
+        torch.testing.assert_close(old.forward(torch.tensor([[3, 4]])), want, rtol=0, atol=0)
+    finally:
+        del model.forward
+    assert got_names == ["past_key_values"] * 2 and model.forward == plain

@@ -4,6 +4,8 @@ and nothing leaks out of the block or out of a pipeline stage."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -28,6 +30,7 @@ def recording(model):
     seen: list[tuple[int, int]] = []
     plain = model.forward
 
+    @functools.wraps(plain)  # the forward's own signature: the runner names its cache by it
     def forward(*args, **kwargs):
         seen.append((kwargs["input_ids"].shape[1], torch.get_num_threads()))
         return plain(*args, **kwargs)
