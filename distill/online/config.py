@@ -205,7 +205,7 @@ def _check(cfg: DictConfig) -> list[Segment]:
 
 def decoder_settings(cfg: DictConfig) -> DecoderSettings:
     """The `decoder` node typed and checked, with what online adaptation needs of it: a fixed
-    gamma and autoregressive drafts."""
+    gamma, a fixed CPU linear layout and autoregressive drafts."""
     settings = DecoderSettings.from_node(cfg.decoder, "decoder")
     if settings.gamma is None:
         raise ConfigError("decoder.gamma=auto is not supported online: set an integer gamma")
@@ -214,6 +214,12 @@ def decoder_settings(cfg: DictConfig) -> DecoderSettings:
             f"decoder.draft_length={settings.draft_length} is not supported online: its step "
             "costs are timed, so a resumed run would decode other rounds; set "
             "decoder.draft_length=fixed"
+        )
+    if settings.cpu_matmul == "auto":
+        raise ConfigError(
+            "decoder.cpu_matmul=auto is not supported online: it times the CPU linear layouts, "
+            "which round differently, so a resumed run could learn from other bits; set "
+            "decoder.cpu_matmul=linear (or weight_major, packed)"
         )
     if settings.drafting != "autoregressive":
         raise ConfigError(

@@ -31,7 +31,7 @@ def test_online_yaml_defaults_equal_the_dataclass_defaults():
         if f.default is not dataclasses.MISSING
     }
     assert {k: getattr(s, k) for k in defaults} == defaults
-    assert s.decoder == DecoderSettings(draft_length="fixed") and [g.label for g in s.segments] == [
+    assert s.decoder == DecoderSettings(draft_length="fixed", cpu_matmul="linear") and [g.label for g in s.segments] == [
         "toy-test", "stdlib-mail", "stdlib-numeric"
     ]  # fmt: skip
 
@@ -46,6 +46,8 @@ def test_typed_values_and_the_gate_by_serving_mode():
     # the decoder group's adaptive default is fixed gamma online, in both serving modes
     assert OnlineSettings.from_cfg(_cfg()).decoder.draft_length == "fixed"
     assert OnlineSettings.from_cfg(_cfg("decoder=sampling")).decoder.draft_length == "fixed"
+    # and one CPU linear layout (a timed choice would decode a resumed run with other bits)
+    assert OnlineSettings.from_cfg(_cfg("decoder=sampling")).decoder.cpu_matmul == "linear"
 
 
 @pytest.mark.parametrize(
@@ -54,6 +56,7 @@ def test_typed_values_and_the_gate_by_serving_mode():
         ("window=0", "window=0 must be a positive integer"),
         ("decoder.gamma=auto", "decoder.gamma=auto is not supported online"),
         ("decoder.draft_length=confidence", "decoder.draft_length=confidence is not supported"),
+        ("decoder.cpu_matmul=auto", "decoder.cpu_matmul=auto is not supported online"),
         ("decoder.cache=paged", "decoder.cache='paged'"),
         ("gate_agreement=2", "gate_agreement=2 must be a cosine"),
     ],
