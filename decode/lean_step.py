@@ -140,13 +140,10 @@ def lean_plan(model) -> LeanPlan:
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`norm(x)` for the RMSNorm of Llama, Mistral and Qwen2 (the same formula, op for op, so
     the same bits), without its casts where x is float32 already (each cast is a dispatch)."""
-    if x.dtype == torch.float32:
-        return norm.weight * (
-            x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-        )
-    h = x.to(torch.float32)
+    wide = x.dtype == torch.float32
+    h = x if wide else x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(x.dtype)
+    return norm.weight * (h if wide else h.to(x.dtype))
 
 
 def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
