@@ -122,6 +122,13 @@ class ForwardClock:
         ForwardClock.current = self._outer  # an outer clock misses what this one counted
 
 
+def cache_argument(model) -> str:
+    """The keyword `model.forward` takes its KV cache by: `transformers` 5 renamed it `cache`
+    (`past_key_values` deprecated there, due to go within the versions pyproject allows); older
+    forwards and remote code know only the old name."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class ModelRunner:
     """A model with a KV cache of `length` committed slots; `forward` appends, `rollback` drops."""
 
@@ -153,12 +160,8 @@ class ModelRunner:
         types, self.window = cache_layer_types(model.config)
         self.hybrid = self.window is not None and "full_attention" in types
         self.cache = rollback_cache(model.config, static=static, capacity=capacity)
-        params = inspect.signature(model.forward).parameters
-        self._keep_arg = "logits_to_keep" in params
-        # transformers 5 renamed the forward's cache argument `cache`; `past_key_values` is
-        # deprecated there and due to go within the versions pyproject allows: pass the name
-        # this model's forward takes (older forwards and remote code know only the old one)
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_arg = cache_argument(model)
         self._packed = packed_sdpa_for(model)  # multi-token steps: packed GQA attention
         self._eager = model.forward
         self._step = compiled_forward(model) if compile_steps else self._eager

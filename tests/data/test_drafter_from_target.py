@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 
 import pytest
@@ -14,6 +13,7 @@ from specdistill.data.models.drafter_from_target import (
     parse_layers,
 )
 from specdistill.data.runtime import ConfigError
+from specdistill.decode.cache import cache_argument
 from tests.data.gguf_models import tiny_bpe, tiny_llama
 
 
@@ -91,12 +91,7 @@ def test_built_drafter_is_the_chosen_layers(target_dir):
         assert torch.equal(drafter(ids).logits, _manual(target, ids, [0, 2, 5]))
         # and the KV cache works layer by layer (decoding one token after a prefix)
         full = drafter(ids).logits[:, -1]
-        # the cache by the name this transformers' forward takes (`cache` since its rename)
-        name = (
-            "cache"
-            if "cache" in inspect.signature(drafter.forward).parameters
-            else "past_key_values"
-        )
+        name = cache_argument(drafter)  # `cache` since transformers' rename
         past = drafter(ids[:, :-1], use_cache=True)[name]
         step = drafter(ids[:, -1:], use_cache=True, **{name: past}).logits[:, -1]
         assert torch.allclose(full, step, atol=1e-5)
