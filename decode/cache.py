@@ -41,7 +41,13 @@ from specdistill.decode.cache_layers import (
 )
 from specdistill.decode.cpu_matmul import LINEAR, Layout, has_two_column_weight, weight_major_linear
 from specdistill.decode.draft_vocab import SubsetHead, swapped_head
-from specdistill.decode.lean_step import lean_forward, lean_plan, lean_problem
+from specdistill.decode.lean_step import (
+    RotaryTable,
+    lean_forward,
+    lean_plan,
+    lean_problem,
+    rotary_table_problem,
+)
 
 ROLLBACK_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
 
@@ -173,6 +179,9 @@ class ModelRunner:
             and lean_problem(model, (types, self.window)) is None
         )
         self._plan = lean_plan(model) if self._lean else None
+        # a dense lean step's cos and sin, sliced from a table built at the first such step
+        self._table: RotaryTable | None = None
+        self._tabled = self._lean and rotary_table_problem(model) is None
 
     def forward(
         self,
@@ -249,9 +258,12 @@ class ModelRunner:
             Attention(self.model.config, PACKED_SDPA if self._packed and n > 1 else None),
         ):
             if lean:
+                if self._tabled and self._table is None and position_ids is None:
+                    like = torch.empty(0, dtype=self.dtype, device=ids.device)
+                    self._table = RotaryTable(self._plan.rotary, like, self.capacity)
                 logits = lean_forward(
                     self.model, self._plan, self.cache, ids, attention_mask, position_ids,
-                    self.length, keep, self._packed,
+                    self.length, keep, self._packed, self._table,
                 )  # fmt: skip
             else:
                 logits = fn(
@@ -263,7 +275,7 @@ class ModelRunner:
                 ).logits
         self.length += n
         self._allocated = True
-        return logits if not keep else logits[:, -keep:]
+        return logits if not keep or keep >= n else logits[:, -keep:]
 
     def _window_masks(self, mask2d: torch.Tensor, n: int):
         """4-D additive masks from real positions (slots minus padding and holes), so a sliding

@@ -8,8 +8,9 @@ target step) more than the models' sizes did. `lean_forward` runs the same compu
 same modules and weights (embedding, RMSNorms, projections, the model's own rotary embedding, the
 cache's own layers, `transformers`' SDPA attention or the packed GQA one) with the mask built
 directly from the decoder's slot mask, the modules looked up once per runner (`lean_plan`) and
-the norms and rotations written out op for op (`rms_norm`, `rotary_tables`): the same bits as
-the model's forward computes them, fewer dispatches. Prefill keeps the model's own forward (long,
+the norms and rotations written out op for op (`rms_norm`, `rotary_tables`), and a dense step's
+cos and sin sliced from a table of every position the cache can hold (`RotaryTable`): the same
+bits as the model's forward computes them, fewer dispatches. Prefill keeps the model's own forward (long,
 compute-bound; not worth a second path).
 
 Only models whose forward is exactly that computation qualify (`lean_problem`): Llama, Mistral or
@@ -156,6 +157,51 @@ def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, t
     return cos, torch.cat((-sin[..., :half], sin[..., half:]), -1), half
 
 
+# rope types whose cos and sin depend on the position alone: `transformers`' `dynamic_rope_update`
+# recomputes the frequencies of "dynamic" and "longrope" as a sequence grows, so those keep the
+# per-step rotary forward
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+class RotaryTable:
+    """cos and half-negated sin (`rotary_tables`) of every position a runner's cache can hold,
+    computed once by the model's own rotary embedding, so a dense step slices its rows instead of
+    running that embedding (some ten dispatches a step: a tenth of a toy drafter's step).
+
+    The same bits as the per-step computation: every op of the embedding is elementwise (a
+    product of the position and a frequency, a concat, cos and sin, the attention scaling, a
+    cast), and an elementwise op's result for one position does not depend on which others share
+    its call. Built in calls of a few thousand elements, under the size at which torch splits an
+    elementwise op across threads. tests/decode/test_lean_step.py holds every row to the
+    per-step output at several step widths."""
+
+    def __init__(self, rotary: torch.nn.Module, like: torch.Tensor, capacity: int) -> None:
+        dim = rotary.inv_freq.shape[-1] * 2
+        rows = max(1, 4096 // dim)
+        cos, sin = [], []
+        for start in range(0, capacity, rows):
+            pos = torch.arange(start, min(start + rows, capacity), device=like.device)[None]
+            c, s = rotary.forward(like, pos)
+            cos.append(c)
+            sin.append(s)
+        self.cos, self.sin, self.half = rotary_tables(torch.cat(cos, 1), torch.cat(sin, 1))
+        self.capacity = capacity
+
+    def rows(self, length: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin' (1, 1, n, D) of positions length .. length + n - 1."""
+        return self.cos[:, :, length : length + n], self.sin[:, :, length : length + n]
+
+
+def rotary_table_problem(model) -> str | None:
+    """Why a model's dense steps must run its rotary embedding each step, or None."""
+    rotary = model.model.rotary_emb
+    if getattr(rotary, "rope_type", None) not in STATIC_ROPE:
+        return f"rope type {getattr(rotary, 'rope_type', None)!r} changes with the sequence"
+    if not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
+        return "no inv_freq buffer"
+    return None
+
+
 def lean_forward(
     model,
     plan: LeanPlan,
@@ -166,21 +212,26 @@ def lean_forward(
     length: int,
     keep: int,
     packed: bool,
+    table: RotaryTable | None = None,
 ) -> torch.Tensor:
     """Logits of the last `keep` positions (0: all) of `ids` (B, n) appended to `cache` at
     `length` slots: `model(input_ids=ids, attention_mask=mask2d, position_ids=position_ids,
     cache=cache, logits_to_keep=keep).logits`, computed layer by layer from `plan`
     (`lean_plan(model)`). `packed`: multi-token steps attend through `packed_gqa_attention` (as
-    the runner's own forward does)."""
+    the runner's own forward does). `table`: a dense step's (no position_ids) cos and sin come
+    from it when it reaches past the step."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from specdistill.decode.cache_layers import packed_gqa_attention
 
     b, n = ids.shape
     x = plan.embed.forward(ids)
-    if position_ids is None:
-        position_ids = torch.arange(length, length + n, device=ids.device)[None]
-    cos, sin, half = rotary_tables(*plan.rotary.forward(x, position_ids))
+    if position_ids is None and table is not None and length + n <= table.capacity:
+        (cos, sin), half = table.rows(length, n), table.half
+    else:
+        if position_ids is None:
+            position_ids = torch.arange(length, length + n, device=ids.device)[None]
+        cos, sin, half = rotary_tables(*plan.rotary.forward(x, position_ids))
     mask = causal_mask(mask2d, length, n, b, ids.device)
     attend = packed_gqa_attention if packed and n > 1 else sdpa_attention_forward
     shape, scaling = (b, n, -1, plan.head_dim), plan.scaling
@@ -197,5 +248,5 @@ def lean_forward(
         x = x + layer.o.forward(o.reshape(b, n, -1).contiguous())
         h = rms_norm(layer.post_norm, x)
         x = x + layer.down.forward(layer.act(layer.gate.forward(h)) * layer.up.forward(h))
-    x = rms_norm(plan.norm, x[:, -keep:] if keep else x)
+    x = rms_norm(plan.norm, x[:, -keep:] if 0 < keep < n else x)
     return model.get_output_embeddings()(x)

@@ -10,7 +10,14 @@ import torch
 from specdistill.decode.cache import ModelRunner
 from specdistill.decode.cpu_matmul import LINEAR, WEIGHT_MAJOR
 from specdistill.decode.draft_vocab import SubsetHead
-from specdistill.decode.lean_step import causal_mask, lean_problem, rms_norm, rotary_tables
+from specdistill.decode.lean_step import (
+    RotaryTable,
+    causal_mask,
+    lean_problem,
+    rms_norm,
+    rotary_table_problem,
+    rotary_tables,
+)
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from tests.conftest import tiny_llama
 
@@ -157,6 +164,85 @@ def test_the_plan_reads_weights_at_each_step():
     layer.mlp.up_proj.weight = torch.nn.Parameter(torch.randn(64, 32, generator=g))
     hf, lean = (r.forward(torch.tensor([[5]]), keep=1) for r in runners)
     torch.testing.assert_close(lean, hf, rtol=1e-5, atol=1e-5)
+
+
+def _roped(rope: dict | None, hidden: int = 32, heads: int = 4, seed: int = 8):
+    """A tiny Llama with the given `rope_parameters` (None: the default rope)."""
+    model = tiny_llama(hidden=hidden, heads=heads, seed=seed)
+    if rope is None:
+        return model
+    from transformers import LlamaForCausalLM
+
+    cfg = model.config
+    cfg.rope_parameters = {"rope_theta": 10000.0, **rope}
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}  # fmt: skip
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize(
+    "rope, hidden, heads",
+    [(None, 32, 4), (None, 128, 2), (None, 256, 2), (None, 80, 1), (LLAMA3, 32, 4), (YARN, 64, 2)],
+    ids=["hd8", "hd64", "hd128", "hd80", "llama3", "yarn"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_table_rows_are_the_per_step_bits(rope, hidden, heads, dtype):
+    """Every row a dense step slices from the table equals, to the last bit, what the model's
+    rotary embedding gives that step (widths 1, 3 and 9, at every start up to positions in the
+    thousands, where the angles are large)."""
+    model = _roped(rope, hidden, heads).to(dtype)
+    rotary = model.model.rotary_emb
+    assert rotary_table_problem(model) is None
+    like = torch.empty(0, dtype=dtype)
+    capacity = 2100
+    table = RotaryTable(rotary, like, capacity)
+    assert table.cos.dtype == dtype and table.cos.shape[2] == capacity
+    for n in (1, 3, 9):
+        for start in range(0, capacity - n + 1, 1 if n == 1 else 7):
+            want = rotary_tables(*rotary(like, torch.arange(start, start + n)[None]))
+            cos, sin = table.rows(start, n)
+            assert torch.equal(cos, want[0]) and torch.equal(sin, want[1]), (n, start)
+            assert table.half == want[2]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("make", MODELS, ids=MODEL_IDS)
+def test_dense_steps_from_the_table_give_the_same_logits(make):
+    """A lean runner's dense steps with the table against the same runner's steps without it:
+    equal logits, bit for bit, through steps of several widths and a rollback."""
+    model = make()
+    out = []
+    for tabled in (False, True):
+        r = ModelRunner(model, static=False, capacity=80, lean=True)
+        assert r._tabled  # a static rope: tabled unless turned off here
+        r._tabled = tabled
+        g = torch.Generator().manual_seed(4)
+        r.forward(torch.randint(1, 64, (1, 10), generator=g), prefill=True)
+        got = [r.forward(torch.randint(1, 64, (1, n), generator=g)) for n in (1, 3, 1, 9, 2)]
+        r.rollback(14)
+        got.append(r.forward(torch.randint(1, 64, (1, 4), generator=g), keep=2))
+        assert (r._table is not None) is tabled
+        out.append(got)
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+
+
+@torch.inference_mode()
+def test_a_dynamic_rope_runs_its_embedding_each_step():
+    """A rope whose frequencies change with the sequence gets no table, and its lean steps still
+    match the model's forward."""
+    model = _roped({"rope_type": "dynamic", "factor": 2.0})
+    assert "changes with the sequence" in rotary_table_problem(model)
+    r = ModelRunner(model, static=False, capacity=64, lean=True)
+    assert r._lean and not r._tabled
+    hf, lean = _pair(model, [1, 3, 1])
+    for a, b in zip(hf, lean):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
 def test_causal_mask_is_bottom_right_and_keeps_the_slot_mask():
