@@ -31,6 +31,7 @@ import torch
 
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.acceptance import (
+    greedy_tokens,
     probs_from_logits,
     sample_from,
     uniforms,
@@ -353,7 +354,7 @@ class SpeculativeDecoder:
                 :, -1
             ]
             if s.greedy:
-                t = logits.argmax(-1)
+                t = greedy_tokens(logits)
             else:
                 probs = probs_from_logits(logits, s)
                 t = sample_from(probs, uniforms((b,), generator, self.device))

@@ -18,6 +18,7 @@ from specdistill.decode.acceptance import (
     acceptance_probs,
     expected_alpha,
     greedy_agreement,
+    greedy_tokens,
     probs_from_logits,
     sample_from,
     uniforms,
@@ -122,7 +123,7 @@ class Verifier:
             logits = logits[:, : self.vocab]
         # as few tensor ops as `baseline`'s step: at the floor this step is target-only decoding
         if s.greedy:
-            nxt = logits.argmax(-1)
+            nxt = greedy_tokens(logits)
             if st.plain_p is not None:
                 st.plain_p.append(None)  # p of a greedy token is 1: nothing to gather
         else:

@@ -31,7 +31,7 @@ import torch
 
 from specdistill.data.models.pairs import match_vocab
 from specdistill.data.sampling import Sampling
-from specdistill.decode.acceptance import probs_from_logits, sample_from, uniforms
+from specdistill.decode.acceptance import greedy_tokens, probs_from_logits, sample_from, uniforms
 from specdistill.decode.cache import ModelRunner, step_mask
 from specdistill.decode.prefill_memo import PrefillMemo, prefill_timed
 
@@ -175,7 +175,7 @@ class Drafter(ABC):
         clipped at 1 it is an unbiased estimate of the acceptance a draft would have had there:
         E_{x~p}[min(1, q(x)/p(x))] = sum_x min(p(x), q(x))."""
         if self.sampling.greedy:
-            return (logits.argmax(-1) == tokens).float()
+            return (greedy_tokens(logits) == tokens).float()
         q = probs_from_logits(logits, self.sampling)
         return q.gather(-1, tokens[..., None])[..., 0]
 
@@ -247,7 +247,7 @@ class Drafter(ABC):
         greedy only when `want_q` (confidences)."""
         if self.sampling.greedy:
             q = torch.softmax(logits.float(), -1) if want_q else None
-            return logits.argmax(-1), q
+            return greedy_tokens(logits), q
         q = probs_from_logits(logits, self.sampling)
         return sample_from(q, uniforms(tuple(logits.shape[:-1]), generator, self.device)), q
 

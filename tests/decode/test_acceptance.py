@@ -13,6 +13,7 @@ from specdistill.decode.acceptance import (
     best_gamma,
     expected_alpha,
     expected_tau,
+    greedy_tokens,
     probs_from_logits,
     process_logits,
     residual,
@@ -68,6 +69,24 @@ def test_greedy_probs_are_one_hot_of_argmax():
     got = probs_from_logits(logits, Sampling(temperature=0.0))
     assert torch.equal(got.argmax(-1), logits.argmax(-1))
     assert torch.equal(got.sum(-1), torch.ones(5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_tokens_are_argmax_ties_and_nans_included(dtype):
+    """The decoder's greedy pick is `argmax(-1)` to the index: rows full of ties (the lowest
+    index wins), a NaN (it wins), an all -inf row, views with a row offset, vocabularies from a
+    handful to SmolLM2's width, and against a Python scan of each row."""
+    g = torch.Generator().manual_seed(3)
+    for trial, vocab in enumerate([5, 16, 33, 4096, 49152] * 4):
+        x = torch.randint(0, 3, (2, 6, vocab), generator=g).to(dtype)  # values 0..2: many ties
+        x[0, 0, (7 * trial) % vocab] = float("nan")
+        x[1, 1] = float("-inf")
+        for v in (x, x[:, 2:], x[1]):
+            got = greedy_tokens(v)
+            assert torch.equal(got, v.argmax(-1))
+        row = x[0, 3].tolist()
+        assert int(greedy_tokens(x[0, 3])) == row.index(max(row))
+        assert int(greedy_tokens(x[0, 0])) == (7 * trial) % vocab
 
 
 def test_sample_from_is_inverse_cdf():
