@@ -179,7 +179,7 @@ class ModelRunner:
             and lean_problem(model, (types, self.window)) is None
         )
         self._plan = lean_plan(model) if self._lean else None
-        # a dense lean step's cos and sin, sliced from a table built at the first such step
+        # a dense lean step's cos and sin, sliced from the model's table (taken at the first such step)
         self._table: RotaryTable | None = None
         self._tabled = self._lean and rotary_table_problem(model) is None
 
@@ -260,7 +260,7 @@ class ModelRunner:
             if lean:
                 if self._tabled and self._table is None and position_ids is None:
                     like = torch.empty(0, dtype=self.dtype, device=ids.device)
-                    self._table = RotaryTable(self._plan.rotary, like, self.capacity)
+                    self._table = RotaryTable.shared(self._plan.rotary, like, self.capacity)
                 logits = lean_forward(
                     self.model, self._plan, self.cache, ids, attention_mask, position_ids,
                     self.length, keep, self._packed, self._table,

@@ -21,6 +21,7 @@ or a test) keeps `model.forward`. tests/decode/test_lean_step.py holds the two p
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -190,6 +191,30 @@ class RotaryTable:
     def rows(self, length: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin' (1, 1, n, D) of positions length .. length + n - 1."""
         return self.cos[:, :, length : length + n], self.sin[:, :, length : length + n]
+
+    @staticmethod
+    def shared(rotary: torch.nn.Module, like: torch.Tensor, capacity: int) -> RotaryTable:
+        """The table of `rotary` in `like`'s dtype and device covering `capacity` positions,
+        kept per rotary module: runners are made per decode, target-only decoding and the
+        speculative decoder each make theirs, and a table computed afresh for each would cost
+        every decode the same rows again. Rebuilt (to a power of two) when it is too short, or
+        when the module's frequencies differ from the ones it was built from (changed in place,
+        replaced, or cast with the model)."""
+        freq, key = rotary.inv_freq, (like.dtype, like.device)
+        held = _TABLES.get(rotary, {}).get(key)
+        if held is not None and held[1].capacity >= capacity and _same(held[0], freq):
+            return held[1]
+        table = RotaryTable(rotary, like, max(256, 1 << (capacity - 1).bit_length()))
+        _TABLES.setdefault(rotary, {})[key] = (freq.detach().clone(), table)
+        return table
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+
+
+# rotary module -> {(dtype, device): (the frequencies it was built from, table)}
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def rotary_table_problem(model) -> str | None:

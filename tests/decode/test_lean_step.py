@@ -233,6 +233,32 @@ def test_dense_steps_from_the_table_give_the_same_logits(make):
 
 
 @torch.inference_mode()
+def test_the_table_is_shared_and_rebuilt_when_it_must_be():
+    """Runners of one model share its table (decodes do not recompute it); a longer cache grows
+    it; frequencies changed in place rebuild it, and its rows are then the new embedding's."""
+    model = tiny_llama(seed=9)
+    rotary, like = model.model.rotary_emb, torch.empty(0)
+
+    def step(capacity):
+        r = ModelRunner(model, static=False, capacity=capacity, lean=True)
+        r.forward(torch.tensor([[1, 2, 3]]), prefill=True)
+        r.forward(torch.tensor([[4]]))
+        return r._table
+
+    first = step(40)
+    assert first is step(60) and first.capacity >= 60
+    longer = step(700)
+    assert longer is not first and longer.capacity >= 700
+    assert step(40) is longer
+    rotary.inv_freq.mul_(1.5)  # what a rope scaling applied after loading would do
+    again = step(40)
+    assert again is not longer
+    want = rotary_tables(*rotary(like, torch.arange(5, 8)[None]))
+    assert torch.equal(again.rows(5, 3)[0], want[0]) and torch.equal(again.rows(5, 3)[1], want[1])
+    assert not torch.equal(longer.rows(5, 3)[0], want[0])
+
+
+@torch.inference_mode()
 def test_a_dynamic_rope_runs_its_embedding_each_step():
     """A rope whose frequencies change with the sequence gets no table, and its lean steps still
     match the model's forward."""
