@@ -179,7 +179,7 @@ class ModelRunner:
             and lean_problem(model, (types, self.window)) is None
         )
         self._plan = lean_plan(model) if self._lean else None
-        # a dense lean step's cos and sin, sliced from the model's table (taken at the first such step)
+        # a dense lean step's cos and sin, sliced from the model's table (taken at its first one)
         self._table: RotaryTable | None = None
         self._tabled = self._lean and rotary_table_problem(model) is None
 

@@ -10,8 +10,8 @@ cache's own layers, `transformers`' SDPA attention or the packed GQA one) with t
 directly from the decoder's slot mask, the modules looked up once per runner (`lean_plan`) and
 the norms and rotations written out op for op (`rms_norm`, `rotary_tables`), and a dense step's
 cos and sin sliced from a table of every position the cache can hold (`RotaryTable`): the same
-bits as the model's forward computes them, fewer dispatches. Prefill keeps the model's own forward (long,
-compute-bound; not worth a second path).
+bits as the model's forward computes them, fewer dispatches. Prefill keeps the model's own
+forward (long, compute-bound; not worth a second path).
 
 Only models whose forward is exactly that computation qualify (`lean_problem`): Llama, Mistral or
 Qwen2 with SDPA attention, SiLU MLP, full attention in every layer, no tensor-parallel split;
@@ -167,7 +167,7 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 class RotaryTable:
     """cos and half-negated sin (`rotary_tables`) of every position a runner's cache can hold,
     computed once by the model's own rotary embedding, so a dense step slices its rows instead of
-    running that embedding (some ten dispatches a step: a tenth of a toy drafter's step).
+    running that embedding (some fifteen dispatches a step: a twelfth of a toy drafter's step).
 
     The same bits as the per-step computation: every op of the embedding is elementwise (a
     product of the position and a frequency, a concat, cos and sin, the attention scaling, a
