@@ -441,6 +441,10 @@ class SpeculativeDecoder:
         )
         steps = torch.arange(self.verify_widths[-1], device=self.device)
         policy.start(b)
+        # the drafter's prefill a first drafting round would pay (the prompt but its last token)
+        policy.pending = (
+            policy.costs.prefill_per_token * (plen - 1 - self.drafter_cut(plen)) if lazy else 0.0
+        )
         lookup = PromptLookup(ids[0, mask0[0]].tolist()) if cfg.lookup and dense else None
         shadow = adaptive and cfg.draft_floor  # the floor learns from the steps it skipped
         return RoundState(
@@ -472,6 +476,8 @@ class SpeculativeDecoder:
             if found:
                 self._lookup_round(st, found, active)
                 return
+        if st.adaptive:
+            st.policy.left = self._left(st.out.tokens, st.done)
         k = st.policy.plan(budget, active).k if st.adaptive else budget
         if not st.dense:
             st.mask[:, length : length + k + 1] = True
@@ -485,6 +491,7 @@ class SpeculativeDecoder:
         keep = st.policy.keep_drafting if reads_q else None
         shadow = len(st.plain_p) if st.plain_p else 0
         prop = self.drafting.propose(st.t, st.pos, k, st.generator, keep, shadow)
+        st.policy.pending = 0.0  # the drafter has read the prompt now
         if shadow:
             self._observe_shadow(st, prop.shadow, active)
         st.out.drafter_forwards += prop.forwards
@@ -576,5 +583,8 @@ class SpeculativeDecoder:
         g = self.max_draft
         if self.compile_target and self.cfg.draft_length == "fixed":
             return g
-        left = max(self.cfg.max_new_tokens - len(row) for row, d in zip(tokens, done) if not d)
-        return max(1, min(g, left - 1))
+        return max(1, min(g, self._left(tokens, done) - 1))
+
+    def _left(self, tokens: list[list[int]], done: list[bool]) -> int:
+        """The most tokens an unfinished row may still emit."""
+        return max(self.cfg.max_new_tokens - len(row) for row, d in zip(tokens, done) if not d)

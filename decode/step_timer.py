@@ -48,6 +48,7 @@ class StepTimer:
         self.role_ids = {"target": ids, "drafter": drafter_ids(ids)}
         self.dense = ids.shape[0] == 1
         self.runners: dict[str, tuple[ModelRunner, torch.Tensor]] = {}
+        self.prefill_seconds: dict[str, float] = {}  # each role's prompt prefill, as timed
 
     def _runner(self, role: str) -> tuple[ModelRunner, torch.Tensor]:
         """The role's runner (built and prefilled on first use) and its all-ones slot mask."""
@@ -57,8 +58,15 @@ class StepTimer:
             mask = torch.ones(ids.shape[0], runner.capacity, dtype=torch.bool, device=self.device)
             self.runners[role] = (runner, mask)
             # the prompt but its last token, fed as a decode's prefill feeds it (all slots valid)
-            prefill_timed(runner, ids, mask[:, : ids.shape[1]], self.dense, self.memo)
+            pre = prefill_timed(runner, ids, mask[:, : ids.shape[1]], self.dense, self.memo)
+            self.prefill_seconds[role] = pre.seconds
         return self.runners[role]
+
+    def prefill(self, role: str) -> float:
+        """Seconds per prompt token of the role's prefill of the prompt (but its last token),
+        timed when it ran (a prefill memo's restore reports the run it kept)."""
+        self._runner(role)
+        return self.prefill_seconds[role] / max(1, self.role_ids[role].shape[1] - 1)
 
     def _step(self, role: str, x: torch.Tensor) -> None:
         runner, mask = self.runners[role]

@@ -48,7 +48,10 @@ def time_forwards(dec, ids: torch.Tensor, iters: int = 16) -> ForwardTimings:
             for key, v in got.items():
                 ratios[key].append(v / tt)
     med = {key: statistics.median(v) for key, v in ratios.items()}
-    return ForwardTimings(med, statistics.median(steps))
+    # the drafter's prompt prefill per token (one prefill, timed as the timer ran it)
+    step = statistics.median(steps)
+    med["pq"] = timer.prefill("drafter") / step
+    return ForwardTimings(med, step)
 
 
 @torch.inference_mode()
@@ -98,6 +101,7 @@ def costs_from(dec, ids: torch.Tensor, timings: ForwardTimings) -> DraftCosts:
         if parallel and k > 1
         else 0.0,
         verify_tokens=table,
+        prefill_per_token=round(med.get("pq", 0.0), 5),
     )
     if b > 1:  # a batched round's host-side glue grows with the batch: time real rounds
         glue = realized_overhead(dec, ids, costs)

@@ -35,7 +35,12 @@ acceptance, decides between drafting and a plain target step; once a target step
 skipped tokens in one forward). A probe that does not pay for itself doubles the interval (up to
 64 probe_every, carried from call to call), one that does resets it to `probe_every`; a losing
 probe after which even the most hopeful acceptance the lifetime's verdicts allow (a Hoeffding
-bound at 1 - `doubt`) does not pay sets the longest interval at once (`_could_pay`).
+bound at 1 - `doubt`) does not pay sets the longest interval at once (`_could_pay`). A drafter
+that reads the prompt lazily (the floor's decodes) pays its prefill at the decode's first
+drafting round: until then (`pending`, in target steps) a round drafts only where the gain the
+rule expects over the tokens the decode has left (`left`) covers that prefill (`_prefill_pays`;
+a probe on the most hopeful acceptances, a decision on the averages), so a short decode does
+not buy the drafter's whole prefill for a round or two at break-even.
 
 Batches (`draft_scope`): `batch` picks one length for all rows from their summed gains (a batched
 drafter step costs the same however many rows use it); `row` lets each row stop on its own
@@ -130,6 +135,10 @@ class DraftLengthPolicy:
         self.scope, self.floor, self.probe_every = scope, floor, probe_every
         self.set_costs(costs)
         self.interval = probe_every  # plain target steps between floor probes (backs off)
+        # set by the decoder: target steps the drafter's prefill would cost at this decode's first
+        # drafting round (0 once it has read the prompt, or when it reads it eagerly), and the
+        # most tokens the decode still emits
+        self.pending, self.left = 0.0, 0
         # consecutive plain target steps, carried from call to call: with a backed-off interval
         # longer than one decode, a per-call count would never reach a probe again
         self.skipped = 0
@@ -206,26 +215,54 @@ class DraftLengthPolicy:
         """Row r's `_walk` at its recent acceptance."""
         return self._walk(self.first[r], self.follow[r], self.later[r])
 
-    def _best_m(self, active: list[bool], walks: list[list[float]] | None = None) -> int:
-        """The number of drafts m >= 0 that pays best at the rows' recent acceptance, or on
-        the given per-row `walks` (0: a target step beats every m). Batch scope: gains summed
-        over the active rows; row scope: the most any active row wants."""
+    def _walks(self, active: list[bool]) -> list[list[float]]:
+        return [self._accepted_by_length(r) if active[r] else [] for r in range(self.b)]
+
+    def _gains(self, active: list[bool], walks: list[list[float]]) -> list[float]:
+        """Per m = 1..max_k: the active rows' summed net gain of a round of m drafts over a
+        plain target step (tokens - rate * extra cost, `costs.py`)."""
         inc = self.increments[0]
-        if walks is None:
-            walks = [self._accepted_by_length(r) if active[r] else [] for r in range(self.b)]
-        if self.scope == "row":
-            return max(
-                (self._row_best_m(r, inc, walks[r]) for r in range(self.b) if active[r]),
-                default=0,
-            )
         total = [0.0] * len(inc)
         for r in range(self.b):
             if active[r]:
                 rate = self.rate(r)
                 for i, (tokens, c) in enumerate(zip(walks[r], inc)):
                     total[i] += tokens - rate * c
+        return total
+
+    def _best_m(self, active: list[bool], walks: list[list[float]] | None = None) -> int:
+        """The number of drafts m >= 0 that pays best at the rows' recent acceptance, or on
+        the given per-row `walks` (0: a target step beats every m). Batch scope: gains summed
+        over the active rows; row scope: the most any active row wants."""
+        inc = self.increments[0]
+        if walks is None:
+            walks = self._walks(active)
+        if self.scope == "row":
+            return max(
+                (self._row_best_m(r, inc, walks[r]) for r in range(self.b) if active[r]),
+                default=0,
+            )
+        total = self._gains(active, walks)
         best = max(range(len(total)), key=total.__getitem__, default=-1)
         return best + 1 if best >= 0 and total[best] > 1e-12 else 0
+
+    def _prefill_pays(self, active: list[bool], hopeful: bool = False) -> bool:
+        """Does drafting from this round on repay the drafter's pending prefill? The best m's
+        summed gain a round (tokens over a plain step's) times the rounds the decode has left
+        (`left` tokens at 1 + its expected accepted drafts a round) against the prefill's
+        `pending` target steps at the rows' throughput. hopeful: on the most hopeful acceptances
+        the lifetime's verdicts allow (what a probe explores with), else the averages."""
+        if self.pending <= 0:
+            return True
+        walks = [self._hopeful_walk()] * self.b if hopeful else self._walks(active)
+        gains = self._gains(active, walks)
+        best = max(range(len(gains)), key=gains.__getitem__, default=-1)
+        if best < 0 or gains[best] <= 1e-12:
+            return False
+        rows = [r for r in range(self.b) if active[r]]
+        per_round = sum(1.0 + walks[r][best] for r in rows) / len(rows)
+        rate = sum(self.rate(r) for r in rows) / len(rows)
+        return gains[best] * self.left / per_round > rate * self.pending
 
     def _row_best_m(self, r: int, inc: list[float], walk: list[float]) -> int:
         """Row r's best number of drafts m >= 0 on its walk of acceptances (`best_more`'s
@@ -258,13 +295,17 @@ class DraftLengthPolicy:
         back on the one before. doubt 0: nothing is ever ruled out (the plain ladder)."""
         if self.doubt <= 0:
             return True
+        return self._best_m(active, [self._hopeful_walk()] * self.b) > 0
+
+    def _hopeful_walk(self) -> list[float]:
+        """`_walk` at the most hopeful acceptances the lifetime's verdicts allow (`_hopeful`)."""
         first = self._hopeful(self._life["first"], 1.0)
         follow = self._hopeful(self._life["follow"], first)
         later, before = [], first
         for counts in self._life_depth:
             before = self._hopeful(counts, before)
             later.append(before)
-        return self._best_m(active, [self._walk(first, follow, later)] * self.b) > 0
+        return self._walk(first, follow, later)
 
     def plan(self, budget: int, active: list[bool]) -> RoundPlan:
         """Before drafting: this round's most drafts (<= budget), 0 for a plain target step.
@@ -277,9 +318,12 @@ class DraftLengthPolicy:
             self.skipped += 1
             return RoundPlan(0)
         if self.skipped:  # a probe is due
+            if not self._prefill_pays(active, hopeful=True):  # not in what this decode has left
+                self.skipped = 1
+                return RoundPlan(0)
             self.skipped, self.probing = 0, True
             return RoundPlan(self._k(budget), probe=True)
-        if self._pays(active):
+        if self._pays(active) and self._prefill_pays(active):
             return RoundPlan(self._k(budget))
         self.skipped = 1
         return RoundPlan(0)

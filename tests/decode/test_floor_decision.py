@@ -205,3 +205,82 @@ def test_a_decode_that_never_drafts_never_builds_the_drafter_s_cache(drafting):
         assert out.tokens[0] == greedy_reference(target, prompt, 10)
         assert len(calls) == built
         assert (out.drafter_forwards > 0) == bool(built)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_pending_prefill_must_be_repaid_by_the_tokens_left(parallel):
+    """While the drafter has not read the prompt (`pending` target steps), drafting must win
+    back that prefill over the decode's `left` tokens: the best round's gain over a plain step
+    (brute force, priced at the realized rate) times the rounds left (left / that round's
+    expected tokens) against the prefill at that rate. Nothing pending: `_pays` alone."""
+    g = torch.Generator().manual_seed(11)
+    outcomes = set()
+    for _ in range(400):
+        pol, costs = _random_policy(g, parallel, 0.6, 1)
+        pol.first = [float(torch.rand(1, generator=g))]
+        pol.follow = [float(torch.rand(1, generator=g))]
+        pol.later = [torch.rand(3, generator=g).tolist()]
+        realized = 0.5 + float(torch.rand(1, generator=g))
+        pol.tokens, pol.cost = [5.0 * realized], [5.0]
+        rate = max(1.0, realized)
+        pol.pending = 4.0 * float(torch.rand(1, generator=g))
+        pol.left = int(torch.randint(1, 64, (1,), generator=g))
+        later = pol.later[0] if parallel else [pol.follow[0]] * 3
+        rounds = [[pol.first[0], *later[: m - 1]] for m in range(1, 5)]
+        gains = _gains(rounds, rate, costs)
+        best = max(range(4), key=gains.__getitem__)
+        margin = gains[best] * pol.left / brute_tokens(rounds[best]) - rate * pol.pending
+        if gains[best] > 1e-6 and abs(margin) > 1e-6:
+            want = margin > 0
+            assert pol._prefill_pays([True]) == want
+            outcomes.add(want)
+        elif gains[best] < -1e-6:
+            assert not pol._prefill_pays([True])
+        pol.pending = 0.0
+        assert pol._prefill_pays([True])
+    assert outcomes == {True, False}
+
+
+def test_a_decode_holds_until_drafting_repays_the_drafter_s_prefill():
+    """A drafter that pays a little a round: with its prefill pending and few tokens left the
+    floor takes plain steps (and a due probe waits), with many left it drafts; once the drafter
+    has read the prompt (pending 0) the same averages draft at once."""
+    costs = DraftCosts(c=0.2, verify_per_token=0.05, round_overhead=0.05)
+    pol = make_policy("confidence", 4, 4, costs, probe_every=8)
+    pol.start(1)
+    pol.first, pol.follow = [0.6], [0.6]
+    assert pol._pays([True])
+    pol.pending, pol.left = 3.0, 4
+    assert pol.plan(4, [True]).k == 0 and pol.skipped == 1
+    pol.skipped = pol.interval  # a probe is due: it waits too, the interval starts over
+    plan = pol.plan(4, [True])
+    assert plan.k == 0 and not plan.probe and pol.skipped == 1
+    pol.skipped, pol.left = 0, 400
+    assert pol.plan(4, [True]).k > 0
+    pol.pending, pol.left = 0.0, 4
+    assert pol.plan(4, [True]).k > 0
+
+
+@pytest.mark.parametrize("drafting", ["autoregressive", "parallel"])
+def test_a_dear_prefill_keeps_a_short_decode_on_the_target_s_steps(drafting):
+    """Decoding with a drafter that pays a round but whose prefill the decode's tokens cannot
+    repay: plain target steps only, the drafter never built, the target's greedy output; with
+    the prefill cheap, the same decode drafts and `pending` is 0 after its first round."""
+    target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0)
+    drafter = truncated_copy(target)
+    for per_token, drafts in ((50.0, False), (0.001, True)):
+        cfg = DecoderConfig(
+            max_new_tokens=10,
+            draft_length="confidence",
+            max_draft=3,
+            probe_every=2,
+            draft_costs=DraftCosts(c=0.1, prefill_per_token=per_token),
+            drafting=drafting,
+            mask_token_id=63 if drafting == "parallel" else None,
+        )
+        dec = SpeculativeDecoder(target, drafter, cfg)
+        prompt = prompts(1, 64, seed=4)[0]
+        out = dec.generate(torch.tensor([prompt]))
+        assert out.tokens[0] == greedy_reference(target, prompt, 10)
+        assert (out.drafter_forwards > 0) == drafts
+        assert dec.get_policy().pending == 0.0 if drafts else dec.get_policy().pending > 0

@@ -67,7 +67,7 @@ VERIFY = {1: 1.1, 2: 1.5, 3: 1.3, 4: 1.7}  # seconds of a verify of k drafts, 3 
 
 class FakeTimer:
     """Step times in seconds as a `StepTimer` would return them: a target step of 1, a drafter
-    step of 0.25, and the uneven verifies of VERIFY."""
+    step of 0.25, the uneven verifies of VERIFY, a drafter prefill of 0.02 a prompt token."""
 
     def target_step(self) -> float:
         return 1.0
@@ -77,6 +77,9 @@ class FakeTimer:
 
     def verify(self, k: int) -> float:
         return VERIFY[k]
+
+    def prefill(self, role: str) -> float:
+        return 0.02 if role == "drafter" else 0.1
 
 
 def test_measured_costs_read_each_timed_width(monkeypatch):
@@ -89,6 +92,7 @@ def test_measured_costs_read_each_timed_width(monkeypatch):
     costs = _decoder("by_width").draft_costs(prompt)
     assert costs.c == 0.25 and costs.verify_per_token == pytest.approx(0.2)
     assert costs.glue_per_draft == 0.0
+    assert costs.prefill_per_token == pytest.approx(0.02)  # the drafter's, per target step
     glue = costs.round_overhead - (1.1 - 1.0 - 0.2)  # the round's glue beyond the timed verify
     assert glue == pytest.approx(0.05)
     for k, seconds in VERIFY.items():
@@ -163,3 +167,17 @@ def test_a_reports_costs_map_back_to_the_same_costs():
     assert costs_from_mapping(printed) == dataclasses.replace(UNEVEN, parallel=False)
     with pytest.raises(ValueError, match="verify_tokens='0.1, 0.2' is not a list"):
         costs_from_mapping({"c": 0.2, "verify_tokens": "0.1, 0.2"})
+
+
+def test_the_step_timer_times_each_prefill_per_prompt_token():
+    """`StepTimer.prefill(role)`: the seconds the role's prompt prefill took (the prompt but its
+    last token, as a decode feeds it) over its tokens; measured costs carry the drafter's in
+    target steps."""
+    dec = _decoder("linear")
+    ids = torch.tensor([prompts(1, 64, seed=2)[0]])
+    timer = dec.step_timer(ids)
+    for role in ("target", "drafter"):
+        per_token = timer.prefill(role)
+        assert per_token > 0
+        assert per_token == pytest.approx(timer.prefill_seconds[role] / (ids.shape[1] - 1))
+    assert dec.draft_costs(ids).prefill_per_token > 0
