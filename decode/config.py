@@ -350,8 +350,8 @@ def _gamma(raw: Any, field: str) -> int | None:
 def _draft_costs(raw: Any, field: str) -> DraftCosts | None:
     """`auto` (or null) -> None: measured on the pair; else a mapping of DraftCosts' fields
     ({c, verify_per_token, round_overhead, draft_per_token (parallel drafting), glue_per_draft,
-    prefill_per_token, verify_tokens (a list: what 1, 2, ... drafts add to the verify, as a report's draft_costs
-    prints it)})."""
+    prefill_per_token, verify_tokens (a list: what 1, 2, ... drafts add to the verify, as a
+    report's draft_costs prints it)})."""
     if raw in (None, "auto"):
         return None
     try:
