@@ -426,7 +426,8 @@ class SpeculativeDecoder:
         # With the floor, the drafter reads the prompt only when a round first drafts: a decode
         # that never drafts costs what target-only decoding does (no drafter prefill).
         lazy = adaptive and cfg.draft_floor
-        self.drafting.start(ids, mask0, mask, dense, slots, lazy, self.drafter_cut(plen))
+        cut = self.drafter_cut(plen)
+        self.drafting.start(ids, mask0, mask, dense, slots, lazy, cut)
         pre = prefill_timed(tgt, ids, mask0, dense, self.prefill_memo)
         t, pos = pre.t, pre.pos
         out = DecodeOutput(
@@ -442,9 +443,7 @@ class SpeculativeDecoder:
         steps = torch.arange(self.verify_widths[-1], device=self.device)
         policy.start(b)
         # the drafter's prefill a first drafting round would pay (the prompt but its last token)
-        policy.pending = (
-            policy.costs.prefill_per_token * (plen - 1 - self.drafter_cut(plen)) if lazy else 0.0
-        )
+        policy.pending = policy.costs.prefill_per_token * (plen - 1 - cut) if lazy else 0.0
         lookup = PromptLookup(ids[0, mask0[0]].tolist()) if cfg.lookup and dense else None
         shadow = adaptive and cfg.draft_floor  # the floor learns from the steps it skipped
         return RoundState(

@@ -77,6 +77,13 @@ def verdicts(accepted: int, length: int, probs: list[float] | None) -> list[floa
     return [1.0 if j < accepted else 0.0 for j in range(tested)]
 
 
+def _paying_m(gains: list[float]) -> int:
+    """The m (1-based) of the largest of `gains` (per m = 1..len, `_gains`), or 0 when none is
+    positive: a plain target step does as well."""
+    best = max(range(len(gains)), key=gains.__getitem__, default=-1)
+    return best + 1 if best >= 0 and gains[best] > 1e-12 else 0
+
+
 @dataclass
 class RoundPlan:
     """What a round drafts: at most `k` tokens (0: a plain target step); `probe` marks a floor
@@ -242,9 +249,7 @@ class DraftLengthPolicy:
                 (self._row_best_m(r, inc, walks[r]) for r in range(self.b) if active[r]),
                 default=0,
             )
-        total = self._gains(active, walks)
-        best = max(range(len(total)), key=total.__getitem__, default=-1)
-        return best + 1 if best >= 0 and total[best] > 1e-12 else 0
+        return _paying_m(self._gains(active, walks))
 
     def _prefill_pays(self, active: list[bool], hopeful: bool = False) -> bool:
         """Does drafting from this round on repay the drafter's pending prefill? The best m's
@@ -256,8 +261,8 @@ class DraftLengthPolicy:
             return True
         walks = [self._hopeful_walk()] * self.b if hopeful else self._walks(active)
         gains = self._gains(active, walks)
-        best = max(range(len(gains)), key=gains.__getitem__, default=-1)
-        if best < 0 or gains[best] <= 1e-12:
+        best = _paying_m(gains) - 1
+        if best < 0:
             return False
         rows = [r for r in range(self.b) if active[r]]
         per_round = sum(1.0 + walks[r][best] for r in rows) / len(rows)
