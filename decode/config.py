@@ -159,6 +159,7 @@ def check_decoder_config(cfg: DecoderConfig) -> None:
             "draft_per_token",
             "glue_per_draft",
             "prefill_per_token",
+            "prefill_fixed",
         ):
             v = getattr(dc, name)
             low = MIN_OVERHEAD if name == "round_overhead" else 0  # a verify may undercut a step
@@ -350,7 +351,7 @@ def _gamma(raw: Any, field: str) -> int | None:
 def _draft_costs(raw: Any, field: str) -> DraftCosts | None:
     """`auto` (or null) -> None: measured on the pair; else a mapping of DraftCosts' fields
     ({c, verify_per_token, round_overhead, draft_per_token (parallel drafting), glue_per_draft,
-    prefill_per_token, verify_tokens (a list: what 1, 2, ... drafts add to the verify, as a
+    prefill_per_token, prefill_fixed, verify_tokens (a list: what 1, 2, ... drafts add to the verify, as a
     report's draft_costs prints it)})."""
     if raw in (None, "auto"):
         return None
@@ -359,7 +360,8 @@ def _draft_costs(raw: Any, field: str) -> DraftCosts | None:
     except (TypeError, ValueError) as e:
         raise ConfigError(
             f"{field}.draft_costs={raw!r}: auto, or a mapping of c, verify_per_token, "
-            f"draft_per_token, round_overhead, glue_per_draft, prefill_per_token and optionally "
+            f"draft_per_token, round_overhead, glue_per_draft, prefill_per_token, prefill_fixed and "
+            f"optionally "
             f"verify_tokens ({e})"
         ) from None
 

@@ -443,7 +443,7 @@ class SpeculativeDecoder:
         steps = torch.arange(self.verify_widths[-1], device=self.device)
         policy.start(b)
         # the drafter's prefill a first drafting round would pay (the prompt but its last token)
-        policy.pending = policy.costs.prefill_per_token * (plen - 1 - cut) if lazy else 0.0
+        policy.pending = policy.costs.prefill_cost(plen - 1 - cut) if lazy else 0.0
         lookup = PromptLookup(ids[0, mask0[0]].tolist()) if cfg.lookup and dense else None
         shadow = adaptive and cfg.draft_floor  # the floor learns from the steps it skipped
         return RoundState(
@@ -548,6 +548,8 @@ class SpeculativeDecoder:
         )
         got = rows[0].accepted
         st.lookup.observe(k, got)
+        if st.adaptive:
+            st.policy.observe_lookup(k, got, active)
         st.out.lookup_rounds += 1
         st.out.lookup_drafted += k
         st.out.lookup_accepted += got

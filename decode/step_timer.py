@@ -49,11 +49,14 @@ class StepTimer:
         self.dense = ids.shape[0] == 1
         self.runners: dict[str, tuple[ModelRunner, torch.Tensor]] = {}
         self.prefill_seconds: dict[str, float] = {}  # each role's prompt prefill, as timed
+        self.build_seconds: dict[str, float] = {}  # building each role's runner, as timed
 
     def _runner(self, role: str) -> tuple[ModelRunner, torch.Tensor]:
         """The role's runner (built and prefilled on first use) and its all-ones slot mask."""
         if role not in self.runners:
+            t0 = time.perf_counter()
             runner = self.make_runner[role](self.slots)
+            self.build_seconds[role] = time.perf_counter() - t0
             ids = self.role_ids[role]
             mask = torch.ones(ids.shape[0], runner.capacity, dtype=torch.bool, device=self.device)
             self.runners[role] = (runner, mask)
@@ -67,6 +70,26 @@ class StepTimer:
         timed when it ran (a prefill memo's restore reports the run it kept)."""
         self._runner(role)
         return self.prefill_seconds[role] / max(1, self.role_ids[role].shape[1] - 1)
+
+    @torch.inference_mode()
+    def prefill_call(self, role: str, n: int, reps: int = 3) -> float:
+        """Median seconds of one lazy prefill of the prompt's first n tokens by `role` (fed as a
+        decode feeds them: followed by the token that opens the first round), as a
+        decode's first drafting round pays it: a fresh runner built and prefilled (no memo).
+        With `prefill` at the whole prompt it splits a prefill into a fixed part and a part
+        per token: a short prompt's drafter prefill is mostly the fixed part (the call's
+        dispatches and the cache's allocation), which a per-token price alone misses."""
+        ids = self.role_ids[role][:, : n + 1]
+        times = []
+        for _ in range(reps):
+            self._sync()
+            t0 = time.perf_counter()
+            runner = self.make_runner[role](self.slots)
+            mask = torch.ones(ids.shape[0], n + 1, dtype=torch.bool, device=self.device)
+            prefill_timed(runner, ids, mask, self.dense, None)
+            self._sync()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
 
     def _step(self, role: str, x: torch.Tensor) -> None:
         runner, mask = self.runners[role]

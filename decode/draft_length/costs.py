@@ -50,9 +50,10 @@ class DraftCosts:
     its acceptance test and residual): near 0 greedy; at temperature 1 on a small CPU pair a
     few hundredths of a target step per draft, which a 4-draft round's pricing cannot ignore.
 
-    prefill_per_token: the drafter's prefill per prompt token: what a decode's first drafting
-    round pays on top of its own cost when the drafter reads the prompt lazily (the floor's
-    decodes); 0: not priced.
+    prefill_per_token, prefill_fixed: the drafter's prefill per prompt token, and what each
+    prefill costs whatever its length (the call's dispatches, the cache's allocation: most of a
+    short prompt's): what a decode's first drafting round pays on top of its own cost when the
+    drafter reads the prompt lazily (the floor's decodes), `prefill_cost`; 0: not priced.
     """
 
     c: float = 0.4
@@ -64,6 +65,11 @@ class DraftCosts:
     verify_tokens: tuple[float, ...] = ()
     glue_per_draft: float = 0.0
     prefill_per_token: float = 0.0
+    prefill_fixed: float = 0.0
+
+    def prefill_cost(self, tokens: int) -> float:
+        """The drafter's lazy prefill of `tokens` prompt tokens (0 tokens: nothing to read)."""
+        return self.prefill_fixed + self.prefill_per_token * tokens if tokens > 0 else 0.0
 
     def round_cost(self, k: int) -> float:
         """Cost of a round with k drafts (k = 0: a plain target step, cost 1)."""
@@ -86,7 +92,7 @@ class DraftCosts:
 def costs_from_mapping(values: Mapping[str, Any]) -> DraftCosts:
     """DraftCosts from a config mapping, as a report's `draft_costs` prints them: numbers for
     c, verify_per_token, round_overhead, draft_per_token, glue_per_draft, prefill_per_token,
-    and a list for verify_tokens. Raises TypeError or ValueError on anything else (callers name
+    prefill_fixed, and a list for verify_tokens. Raises TypeError or ValueError on anything else (callers name
     their config field)."""
     fields = dict(values)
     table = fields.pop("verify_tokens", None) or ()

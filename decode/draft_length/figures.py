@@ -122,6 +122,9 @@ def draft_figures(out, costs: DraftCosts | None = None) -> dict:
         }
         if costs.parallel:
             figures["draft_costs"]["draft_per_token"] = costs.draft_per_token
+        if costs.prefill_per_token or costs.prefill_fixed:  # the drafter's lazy prefill
+            figures["draft_costs"]["prefill_per_token"] = costs.prefill_per_token
+            figures["draft_costs"]["prefill_fixed"] = costs.prefill_fixed
         if costs.verify_tokens:  # decoder.verify_costs=by_width: each width as timed
             figures["draft_costs"]["verify_tokens"] = list(costs.verify_tokens)
     return figures

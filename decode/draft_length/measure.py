@@ -48,10 +48,29 @@ def time_forwards(dec, ids: torch.Tensor, iters: int = 16) -> ForwardTimings:
             for key, v in got.items():
                 ratios[key].append(v / tt)
     med = {key: statistics.median(v) for key, v in ratios.items()}
-    # the drafter's prompt prefill per token (one prefill, timed as the timer ran it)
     step = statistics.median(steps)
-    med["pq"] = timer.prefill("drafter") / step
+    med["pq"], med["pf"] = prefill_line(timer, step)
     return ForwardTimings(med, step)
+
+
+# the short prefill that splits the drafter's lazy prefill into a fixed part and a per-token one
+PREFILL_SHORT = 8
+
+
+def prefill_line(timer, step: float) -> tuple[float, float]:
+    """The drafter's lazy prefill as a line in prompt tokens, in target steps: (per token,
+    fixed). Through two points: the whole prompt's prefill as the timer ran it (its runner's
+    build included) and the median of a few fresh ones of `PREFILL_SHORT` tokens; a prompt too
+    short for two points is all per-token, as before."""
+    per_call = timer.prefill("drafter")  # seconds per token of the whole prompt
+    fed = max(1, timer.role_ids["drafter"].shape[1] - 1)
+    whole = per_call * fed + timer.build_seconds.get("drafter", 0.0)
+    if fed <= 2 * PREFILL_SHORT:
+        return whole / fed / step, 0.0
+    short = timer.prefill_call("drafter", PREFILL_SHORT)
+    per_token = max(0.0, (whole - short) / (fed - PREFILL_SHORT))
+    fixed = max(0.0, short - PREFILL_SHORT * per_token)
+    return per_token / step, fixed / step
 
 
 @torch.inference_mode()
@@ -102,6 +121,7 @@ def costs_from(dec, ids: torch.Tensor, timings: ForwardTimings) -> DraftCosts:
         else 0.0,
         verify_tokens=table,
         prefill_per_token=round(med.get("pq", 0.0), 5),
+        prefill_fixed=round(med.get("pf", 0.0), 4),
     )
     if b > 1:  # a batched round's host-side glue grows with the batch: time real rounds
         glue = realized_overhead(dec, ids, costs)

@@ -111,7 +111,7 @@ class DraftLengthPolicy:
     What the floor knows (per row, from earlier rounds only): `first` and `follow`, moving
     averages of the acceptance of a round's first draft and of the drafts after it (parallel
     drafting: `later`, one per depth 2..max_k), and the realized throughput (tokens per modeled
-    cost, at least 1).
+    cost, at least 1; prompt lookup's rounds included, `observe_lookup`).
     """
 
     reads_q = False
@@ -125,6 +125,9 @@ class DraftLengthPolicy:
     # the most hopeful acceptance the lifetime's verdicts allow at this level does not pay, the
     # interval jumps to its longest at once instead of climbing the ladder (`_could_pay`)
     doubt = 0.01
+    # a call's realized throughput starts from the lifetime's as if this many target steps had
+    # gone at it (`start`): a few rounds' weight, so the call's own rounds soon dominate
+    rate_prior_steps = 8.0
     ema = 0.3  # `recent`, the calibration's history feature
     floor_ema = 0.1  # `first` / `follow`, what the floor decides on: slower, a few misses at a
     # sequence's start should not switch a good drafter off (measured: 0.3 did, on the toy pair)
@@ -153,6 +156,11 @@ class DraftLengthPolicy:
         self._life = {"first": [0.0, 0.0], "follow": [0.0, 0.0], "all": [0.0, 0.0]}
         # parallel drafting: lifetime counts per depth 2..max_k (index 0 is depth 2)
         self._life_depth = [[0.0, 0.0] for _ in range(max(max_k - 1, 0))]
+        # realized tokens and modeled cost of the lifetime's finished calls (`start`)
+        self._life_rate = [0.0, 0.0]
+        self.tokens: list[float] = []
+        self.cost: list[float] = []
+        self._rate_prior = (0.0, 0.0)  # what `start` put in each row's tokens and cost
 
     def set_costs(self, costs: DraftCosts) -> None:
         """Plan with these step costs (the decoder sets them per batch size)."""
@@ -192,8 +200,20 @@ class DraftLengthPolicy:
         depths = self._depth_priors()
         self.later = [list(depths) for _ in range(batch)]
         self.recent = [self._prior("all")] * batch
-        self.tokens = [1.0] * batch  # realized tokens and modeled cost (a prior of one step)
-        self.cost = [1.0] * batch
+        # realized tokens and modeled cost: a call starts as if `rate_prior_steps` target steps
+        # had gone at the lifetime's throughput (one step at 1 before any), so a decode's early
+        # rounds, probes included, are priced at what the decoder achieves, not at 1: where
+        # prompt lookup takes most rounds at several tokens each, a probe that beats only a
+        # plain step loses time that lookup's rounds would have turned into more tokens
+        prior_t, prior_c = self._rate_prior
+        for t, c in zip(self.tokens, self.cost):
+            self._life_rate[0] += t - prior_t
+            self._life_rate[1] += c - prior_c
+        life_t, life_c = self._life_rate
+        steps = self.rate_prior_steps if life_c > 0 else 1.0
+        self._rate_prior = (steps * max(1.0, life_t / life_c) if life_c > 0 else 1.0, steps)
+        self.tokens = [self._rate_prior[0]] * batch
+        self.cost = [self._rate_prior[1]] * batch
         self.probing = False  # `interval` and `skipped` carry over from the last call
         self.shadowed = False  # this round's policy saw verdicts of skipped steps
         self.row_k: list[int] | None = None
@@ -342,6 +362,19 @@ class DraftLengthPolicy:
             if a:
                 self.tokens[r] += 1.0
                 self.cost[r] += 1.0
+
+    def observe_lookup(self, drafted: int, accepted: int, active: list[bool]) -> None:
+        """After a prompt-lookup round (`decode.lookup`): its tokens for its modeled cost (a
+        verify of `drafted` drafts, no drafter forward) join the realized throughput `rate`.
+        That rate is what a drafting round must beat (Dinkelbach: each target step of time is
+        worth the throughput the decode achieves), and lookup's rounds are part of it: where
+        they take most rounds at several tokens each, a drafter round that beats only a plain
+        step spends time worth more tokens than it brings."""
+        cost = self.costs.verify_cost(drafted)
+        for r, a in enumerate(active):
+            if a:
+                self.tokens[r] += accepted + 1
+                self.cost[r] += cost
 
     def observe_shadow(
         self, verdicts: list[list[float]], active: list[bool], pairs: bool, block: bool = False

@@ -216,6 +216,8 @@ def test_a_pessimistic_floor_drafts_again_after_one_probe(with_shadow):
     dec.generate(torch.tensor([prompt]))  # builds the policy
     pol = dec.get_policy(None)
     pol._life = {"first": [0.0, 200.0], "follow": [0.0, 200.0], "all": [0.0, 400.0]}
+    # ... and, to match, a lifetime of plain steps: a realized rate of 1 to start from
+    pol._life_rate, pol.tokens, pol.cost = [200.0, 200.0], [], []
     pol.skipped, pol.interval = 0, cfg.probe_every
     if not with_shadow:
         pol.observe_shadow = lambda *a, **k: None

@@ -41,6 +41,8 @@ def test_validate_reports_the_policy_beside_fixed_gamma(tmp_path, toy_tiny, capl
         "round_overhead",
         "glue_per_draft",  # timed in the decoder's own rounds (draft_length.measure.round_glue)
         "verify_tokens",  # decoder.verify_costs=by_width: one entry per verify width
+        "prefill_per_token",  # the drafter's lazy prefill: per prompt token and per call
+        "prefill_fixed",
     }
     assert len(f["draft_costs"]["verify_tokens"]) == 6
     assert r.fixed_gamma_speedup is not None and r.fixed_gamma_speedup > 0

@@ -268,13 +268,15 @@ def test_a_dear_prefill_keeps_a_short_decode_on_the_target_s_steps(drafting):
     the prefill cheap, the same decode drafts and `pending` is 0 after its first round."""
     target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0)
     drafter = truncated_copy(target)
-    for per_token, drafts in ((50.0, False), (0.001, True)):
+    # dear per token, dear per call (a short prompt's prefill is mostly its fixed part), cheap
+    for per_token, fixed, drafts in ((50.0, 0.0, False), (0.001, 90.0, False), (0.001, 0.0, True)):
+        costs = DraftCosts(c=0.1, prefill_per_token=per_token, prefill_fixed=fixed)
         cfg = DecoderConfig(
             max_new_tokens=10,
             draft_length="confidence",
             max_draft=3,
             probe_every=2,
-            draft_costs=DraftCosts(c=0.1, prefill_per_token=per_token),
+            draft_costs=costs,
             drafting=drafting,
             mask_token_id=63 if drafting == "parallel" else None,
         )
@@ -283,4 +285,59 @@ def test_a_dear_prefill_keeps_a_short_decode_on_the_target_s_steps(drafting):
         out = dec.generate(torch.tensor([prompt]))
         assert out.tokens[0] == greedy_reference(target, prompt, 10)
         assert (out.drafter_forwards > 0) == drafts
-        assert dec.get_policy().pending == 0.0 if drafts else dec.get_policy().pending > 0
+        pending = 0.0 if drafts else costs.prefill_cost(len(prompt) - 1)
+        assert dec.get_policy().pending == pytest.approx(pending)
+
+
+def test_the_realized_rate_counts_lookup_rounds_and_starts_from_the_lifetime():
+    """`rate`, the throughput a drafting round must beat: a lookup round adds its tokens for its
+    modeled verify (no drafter forward); a new call starts as if `rate_prior_steps` steps had
+    gone at the lifetime's finished calls' rate (a step at 1 before any), never below 1."""
+    costs = DraftCosts(c=0.3, verify_per_token=0.1, round_overhead=0.2)
+    pol = make_policy("confidence", 4, 4, costs)
+    pol.start(1)
+    assert (pol.tokens, pol.cost) == ([1.0], [1.0])
+    pol.observe_lookup(3, 2, [True])  # 3 drafts, 2 kept: 3 tokens for a verify of 3
+    pol.observe_step([True])
+    pol.observe_lookup(2, 2, [False])  # a finished row learns nothing
+    assert pol.tokens == [1.0 + 3 + 1]
+    assert pol.cost == [pytest.approx(1.0 + costs.verify_cost(3) + 1)]
+    life_rate = 4.0 / (costs.verify_cost(3) + 1)  # the call's own rounds, its prior apart
+    pol.start(2)
+    steps = pol.rate_prior_steps
+    assert pol.cost == [steps, steps]
+    assert pol.tokens == [pytest.approx(steps * life_rate)] * 2
+    assert pol.rate(0) == pytest.approx(life_rate)
+    for _ in range(4):  # plain steps only: the lifetime's rate falls towards 1, not below
+        pol.observe_step([True, True])
+    pol.start(1)
+    total_t = 4.0 + 2 * 4  # both calls' own tokens, the second's two rows
+    total_c = costs.verify_cost(3) + 1 + 2 * 4
+    assert pol.rate(0) == pytest.approx(total_t / total_c)
+    slow = make_policy("confidence", 4, 4, costs)
+    slow.start(1)
+    slow.observe(lengths=[4], accepted=[0], active=[True], conf=None)  # 1 token for a round
+    slow.start(1)
+    assert slow.rate(0) == 1.0 and slow.tokens == [slow.rate_prior_steps]
+
+
+def test_a_decode_s_rate_counts_every_token_whatever_round_emitted_it():
+    """Greedy decodes with prompt lookup (outputs that repeat their prompt): the policy's
+    realized tokens are exactly the tokens emitted, lookup rounds' included, and lookup rounds
+    ran."""
+    target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0)
+    cfg = DecoderConfig(
+        max_new_tokens=24,
+        draft_length="confidence",
+        max_draft=3,
+        lookup=True,
+        draft_costs=DraftCosts(c=0.2, verify_per_token=0.02, round_overhead=0.05),
+    )
+    dec = SpeculativeDecoder(target, truncated_copy(target), cfg)
+    prompt = prompts(1, 64, seed=4)[0]
+    prompt = prompt + prompt + prompt
+    out = dec.generate(torch.tensor([prompt]))
+    assert out.tokens[0] == greedy_reference(target, prompt, 24)
+    pol = dec.get_policy()
+    assert out.lookup_rounds > 0
+    assert pol.tokens[0] - 1.0 == len(out.tokens[0])  # the first call's prior: one step at 1

@@ -67,7 +67,15 @@ VERIFY = {1: 1.1, 2: 1.5, 3: 1.3, 4: 1.7}  # seconds of a verify of k drafts, 3 
 
 class FakeTimer:
     """Step times in seconds as a `StepTimer` would return them: a target step of 1, a drafter
-    step of 0.25, the uneven verifies of VERIFY, a drafter prefill of 0.02 a prompt token."""
+    step of 0.25, the uneven verifies of VERIFY, a drafter prefill of 0.3 a call and 0.02 a
+    prompt token (the 64-token prompt's 63 tokens fed, its runner's build in the 0.3)."""
+
+    def __init__(self) -> None:
+        self.role_ids = {"drafter": torch.zeros(1, 64, dtype=torch.long)}
+        self.build_seconds = {"drafter": 0.1}
+
+    def prefill_call(self, role: str, n: int) -> float:
+        return 0.3 + 0.02 * n
 
     def target_step(self) -> float:
         return 1.0
@@ -78,8 +86,8 @@ class FakeTimer:
     def verify(self, k: int) -> float:
         return VERIFY[k]
 
-    def prefill(self, role: str) -> float:
-        return 0.02 if role == "drafter" else 0.1
+    def prefill(self, role: str) -> float:  # seconds per token, as timed (its build apart)
+        return (0.2 + 0.02 * 63) / 63 if role == "drafter" else 0.1
 
 
 def test_measured_costs_read_each_timed_width(monkeypatch):
@@ -93,6 +101,7 @@ def test_measured_costs_read_each_timed_width(monkeypatch):
     assert costs.c == 0.25 and costs.verify_per_token == pytest.approx(0.2)
     assert costs.glue_per_draft == 0.0
     assert costs.prefill_per_token == pytest.approx(0.02)  # the drafter's, per target step
+    assert costs.prefill_fixed == pytest.approx(0.3)  # and a call's, in target steps
     glue = costs.round_overhead - (1.1 - 1.0 - 0.2)  # the round's glue beyond the timed verify
     assert glue == pytest.approx(0.05)
     for k, seconds in VERIFY.items():
@@ -167,6 +176,60 @@ def test_a_reports_costs_map_back_to_the_same_costs():
     assert costs_from_mapping(printed) == dataclasses.replace(UNEVEN, parallel=False)
     with pytest.raises(ValueError, match="verify_tokens='0.1, 0.2' is not a list"):
         costs_from_mapping({"c": 0.2, "verify_tokens": "0.1, 0.2"})
+
+
+class LineTimer:
+    """A drafter prefill of `fixed` seconds a call (its runner's build included) and
+    `per_token` a prompt token, as `prefill_line` reads a `StepTimer`."""
+
+    def __init__(self, fixed: float, per_token: float, length: int, build: float) -> None:
+        self.fixed, self.per_token, self.build = fixed, per_token, build
+        self.role_ids = {"drafter": torch.zeros(1, length, dtype=torch.long)}
+        self.build_seconds = {"drafter": build}
+        self.calls: list[int] = []
+
+    def prefill(self, role: str) -> float:
+        fed = self.role_ids[role].shape[1] - 1  # the build is timed apart from the prefill
+        return (self.fixed - self.build + self.per_token * fed) / fed
+
+    def prefill_call(self, role: str, n: int) -> float:
+        self.calls.append(n)
+        return self.fixed + self.per_token * n
+
+
+@pytest.mark.parametrize("fixed,per_token", [(0.5, 0.01), (0.0, 0.02), (2.0, 0.0)])
+def test_the_drafter_s_prefill_is_a_call_s_fixed_part_and_a_part_per_token(fixed, per_token):
+    """`prefill_line` recovers both parts of a prefill's cost (in target steps of 0.5 s) from
+    the whole prompt's prefill and one short one; a prompt too short for two points prices all
+    of it per token (the whole prompt's cost over its tokens, as before the split)."""
+    timer = LineTimer(fixed, per_token, length=64, build=0.1)
+    got_per_token, got_fixed = measure.prefill_line(timer, 0.5)
+    assert timer.calls == [measure.PREFILL_SHORT]
+    assert got_per_token == pytest.approx(per_token / 0.5)
+    assert got_fixed == pytest.approx(fixed / 0.5)
+    costs = DraftCosts(prefill_per_token=got_per_token, prefill_fixed=got_fixed)
+    for n in (1, 10, 63, 500):  # a lazy prefill of n tokens, priced
+        assert costs.prefill_cost(n) == pytest.approx((fixed + per_token * n) / 0.5)
+    assert costs.prefill_cost(0) == 0.0  # nothing to read: nothing to pay
+    short = LineTimer(fixed, per_token, length=2 * measure.PREFILL_SHORT, build=0.1)
+    got_per_token, got_fixed = measure.prefill_line(short, 0.5)
+    fed = 2 * measure.PREFILL_SHORT - 1
+    assert short.calls == [] and got_fixed == 0.0
+    assert got_per_token == pytest.approx((fixed + per_token * fed) / fed / 0.5)
+
+
+def test_the_step_timer_s_short_prefill_builds_a_fresh_runner_each_time():
+    """`StepTimer.prefill_call`: a lazy prefill as a decode's first drafting round pays it (a
+    new runner, n tokens fed), timed, leaving the timer's own runners as they were."""
+    dec = _decoder("linear")
+    ids = torch.tensor([prompts(1, 64, seed=2)[0]])
+    timer = dec.step_timer(ids)
+    timer.draft(1)
+    runner = timer.runners["drafter"][0]
+    length = runner.length
+    assert timer.prefill_call("drafter", 8) > 0
+    assert timer.runners["drafter"][0] is runner and runner.length == length
+    assert timer.build_seconds["drafter"] > 0
 
 
 def test_the_step_timer_times_each_prefill_per_prompt_token():
