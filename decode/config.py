@@ -351,8 +351,8 @@ def _gamma(raw: Any, field: str) -> int | None:
 def _draft_costs(raw: Any, field: str) -> DraftCosts | None:
     """`auto` (or null) -> None: measured on the pair; else a mapping of DraftCosts' fields
     ({c, verify_per_token, round_overhead, draft_per_token (parallel drafting), glue_per_draft,
-    prefill_per_token, prefill_fixed, verify_tokens (a list: what 1, 2, ... drafts add to the verify, as a
-    report's draft_costs prints it)})."""
+    prefill_per_token, prefill_fixed, verify_tokens (a list: what 1, 2, ... drafts add to the
+    verify, as a report's draft_costs prints it)})."""
     if raw in (None, "auto"):
         return None
     try:
@@ -360,9 +360,8 @@ def _draft_costs(raw: Any, field: str) -> DraftCosts | None:
     except (TypeError, ValueError) as e:
         raise ConfigError(
             f"{field}.draft_costs={raw!r}: auto, or a mapping of c, verify_per_token, "
-            f"draft_per_token, round_overhead, glue_per_draft, prefill_per_token, prefill_fixed and "
-            f"optionally "
-            f"verify_tokens ({e})"
+            f"draft_per_token, round_overhead, glue_per_draft, prefill_per_token, prefill_fixed "
+            f"and optionally verify_tokens ({e})"
         ) from None
 
 

@@ -92,8 +92,8 @@ class DraftCosts:
 def costs_from_mapping(values: Mapping[str, Any]) -> DraftCosts:
     """DraftCosts from a config mapping, as a report's `draft_costs` prints them: numbers for
     c, verify_per_token, round_overhead, draft_per_token, glue_per_draft, prefill_per_token,
-    prefill_fixed, and a list for verify_tokens. Raises TypeError or ValueError on anything else (callers name
-    their config field)."""
+    prefill_fixed, and a list for verify_tokens. Raises TypeError or ValueError on anything
+    else (callers name their config field)."""
     fields = dict(values)
     table = fields.pop("verify_tokens", None) or ()
     if isinstance(table, str | bytes) or not isinstance(table, Iterable):
