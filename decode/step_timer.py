@@ -72,16 +72,22 @@ class StepTimer:
         return self.prefill_seconds[role] / max(1, self.role_ids[role].shape[1] - 1)
 
     @torch.inference_mode()
-    def prefill_call(self, role: str, n: int, reps: int = 3) -> float:
+    def prefill_call(
+        self, role: str, n: int, reps: int = 3, before: Callable[[], None] | None = None
+    ) -> float:
         """Median seconds of one lazy prefill of the prompt's first n tokens by `role` (fed as a
         decode feeds them: followed by the token that opens the first round), as a
         decode's first drafting round pays it: a fresh runner built and prefilled (no memo).
         With `prefill` at the whole prompt it splits a prefill into a fixed part and a part
         per token: a short prompt's drafter prefill is mostly the fixed part (the call's
-        dispatches and the cache's allocation), which a per-token price alone misses."""
+        dispatches and the cache's allocation), which a per-token price alone misses.
+        `before`: run (untimed) ahead of each rep, e.g. target steps that evict the drafter's
+        weights as a decode's steps do before its first drafting round."""
         ids = self.role_ids[role][:, : n + 1]
         times = []
         for _ in range(reps):
+            if before is not None:
+                before()
             self._sync()
             t0 = time.perf_counter()
             runner = self.make_runner[role](self.slots)

@@ -55,19 +55,30 @@ def time_forwards(dec, ids: torch.Tensor, iters: int = 16) -> ForwardTimings:
 
 # the short prefill that splits the drafter's lazy prefill into a fixed part and a per-token one
 PREFILL_SHORT = 8
+# target steps ahead of each timed short prefill: a decode's first drafting round finds the
+# drafter's weights evicted by the target's prefill or by the floor's plain steps (its shortest
+# interval, probe_every's default), and a small drafter's prefill then costs most of a target
+# step more than back to back on a warm cache (decode/RESULTS.md)
+COLD_STEPS = 8
 
 
 def prefill_line(timer, step: float) -> tuple[float, float]:
     """The drafter's lazy prefill as a line in prompt tokens, in target steps: (per token,
     fixed). Through two points: the whole prompt's prefill as the timer ran it (its runner's
-    build included) and the median of a few fresh ones of `PREFILL_SHORT` tokens; a prompt too
-    short for two points is all per-token, as before."""
+    build included) and the median of a few fresh ones of `PREFILL_SHORT` tokens, each after
+    `COLD_STEPS` target steps as a decode runs it; a prompt too short for two points is all
+    per-token, as before."""
     per_call = timer.prefill("drafter")  # seconds per token of the whole prompt
     fed = max(1, timer.role_ids["drafter"].shape[1] - 1)
     whole = per_call * fed + timer.build_seconds.get("drafter", 0.0)
     if fed <= 2 * PREFILL_SHORT:
         return whole / fed / step, 0.0
-    short = timer.prefill_call("drafter", PREFILL_SHORT)
+
+    def evict() -> None:
+        for _ in range(COLD_STEPS):
+            timer.target_step(reps=1)
+
+    short = timer.prefill_call("drafter", PREFILL_SHORT, before=evict)
     per_token = max(0.0, (whole - short) / (fed - PREFILL_SHORT))
     fixed = max(0.0, short - PREFILL_SHORT * per_token)
     return per_token / step, fixed / step

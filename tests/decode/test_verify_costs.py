@@ -74,10 +74,10 @@ class FakeTimer:
         self.role_ids = {"drafter": torch.zeros(1, 64, dtype=torch.long)}
         self.build_seconds = {"drafter": 0.1}
 
-    def prefill_call(self, role: str, n: int) -> float:
+    def prefill_call(self, role: str, n: int, before=None) -> float:
         return 0.3 + 0.02 * n
 
-    def target_step(self) -> float:
+    def target_step(self, reps: int = 4) -> float:
         return 1.0
 
     def draft(self, n: int) -> float:
@@ -187,24 +187,36 @@ class LineTimer:
         self.role_ids = {"drafter": torch.zeros(1, length, dtype=torch.long)}
         self.build_seconds = {"drafter": build}
         self.calls: list[int] = []
+        self.steps = 0  # target steps run so far
+        self.steps_before: list[int] = []  # target steps run ahead of each short prefill
+
+    def target_step(self, reps: int = 4) -> float:
+        self.steps += 1
+        return 0.5
 
     def prefill(self, role: str) -> float:
         fed = self.role_ids[role].shape[1] - 1  # the build is timed apart from the prefill
         return (self.fixed - self.build + self.per_token * fed) / fed
 
-    def prefill_call(self, role: str, n: int) -> float:
+    def prefill_call(self, role: str, n: int, before=None) -> float:
+        if before is not None:
+            before()
         self.calls.append(n)
+        self.steps_before.append(self.steps)
         return self.fixed + self.per_token * n
 
 
 @pytest.mark.parametrize("fixed,per_token", [(0.5, 0.01), (0.0, 0.02), (2.0, 0.0)])
 def test_the_drafter_s_prefill_is_a_call_s_fixed_part_and_a_part_per_token(fixed, per_token):
     """`prefill_line` recovers both parts of a prefill's cost (in target steps of 0.5 s) from
-    the whole prompt's prefill and one short one; a prompt too short for two points prices all
-    of it per token (the whole prompt's cost over its tokens, as before the split)."""
+    the whole prompt's prefill and one short one, timed after `COLD_STEPS` target steps (the
+    drafter's weights evicted, as a decode's first drafting round finds them); a prompt too
+    short for two points prices all of it per token (the whole prompt's cost over its tokens,
+    as before the split)."""
     timer = LineTimer(fixed, per_token, length=64, build=0.1)
     got_per_token, got_fixed = measure.prefill_line(timer, 0.5)
     assert timer.calls == [measure.PREFILL_SHORT]
+    assert timer.steps_before == [measure.COLD_STEPS] and measure.COLD_STEPS > 0
     assert got_per_token == pytest.approx(per_token / 0.5)
     assert got_fixed == pytest.approx(fixed / 0.5)
     costs = DraftCosts(prefill_per_token=got_per_token, prefill_fixed=got_fixed)
@@ -229,6 +241,9 @@ def test_the_step_timer_s_short_prefill_builds_a_fresh_runner_each_time():
     length = runner.length
     assert timer.prefill_call("drafter", 8) > 0
     assert timer.runners["drafter"][0] is runner and runner.length == length
+    ran: list[int] = []  # `before` runs ahead of every rep, untimed
+    assert timer.prefill_call("drafter", 8, reps=3, before=lambda: ran.append(1)) > 0
+    assert len(ran) == 3
     assert timer.build_seconds["drafter"] > 0
 
 
