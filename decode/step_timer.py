@@ -75,14 +75,14 @@ class StepTimer:
     def prefill_call(
         self, role: str, n: int, reps: int = 3, before: Callable[[], None] | None = None
     ) -> float:
-        """Median seconds of one lazy prefill of the prompt's first n tokens by `role` (fed as a
-        decode feeds them: followed by the token that opens the first round), as a
-        decode's first drafting round pays it: a fresh runner built and prefilled (no memo).
-        With `prefill` at the whole prompt it splits a prefill into a fixed part and a part
-        per token: a short prompt's drafter prefill is mostly the fixed part (the call's
-        dispatches and the cache's allocation), which a per-token price alone misses.
-        `before`: run (untimed) ahead of each rep, e.g. target steps that evict the drafter's
-        weights as a decode's steps do before its first drafting round."""
+        """Median seconds of one lazy prefill of the prompt's first n tokens by `role` (fed as
+        a decode feeds them: followed by the token that opens the first round), as a decode's
+        first drafting round pays it: a fresh runner built and prefilled (no memo). With
+        `prefill` at the whole prompt it splits a prefill into a fixed part and a part per
+        token: a short prompt's drafter prefill is mostly the fixed part (the call's dispatches
+        and the cache's allocation), which a per-token price alone misses. `before`: run
+        (untimed) ahead of each rep, e.g. target steps that evict the drafter's weights as a
+        decode's steps do before its first drafting round."""
         ids = self.role_ids[role][:, : n + 1]
         times = []
         for _ in range(reps):
