@@ -10,6 +10,7 @@ prompt but its last token; a timed step feeds that token repeated `width` times.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -95,7 +96,7 @@ class StepTimer:
             prefill_timed(runner, ids, mask, self.dense, None)
             self._sync()
             times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+        return statistics.median(times)
 
     def _step(self, role: str, x: torch.Tensor) -> None:
         runner, mask = self.runners[role]

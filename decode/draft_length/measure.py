@@ -68,9 +68,9 @@ def prefill_line(timer, step: float) -> tuple[float, float]:
     build included) and the median of a few fresh ones of `PREFILL_SHORT` tokens, each after
     `COLD_STEPS` target steps as a decode runs it; a prompt too short for two points is all
     per-token, as before."""
-    per_call = timer.prefill("drafter")  # seconds per token of the whole prompt
     fed = max(1, timer.role_ids["drafter"].shape[1] - 1)
-    whole = per_call * fed + timer.build_seconds.get("drafter", 0.0)
+    # `prefill` is per token of the whole prompt; its runner's build was timed apart
+    whole = timer.prefill("drafter") * fed + timer.build_seconds.get("drafter", 0.0)
     if fed <= 2 * PREFILL_SHORT:
         return whole / fed / step, 0.0
 

@@ -210,8 +210,11 @@ class DraftLengthPolicy:
             self._life_rate[0] += t - prior_t
             self._life_rate[1] += c - prior_c
         life_t, life_c = self._life_rate
-        steps = self.rate_prior_steps if life_c > 0 else 1.0
-        self._rate_prior = (steps * max(1.0, life_t / life_c) if life_c > 0 else 1.0, steps)
+        if life_c > 0:
+            steps = self.rate_prior_steps
+            self._rate_prior = (steps * max(1.0, life_t / life_c), steps)
+        else:
+            self._rate_prior = (1.0, 1.0)
         self.tokens = [self._rate_prior[0]] * batch
         self.cost = [self._rate_prior[1]] * batch
         self.probing = False  # `interval` and `skipped` carry over from the last call
@@ -358,10 +361,14 @@ class DraftLengthPolicy:
 
     def observe_step(self, active: list[bool]) -> None:
         """After a plain target step: one token for one target step per active row."""
+        self._realized(active, 1.0, 1.0)
+
+    def _realized(self, active: list[bool], tokens: float, cost: float) -> None:
+        """A round without drafter forwards: `tokens` for `cost` target steps per active row."""
         for r, a in enumerate(active):
             if a:
-                self.tokens[r] += 1.0
-                self.cost[r] += 1.0
+                self.tokens[r] += tokens
+                self.cost[r] += cost
 
     def observe_lookup(self, drafted: int, accepted: int, active: list[bool]) -> None:
         """After a prompt-lookup round (`decode.lookup`): its tokens for its modeled cost (a
@@ -370,11 +377,7 @@ class DraftLengthPolicy:
         worth the throughput the decode achieves), and lookup's rounds are part of it: where
         they take most rounds at several tokens each, a drafter round that beats only a plain
         step spends time worth more tokens than it brings."""
-        cost = self.costs.verify_cost(drafted)
-        for r, a in enumerate(active):
-            if a:
-                self.tokens[r] += accepted + 1
-                self.cost[r] += cost
+        self._realized(active, accepted + 1.0, self.costs.verify_cost(drafted))
 
     def observe_shadow(
         self, verdicts: list[list[float]], active: list[bool], pairs: bool, block: bool = False
