@@ -218,15 +218,19 @@ def question_for(text: str, cut: Cut, rng: random.Random) -> tuple[str, str | No
 def prefix_counter(text: str, tokenizer: Any) -> Callable[[int], int]:
     """Approximate prompt length in tokens for any cut offset from ONE tokenization of the whole
     document (its offsets): tokens ending at or before the offset. Exact lengths are counted
-    only for the prompts chosen, so a 30k-token module costs one encode, not one per cut."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    only for the prompts chosen, so a 30k-token module costs one encode, not one per cut.
+    `verbose=False`: a whole module is meant to outrun the model's positions, so `transformers`'
+    "longer than the maximum sequence length ... indexing errors" warning would be a false alarm
+    here; prompts that do outrun the target are refused or cut by the decoder's own guard."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     ends = [end for _, end in enc["offset_mapping"]]
     return lambda offset: bisect_right(ends, offset)
 
 
 def count_tokens(text: str, tokenizer: Any) -> int:
-    """Exact prompt length as the stages tokenize it (no special tokens added)."""
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """Exact prompt length as the stages tokenize it (no special tokens added); quiet about
+    lengths past the model's positions for the reason `prefix_counter` gives."""
+    return len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
 def round_robin(candidates: dict[str, list[Any]], rng: random.Random) -> Iterator[tuple[str, Any]]:

@@ -117,6 +117,31 @@ def test_rows_land_in_their_bucket_by_exact_target_tokens(rows, tok):
         assert len(mods) == 3 and len(set(mods)) == 3
 
 
+def test_counting_a_whole_module_raises_no_false_length_alarm(toy_tiny, test_docs):
+    """A module is meant to be longer than the model's positions: counting it must not print
+    `transformers`' "... will result in indexing errors" warning (a fresh tokenizer each time:
+    transformers warns once per instance)."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from specdistill.data.long_prompts import count_tokens, prefix_counter
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    root = logging.getLogger("transformers")  # the library's loggers stop there (no propagate)
+    root.addHandler(handler)
+    try:
+        text = max((text for _, text in test_docs), key=len)
+        for count in (count_tokens, lambda t, k: prefix_counter(t, k)(len(t))):
+            tok = AutoTokenizer.from_pretrained(toy_tiny.tokenizer_dir, model_max_length=64)
+            assert count(text, tok) > 64
+    finally:
+        root.removeHandler(handler)
+    assert not [r for r in records if "sequence length" in r.getMessage()]
+
+
 def test_max_tokens_caps_the_prompts(tok, test_docs):
     s = long_settings(SMALL | {"buckets": ["0-256", "256-1k"], "max_tokens": 500})
     got = long_rows(test_docs, tok, s)
