@@ -6,6 +6,7 @@ The pieces of the generate stage that touch the model, kept apart from its bookk
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import math
@@ -141,9 +142,11 @@ def generate_batch(
     vocab = model.get_output_embeddings().weight.shape[0]
     rows_out = len(prompt_ids) * (getattr(gen_config, "num_return_sequences", None) or 1)
     keep = topk and rows_out * gen_config.max_new_tokens * vocab * 4 <= LOGITS_BUDGET
-    extra = {"output_logits": True, "return_dict_in_generate": True} if keep else {}
+    if keep:  # in the config, not beside it: transformers deprecates passing both
+        gen_config = copy.deepcopy(gen_config)
+        gen_config.update(output_logits=True, return_dict_in_generate=True)
     out = model.generate(
-        input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=gen_config, **extra
+        input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=gen_config
     )
     seqs = out.sequences if keep else out
     rows = [split_completion(row, eos) for row in seqs[:, ids.shape[1] :].tolist()]

@@ -217,6 +217,31 @@ def test_topk_logprobs_match_a_direct_forward_pass(generate_cfg, toy_tiny_pair, 
         assert ids[:, 0].tolist() == c  # greedy: the stored top-1 is the token generated
 
 
+def test_topk_rides_in_the_generation_config_not_beside_it(toy_tiny_pair, monkeypatch):
+    """transformers deprecates `generate(generation_config=..., output_logits=...)` (a warning
+    today, an error once removed): the raw logits are asked for inside a copy of the config, and
+    the caller's config is left as it was."""
+    target, _, tok = toy_tiny_pair
+    calls: list[dict] = []
+    real = target.generate
+
+    def recording(**kw):
+        calls.append(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(target, "generate", recording)
+    s = batched.GenerationSettings(max_new_tokens=6, sampling=Sampling(), num_samples=1, seed=0)
+    eos = eos_ids(target.generation_config, tok)
+    gc = batched.generation_config(s, tok.pad_token_id, eos)
+    prompts = [p.ids for p in _prepared(tok, 3)]
+    rows, top = batched.generate_batch(target, prompts, gc, eos, topk=4)
+    assert top is not None and len(top) == len(rows) == 3  # the logits were kept
+    (kw,) = calls
+    assert set(kw) == {"input_ids", "attention_mask", "generation_config"}
+    assert kw["generation_config"].output_logits and kw["generation_config"].return_dict_in_generate
+    assert not gc.output_logits and not gc.return_dict_in_generate
+
+
 def _cli(*args: str, **kw) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "specdistill.data.generate", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
