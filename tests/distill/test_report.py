@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+
+import pytest
 
 from specdistill.distill.pipeline import report
 
@@ -278,6 +281,30 @@ def test_an_uncalibrated_prediction_is_priced_with_validates_measured_costs():
     measured = {k: v for k, v in pred.items() if k != "outcomes"}
     assert reprice(measured, validate) is measured
     assert "uncalibrated" in "\n".join(prediction_lines(pred))
+
+
+@pytest.mark.parametrize("verify_cost", [0.678, 0.95, 1.0, 1.54])
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_validates_costs_never_price_a_draft_below_nothing(verify_cost, gamma):
+    """The cost model built from validate's c and (gamma+1)-token verify reproduces that verify
+    exactly, and no verify gets cheaper as drafts are added, also where the measured verify
+    costs under one target step (a CPU whose 2-row GEMM beats its 1-row GEMV): so no round is
+    priced under its own drafting plus that verify, and a replayed speedup stays under what its
+    tau would give at that price (a negative per-draft slope printed 7.6e11x)."""
+    from specdistill.distill.train.predict import costs_from_validate, predict
+
+    c = 0.1728
+    costs = costs_from_validate(c, verify_cost, gamma)
+    assert abs(costs.verify_cost(gamma) - verify_cost) < 1e-12
+    verify = [costs.verify_cost(k) for k in range(1, 16)]
+    assert all(b >= a - 1e-12 for a, b in itertools.pairwise(verify))
+    floor = min(verify_cost, 1.0)
+    for k in range(1, 16):
+        assert costs.round_cost(k) >= k * c + floor - 1e-12
+    rows = [([True] * 40 + [False], [0.99] * 41)] * 2  # long accepted runs: long rounds
+    for name, f in predict(rows, gamma=4, max_draft=8, costs=costs).items():
+        # a round of k drafts emits at most k + 1 tokens and costs at least k c + floor
+        assert f["speedup"] <= max((k + 1) / (k * c + floor) for k in range(1, 9)) + 1e-9, name
 
 
 def _bucket(name, alpha, speedup, c=0.2):
