@@ -138,10 +138,10 @@ def costs_from_validate(c: float, verify_cost: float, gamma: int) -> DraftCosts:
     over the gamma drafts (exact at the measured width, linear around it).
 
     A verify that costs less than one target step (on some CPUs a 2-row GEMM streams the weights
-    faster than the 1-row GEMV: a 2-token verify of SmolLM2 at 0.68 of a step on a 2-core EPYC)
-    is a fixed saving of the wide step, `round_overhead` < 0, never a refund per draft: spread
-    over the drafts it priced every further draft below nothing, and a long round at ~0 cost
-    (a summary printed "confidence 760000000000.0x")."""
+    faster than the 1-row GEMV: decode/RESULTS.md, 2026-12-01) is a fixed saving of the wide
+    step, `round_overhead` < 0, never a refund per draft: spread over the drafts it priced every
+    further draft below nothing, so a long round cost about nothing and the summary's predicted
+    speedups ran to absurd figures."""
     if gamma < 1:
         raise ValueError(f"gamma={gamma}: the verify covers at least one draft")
     extra = verify_cost - 1.0
