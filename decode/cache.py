@@ -157,8 +157,10 @@ class ModelRunner:
         self.prefill_cast = None if prefill_cast in (None, self.dtype) else prefill_cast
         self.head = head  # a draft vocabulary's output layer, swapped in for each step
         self.layout = layout  # which few-row steps run as weight @ x.T (decode.cpu_matmul)
-        # 1-token steps too, for a tall, narrow weight; a subset head is no longer one
-        self._one_row = layout.one_row and head is None and has_two_column_weight(model)
+        # 1-token steps too: every weight's, or a tall, narrow weight's (a subset head is not one)
+        self._one_row = layout.one_row_all or (
+            layout.one_row and head is None and has_two_column_weight(model)
+        )
         self.static = static
         self.capacity = capacity
         self.length = 0

@@ -12,8 +12,11 @@ One-row steps have the mirror problem with tall, narrow weights (a large vocabul
 hidden size, e.g. SmolLM2's tied LM head): MKL's 1-row GEMV there is slower than
 `W @ [x, x].T` (the row twice, one column kept). So a 1-token step over such a weight
 (`ONE_ROW_MIN`, `ONE_ROW_MAX_IN`) takes the 2-column product (figures: decode/RESULTS.md,
-2026-11-25 "few-row linears on CPU"). Other weights keep `F.linear` for one row (the toy
-models' are all below the threshold).
+2026-11-25 "few-row linears on CPU"); on that AVX2 machine wider weights kept the GEMV. On an
+AVX-512 EPYC without AMX the GEMV lost on every weight (decode/RESULTS.md, 2026-12-01 "one row
+as two columns"), and a target-only baseline that keeps it reads every speculative decode's
+speedup too high. So a layout may take the 2-column product for one row over every weight
+(`one_row_all`), and `auto` times the 1-token step of every model.
 
 Neither holds on every CPU: on an AVX-512 / AMX Xeon the weight-major verify of the toy target
 cost 1.7 of its 1-token steps against 1.1 through `F.linear`. There a third path wins from a few
@@ -26,7 +29,7 @@ takes it. So a `Layout` says which path a model's few-row inputs take, and
 
 The switch is scoped: `weight_major_linear()` swaps `torch.nn.Linear.forward` for the duration of
 one decode step (the decoder is single-threaded), and only for inputs of 2-16 rows or one row
-over a tall, narrow weight, as the layout allows; prefill and everything outside the decoder keep
+(over a tall, narrow weight, or every weight), as the layout allows; prefill and everything outside the decoder keep
 `F.linear`. Results agree with `F.linear` to float rounding (a different summation order), like
 any other change of GEMM kernel.
 """
@@ -55,11 +58,16 @@ class Layout:
 
     few_rows: bool = False  # 2..MAX_ROWS rows as weight @ x.T (verify and catch-up steps)
     one_row: bool = False  # one row over a tall, narrow weight as a 2-column GEMM
+    one_row_all: bool = False  # one row over every weight as a 2-column GEMM
     packed_from: int = 0  # packed_from..MAX_ROWS rows (>= 2) through `packed_linear`; 0: none
 
     @property
     def any(self) -> bool:
-        return self.few_rows or self.one_row or self.packed_from > 0
+        return self.few_rows or self.one_row or self.one_row_all or self.packed_from > 0
+
+    def one_row_over(self, weight: torch.Tensor) -> bool:
+        """Whether a 1-row input over `weight` goes as two columns."""
+        return self.one_row_all or (self.one_row and two_column(weight))
 
     def packs(self, rows: int) -> bool:
         """Whether an input of `rows` rows takes oneDNN's prepacked weight."""
@@ -77,13 +85,16 @@ class Layout:
             parts.append(f"W @ x.T for 2-{upto} rows")
         if self.packed_from:
             parts.append(f"oneDNN prepacked for {self.packed_from}-{MAX_ROWS} rows")
-        if self.one_row:
+        if self.one_row_all:
+            parts.append("1 row as 2 columns")
+        elif self.one_row:
             parts.append("1 row over a tall, narrow weight as 2 columns")
         return "; ".join(parts) + ("; F.linear otherwise" if parts else "F.linear")
 
 
 LINEAR = Layout()
 WEIGHT_MAJOR = Layout(few_rows=True, one_row=True)
+TWO_COLUMN = Layout(few_rows=True, one_row=True, one_row_all=True)  # auto's third 1-row choice
 PACKED = Layout(packed_from=2)
 _active = WEIGHT_MAJOR  # the layout inside `weight_major_linear` (the decoder is single-threaded)
 
@@ -141,15 +152,18 @@ def few_row_linear(
     layout: Layout = WEIGHT_MAJOR,
 ):
     """`F.linear(x, weight, bias)`, computed as `weight @ x.T` when x has 2..MAX_ROWS rows, or
-    one row over a tall, narrow weight (as two equal columns, one kept), as `layout` allows."""
+    one row (as two equal columns, one kept) over a tall, narrow weight or every weight, as
+    `layout` allows."""
     rows = x.numel() // max(x.shape[-1], 1)
-    one_row = layout.one_row and rows == 1 and two_column(weight)
+    one_row = rows == 1 and layout.one_row_over(weight)
     if not (one_row or (layout.few_rows and 2 <= rows <= MAX_ROWS)):
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     if one_row:  # the row twice: a 2-column GEMM streams the weight faster than the 1-row GEMV
-        flat = flat.repeat(2, 1)
-    y = torch.mm(weight, flat.t())[:, :rows].t().contiguous()
+        # (`cat`, not `repeat`: repeat's own bookkeeping costs several times the copy)
+        y = torch.mm(weight, torch.cat((flat, flat)).t())[:, 0].contiguous()
+    else:
+        y = torch.mm(weight, flat.t()).t().contiguous()
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], weight.shape[0])

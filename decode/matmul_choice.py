@@ -8,11 +8,15 @@ is the machine's, not the model's; and on that Xeon oneDNN over prepacked weight
 three in the decoder's own steps: each model's
 runner (same caches, lean steps and draft head as the decode) on a short synthetic context, at
 the widths its decode steps feed (verify widths for the target, catch-up and parallel widths
-for the drafter, the 1-token step where a tall, narrow weight could take the 2-column path), the
+for the drafter, and every model's 1-token step: target-only decoding, the floor's plain steps
+and sequential drafting are made of them, and on some CPUs MKL's 1-row GEMV loses to the 2-column
+product over every weight, on others only over a tall, narrow one or none), the
 layouts and the two models interleaved sample by sample, so each step runs after the other
 model's as it does in a decode (that eviction is what the weight-major path streams better).
-Medians; weight-major only where it is clearly faster (`MARGIN`: a tie keeps `F.linear`, the
-kernel library's own choice), and the prepacked path from the width where it is clearly faster
+The fastest sample of each, not the median: on a shared VM other tenants' load only adds time,
+and there medians picked a different layout run to run where the fastest samples agreed
+(decode/RESULTS.md, 2026-12-01). Weight-major only where it is clearly faster (`MARGIN`: a tie
+keeps `F.linear`, the kernel library's own choice), and the prepacked path from the width where it is clearly faster
 at every timed width above (a kernel switch is a step in the cost, so the widths between two
 timed ones follow them). A model whose layout does not take the prepacked path frees its
 reordered weights. Memoised per model: validate's decoders over one pair time once, and its
@@ -21,7 +25,6 @@ target-only baseline keeps the layout its speculative decodes use.
 
 from __future__ import annotations
 
-import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -33,6 +36,7 @@ from specdistill.decode.cpu_matmul import (
     LINEAR,
     MAX_ROWS,
     PACKED,
+    TWO_COLUMN,
     WEIGHT_MAJOR,
     Layout,
     drop_packed,
@@ -41,30 +45,43 @@ from specdistill.decode.cpu_matmul import (
 
 MARGIN = 0.95  # a path other than F.linear must take under this share of its rival's time
 CONTEXT = 64  # synthetic context tokens the timed steps attend over
-LAYOUTS = {"linear": LINEAR, "weight_major": WEIGHT_MAJOR, "packed": PACKED}
+LAYOUTS = {
+    "linear": LINEAR,
+    "weight_major": WEIGHT_MAJOR,
+    "packed": PACKED,
+    "two_column": TWO_COLUMN,  # timed for one row only: its wider steps are weight_major's
+}
 
 # model -> {(widths, one_row, key): Layout}; weak, so a freed model drops its entry
 _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def decide(times: Mapping[tuple[str, int], float], widths: Iterable[int], one_row: bool) -> Layout:
-    """The layout from median step times `times[(layout name, width)]` (seconds): weight-major
-    for few rows when its summed time over `widths` (>= 2) is under MARGIN of F.linear's, for
-    one row (one_row: the model has a tall, narrow weight) when its 1-token step is; then the
-    prepacked path (where timed) from the smallest width w at which it is under MARGIN of that
-    few-row choice at w and at every timed width above it."""
+    """The layout from step times `times[(layout name, width)]` (seconds): weight-major
+    for few rows when its summed time over `widths` (>= 2) is under MARGIN of F.linear's; for
+    one row, the faster of the 2-column product over every weight (`two_column`, where timed)
+    and over the tall, narrow weights only (one_row: the model has one) when it is under MARGIN
+    of F.linear's 1-token step; then the prepacked path (where timed) from the smallest width w
+    at which it is under MARGIN of that few-row choice at w and at every timed width above it."""
     few = sorted(w for w in widths if 2 <= w <= MAX_ROWS)
     few_rows = bool(few) and sum(times["weight_major", w] for w in few) < MARGIN * sum(
         times["linear", w] for w in few
     )
-    one = one_row and times["weight_major", 1] < MARGIN * times["linear", 1]
+    ones = {"two_column": times.get(("two_column", 1))}
+    if one_row:
+        ones["weight_major"] = times["weight_major", 1]
+    ones = {name: t for name, t in ones.items() if t is not None}
+    best = min(ones, key=ones.__getitem__) if ones else None
+    take = best is not None and ones[best] < MARGIN * times["linear", 1]
+    one_all = take and best == "two_column"
+    one = one_all or (take and best == "weight_major")
     rival = "weight_major" if few_rows else "linear"
     packed_from = 0
     for w in reversed(few):
         if ("packed", w) not in times or times["packed", w] >= MARGIN * times[rival, w]:
             break
         packed_from = w
-    return Layout(few_rows=few_rows, one_row=one, packed_from=packed_from)
+    return Layout(few_rows=few_rows, one_row=one, one_row_all=one_all, packed_from=packed_from)
 
 
 @torch.inference_mode()
@@ -73,10 +90,11 @@ def time_layouts(
     widths: Mapping[str, tuple[int, ...]],
     vocab: Mapping[str, int],
     device: torch.device,
-    iters: int = 5,
-    reps: int = 2,
+    iters: int = 10,
+    reps: int = 1,
 ) -> dict[str, dict[tuple[str, int], float]]:
-    """Per role: median seconds of `reps` back-to-back steps of each width, per layout.
+    """Per role: the fastest sample's seconds of `reps` back-to-back steps of each width, per
+    layout.
     make_runner[role](slots, layout) builds that role's runner as the decoder would."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     runners: dict[tuple[str, str], ModelRunner] = {}
@@ -106,14 +124,15 @@ def time_layouts(
                         runner.rollback(base)
                     if i:
                         samples[role][name, w].append(time.perf_counter() - t0)
-    return {
-        role: {key: statistics.median(v) for key, v in per.items()} for role, per in samples.items()
-    }
+    return {role: {key: min(v) for key, v in per.items()} for role, per in samples.items()}
 
 
 def _timed(name: str, width: int) -> bool:
-    """The prepacked path takes 2 rows and more: its 1-token step would time `F.linear` again."""
-    return name != "packed" or width >= 2
+    """The prepacked path takes 2 rows and more: its 1-token step would time `F.linear` again;
+    the 2-column layout differs from weight-major only in its 1-token step."""
+    if name == "packed":
+        return width >= 2
+    return name != "two_column" or width == 1
 
 
 def choose_layouts(
@@ -126,8 +145,9 @@ def choose_layouts(
 ) -> dict[str, Layout]:
     """Each role's layout (see the module docstring): remembered per model, timed for the roles
     not yet known (with the known ones' steps interleaved all the same). `one_row[role]`: the
-    role's runner would take the 2-column path for 1-token steps (time width 1 too); `key`:
-    what else makes a role's layout its own (e.g. a draft vocabulary's head)."""
+    role's runner has a tall, narrow weight whose 1-token steps could take the 2-column path
+    alone; every role's 1-token step is timed; `key`: what else makes a role's layout its own
+    (e.g. a draft vocabulary's head)."""
     key = key or {}
     entry = {
         role: (tuple(sorted(set(widths[role]))), one_row[role], key.get(role)) for role in models
@@ -135,10 +155,7 @@ def choose_layouts(
     known = {role: _MEMO.get(model, {}).get(entry[role]) for role, model in models.items()}
     if all(layout is not None for layout in known.values()):
         return {role: known[role] for role in models}
-    timed_widths = {
-        role: tuple(sorted(set(widths[role]) | ({1} if one_row[role] else set())))
-        for role in models
-    }
+    timed_widths = {role: tuple(sorted(set(widths[role]) | {1})) for role in models}
     vocab = {role: int(model.config.vocab_size) for role, model in models.items()}
     times = time_layouts(make_runner, timed_widths, vocab, device)
     out = {}

@@ -264,8 +264,8 @@ class SpeculativeDecoder:
 
     def _choose_layouts(self) -> dict[str, Layout]:
         """Time the layouts for the target (its verify widths) and the drafter (its catch-up
-        and multi-token draft widths), each 1-token step too where a tall, narrow weight could
-        take the 2-column path."""
+        and multi-token draft widths), and each one's 1-token step (the 2-column product over
+        every weight, or over a tall, narrow one where the model has it)."""
         models = {"target": self.target, "drafter": self.drafter}
         k = self.max_draft
         top = min(k + 1, MAX_ROWS)
@@ -277,7 +277,7 @@ class SpeculativeDecoder:
             ),
         }
         sub = None if self.draft_head is None else len(self.draft_head[1].ids)
-        one_row = {  # a draft vocabulary's head is never one (`ModelRunner._one_row`)
+        one_row = {  # a tall, narrow weight; a draft vocabulary's head is never one
             "target": has_two_column_weight(self.target),
             "drafter": sub is None and has_two_column_weight(self.drafter),
         }

@@ -55,6 +55,34 @@ def test_one_row_over_a_tall_narrow_weight_takes_two_columns(monkeypatch, bias):
     assert torch.equal(few_row_linear(x, small, None), F.linear(x, small)) and calls == []
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(48, 24), (24, 48), (7, 5)])
+def test_one_row_over_every_weight_takes_two_columns_where_the_layout_says(
+    monkeypatch, shape, bias
+):
+    """`one_row_all`: a 1-row input over any weight (small, wide: none of them tall and narrow)
+    goes as the 2-column product, with F.linear's values to rounding; without it, or with more
+    rows than one, the 1-row path is not taken."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(*shape, generator=g)
+    b = torch.randn(shape[0], generator=g) if bias else None
+    x = torch.randn(1, 1, shape[1], generator=g)
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, c: calls.append(tuple(c.shape)) or real_mm(a, c))
+    got = few_row_linear(x, w, b, cpu_matmul.TWO_COLUMN)
+    assert calls == [(shape[1], 2)] and got.shape == (1, 1, shape[0]) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    calls.clear()
+    assert torch.equal(few_row_linear(x, w, b, cpu_matmul.WEIGHT_MAJOR), F.linear(x, w, b))
+    assert calls == []
+    x3 = torch.randn(1, 3, shape[1], generator=g)  # 3 rows: the weight-major product, 3 columns
+    torch.testing.assert_close(
+        few_row_linear(x3, w, b, cpu_matmul.TWO_COLUMN), F.linear(x3, w, b), rtol=1e-5, atol=1e-5
+    )
+    assert calls == [(shape[1], 3)]
+
+
 def test_switch_is_scoped_and_restored_on_error():
     original = torch.nn.Linear.forward
     with weight_major_linear(False):

@@ -18,10 +18,13 @@ from tests.decode.test_cpu_matmul import count_calls
 from tests.decode.test_speculative import greedy_reference, prompts
 
 
-def _times(linear: dict[int, float], weight_major: dict[int, float]):
-    return {("linear", w): t for w, t in linear.items()} | {
+def _times(
+    linear: dict[int, float], weight_major: dict[int, float], two_column: float | None = None
+):
+    times = {("linear", w): t for w, t in linear.items()} | {
         ("weight_major", w): t for w, t in weight_major.items()
     }
+    return times | ({} if two_column is None else {("two_column", 1): two_column})
 
 
 @pytest.mark.parametrize(
@@ -40,6 +43,57 @@ def _times(linear: dict[int, float], weight_major: dict[int, float]):
 )
 def test_decide_picks_the_faster_layout_by_width(linear, weight_major, widths, one_row, want):
     assert decide(_times(linear, weight_major), widths, one_row) == want
+
+
+ALL = Layout(one_row=True, one_row_all=True)
+
+
+@pytest.mark.parametrize(
+    "one_row, tall, every, want",
+    [
+        # no tall, narrow weight: every weight's 2-column step against F.linear's alone
+        (False, 0.5, 0.6, ALL),
+        (False, 0.5, MARGIN, LINEAR),  # a tie keeps F.linear
+        (False, 0.5, 1.3, LINEAR),
+        # with one: the faster of the two 2-column choices, if it beats F.linear clearly
+        (True, 0.8, 0.6, ALL),
+        (True, 0.6, 0.8, Layout(one_row=True)),
+        (True, 0.97, 0.97, LINEAR),
+        (True, 1.2, 1.1, LINEAR),
+    ],
+)
+def test_decide_prices_one_row_over_every_weight(one_row, tall, every, want):
+    """The 1-token step: F.linear at 1.0, the tall-weight-only 2-column step at `tall` (priced
+    only where the model has such a weight), every weight's at `every`; verifies tie."""
+    times = _times({1: 1.0, 2: 1.0}, {1: tall, 2: 1.0}, two_column=every)
+    assert decide(times, (2,), one_row) == want
+
+
+def test_auto_takes_two_columns_for_one_row_where_the_gemv_is_slower(monkeypatch):
+    """A machine where F.linear's 1-row GEMV is the slow kernel (each 1-row call 2 ms slower) and
+    no weight is tall and narrow: auto times every model's 1-token step, takes the 2-column
+    product over every weight for both models, and the target-only baseline and the speculative
+    decode both run their 1-token steps through it, token-identical to the target's greedy."""
+    real_linear = F.linear
+
+    def slow_gemv(x, weight, bias=None):
+        if x.numel() // x.shape[-1] == 1:
+            time.sleep(0.002)
+        return real_linear(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", slow_gemv)
+    target, drafter = tiny_pair(seed=6)
+    assert not cpu_matmul.has_two_column_weight(target)
+    dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=24))
+    assert dec.layout(target).one_row_all and dec.layout(drafter).one_row_all
+    seen = count_calls(monkeypatch)
+    prompt = prompts(2, 64, seed=3)[1]
+    want = greedy_reference(target, prompt, 24)
+    assert dec.generate(torch.tensor([prompt])).tokens[0] == want
+    assert seen.get(1, 0) > 0  # the drafter's and the target's 1-token steps
+    seen.clear()
+    assert dec.baseline(torch.tensor([prompt])).tokens[0] == want
+    assert seen.get(1, 0) >= 23 and set(seen) == {1}  # every baseline step after the prefill
 
 
 def tiny_pair(seed: int = 0):
