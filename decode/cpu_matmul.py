@@ -29,9 +29,9 @@ takes it. So a `Layout` says which path a model's few-row inputs take, and
 
 The switch is scoped: `weight_major_linear()` swaps `torch.nn.Linear.forward` for the duration of
 one decode step (the decoder is single-threaded), and only for inputs of 2-16 rows or one row
-(over a tall, narrow weight, or every weight), as the layout allows; prefill and everything outside the decoder keep
-`F.linear`. Results agree with `F.linear` to float rounding (a different summation order), like
-any other change of GEMM kernel.
+(over a tall, narrow weight, or every weight), as the layout allows; prefill and everything
+outside the decoder keep `F.linear`. Results agree with `F.linear` to float rounding (a
+different summation order), like any other change of GEMM kernel.
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ model's as it does in a decode (that eviction is what the weight-major path stre
 The fastest sample of each, not the median: on a shared VM other tenants' load only adds time,
 and there medians picked a different layout run to run where the fastest samples agreed
 (decode/RESULTS.md, 2026-12-01). Weight-major only where it is clearly faster (`MARGIN`: a tie
-keeps `F.linear`, the kernel library's own choice), and the prepacked path from the width where it is clearly faster
-at every timed width above (a kernel switch is a step in the cost, so the widths between two
-timed ones follow them). A model whose layout does not take the prepacked path frees its
-reordered weights. Memoised per model: validate's decoders over one pair time once, and its
-target-only baseline keeps the layout its speculative decodes use.
+keeps `F.linear`, the kernel library's own choice), and the prepacked path from the width where
+it is clearly faster at every timed width above (a kernel switch is a step in the cost, so the
+widths between two timed ones follow them). A model whose layout does not take the prepacked
+path frees its reordered weights. Memoised per model: validate's decoders over one pair time
+once, and its target-only baseline keeps the layout its speculative decodes use.
 """
 
 from __future__ import annotations
