@@ -70,11 +70,10 @@ def decide(times: Mapping[tuple[str, int], float], widths: Iterable[int], one_ro
     ones = {"two_column": times.get(("two_column", 1))}
     if one_row:
         ones["weight_major"] = times["weight_major", 1]
-    ones = {name: t for name, t in ones.items() if t is not None}
-    best = min(ones, key=ones.__getitem__) if ones else None
-    take = best is not None and ones[best] < MARGIN * times["linear", 1]
-    one_all = take and best == "two_column"
-    one = one_all or (take and best == "weight_major")
+    timed = {name: t for name, t in ones.items() if t is not None}
+    best = min(timed, key=timed.__getitem__, default=None)
+    one = best is not None and timed[best] < MARGIN * times["linear", 1]
+    one_all = one and best == "two_column"
     rival = "weight_major" if few_rows else "linear"
     packed_from = 0
     for w in reversed(few):
