@@ -119,7 +119,9 @@ def test_auto_keeps_f_linear_where_weight_major_is_slower(monkeypatch):
 
 def test_auto_takes_weight_major_where_f_linear_is_slower(monkeypatch):
     """The mirror machine: F.linear over 2-16 rows made slow; auto picks weight-major for the
-    verify (gamma + 1 rows through few_row_linear), the output stays the target's."""
+    verify (gamma + 1 rows through few_row_linear), the output stays the target's. The 2-column
+    product for one row is made slow too, so the 1-row choice is the machine's, not the timing
+    noise of two near-equal tiny steps (under load it could otherwise go either way)."""
     real_linear = F.linear
 
     def slow_linear(x, weight, bias=None):
@@ -129,6 +131,14 @@ def test_auto_takes_weight_major_where_f_linear_is_slower(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "linear", slow_linear)
     seen = count_calls(monkeypatch)
+    counted = cpu_matmul.few_row_linear
+
+    def slow_one_row(x, weight, bias, layout=cpu_matmul.WEIGHT_MAJOR):
+        if x.numel() // x.shape[-1] == 1 and layout.one_row_over(weight):
+            time.sleep(0.002)
+        return counted(x, weight, bias, layout)
+
+    monkeypatch.setattr(cpu_matmul, "few_row_linear", slow_one_row)
     target, drafter = tiny_pair(seed=4)
     dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=24))
     assert dec.layout(target).few_rows and dec.layout(drafter).few_rows
