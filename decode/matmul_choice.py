@@ -91,10 +91,13 @@ def time_layouts(
     device: torch.device,
     iters: int = 10,
     reps: int = 1,
+    one_row: Mapping[str, bool] | None = None,
 ) -> dict[str, dict[tuple[str, int], float]]:
     """Per role: the fastest sample's seconds of `reps` back-to-back steps of each width, per
     layout.
-    make_runner[role](slots, layout) builds that role's runner as the decoder would."""
+    make_runner[role](slots, layout) builds that role's runner as the decoder would;
+    `one_row[role]` False: the role has no tall, narrow weight, so its weight-major 1-token
+    step is F.linear's again and is not timed (default: every role's is)."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     runners: dict[tuple[str, str], ModelRunner] = {}
     layouts = {n: lay for n, lay in LAYOUTS.items() if n != "packed" or packed_available()}
@@ -105,7 +108,12 @@ def time_layouts(
             runner.forward(ids, keep=1, prefill=True)
             runners[role, name] = runner
     samples: dict[str, dict[tuple[str, int], list[float]]] = {
-        role: {(name, w): [] for name in layouts for w in widths[role] if _timed(name, w)}
+        role: {
+            (name, w): []
+            for name in layouts
+            for w in widths[role]
+            if _timed(name, w, (one_row or {}).get(role, True))
+        }
         for role in make_runner
     }
     names = list(layouts)
@@ -113,7 +121,7 @@ def time_layouts(
         for w in sorted({w for ws in widths.values() for w in ws}):
             for name in names if i % 2 else names[::-1]:  # alternate which layout goes first
                 for role in make_runner:
-                    if w not in widths[role] or not _timed(name, w):
+                    if (name, w) not in samples[role]:
                         continue
                     runner = runners[role, name]
                     base, x = runner.length, torch.zeros(1, w, dtype=torch.long, device=device)
@@ -126,11 +134,14 @@ def time_layouts(
     return {role: {key: min(v) for key, v in per.items()} for role, per in samples.items()}
 
 
-def _timed(name: str, width: int) -> bool:
+def _timed(name: str, width: int, one_row: bool = True) -> bool:
     """The prepacked path takes 2 rows and more: its 1-token step would time `F.linear` again;
-    the 2-column layout differs from weight-major only in its 1-token step."""
+    the 2-column layout differs from weight-major only in its 1-token step; weight-major's
+    1-token step is its own only over a tall, narrow weight (`one_row`)."""
     if name == "packed":
         return width >= 2
+    if name == "weight_major" and width == 1:
+        return one_row
     return name != "two_column" or width == 1
 
 
@@ -156,7 +167,7 @@ def choose_layouts(
         return {role: known[role] for role in models}
     timed_widths = {role: tuple(sorted(set(widths[role]) | {1})) for role in models}
     vocab = {role: int(model.config.vocab_size) for role, model in models.items()}
-    times = time_layouts(make_runner, timed_widths, vocab, device)
+    times = time_layouts(make_runner, timed_widths, vocab, device, one_row=one_row)
     out = {}
     for role, model in models.items():
         layout = known[role] or decide(times[role], widths[role], one_row[role])

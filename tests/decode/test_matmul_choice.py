@@ -4,6 +4,7 @@ the one this machine runs faster, timed in the decoder's own steps, once per mod
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -156,9 +157,9 @@ def test_layouts_are_timed_once_per_model_and_the_settings_skip_timing(monkeypat
     calls: list[set[str]] = []
     real = matmul_choice.time_layouts
 
-    def counting(make_runner, widths, vocab, device, iters=5, reps=2):
+    def counting(make_runner, widths, vocab, device, iters=5, reps=2, one_row=None):
         calls.append(set(make_runner))
-        return real(make_runner, widths, vocab, device, iters=1, reps=1)
+        return real(make_runner, widths, vocab, device, iters=1, reps=1, one_row=one_row)
 
     monkeypatch.setattr(matmul_choice, "time_layouts", counting)
     target, drafter = tiny_pair(seed=8)
@@ -176,3 +177,26 @@ def test_layouts_are_timed_once_per_model_and_the_settings_skip_timing(monkeypat
         fixed = SpeculativeDecoder(target, drafter, DecoderConfig(cpu_matmul=setting))
         assert fixed.layout(target) == want and fixed.layout(drafter) == want
     assert len(calls) == 2
+
+
+def test_weight_major_one_row_is_timed_only_over_a_tall_weight():
+    """Without a tall, narrow weight a weight-major 1-token step is F.linear's again: not timed
+    (start-up time, not a choice); with one, or unsaid, it is; every role keeps the 1-token
+    steps `decide` reads for it."""
+    target, drafter = tiny_pair(seed=12)
+    dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=2, cpu_matmul="linear"))
+    makers = {"target": partial(dec._runner, target), "drafter": partial(dec._runner, drafter)}
+    widths = {"target": (1, 2, 3), "drafter": (1, 2)}
+    vocab = {"target": 64, "drafter": 64}
+    cpu = torch.device("cpu")
+    times = matmul_choice.time_layouts(
+        makers, widths, vocab, cpu, iters=1, one_row={"target": False, "drafter": True}
+    )
+    assert ("weight_major", 1) not in times["target"]
+    assert {("linear", 1), ("two_column", 1), ("weight_major", 2)} <= set(times["target"])
+    assert ("weight_major", 1) in times["drafter"]
+    assert ("weight_major", 1) in matmul_choice.time_layouts(makers, widths, vocab, cpu, 1)[
+        "target"
+    ]
+    for role, tall in (("target", False), ("drafter", True)):
+        assert isinstance(decide(times[role], widths[role][1:], tall), Layout)
