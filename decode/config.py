@@ -226,9 +226,14 @@ class DecoderSettings:
     compile: str | bool = "auto"
     record_probs: bool = False
     host_sync_every: int = 0
-    cpu_matmul: str = "auto"
+    # linear: plain F.linear steps on every CPU; no kernel is picked by timing at start-up (a
+    # timed pick chose a bf16 oneDNN path an AVX2-only CPU cannot run, and made decoded rounds
+    # depend on the machine). weight_major / packed / auto stay opt-in for benchmarks.
+    cpu_matmul: str = "linear"
     lean_steps: bool = True
-    draft_length: str = "confidence"
+    # fixed: gamma drafts every round, the way vLLM, SGLang and TRT-LLM serve a drafter, so
+    # validate's tau and acceptance by position are the engines' and need no timing
+    draft_length: str = "fixed"
     max_draft: int = 8
     draft_scope: str = "batch"
     draft_floor: bool = True
@@ -238,9 +243,9 @@ class DecoderSettings:
     drafting: str = "autoregressive"
     mask_token_id: int | None = None
     draft_vocab: str = "auto"
-    # auto: prompt lookup when greedy only (at temperature 1 a one-hot draft is accepted with
-    # probability p(x): too rarely to pay for its verify position, decode/RESULTS.md)
-    lookup: bool | str = "auto"
+    # prompt lookup is a drafter of its own in the engines (vLLM's ngram): opt-in, so the
+    # figures of record are the drafter's (auto: greedy decodes only)
+    lookup: bool | str = False
     # the stages' drafter reads the prompt's last 1024 tokens: at long contexts a small
     # drafter's prefill of the whole prompt costs more than its drafts save, and the end kept
     # its acceptance (decode/RESULTS.md, drafter_context by context length)

@@ -35,12 +35,12 @@ class ValidateSettings:
     output_dir: Path
     decoder: DecoderSettings
     other: DecoderSettings | None
-    max_new_tokens: int = 48
-    num_prompts: int | None = 8  # None (or 0): every prompt of the split
+    max_new_tokens: int = 64
+    num_prompts: int | None = 32  # None (or 0): every prompt of the split
     max_prompt_tokens: int | None = None  # None: the context left after max_new_tokens, gamma
     long_prompts: str = "truncate"
     batch_size: int = 1
-    repeats: int = 3
+    repeats: int = 1
     step_time_iters: int = 20
     seed: int = 0
     device: str = "auto"

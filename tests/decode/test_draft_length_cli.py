@@ -69,7 +69,11 @@ def test_validate_times_the_pairs_forwards_once_over_its_decoders(tmp_path, toy_
 
     monkeypatch.setattr(measure, "time_forwards", count_forwards)
     monkeypatch.setattr(measure, "round_glue", count_glue)
-    r = run(_cfg(tmp_path, "decoder.gamma=auto", "decoder.max_draft=3"))
+    r = run(
+        _cfg(
+            tmp_path, "decoder.gamma=auto", "decoder.max_draft=3", "decoder.draft_length=confidence"
+        )
+    )
     assert r.draft_length == "confidence" and set(r.modes) == {"greedy", "sampling"}
     assert calls == {"forwards": 1, "glue": [0.0, 1.0]}
 

@@ -113,7 +113,8 @@ def test_setting_is_checked_and_listed():
     assert DecoderSettings.from_node({"lookup": True}).lookup is True
     with pytest.raises(ConfigError, match="decoder.lookup='yes'"):
         DecoderSettings.from_node({"lookup": "yes"})
-    auto = DecoderSettings.from_node({})  # the stages' default: greedy decodes only
+    assert DecoderSettings.from_node({}).lookup is False  # opt-in: a drafter of its own
+    auto = DecoderSettings.from_node({"lookup": "auto"})  # greedy decodes only
     assert auto.lookup == "auto" and auto.decoder_config(8, ()).lookup is True
     sampled = auto.replace(sampling=Sampling(1.0))
     assert sampled.decoder_config(8, ()).lookup is False

@@ -243,10 +243,10 @@ def test_vllm_validate_config_keeps_the_reports_settings(tmp_path):
     assert list(got.engines) == ["ours", "vllm"] and got.output_dir == f"{tmp_path / 'out'}_vllm"
     assert (got.num_prompts, got.decoder.gamma, got.repeats) == (3, 2, 5)
     assert got.vllm.max_num_seqs == 4 and got.vllm.tensor_parallel_size == 1
-    assert vcfg.decoder.draft_length == "confidence"  # the stages' adaptive default ...
-    assert got.decoder.draft_length == "fixed"  # ... is gamma every round beside vLLM's
+    assert vcfg.decoder.draft_length == "fixed"  # the stages' default: gamma every round ...
+    assert got.decoder.draft_length == "fixed"  # ... as vLLM serves it
     plain = validate_config(ecfg, None, tmp_path / "d")  # no report: validate's defaults
-    assert plain.num_prompts == 8 and plain.pair.drafter == str(tmp_path / "d")
+    assert plain.num_prompts == 32 and plain.pair.drafter == str(tmp_path / "d")
     assert plain.decoder.draft_length == "fixed"
 
 

@@ -1,0 +1,46 @@
+"""The figures of record are a function of models, prompts, config and seed: validate run twice
+under different thread counts decodes the same tokens and prints the same acceptance figures
+(issue 70: no timing, CPU feature or thread count may choose a kernel, a round or a length)."""
+
+from __future__ import annotations
+
+import torch
+
+from specdistill.decode.config import DecoderSettings
+from specdistill.decode.validate.stage import run
+
+# what validate reports that must not move with the machine (speed figures may)
+ACCEPTANCE_KEYS = ("alpha", "drafter_alpha", "tau", "accepted_at", "trials_at")
+
+
+def _cfg(tmp_path, threads: int, *extra: str):
+    from hydra import compose, initialize_config_module
+
+    overrides = ["pair=toy-tiny", f"output_dir={tmp_path}", "num_prompts=4", "max_new_tokens=24"]
+    overrides += ["hf_assisted=false", "step_time_iters=2", "plot=false", "progress=false"]
+    overrides += [f"threads={threads}", *extra]
+    with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
+        return compose(config_name="validate", overrides=overrides)
+
+
+def test_default_decoder_has_no_timed_choice():
+    """The stages' default decoder drafts gamma every round with plain linears: nothing in it
+    is decided by a clock (fails if a timed policy, kernel pick or lookup becomes the default)."""
+    d = DecoderSettings()
+    assert (d.draft_length, d.cpu_matmul, d.lookup, d.gamma) == ("fixed", "linear", False, 4)
+
+
+def test_validate_figures_equal_across_thread_counts(tmp_path, toy_tiny):
+    before = torch.get_num_threads()
+    try:
+        one = run(_cfg(tmp_path / "t1", 1))
+        two = run(_cfg(tmp_path / "t2", 2))
+    finally:
+        torch.set_num_threads(before)
+    assert one.modes.keys() == two.modes.keys() == {"greedy", "sampling"}
+    for mode in one.modes:
+        for key in ACCEPTANCE_KEYS:
+            assert one.modes[mode][key] == two.modes[mode][key], (mode, key)
+    assert one.modes["greedy"]["trials_at"][0] > 0  # the drafter drafted: figures measured
+    assert one.lossless is two.lossless is True
+    assert one.acceptance_by_position == two.acceptance_by_position
