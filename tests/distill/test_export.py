@@ -234,7 +234,13 @@ def test_vllm_validate_config_keeps_the_reports_settings(tmp_path):
     with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
         vcfg = compose(
             config_name="validate",
-            overrides=["pair=toy-tiny", "num_prompts=3", "decoder.gamma=2", "repeats=5"],
+            overrides=[
+                "pair=toy-tiny",
+                "num_prompts=3",
+                "decoder.gamma=2",
+                "repeats=5",
+                "decoder.draft_length=confidence",
+            ],
         )
     report = {"config": OmegaConf.to_container(vcfg, resolve=True)}
     ecfg = _cfg(tmp_path / "out", "vllm.engine.max_num_seqs=4")
@@ -243,8 +249,8 @@ def test_vllm_validate_config_keeps_the_reports_settings(tmp_path):
     assert list(got.engines) == ["ours", "vllm"] and got.output_dir == f"{tmp_path / 'out'}_vllm"
     assert (got.num_prompts, got.decoder.gamma, got.repeats) == (3, 2, 5)
     assert got.vllm.max_num_seqs == 4 and got.vllm.tensor_parallel_size == 1
-    assert vcfg.decoder.draft_length == "fixed"  # the stages' default: gamma every round ...
-    assert got.decoder.draft_length == "fixed"  # ... as vLLM serves it
+    assert vcfg.decoder.draft_length == "confidence"  # the report's adaptive lengths ...
+    assert got.decoder.draft_length == "fixed"  # ... are gamma every round beside vLLM's
     plain = validate_config(ecfg, None, tmp_path / "d")  # no report: validate's defaults
     assert plain.num_prompts == 32 and plain.pair.drafter == str(tmp_path / "d")
     assert plain.decoder.draft_length == "fixed"
