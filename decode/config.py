@@ -56,12 +56,12 @@ class DecoderConfig:
     compile: str | bool = "auto"
     record_probs: bool = False  # keep the target's probabilities per verified position
     host_sync_every: int = 0  # target-only decoding: tokens reach the host every N steps; 0: auto
-    # CPU linears of few-row steps (decode.cpu_matmul): weight_major runs verify and catch-up
-    # steps (2-16 tokens) as weight @ x.T, which on some CPUs costs about one 1-token step and on
-    # others more than F.linear; packed through oneDNN over weights reordered once (a second copy
-    # of them); auto times the three per model on this machine (decode.matmul_choice); linear:
-    # F.linear everywhere
-    cpu_matmul: str = "auto"
+    # CPU linears of few-row steps (decode.cpu_matmul): linear (the default, as the stages'):
+    # F.linear everywhere, so no kernel is picked by timing; opt-in for benchmarks: weight_major
+    # runs verify and catch-up steps (2-16 tokens) as weight @ x.T, packed through oneDNN over
+    # weights reordered once (a second copy, float32 only), auto times the three per model on
+    # this machine (decode.matmul_choice)
+    cpu_matmul: str = "linear"
     # decode steps of a Llama-family model computed layer by layer without transformers'
     # per-call machinery (decode.lean_step; prefill and other models keep model.forward)
     lean_steps: bool = True

@@ -104,11 +104,14 @@ _active = WEIGHT_MAJOR  # the layout inside `weight_major_linear` (the decoder i
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def packed_available() -> bool:
-    """Whether this torch build has oneDNN's linear over a prepacked weight (CPU builds do)."""
+def packed_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build has oneDNN's linear over a prepacked weight (CPU builds do) for
+    weights of `dtype`: float32 only. oneDNN's bf16 reorder needs AVX-512 or AVX-NE-CONVERT and
+    raises on an AVX2-only CPU, and which path runs must never depend on the CPU's features."""
     ops = torch.ops.mkldnn
     return (
-        torch.backends.mkldnn.is_available()
+        dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
         and hasattr(ops, "_reorder_linear_weight")
         and hasattr(ops, "_linear_pointwise")
     )

@@ -92,15 +92,17 @@ def time_layouts(
     iters: int = 10,
     reps: int = 1,
     one_row: Mapping[str, bool] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, dict[tuple[str, int], float]]:
     """Per role: the fastest sample's seconds of `reps` back-to-back steps of each width, per
     layout.
     make_runner[role](slots, layout) builds that role's runner as the decoder would;
     `one_row[role]` False: the role has no tall, narrow weight, so its weight-major 1-token
-    step is F.linear's again and is not timed (default: every role's is)."""
+    step is F.linear's again and is not timed (default: every role's is). `dtype`: the
+    models' weights; the prepacked path is timed only where `packed_available` allows it."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     runners: dict[tuple[str, str], ModelRunner] = {}
-    layouts = {n: lay for n, lay in LAYOUTS.items() if n != "packed" or packed_available()}
+    layouts = {n: lay for n, lay in LAYOUTS.items() if n != "packed" or packed_available(dtype)}
     for role, make in make_runner.items():
         ids = torch.randint(0, vocab[role], (1, CONTEXT), generator=gen).to(device)
         for name, layout in layouts.items():
@@ -167,7 +169,8 @@ def choose_layouts(
         return {role: known[role] for role in models}
     timed_widths = {role: tuple(sorted(set(widths[role]) | {1})) for role in models}
     vocab = {role: int(model.config.vocab_size) for role, model in models.items()}
-    times = time_layouts(make_runner, timed_widths, vocab, device, one_row=one_row)
+    dtype = next(next(iter(models.values())).parameters()).dtype  # one dtype: a checked pair
+    times = time_layouts(make_runner, timed_widths, vocab, device, one_row=one_row, dtype=dtype)
     out = {}
     for role, model in models.items():
         layout = known[role] or decide(times[role], widths[role], one_row[role])

@@ -257,7 +257,7 @@ class SpeculativeDecoder:
         if setting == "weight_major" or self.compile:
             return WEIGHT_MAJOR
         if setting == "packed":
-            return PACKED if packed_available() else LINEAR
+            return PACKED if packed_available(self.dtype) else LINEAR
         if self._layouts is None:
             self._layouts = self._choose_layouts()
         return self._layouts["target" if model is self.target else "drafter"]

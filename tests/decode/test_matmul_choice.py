@@ -85,7 +85,9 @@ def test_auto_takes_two_columns_for_one_row_where_the_gemv_is_slower(monkeypatch
     monkeypatch.setattr(torch.nn.functional, "linear", slow_gemv)
     target, drafter = tiny_pair(seed=6)
     assert not cpu_matmul.has_two_column_weight(target)
-    dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=24))
+    dec = SpeculativeDecoder(
+        target, drafter, DecoderConfig(gamma=4, max_new_tokens=24, cpu_matmul="auto")
+    )
     assert dec.layout(target).one_row_all and dec.layout(drafter).one_row_all
     seen = count_calls(monkeypatch)
     prompt = prompts(2, 64, seed=3)[1]
@@ -108,7 +110,9 @@ def test_auto_keeps_f_linear_where_weight_major_is_slower(monkeypatch):
     the target's."""
     seen = count_calls(monkeypatch, delay=0.002)
     target, drafter = tiny_pair()
-    dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=24))
+    dec = SpeculativeDecoder(
+        target, drafter, DecoderConfig(gamma=4, max_new_tokens=24, cpu_matmul="auto")
+    )
     assert dec.layout(target) == LINEAR and dec.layout(drafter) == LINEAR
     assert seen  # the timing ran the weight-major steps
     seen.clear()
@@ -141,7 +145,9 @@ def test_auto_takes_weight_major_where_f_linear_is_slower(monkeypatch):
 
     monkeypatch.setattr(cpu_matmul, "few_row_linear", slow_one_row)
     target, drafter = tiny_pair(seed=4)
-    dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=24))
+    dec = SpeculativeDecoder(
+        target, drafter, DecoderConfig(gamma=4, max_new_tokens=24, cpu_matmul="auto")
+    )
     assert dec.layout(target).few_rows and dec.layout(drafter).few_rows
     seen.clear()
     prompt = prompts(2, 64, seed=3)[1]
@@ -157,13 +163,13 @@ def test_layouts_are_timed_once_per_model_and_the_settings_skip_timing(monkeypat
     calls: list[set[str]] = []
     real = matmul_choice.time_layouts
 
-    def counting(make_runner, widths, vocab, device, iters=5, reps=2, one_row=None):
+    def counting(make_runner, widths, vocab, device, iters=5, reps=2, one_row=None, **kw):
         calls.append(set(make_runner))
-        return real(make_runner, widths, vocab, device, iters=1, reps=1, one_row=one_row)
+        return real(make_runner, widths, vocab, device, iters=1, reps=1, one_row=one_row, **kw)
 
     monkeypatch.setattr(matmul_choice, "time_layouts", counting)
     target, drafter = tiny_pair(seed=8)
-    cfg = DecoderConfig(gamma=4, max_new_tokens=8)
+    cfg = DecoderConfig(gamma=4, max_new_tokens=8, cpu_matmul="auto")
     first = SpeculativeDecoder(target, drafter, cfg)
     chosen = first.layout(target)
     second = SpeculativeDecoder(target, drafter, cfg)

@@ -138,6 +138,19 @@ def test_packed_setting_runs_verify_steps_through_it_and_never_prefill(monkeypat
     assert min(seen) >= 2 and max(seen) < len(prompt)  # never a 1-token step, never the prefill
 
 
+def test_bf16_weights_never_take_the_prepacked_path():
+    """oneDNN's bf16 reorder needs CPU features an AVX2-only CPU lacks (it raised there): a
+    bf16 pair runs F.linear even when the packed path is asked for, and decodes."""
+    assert not packed_available(torch.bfloat16) and packed_available(torch.float32)
+    target, drafter = (m.to(torch.bfloat16) for m in tiny_pair())
+    dec = SpeculativeDecoder(
+        target, drafter, DecoderConfig(gamma=4, max_new_tokens=8, cpu_matmul="packed")
+    )
+    assert dec.layout(target) == LINEAR and dec.layout(drafter) == LINEAR
+    out = dec.generate(torch.tensor([prompts(2, 64, seed=3)[1]]))
+    assert len(out.tokens[0]) == 8
+
+
 def test_auto_takes_the_prepacked_path_where_the_others_are_slow(monkeypatch):
     """A machine where F.linear and weight-major over 2-16 rows are the slow ones: auto packs
     both models' few-row steps, the verify goes through the prepacked weights, the output stays
@@ -154,7 +167,9 @@ def test_auto_takes_the_prepacked_path_where_the_others_are_slow(monkeypatch):
     monkeypatch.setattr(torch, "mm", lambda a, b: time.sleep(0.002) or real_mm(a, b))
     seen = count_calls(monkeypatch, path="packed_linear")
     target, drafter = tiny_pair(seed=4)
-    dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=24))
+    dec = SpeculativeDecoder(
+        target, drafter, DecoderConfig(gamma=4, max_new_tokens=24, cpu_matmul="auto")
+    )
     assert dec.layout(target).packed_from == 2 and dec.layout(drafter).packed_from == 2
     seen.clear()
     prompt = prompts(2, 64, seed=3)[1]
@@ -168,7 +183,9 @@ def test_auto_frees_the_copies_where_the_prepacked_path_is_slow(monkeypatch):
     must not keep that second copy of its weights."""
     seen = count_calls(monkeypatch, delay=0.002, path="packed_linear")
     target, drafter = tiny_pair(seed=6)
-    dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=8))
+    dec = SpeculativeDecoder(
+        target, drafter, DecoderConfig(gamma=4, max_new_tokens=8, cpu_matmul="auto")
+    )
     assert dec.layout(target).packed_from == 0 and dec.layout(drafter).packed_from == 0
     assert seen  # the timing ran the prepacked steps
     kept = [m for model in (target, drafter) for m in model.modules() if m in cpu_matmul._PACKED]
