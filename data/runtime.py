@@ -75,7 +75,6 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 # torch's own thread count at import: its cores (OMP_NUM_THREADS and the affinity mask honoured)
 _CORES = torch.get_num_threads()
-_prefill_threads: int | None = None  # set_threads' prefill count; None: prefills keep the steps'
 
 
 def _thread_count(setting: Any, field: str, auto: int) -> int | None:
@@ -88,61 +87,29 @@ def _thread_count(setting: Any, field: str, auto: int) -> int | None:
     return n
 
 
-def set_threads(
-    setting: Any,
-    device: torch.device,
-    *,
-    field: str = "threads",
-    prefill: Any = "default",
-    prefill_field: str = "prefill_threads",
-) -> None:
+def set_threads(setting: Any, device: torch.device, *, field: str = "threads") -> None:
     """`auto`: one CPU thread; `default` (or null): torch's own choice (every core); N: N threads.
 
     One thread is for a shared, busy machine, where a second thread's synchronisation stalls
-    small steps (data/RESULTS.md, "the toy world's build and CPU threads"), and for one-thread
-    shard processes (generate's `processes`). On a quiet machine every core is faster for the
-    target alone and for speculative decoding alike: a real model's decode step streams all its
-    weights, and more cores read them faster (decode/RESULTS.md, threads), so the decoding stages
-    take torch's own count. A prompt's prefill is big matmuls over every prompt token, which
-    scale with cores whatever the steps do: `prefill` sets the threads `prefill_threads()` blocks
-    run with: `auto` = torch's own count at start, `default` (or null) = the steps' count, N = N.
+    small steps, and for one-thread shard processes (generate's `processes`). On a quiet machine
+    every core is faster for the target alone and for speculative decoding alike, so the
+    decoding stages take torch's own count. The count changes speed only: decoded tokens and
+    acceptance figures are the same at any count (tests/decode/test_determinism.py).
     """
-    global _prefill_threads
     n = _thread_count(setting, field, auto=1)
-    pre = _thread_count(prefill, prefill_field, auto=_CORES)
-    if device.type != "cpu":
-        _prefill_threads = None
-        return
-    if n is not None:
+    if device.type == "cpu" and n is not None:
         torch.set_num_threads(n)
-    _prefill_threads = pre
-
-
-@contextmanager
-def prefill_threads() -> Iterator[None]:
-    """Run the block (a prompt's prefill) with `set_threads`' prefill count, then the steps' again."""
-    n, before = _prefill_threads, torch.get_num_threads()
-    if n is None or n == before:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @contextmanager
 def kept_threads() -> Iterator[None]:
-    """Restore the thread counts (steps' and prefills') after the block: a stage's setting (generate
-    threads=auto: 1) must not slow the next stage of an in-process pipeline."""
-    global _prefill_threads
-    steps, prefill = torch.get_num_threads(), _prefill_threads
+    """Restore the thread count after the block: a stage's setting (generate threads=auto: 1)
+    must not slow the next stage of an in-process pipeline."""
+    steps = torch.get_num_threads()
     try:
         yield
     finally:
         torch.set_num_threads(steps)
-        _prefill_threads = prefill
 
 
 def pad_rows(

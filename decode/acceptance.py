@@ -236,19 +236,3 @@ def round_speedup(alpha_at: list[float], draft_cost: float, verify_cost: float =
         prefix *= a
         tokens += prefix
     return tokens / (draft_cost + verify_cost)
-
-
-def best_gamma(
-    alpha: float, c: float, max_gamma: int = 16, verify: dict[int, float] | None = None
-) -> int:
-    """The gamma in 1..max_gamma that maximises the theoretical speedup (`gamma: auto`).
-
-    `verify`: measured (gamma+1)-token verify costs in target steps by gamma; gammas it lacks
-    are not candidates. On a CPU they are far from the paper's 1 and not monotonic, so with the
-    formula's 1 gamma=auto picked a gamma that ran slower than a shorter one (SmolLM2:
-    decode/RESULTS.md, 2026-11-25 "few-row linears on CPU")."""
-    gammas = range(1, max_gamma + 1)
-    if verify is not None:
-        gammas = [g for g in gammas if g in verify] or [1]
-    v = verify or {}
-    return max(gammas, key=lambda g: theoretical_speedup(alpha, g, c, v.get(g, 1.0)))

@@ -23,31 +23,13 @@ hold prompt + new tokens, like full layers. Caches that cannot be rolled back by
 from __future__ import annotations
 
 import inspect
-import time
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import ClassVar
 
 import torch
 
-from specdistill.data.runtime import ConfigError, padded_positions, prefill_threads
-from specdistill.decode.cache_layers import (
-    PACKED_SDPA,
-    Attention,
-    cache_layer_types,
-    packed_sdpa_for,
-    slot_layer,
-)
-from specdistill.decode.cpu_matmul import LINEAR, Layout, has_two_column_weight, weight_major_linear
+from specdistill.data.runtime import ConfigError, padded_positions
+from specdistill.decode.cache_layers import cache_layer_types, slot_layer
 from specdistill.decode.draft_vocab import SubsetHead, swapped_head
-from specdistill.decode.lean_step import (
-    RotaryTable,
-    lean_forward,
-    lean_plan,
-    lean_problem,
-    rotary_table_problem,
-)
 
 ROLLBACK_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
 
@@ -104,30 +86,6 @@ def rollback_cache(config, *, static: bool, capacity: int):
     return Cache(layers=layers)
 
 
-class ForwardClock:
-    """Seconds spent inside `ModelRunner.forward` while this clock is the innermost entered.
-
-    What a decode costs beyond its forwards, the round's host-side glue (sampling and testing
-    drafts, moving tokens to the host, rolling caches back, the policy's bookkeeping), is its
-    wall time minus this (`draft_length.measure.round_glue`). Off, a forward pays one attribute
-    read. On CUDA each forward is synchronised while a clock runs, so its seconds are the
-    device's, not the launch's.
-    """
-
-    current: ClassVar[ForwardClock | None] = None
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._outer: ForwardClock | None = None
-
-    def __enter__(self) -> ForwardClock:
-        self._outer, ForwardClock.current = ForwardClock.current, self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        ForwardClock.current = self._outer  # an outer clock misses what this one counted
-
-
 def cache_argument(model) -> str:
     """The keyword `model.forward` takes its KV cache by: `transformers` 5 renamed it `cache`
     (`past_key_values` deprecated there, due to go within the versions pyproject allows); older
@@ -145,22 +103,12 @@ class ModelRunner:
         static: bool,
         capacity: int,
         compile_steps: bool = False,
-        layout: Layout = LINEAR,
         head: tuple[str, SubsetHead] | None = None,
-        lean: bool = False,
-        prefill_cast: torch.dtype | None = None,
     ) -> None:
-        """prefill_cast: run prompt prefills under autocast to this dtype (`decoder.prefill_dtype`,
-        `_cast_prefill`); None, or the model's own dtype: prefills in the model's dtype."""
+        """head: a draft vocabulary's output layer, swapped in for each step (draft_vocab)."""
         self.model = model
         self.dtype = next(model.parameters()).dtype
-        self.prefill_cast = None if prefill_cast in (None, self.dtype) else prefill_cast
-        self.head = head  # a draft vocabulary's output layer, swapped in for each step
-        self.layout = layout  # which few-row steps run as weight @ x.T (decode.cpu_matmul)
-        # 1-token steps too: every weight's, or a tall, narrow weight's (a subset head is not one)
-        self._one_row = layout.one_row_all or (
-            layout.one_row and head is None and has_two_column_weight(model)
-        )
+        self.head = head
         self.static = static
         self.capacity = capacity
         self.length = 0
@@ -170,20 +118,8 @@ class ModelRunner:
         self.cache = rollback_cache(model.config, static=static, capacity=capacity)
         self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_arg = cache_argument(model)
-        self._packed = packed_sdpa_for(model)  # multi-token steps: packed GQA attention
         self._eager = model.forward
         self._step = compiled_forward(model) if compile_steps else self._eager
-        # eager steps over slot layers: the lean path (decode.lean_step) where the model qualifies
-        self._lean = (
-            lean
-            and not static
-            and not compile_steps
-            and lean_problem(model, (types, self.window)) is None
-        )
-        self._plan = lean_plan(model) if self._lean else None
-        # a dense lean step's cos and sin, sliced from the model's table (taken at its first one)
-        self._table: RotaryTable | None = None
-        self._tabled = self._lean and rotary_table_problem(model) is None
 
     def forward(
         self,
@@ -193,48 +129,8 @@ class ModelRunner:
         keep: int = 0,
         prefill: bool = False,
     ) -> torch.Tensor:
-        """Logits of the last `keep` positions (0: all) after appending `ids` to the cache.
-        A prefill runs with the process's prefill thread count (data.runtime.set_threads)."""
-        if prefill:
-            with prefill_threads(), self._cast_prefill(ids.device):
-                return self._timed(ids, attention_mask, position_ids, keep, prefill)
-        return self._timed(ids, attention_mask, position_ids, keep, prefill)
-
-    @contextmanager
-    def _cast_prefill(self, device: torch.device) -> Iterator[None]:
-        """A prefill's matmuls in `prefill_cast` (autocast: bf16 runs on a CPU's AMX tiles, several
-        times fp32's rate on a long prompt), while the cache keeps the model's dtype: each K and V
-        written is cast back, so every decode step after it runs exactly as after any prefill.
-        Target-only and speculative decoding share this path, so they stay token-identical; the
-        prompt's cache differs from a full-precision prefill's by bf16 rounding."""
-        if self.prefill_cast is None:
-            yield
-            return
-        dtype, layers = self.dtype, list(self.cache.layers)
-        for layer in layers:  # on the instance, so the class's update stays as it was
-            layer.update = _casting_update(layer.update, dtype)
-        try:
-            with torch.autocast(device.type, dtype=self.prefill_cast):
-                yield
-        finally:
-            for layer in layers:
-                del layer.update
-
-    def _timed(self, ids, attention_mask, position_ids, keep: int, prefill: bool) -> torch.Tensor:
-        clock = ForwardClock.current
-        if clock is None:
-            return self._forward(ids, attention_mask, position_ids, keep, prefill)
-        cuda = ids.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(ids.device)
-        t0 = time.perf_counter()
-        logits = self._forward(ids, attention_mask, position_ids, keep, prefill)
-        if cuda:
-            torch.cuda.synchronize(ids.device)
-        clock.seconds += time.perf_counter() - t0
-        return logits
-
-    def _forward(self, ids, attention_mask, position_ids, keep: int, prefill: bool) -> torch.Tensor:
+        """Logits of the last `keep` positions (0: all) after appending `ids` to the cache:
+        the model's own forward (compiled for decode steps where configured)."""
         n = ids.shape[1]
         if self.length + n > self.capacity:
             raise RuntimeError(
@@ -248,33 +144,16 @@ class ModelRunner:
         # addresses (allocated inside a CUDA-graph step they would live in the graph's pool and
         # be overwritten by the next replay). Prompts of one token have no prefill to do this.
         fn = self._eager if prefill or not self._allocated else self._step
-        # a forward wrapped on the instance (a hook, a test's probe) is honoured: no lean step
-        lean = self._lean and not prefill and "forward" not in self.model.__dict__
         if fn is not self._eager:  # compiled graphs guard on strides: views of a prompt recompile
             ids, position_ids = _fresh(ids), _fresh(position_ids)
-        with (
-            weight_major_linear(
-                not prefill and (self._one_row if n == 1 else self.layout.switches(n)), self.layout
-            ),
-            swapped_head(self.model, self.head),
-            Attention(self.model.config, PACKED_SDPA if self._packed and n > 1 else None),
-        ):
-            if lean:
-                if self._tabled and self._table is None and position_ids is None:
-                    like = torch.empty(0, dtype=self.dtype, device=ids.device)
-                    self._table = RotaryTable.shared(self._plan.rotary, like, self.capacity)
-                logits = lean_forward(
-                    self.model, self._plan, self.cache, ids, attention_mask, position_ids,
-                    self.length, keep, self._packed, self._table,
-                )  # fmt: skip
-            else:
-                logits = fn(
-                    input_ids=ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    use_cache=True,
-                    **kwargs,
-                ).logits
+        with swapped_head(self.model, self.head):
+            logits = fn(
+                input_ids=ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                **kwargs,
+            ).logits
         self.length += n
         self._allocated = True
         return logits if not keep or keep >= n else logits[:, -keep:]
@@ -353,15 +232,6 @@ def prompt_feed(ids: torch.Tensor, mask: torch.Tensor, dense: bool):
     attn = None if dense else mask[:, :-1]
     pos = None if dense else padded_positions(mask)[:, :-1]
     return ids[:, :-1], attn, pos, t, tpos
-
-
-def _casting_update(update, dtype: torch.dtype):
-    """A cache layer's `update` that writes K and V in `dtype` (`ModelRunner._cast_prefill`)."""
-
-    def cast(key_states, value_states, *args, **kwargs):
-        return update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
-
-    return cast
 
 
 def prefill_prompt(

@@ -1,4 +1,4 @@
-"""Cache layers and attention for long contexts, and the KV cache's size.
+"""Cache layers for long contexts, and the KV cache's size.
 
 p = target, q = drafter. At long context a decode step's cost should grow only with the
 attention over the context, never with re-work of it. `transformers`' defaults do re-work, and
@@ -6,12 +6,9 @@ the decoder's runners (`specdistill.decode.cache.ModelRunner`) avoid it here:
 
 - `SlotLayer`: `DynamicLayer.update` concatenates the whole history every forward; a slot
   layer writes in place into one buffer allocated once per decode.
-- `packed_gqa_attention`: a masked multi-token step (a verify) of a grouped-query model
-  expands K and V of the whole context per layer (`repeat_kv`); packing the query onto the KV
-  heads does the same attention without the copy.
 - `kv_cache_bytes`: what the caches hold, from the config (tested against the tensors).
 
-Measured: decode/RESULTS.md (2026-11-26, long context); tested: tests/decode/test_buckets.py.
+Tested: tests/decode/test_buckets.py.
 """
 
 from __future__ import annotations
@@ -126,77 +123,3 @@ def slot_layer(capacity: int):
 
 
 _SLOT_LAYER = None
-
-
-PACKED_SDPA = "specdistill_packed_gqa_sdpa"
-
-
-def packed_gqa_attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA for a multi-token step of a grouped-query model, without expanding K and V.
-
-    `transformers`' SDPA path packs a 1-token query onto the KV heads, but a masked query of
-    q > 1 tokens (a verify of gamma drafts, a drafter's catch-up) takes `repeat_kv`: K and V of
-    the whole context are copied num_key_value_groups times, every layer, every round (SmolLM2
-    at 8k tokens, fp32: 1.1 GB written per verify; 9.4 ms per layer against 3.6 ms here,
-    decode/RESULTS.md 2026-11-26). Here the query's heads are folded onto their KV head
-    ((B, H, q, D) -> (B, H_kv, groups * q, D), head h = kv * groups + g as `repeat_kv` orders
-    them) and the mask repeated per group: the same attention, exactly, over unexpanded K, V.
-    Anything else (1 token, no mask, position bias, softcap) goes to `transformers`' SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    groups = int(getattr(module, "num_key_value_groups", 1))
-    b, h, q, d = query.shape
-    plain = kwargs.get("position_bias") is None and not kwargs.get("softcap")
-    mask = attention_mask
-    if (
-        groups > 1
-        and q > 1
-        and plain
-        and mask is not None
-        and mask.dim() == 4
-        and mask.shape[1] == 1
-    ):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query.reshape(b, h // groups, groups * q, d),
-            key,
-            value,
-            attn_mask=mask.repeat(1, 1, groups, 1),
-            dropout_p=float(kwargs.get("dropout", 0.0)),
-            scale=kwargs.get("scaling"),
-        )
-        return out.reshape(b, h, q, value.shape[-1]).transpose(1, 2).contiguous(), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def packed_sdpa_for(model) -> bool:
-    """Whether `model`'s multi-token steps run `packed_gqa_attention` (an SDPA model with
-    grouped-query attention and one config for all its layers); registers it once."""
-    config = model.config
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if config._attn_implementation != "sdpa" or not heads or kv_heads == heads:
-        return False
-    if config.get_text_config(decoder=True) is not config:
-        return False
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(PACKED_SDPA, packed_gqa_attention)
-    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
-    return True
-
-
-class Attention:
-    """Run a forward with the config's attention implementation set to `name` (None: as is)."""
-
-    def __init__(self, config, name: str | None) -> None:
-        self.config, self.name = config, name
-
-    def __enter__(self) -> None:
-        if self.name is not None:
-            self.saved = self.config._attn_implementation_internal
-            self.config._attn_implementation_internal = self.name
-
-    def __exit__(self, *exc) -> None:
-        if self.name is not None:
-            self.config._attn_implementation_internal = self.saved

@@ -29,7 +29,7 @@ class RoundRecord:
     next_token: torch.Tensor
     active: list[bool]
     target_probs: torch.Tensor | None = None
-    lengths: list[int] | None = None  # drafts row r verified, when rows differ (draft_scope=row)
+    lengths: list[int] | None = None  # drafts row r verified, when rows differ (confidence stops)
 
 
 class VerifiedRow(NamedTuple):
@@ -76,16 +76,8 @@ class DecodeOutput:
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # by draft position
     trials_at: list[int] = field(default_factory=list)
-    # row-rounds by drafts verified (index 0: plain target steps of the draft-length floor)
+    # row-rounds by drafts verified (index 0: plain target steps, a confidence round with none)
     draft_lengths: list[int] = field(default_factory=list)
-    # Seconds spent prefilling the prompt (all its tokens but the last, which opens the first
-    # round) into the target's and the drafter's cache: at long contexts a decode's cost is
-    # mostly these, so validate reports them apart from the decode tokens/s.
-    prefill_target_s: float = 0.0
-    prefill_drafter_s: float = 0.0
-    # Of those, the seconds this call did not spend: a `PrefillMemo` restored the prompt's cache
-    # from its one timed run (decode.prefill_memo); validate adds them back to its wall clock.
-    prefill_saved_s: float = 0.0
     # decoder.lookup: rounds whose drafts were copied from the context (decode.lookup), their
     # drafts verified and accepted (also counted in the totals above)
     lookup_rounds: int = 0
@@ -93,7 +85,7 @@ class DecodeOutput:
     lookup_accepted: int = 0
     # the lookup rounds' share of the acceptance counters (alpha_sum, trials, accepted_at,
     # trials_at), so the drafter's own acceptance can be told apart (`drafter_alpha`): on a real
-    # pair with the floor, lookup drafts can be most of the drafts a decode tests, and a drafter
+    # pair, lookup drafts can be most of the drafts a decode tests, and a drafter
     # that never pays looked, in the totals, as if most of its drafts were kept
     lookup_alpha_sum: float = 0.0
     lookup_trials: int = 0
@@ -103,6 +95,11 @@ class DecodeOutput:
     @property
     def mean_draft_length(self) -> float:
         return sum(k * n for k, n in enumerate(self.draft_lengths)) / max(self.row_rounds, 1)
+
+    def acceptance_at(self) -> list[float]:
+        """Acceptance by draft position, each given the drafts before it were accepted (every
+        tested draft: prompt lookup's too), rounded for reports."""
+        return [round(a / t, 4) if t else 0.0 for a, t in zip(self.accepted_at, self.trials_at)]
 
     @property
     def tau(self) -> float:

@@ -1,9 +1,8 @@
 """The target's side of a round: verify the drafts in one forward, plain target steps, settle.
 
 p = target, q = drafter, k = drafts verified this round. The same for every kind of drafter:
-`verify` feeds [t, d_1..d_k] to p and applies the acceptance rule of `acceptance.py` (greedy
-agreement, or speculative sampling with q), `target_step` is the floor's plain step, and
-`settle` makes the round's one host sync, then its counters (alpha, tau), its record and its
+`verify` feeds [t, d_1..d_k] to p (k = 0: a plain target step) and applies the acceptance rule
+of `acceptance.py` (greedy agreement, or speculative sampling with q), and `settle` makes the round's one host sync, then its counters (alpha, tau), its record and its
 emitted tokens. The round loop itself is `SpeculativeDecoder.generate`.
 """
 
@@ -18,9 +17,7 @@ from specdistill.decode.acceptance import (
     acceptance_probs,
     expected_alpha,
     greedy_agreement,
-    greedy_tokens,
     probs_from_logits,
-    sample_from,
     uniforms,
     verify_sampling,
 )
@@ -40,17 +37,12 @@ class RoundState:
     mask: torch.Tensor  # (B, capacity) shared slot mask of both caches
     dense: bool  # batch 1: no mask, no explicit positions
     policy: DraftLengthPolicy
-    adaptive: bool
     out: DecodeOutput
     done: list[bool]
     t: torch.Tensor  # (B,) pending token, not yet in the target's cache
     pos: torch.Tensor  # (B,) its position
     steps: torch.Tensor  # arange over the widest verify
     generator: torch.Generator | None
-    # p's probability of each token the floor's plain steps emitted since the last drafting
-    # round, (B, 1) each, oldest first (None each when greedy: 1); None: the policy learns
-    # nothing from them
-    plain_p: list[torch.Tensor | None] | None = None
     # decoder.lookup at batch 1: the context's n-grams, drafts that cost no drafter forward
     lookup: PromptLookup | None = None
 
@@ -66,7 +58,7 @@ class Verifier:
         verify_widths: list[int],
         pad_widths: bool,
     ) -> None:
-        """vocab: the target's vocabulary size; pad_widths: a compiled target with adaptive
+        """vocab: the target's vocabulary size; pad_widths: a compiled target with varying
         lengths pads each verify to the next of `verify_widths` (few compiled shapes)."""
         self.cfg, self.vocab, self.device = cfg, vocab, device
         self.verify_widths, self.pad_widths = verify_widths, pad_widths
@@ -79,7 +71,7 @@ class Verifier:
         (accepted counts, next tokens, per-position figures, target logits, verify width); the
         per-position figures are (B, K) greedy agreement, or sampling (B, 2K): the expected
         alpha sum_x min(p, q) of each position, then each draft's acceptance probability
-        min(1, p(x)/q(x)) (what the draft-length policies learn from: `settle`)."""
+        min(1, p(x)/q(x))."""
         s, (b, kd), tgt, steps = self.cfg.sampling, draft_t.shape, st.tgt, st.steps
         length, t, dense, generator = tgt.length, st.t, st.dense, st.generator
         vin = torch.cat([t[:, None], draft_t], 1)
@@ -112,44 +104,6 @@ class Verifier:
             accept_p=accept_p,
         )
         return n, nxt, torch.cat([expected_alpha(p[:, :kd], q), accept_p], 1), t_logits, width
-
-    def target_step(self, st: RoundState, active: list[bool]) -> torch.Tensor:
-        """One target-only step inside a speculative decode (the floor); returns the next token."""
-        s, tgt, out, t = self.cfg.sampling, st.tgt, st.out, st.t
-        attn = None if st.dense else step_mask(tgt, st.mask, tgt.length + 1)
-        xpos = None if st.dense else st.pos[:, None]
-        logits = tgt.forward(t[:, None], attn, xpos, keep=1)[:, -1]
-        if logits.shape[-1] != self.vocab:  # a target padded past the pair's vocabulary
-            logits = logits[:, : self.vocab]
-        # as few tensor ops as `baseline`'s step: at the floor this step is target-only decoding
-        if s.greedy:
-            nxt = greedy_tokens(logits)
-            if st.plain_p is not None:
-                st.plain_p.append(None)  # p of a greedy token is 1: nothing to gather
-        else:
-            probs = probs_from_logits(logits, s)
-            nxt = sample_from(probs, uniforms((t.shape[0],), st.generator, self.device))
-            if st.plain_p is not None:
-                st.plain_p.append(probs.gather(-1, nxt[:, None]))
-        out.target_forwards += 1
-        if self.cfg.record_probs:
-            out.rounds.append(
-                RoundRecord(
-                    start=[len(tk) for tk in out.tokens],
-                    draft=t[:, None][:, :0],
-                    accepted=torch.zeros_like(nxt),
-                    next_token=nxt,
-                    active=active,
-                    target_probs=torch.softmax(logits.float(), -1)[:, None],
-                )
-            )
-        for r, tok in enumerate(nxt.tolist()):
-            if active[r]:
-                out.row_rounds += 1
-                out.block_tokens += 1
-                out.draft_lengths[0] += 1
-                st.done[r] = self.emit(out.tokens[r], [tok])
-        return nxt
 
     def width(self, k: int) -> int:
         """Tokens the verify step feeds: k + 1, or the next of a few widths when the target's

@@ -1,14 +1,11 @@
 """Draft-length policies side by side, interleaved in one process on one loaded pair.
 
     python -m specdistill.decode.bench pair=toy output_dir=OUT \\
-        'compare_draft=[1,2,4,8,auto,heuristic,confidence]'
+        'compare_draft=[1,2,4,8,heuristic,confidence]'
 
-Entries: an integer g (fixed gamma g), `auto` (one fixed gamma per run from a pilot's alpha and
-the measured c, as `decoder.gamma=auto`), or an adaptive policy of `decode.draft_length`
-(`heuristic`, `confidence`) with optional suffixes `-row` (per-row lengths, `draft_scope=row`),
-`-nofloor` (no plain target steps), `-linear` (verify widths priced on a line through 1 and
-max_draft drafts, `decoder.verify_costs=linear`) and `-lookup` (prompt lookup beside the
-drafter, `decode.lookup`; also after a fixed gamma: `1-lookup`). Every timed repeat decodes the prompts
+Entries: an integer K (fixed K drafts a round) or a deterministic draft-length policy of
+`decode.draft_length` (`heuristic`, `confidence`), each with an optional suffix `-lookup`
+(prompt lookup beside the drafter, `decode.lookup`), e.g. `4-lookup`. Every timed repeat decodes the prompts
 with the target p alone once, then with every entry in turn (same prompts, same seed), so load drifts on a shared
 machine hit all entries alike (interleaved prompt by prompt); a speedup is the median over
 repeats of an entry's tokens/s over the same repeat's target-only tokens/s. Both serving modes (the decoder's, then the other one at
@@ -18,7 +15,6 @@ prompts per mode. Writes OUT/draft.json and OUT/draft.md. p = target, q = drafte
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from typing import Any
@@ -30,55 +26,36 @@ from tqdm.auto import tqdm
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.config import DEFAULT_GAMMA, DecoderSettings
-from specdistill.decode.draft_length import DraftCosts, draft_figures
 from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
-from specdistill.decode.validate.modes import merge, mode_name, repeats_bar, run_all
+from specdistill.decode.validate.modes import merge, mode_name, repeats_bar
 from specdistill.decode.validate.settings import ValidateSettings
 from specdistill.decode.validate.stage import setup, warm_up
-from specdistill.decode.validate.timing import auto_gamma, hf_assisted_speed, measure_c
+from specdistill.decode.validate.timing import hf_assisted_speed, step_costs
 
-POLICY_SUFFIXES = {
-    "row": {"draft_scope": "row"},
-    "nofloor": {"draft_floor": False},
-    "lookup": {"lookup": True},  # prompt lookup beside the drafter (decode.lookup)
-    "linear": {"verify_costs": "linear"},  # verify widths priced on a line, not each as timed
-}
-GAMMA_SUFFIXES = ("lookup",)  # a fixed gamma has no floor or scope to change
+SUFFIXES = {"lookup": {"lookup": True}}  # prompt lookup beside the drafter (decode.lookup)
 
 
-def parse_entries(entries: list[Any]) -> list[tuple[str, dict[str, Any] | None]]:
-    """(label, decoder overrides) per entry; `auto`'s overrides are resolved after a pilot."""
+def parse_entries(entries: list[Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, decoder overrides) per entry."""
     if not entries:
-        raise ConfigError(
-            "compare_draft=[]: name entries, e.g. [1,2,4,8,auto,heuristic,confidence]"
-        )
-    out: list[tuple[str, dict[str, Any] | None]] = []
+        raise ConfigError("compare_draft=[]: name entries, e.g. [1,2,4,8,heuristic,confidence]")
+    out: list[tuple[str, dict[str, Any]]] = []
     for e in entries:
         text = str(e)
         head, *suffixes = text.split("-")
-        if (
-            head.isdigit()
-            and not isinstance(e, bool)
-            and 1 <= int(head) <= 15
-            and all(s in GAMMA_SUFFIXES for s in suffixes)
-        ):
-            over: dict[str, Any] = {"draft_length": "fixed", "gamma": int(head)}
-            for s in suffixes:
-                over |= POLICY_SUFFIXES[s]
-            out.append(("-".join([f"gamma={int(head)}", *suffixes]), over))
-        elif text == "auto":
-            out.append(("gamma=auto", None))
-        elif head in ("heuristic", "confidence") and all(s in POLICY_SUFFIXES for s in suffixes):
-            over = {"draft_length": head}
-            for s in suffixes:
-                over |= POLICY_SUFFIXES[s]
-            out.append((text, over))
+        fixed = head.isdigit() and not isinstance(e, bool) and 1 <= int(head) <= 15
+        if (fixed or head in ("heuristic", "confidence")) and all(x in SUFFIXES for x in suffixes):
+            over: dict[str, Any] = (
+                {"draft_length": "fixed", "gamma": int(head)} if fixed else {"draft_length": head}
+            )
+            for x in suffixes:
+                over |= SUFFIXES[x]
+            out.append(("-".join([f"K={int(head)}" if fixed else head, *suffixes]), over))
         else:
             raise ConfigError(
-                f"compare_draft entry {e!r}: use a fixed gamma 1..15 (suffix -lookup), auto, "
-                "heuristic or confidence (suffixes -row, -nofloor, -linear, -lookup), e.g. "
-                "[1,1-lookup,4,auto,confidence,confidence-lookup]"
+                f"compare_draft entry {e!r}: use a fixed K 1..15, heuristic or confidence, each "
+                "with an optional -lookup suffix, e.g. [1,4,4-lookup,heuristic,confidence]"
             )
     return out
 
@@ -88,7 +65,7 @@ def run_draft(cfg: DictConfig) -> dict[str, Any]:
     entries = parse_entries(list(cfg.compare_draft or []))
     vs = ValidateSettings.from_cfg(cfg)
     gammas = [o["gamma"] for _, o in entries if o and "gamma" in o]
-    room = max([*gammas, vs.decoder.max_draft, vs.decoder.max_gamma])
+    room = max([*gammas, vs.decoder.max_draft, vs.decoder.gamma])
     st = setup(cfg, room, vs)
     report: dict[str, Any] = {"modes": {}, "entries": [label for label, _ in entries]}
     for ds in [vs.decoder, *([vs.other] if vs.other else [])]:
@@ -100,13 +77,13 @@ def run_draft(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _measure_mode(
-    vs: ValidateSettings, st, ds: DecoderSettings, entries: list[tuple[str, dict[str, Any] | None]]
+    vs: ValidateSettings, st, ds: DecoderSettings, entries: list[tuple[str, dict[str, Any]]]
 ) -> dict[str, Any]:
     seed, reps, iters = vs.seed, vs.repeats, vs.step_time_iters
 
     def make(over: dict[str, Any]) -> SpeculativeDecoder:
         """A decoder on `ds` with an entry's settings (gamma, draft_length, ...) over it."""
-        gamma = int(over.get("gamma", ds.gamma_or_default))
+        gamma = int(over.get("gamma", ds.gamma))
         settings = ds.replace(**{k: v for k, v in over.items() if k != "gamma"})
         return SpeculativeDecoder(
             st.target,
@@ -117,22 +94,10 @@ def _measure_mode(
 
     t0 = time.perf_counter()
     probe = make({"draft_length": "fixed", "gamma": DEFAULT_GAMMA})
-    c, verify = measure_c(probe, st.warm[0][0], iters, DEFAULT_GAMMA)
+    # this machine's step costs, for the table's header only (no entry reads them)
+    c, verify = step_costs(probe, st.warm[0][0], iters, DEFAULT_GAMMA)
     decs: dict[str, SpeculativeDecoder] = {}
-    notes = []
-    shared: DraftCosts | None = None  # the adaptive policies' step costs
     for label, over in entries:
-        if over is None:  # gamma=auto: a pilot on a quarter of the prompts measures alpha
-            _, pilot = run_all(probe.generate, st.batches[: max(1, len(st.batches) // 4)], seed)
-            alpha, most = merge(pilot).alpha, ds.max_gamma
-            g, note = auto_gamma(probe, st.warm[0][0], alpha, c, most)
-            notes.append(note)
-            over = {"draft_length": "fixed", "gamma": g}
-        if over["draft_length"] != "fixed":
-            if shared is None:  # once, untimed, every width (a -linear entry prices them on a line)
-                meter = make(over | {"verify_costs": "by_width"})
-                shared = meter.draft_costs(st.warm[0][0], vs.batch_size)
-            over = over | {"draft_costs": shared}  # one measurement for all: like for like
         dec = decs[label] = make(over)
         warm_up(dec, st.batches, st.warm, seed)
     base_rates: list[float] = []
@@ -175,9 +140,7 @@ def _measure_mode(
         "rows": rows,
         "hf_assisted": hf,
         "seconds": round(time.perf_counter() - t0, 1),
-        # the adaptive entries' step costs (one measurement for all; -linear drops the widths)
-        "draft_costs": None if shared is None else dataclasses.asdict(shared),
-        "notes": notes,
+        "notes": [],
     }
 
 
@@ -187,7 +150,12 @@ def _row(label: str, dec, out: DecodeOutput, rates: list[float], base_rates: lis
     target-only pass."""
     ratios = [r / b for r, b in zip(rates, base_rates)]
     row = {"entry": label, "gamma": dec.max_draft, "alpha": round(out.alpha, 4)}
-    row |= {"tau": round(out.tau, 3), **draft_figures(out)}
+    row |= {
+        "tau": round(out.tau, 3),
+        "acceptance_by_position": out.acceptance_at(),
+        "mean_draft_length": round(out.mean_draft_length, 3),
+        "draft_lengths": list(out.draft_lengths),
+    }
     return row | {
         "speedup": round(statistics.median(ratios), 3),
         "speedup_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
@@ -221,23 +189,19 @@ def draft_markdown(report: dict[str, Any]) -> str:
             f"## {name} (temperature {m['temperature']}): target-only "
             f"{m['baseline_tokens_per_s']} tokens/s, c {m['c']}",
             "",
-            "| entry | alpha | tau | mean draft length | target-step share | speedup (min-max) "
-            "| lossless |",
+            "| entry | tau | acceptance by position | alpha | mean draft length | "
+            "speedup (min-max) | lossless |",
             "|---|---|---|---|---|---|---|",
         ]
         for r in m["rows"]:
             lo, hi = r["speedup_min_max"]
             lines.append(
-                f"| {r['entry']} | {r['alpha']} | {r['tau']} | {r['mean_draft_length']} | "
-                f"{r['target_step_share']} | {r['speedup']}x ({lo}-{hi}) | {r['lossless']} |"
+                f"| {r['entry']} | {r['tau']} | {' '.join(f'{x:.2f}' for x in r['acceptance_by_position'])}"
+                f" | {r['alpha']} | {r['mean_draft_length']} | {r['speedup']}x ({lo}-{hi}) | "
+                f"{r['lossless']} |"
             )
         hf = m.get("hf_assisted")
         if hf:
             lines.append(f"| HF assisted (transformers default) | | | | | {hf['speedup']}x | |")
-        notes = list(m["notes"])
-        costs = m.get("draft_costs")
-        if costs:  # target steps; verify_tokens: what 1, 2, ... drafts add to the verify
-            shown = ", ".join(f"{k} {v}" for k, v in costs.items() if k != "parallel")
-            notes.append(f"adaptive entries' costs (target steps): {shown}")
-        lines += ["", *[f"- {n}" for n in notes], ""]
+        lines += ["", *[f"- {n}" for n in m["notes"]], ""]
     return "\n".join(lines) + "\n"

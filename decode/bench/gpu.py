@@ -12,7 +12,7 @@ does not depend on that scale. All figures come from one process, measured side 
 - copy bandwidth (device-to-device, bytes read + written) and the HBM roofline of a batch-1
   target step: (weight bytes read + KV bytes at the mean context) / bandwidth;
 - our target-only decode (static cache, CUDA-graph steps) against that roofline;
-- speculative decode: alpha, tau, c and the verify cost (`measure_c` at the decode's own cache
+- speculative decode: alpha, tau, c and the verify cost (`step_costs` at the decode's own cache
   size), measured and theoretical speedup, decoder efficiency, compile seconds apart, and the
   number of graphs compiled during a long decode after warm-up (must be 0: no per-token
   recompiles);
@@ -38,7 +38,7 @@ from specdistill.data.io import atomic_write_json
 from specdistill.decode.acceptance import theoretical_speedup
 from specdistill.decode.speculative import DecodeOutput, DecoderConfig, SpeculativeDecoder
 from specdistill.decode.validate.modes import merge
-from specdistill.decode.validate.timing import hf_assisted_speed, measure_c
+from specdistill.decode.validate.timing import hf_assisted_speed, step_costs
 
 # Llama-shaped presets: (vocab, hidden, intermediate, layers, heads, kv heads).
 PRESETS = {
@@ -216,7 +216,7 @@ def bench_batch(target, drafter, args, batch: int, device: str) -> dict[str, Any
         rate = statistics.median(timed(each.baseline, prompts, device)[0] for _ in range(2))
         row["baseline_sync_every_step_tokens_per_s"] = round(rate, 1)
         slots = dec.spec_slots(1, args.prompt_len)
-        c, verify = measure_c(dec, prompts[0], args.c_iters, args.gamma, slots=slots)
+        c, verify = step_costs(dec, prompts[0], args.c_iters, args.gamma, slots=slots)
         theory = theoretical_speedup(min(max(out_s.alpha, 0.0), 1.0), args.gamma, c)
         ctx = args.prompt_len + args.new_tokens / 2
         roof = args.bandwidth / step_bytes(target, ctx)

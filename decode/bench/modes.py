@@ -3,13 +3,7 @@
     python -m specdistill.decode.bench pair=toy pair.drafter=DIR/best output_dir=OUT \\
         'compare_modes=[eager,compiled]'
 
-Modes: `eager` (dynamic cache, eager steps: the CPU default, each model's few-row linears as
-`decoder.cpu_matmul=auto` times them), `eager-linear`, `eager-weight-major` and `eager-packed`
-(the same with `decoder.cpu_matmul=linear` / `weight_major` / `packed`: every few-row linear
-through `F.linear` / as `W @ x.T` / through oneDNN's prepacked weight, whatever auto would
-pick), `eager-hf` (the
-same with `decoder.lean_steps=false`: every step through the model's own forward, not
-decode/lean_step.py), `static` (static cache, eager
+Modes: `eager` (dynamic cache, eager steps: the CPU default), `static` (static cache, eager
 steps), `compiled` (static cache, compiled steps: inductor on CPU, CUDA graphs on CUDA),
 `compiled-drafter` (only the drafter's steps compiled, over their own static cache; the target,
 and so the target-only baseline, keeps the default cache and eager steps). Every
@@ -34,14 +28,10 @@ from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.speculative import SpeculativeDecoder
 from specdistill.decode.validate.settings import ValidateSettings
 from specdistill.decode.validate.stage import _merge, _run_all, setup, warm_up
-from specdistill.decode.validate.timing import hf_assisted_speed, measure_c
+from specdistill.decode.validate.timing import hf_assisted_speed, step_costs
 
 MODES: dict[str, dict[str, Any]] = {
     "eager": {"cache": "dynamic", "compile": False},
-    "eager-linear": {"cache": "dynamic", "compile": False, "cpu_matmul": "linear"},
-    "eager-weight-major": {"cache": "dynamic", "compile": False, "cpu_matmul": "weight_major"},
-    "eager-packed": {"cache": "dynamic", "compile": False, "cpu_matmul": "packed"},
-    "eager-hf": {"cache": "dynamic", "compile": False, "lean_steps": False},
     "static": {"cache": "static", "compile": False},
     "compiled": {"cache": "static", "compile": True},
     "compiled-drafter": {"cache": "auto", "compile": "drafter"},
@@ -74,7 +64,7 @@ def run_modes(cfg: DictConfig) -> list[dict[str, Any]]:
             tokenizer_len=len(st.tok),
         )
         t0 = time.perf_counter()
-        c, verify = measure_c(dec, st.warm[0][0], iters, gamma)  # compiles the step shapes
+        c, verify = step_costs(dec, st.warm[0][0], iters, gamma)  # compiles the step shapes
         warm_up(dec, st.batches, st.warm, seed)
         decs[mode] = dec
         rows[mode] = {"mode": mode, "cache": "static" if dec.static else "dynamic"}

@@ -39,7 +39,7 @@ from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
 from specdistill.decode.validate.modes import merge, mode_name, repeats_bar
 from specdistill.decode.validate.settings import ValidateSettings
 from specdistill.decode.validate.stage import setup, warm_up
-from specdistill.decode.validate.timing import forward_cost, hf_assisted_speed, measure_c
+from specdistill.decode.validate.timing import hf_assisted_speed, step_costs
 
 
 def parse_gammas(raw: Any) -> list[int]:
@@ -55,13 +55,12 @@ def parse_policies(raw: Any) -> list[str]:
     """`parallel_policies`: adaptive draft-length policies measured beside the fixed gammas,
     for both drafting modes (at most max(parallel_gammas) drafts a round)."""
     policies = [str(p) for p in (raw or [])]
-    known = [f"{p}{s}" for p in ("heuristic", "confidence") for s in ("", "-linear")]
+    known = ["heuristic", "confidence"]
     bad = [p for p in policies if p not in known]
     if bad:
         raise ConfigError(
-            f"parallel_policies={policies!r}: name adaptive policies, heuristic or confidence "
-            "(suffix -linear: verify widths priced on a line, decoder.verify_costs=linear), "
-            "or [] for fixed gammas only"
+            f"parallel_policies={policies!r}: name draft-length policies, heuristic or "
+            "confidence, or [] for fixed gammas only"
         )
     return policies
 
@@ -140,10 +139,8 @@ def _measure_mode(
     def make(drafter, drafting: str, gamma: int | str) -> SpeculativeDecoder:
         """gamma: an int (fixed) or an adaptive policy's name (at most `top` drafts, starting
         from 4 for the heuristic)."""
-        length = "fixed" if isinstance(gamma, int) else gamma.removesuffix("-linear")
+        length = "fixed" if isinstance(gamma, int) else gamma
         settings = ds.replace(drafting=drafting, draft_length=length, max_draft=top)
-        if isinstance(gamma, str) and gamma.endswith("-linear"):
-            settings = settings.replace(verify_costs="linear")
         g = gamma if isinstance(gamma, int) else min(DEFAULT_GAMMA, top)
         return SpeculativeDecoder(
             st.target,
@@ -154,15 +151,13 @@ def _measure_mode(
 
     t0 = time.perf_counter()
     probe = make(st.drafter, "autoregressive", DEFAULT_GAMMA)
-    c, _ = measure_c(probe, st.warm[0][0], iters, DEFAULT_GAMMA)
+    c, _ = step_costs(probe, st.warm[0][0], iters, DEFAULT_GAMMA)
     decs: dict[tuple[str, int | str], SpeculativeDecoder] = {}
     for g in [*gammas, *policies]:
         decs[("autoregressive", g)] = make(st.drafter, "autoregressive", g)
         decs[("parallel", g)] = make(par, "parallel", g)
     for dec in decs.values():
-        # untimed, exactly as validate warms its decoder (step costs measured, calibration
-        # started): an adaptive policy's state carries from decode to decode, so one more warm
-        # decode here made the bench's figure for a checkpoint differ from validate's
+        # untimed, exactly as validate warms its decoder
         warm_up(dec, st.batches, st.warm, seed)
     fns = {"": probe.baseline} | {f"{m}:{g}": d.generate for (m, g), d in decs.items()}
     rates: dict[str, list[float]] = {k: [] for k in fns}
@@ -220,13 +215,15 @@ def _row(st, dec, mode: str, g: int | str, o: DecodeOutput, base: DecodeOutput, 
     fixed = isinstance(g, int)
     # an adaptive row's verify is priced at its mean drafts per round
     kv = g if fixed else max(1, round(o.mean_draft_length))
-    _, verify = measure_c(dec, st.warm[0][0], max(4, iters // 4), kv)
     if mode == "parallel":  # one forward over the accepted lag + t + g-1 masks
         lag = round(o.accepted / max(o.row_rounds, 1))
         width = (g if fixed else top) + lag  # adaptive: priced at the most proposals
-        draft_cost = forward_cost(dec, st.warm[0][0], width, max(4, iters // 2))
+        draft_cost, verify = step_costs(
+            dec, st.warm[0][0], max(4, iters // 4), kv, drafter_width=width
+        )
         draft_cost *= o.drafter_forwards / max(o.target_forwards, 1)
     else:
+        _, verify = step_costs(dec, st.warm[0][0], max(4, iters // 4), kv)
         draft_cost = c * o.drafter_forwards / max(o.target_forwards, 1)
     # fixed: per-position acceptance over the round's cost; adaptive: tau over it
     theory = round_speedup(alpha_at, draft_cost, verify) if fixed else o.tau / (draft_cost + verify)

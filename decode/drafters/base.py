@@ -4,13 +4,13 @@ p = target, q = drafter, gamma (k) = drafts per round. `SpeculativeDecoder.gener
 round loop; what differs between kinds of drafter (autoregressive: k 1-token steps; parallel: one
 forward over k-1 mask tokens; mapped: another tokenizer) lives behind these methods:
 
-- `start`: begin a decode over the shared slot layout (prefill now, or lazily at the first
-  `propose` when the decode may never draft);
-- `propose`: k drafts, their q over the target's vocabulary (None when greedy) and, when a
-  draft-length policy reads q, each draft's confidence (q of the drafted token);
-- `skip`: the target emitted a token in a plain step (the floor); read it in the next forward;
+- `start`: begin a decode over the shared slot layout (prefill the prompt);
+- `propose`: up to k drafts, their q over the target's vocabulary (None when greedy) and, when
+  a draft-length policy reads q, each draft's confidence (q's top probability there);
+- `skip`: the target emitted a token the drafter did not read (a prompt-lookup round); read it
+  in the next forward;
 - `accept`: after the verify, keep the longest accepted prefix and roll the rest back;
-- `draft_widths` / `warm_shapes`: the forwards a round costs (timing, compile warm-up);
+- `warm_shapes`: the forwards a round runs (compile warm-up);
 - `drafter_ids` / `target_logits`: the vocabulary mapping. The loop speaks the target's ids
   only; a drafter with its own tokenizer maps ids in and logits out (here: identity, with a
   vocabulary smaller or larger only by padding).
@@ -32,35 +32,30 @@ import torch
 from specdistill.data.models.pairs import match_vocab
 from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import greedy_tokens, probs_from_logits, sample_from, uniforms
-from specdistill.decode.cache import ModelRunner, step_mask
-from specdistill.decode.prefill_memo import PrefillMemo, prefill_timed
+from specdistill.decode.cache import ModelRunner, prefill_prompt, step_mask
 
-# keep_drafting(drafted, conf): after `drafted` drafts, the latest with confidence conf[r] per
-# row: draft another? (a draft-length policy's stopping rule; reads q only, so it is lossless)
-KeepDrafting = Callable[[int, list[float]], bool]
+# keep_drafting(tops): a draft whose q has top probability tops[r] in row r was drawn: keep it
+# and draft on? (a draft-length policy's stopping rule; reads q only, so it stays lossless)
+KeepDrafting = Callable[[list[float]], bool]
 
 
 @dataclass
 class Proposal:
-    """A round's drafts: tokens (B, k) in the target's ids; q (B, k, V) the drafter's
-    distributions over the target's vocabulary they were sampled from (None when greedy);
-    conf[r][j] q's probability of row r's draft j (only when asked for); forwards: drafter
-    forwards spent; shadow (B, s): q's verdict on the last s tokens the target emitted in plain
-    steps, which this round's first forward read anyway (see `Drafter.propose`), else None."""
+    """A round's drafts: tokens (B, k) in the target's ids (k may be 0 when a stopping rule
+    kept none); q (B, k, V) the drafter's distributions over the target's vocabulary they were
+    sampled from (None when greedy); conf[r][j] q's top probability at row r's draft j (only
+    when asked for); forwards: drafter forwards spent."""
 
     tokens: torch.Tensor
     q: torch.Tensor | None
     conf: list[list[float]] | None
     forwards: int
-    shadow: torch.Tensor | None = None
 
 
 class Drafter(ABC):
     """A drafting strategy over one drafter model q (see the module docstring)."""
 
     parallel = False  # one forward proposes all k drafts (cost nearly flat in k)
-    prefill_memo: PrefillMemo | None = None  # the decoder's (decode.prefill_memo), when it has one
-    prefill_saved = 0.0  # seconds of this decode's prefill a memo restored instead of running
 
     def __init__(
         self,
@@ -85,9 +80,7 @@ class Drafter(ABC):
 
     @property
     def runner(self) -> ModelRunner:
-        """This decode's drafter runner, built at its first use: a decode the floor keeps from
-        drafting never builds one, so its plain steps cost what target-only decoding does (for
-        a small pair building the cache is a visible share of a decode)."""
+        """This decode's drafter runner (built by `start`)."""
         if self._runner is None:
             self._runner = self.make_runner(self._runner_slots)
         return self._runner
@@ -118,35 +111,17 @@ class Drafter(ABC):
         mask: torch.Tensor,
         dense: bool,
         slots: int,
-        lazy: bool,
         cut: int = 0,
     ) -> None:
-        """Begin a decode of the left-padded prompts `ids` (target ids); `mask` is the loop's
-        shared slot mask (read, never written here). lazy: prefill at the first `propose`, so
-        a decode that never drafts costs what target-only decoding does. cut: the drafter skips
-        the first `cut` prompt slots (`context.context_cut`)."""
-        self._runner, self._runner_slots = None, slots - cut  # built at first use (`runner`)
+        """Begin a decode of the left-padded prompts `ids` (target ids) and prefill them; `mask`
+        is the loop's shared slot mask (read, never written here). cut: the drafter skips the
+        first `cut` prompt slots (`context.context_cut`)."""
+        self._runner, self._runner_slots = None, slots - cut
         self.cut, self.dense = cut, dense
         self.mask = mask[:, cut:]  # a view: the loop's later writes show through
         # batched rows: positions are the target's minus the row's real tokens before the cut
         self.shift = prompt_mask[:, :cut].sum(1, keepdim=True) if cut and not dense else None
-        self._prompt: tuple[torch.Tensor, torch.Tensor] | None = (
-            ids[:, cut:],
-            prompt_mask[:, cut:],
-        )
-        self.prefill_seconds = 0.0  # this decode's prefill of q's cache (0 until it runs)
-        self.prefill_saved = 0.0  # of those, seconds a prefill memo restored instead of running
-        if not lazy:
-            self._prefill()
-
-    def _prefill(self) -> None:
-        if self._prompt is not None:
-            ids, prompt_mask = self._prompt
-            pre = prefill_timed(
-                self.runner, self.drafter_ids(ids), prompt_mask, self.dense, self.prefill_memo
-            )
-            self.prefill_seconds, self.prefill_saved = pre.seconds, pre.saved
-            self._prompt = None
+        prefill_prompt([self.runner], self.drafter_ids(ids[:, cut:]), prompt_mask[:, cut:], dense)
 
     @abstractmethod
     def propose(
@@ -156,32 +131,51 @@ class Drafter(ABC):
         k: int,
         generator: torch.Generator | None,
         keep_drafting: KeepDrafting | None = None,
-        shadow: int = 0,
     ) -> Proposal:
         """Up to k drafts continuing the pending token t (B,) at positions pos (B,). When
         `keep_drafting` is given, confidences are returned; a drafter that drafts step by step
-        stops once it says no, one that proposes all k at once leaves the cut to the policy.
+        stops before the first draft it says no to, one that proposes all k at once leaves the
+        cut to the policy."""
 
-        shadow: the last `shadow` tokens this forward reads (t included) were emitted by the
-        floor's plain target steps, so no draft ever tested q there. Their logits cost only
-        head rows in a forward that runs anyway: return q's verdict on up to that many of
-        them (`Proposal.shadow`, via `_shadow`) so the policy learns q's first-draft acceptance
-        from the rounds it skipped (eager steps only: compiled steps keep fixed shapes)."""
-
-    def _shadow(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """q's probability of each of `tokens` (B, s) from the logits (B, s, V) of the context
-        before it, under the sampling spec drafts are drawn with (greedy: 1 where its argmax
-        is the token, else 0). Divided by p's probability of the token (1 when greedy) and
-        clipped at 1 it is an unbiased estimate of the acceptance a draft would have had there:
-        E_{x~p}[min(1, q(x)/p(x))] = sum_x min(p(x), q(x))."""
-        if self.sampling.greedy:
-            return (greedy_tokens(logits) == tokens).float()
-        q = probs_from_logits(logits, self.sampling)
-        return q.gather(-1, tokens[..., None])[..., 0]
+    def _steps(
+        self,
+        logits: torch.Tensor,
+        k: int,
+        generator: torch.Generator | None,
+        keep_drafting: KeepDrafting | None,
+        feed: Callable[[torch.Tensor, int], torch.Tensor],
+    ) -> Proposal:
+        """k 1-token draft steps from the logits (B, V) of the first: draw a draft, ask
+        `keep_drafting`, and feed(d, i) the kept draft i for the next step's logits (not after
+        the k-th). Sets `fed`: how many drafts this drafter's cache has read (all kept ones
+        when the rule stopped it, all but the last otherwise)."""
+        want_q = keep_drafting is not None
+        drafts, qs, confs = [], [], []
+        for i in range(k):
+            d, q = self._draw(logits, generator, want_q)
+            if want_q:
+                tops = q.max(-1).values.tolist()
+                if not keep_drafting(tops):
+                    break
+                confs.append(tops)
+            drafts.append(d)
+            if not self.sampling.greedy:
+                qs.append(q)
+            if i + 1 < k:
+                logits = feed(d, i)
+        self.fed = len(drafts) if len(drafts) < k else k - 1
+        b = logits.shape[0]
+        return Proposal(
+            tokens=torch.stack(drafts, 1) if drafts else logits.new_zeros(b, 0, dtype=torch.long),
+            q=torch.stack(qs, 1) if qs else None,
+            conf=[list(c) for c in zip(*confs)] if want_q else None,
+            forwards=1 + self.fed,
+        )
 
     @abstractmethod
     def skip(self, t: torch.Tensor, pos: torch.Tensor) -> None:
-        """The target emitted after t (at pos) in a plain step: this drafter has not read t."""
+        """The target emitted after t (at pos) in a round the drafter did not draft (prompt
+        lookup): this drafter has not read t."""
 
     @abstractmethod
     def accept(
@@ -192,14 +186,9 @@ class Drafter(ABC):
         round's pending-token positions. Keep what is needed for the next round, roll back the
         rest."""
 
-    # ------------------------------------------------------------------ cost
+    # ------------------------------------------------------------------ compile warm-up
     @abstractmethod
-    def draft_widths(self, k: int) -> tuple[int, ...]:
-        """Tokens fed by each drafter forward of a round of k drafts, in the steady state (what
-        `StepTimer.draft` times for the draft-length policies' costs)."""
-
-    @abstractmethod
-    def warm_shapes(self, adaptive: bool) -> tuple[tuple[int, int], ...]:
+    def warm_shapes(self) -> tuple[tuple[int, int], ...]:
         """(tokens fed, logits kept) of every drafter step a decode may run (compiled warm-up)."""
 
     # ------------------------------------------------------------------ helpers
@@ -250,8 +239,3 @@ class Drafter(ABC):
             return greedy_tokens(logits), q
         q = probs_from_logits(logits, self.sampling)
         return sample_from(q, uniforms(tuple(logits.shape[:-1]), generator, self.device)), q
-
-
-def confidences(q: torch.Tensor, drafts: torch.Tensor) -> list:
-    """q's probability of each draft: (B,) -> B floats, (B, k) -> B lists of k."""
-    return q.gather(-1, drafts[..., None])[..., 0].tolist()

@@ -16,8 +16,8 @@ distribution over position i given the prefix, which is all the acceptance rule 
 (min(1, p/q) then the residual max(0, p - q)); drafts are independent given the context, and
 the verify reads q_i at each position exactly as for autoregressive drafts. Greedy drafts are
 argmaxes, verified by agreement with the target's argmax. With the `confidence` policy all k
-proposals and their confidences are known before the verify, which verifies the prefix whose
-calibrated expected tokens best pay for it (`ConfidenceLength.verify_lengths`: q only).
+proposals and their confidences are known before the verify, which verifies each row's prefix
+of confident drafts (q only).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.draft_length.costs import chunk_widths
-from specdistill.decode.drafters.base import Drafter, KeepDrafting, Proposal, confidences
+from specdistill.decode.drafters.base import Drafter, KeepDrafting, Proposal
 
 
 def resolve_mask_token(drafter, configured: int | None, vocab: int) -> int:
@@ -66,10 +66,10 @@ class ParallelDrafter(Drafter):
     def reserved_ids(self) -> set[int]:
         return {self.mask_token_id}
 
-    def start(self, ids, prompt_mask, mask, dense, slots, lazy, cut: int = 0) -> None:
-        super().start(ids, prompt_mask, mask, dense, slots, lazy, cut)
+    def start(self, ids, prompt_mask, mask, dense, slots, cut: int = 0) -> None:
+        super().start(ids, prompt_mask, mask, dense, slots, cut)
         # tokens the drafter has not read yet (the accepted drafts of the last round and the
-        # tokens of plain target steps) and their positions
+        # tokens of prompt-lookup rounds) and their positions
         self.lag = ids.new_zeros(ids.shape[0], 0)
         self.lag_pos = self.lag.clone()
 
@@ -80,12 +80,9 @@ class ParallelDrafter(Drafter):
         k: int,
         generator: torch.Generator | None,
         keep_drafting: KeepDrafting | None = None,
-        shadow: int = 0,
     ) -> Proposal:
         """All k proposals from one forward; the masks' slots are dropped from the cache before
-        returning. Confidences (when asked) let the policy pick how many to verify; the logits
-        at the lag's last `shadow` tokens (real tokens, as at t) give `Proposal.shadow`."""
-        self._prefill()
+        returning. Confidences (when asked) let the policy pick how many to verify."""
         b = t.shape[0]
         lag, lag_pos = self._feed_excess(self.lag, self.lag_pos)
         masks = torch.full((b, k - 1), self.mask_token_id, dtype=t.dtype, device=t.device)
@@ -94,26 +91,20 @@ class ParallelDrafter(Drafter):
         xpos = None
         if not self.dense:
             xpos = torch.cat([lag_pos, pos[:, None] + torch.arange(k, device=self.device)], 1)
-        s = 0 if self.compiled else min(shadow, lag.shape[1])
-        logits = self._forward(x, xpos, keep=k + s)
+        logits = self._forward(x, xpos, keep=k)
         self.runner.rollback(keep_from)
-        seen = None
-        if s:  # logits at [lag, t][-s-1:-1] predicted [lag, t][-s:]
-            seen = self._shadow(logits[:, :s], torch.cat([lag, t[:, None]], 1)[:, -s:])
-            logits = logits[:, s:]
         want_q = keep_drafting is not None
         drafts, q = self._draw(logits, generator, want_q)
         return Proposal(
             tokens=drafts,
             q=None if self.sampling.greedy else q,
-            conf=confidences(q, drafts) if want_q else None,
+            conf=q.max(-1).values.tolist() if want_q else None,
             forwards=1,
-            shadow=seen,
         )
 
     def _feed_excess(self, lag: torch.Tensor, lag_pos: torch.Tensor):
         """Compiled drafter steps see a few shapes (warmed up: lag 0..max_draft): a longer lag,
-        left by the floor's plain target steps, is fed first in power-of-two chunks."""
+        left by prompt-lookup rounds, is fed first in power-of-two chunks."""
         excess = lag.shape[1] - self.max_draft
         if excess <= 0 or not self._chunked:
             return lag, lag_pos
@@ -130,11 +121,7 @@ class ParallelDrafter(Drafter):
         self.lag = drafts[:, :accepted]
         self.lag_pos = pos[:, None] + 1 + torch.arange(accepted, device=self.device)
 
-    def draft_widths(self, k: int) -> tuple[int, ...]:
-        """One forward over an accepted draft, the pending token and k-1 masks."""
-        return (k + 1,)
-
-    def warm_shapes(self, adaptive: bool) -> tuple[tuple[int, int], ...]:
+    def warm_shapes(self) -> tuple[tuple[int, int], ...]:
         """One forward over lag + t + gamma-1 masks, lag 0..gamma."""
         g = self.max_draft
         return tuple((g + lag, g) for lag in range(g + 1))

@@ -33,7 +33,7 @@ import torch
 
 from specdistill.decode.cache import step_mask
 from specdistill.decode.draft_length.costs import chunk_widths
-from specdistill.decode.drafters.base import KeepDrafting, Proposal, confidences
+from specdistill.decode.drafters.base import KeepDrafting, Proposal
 from specdistill.decode.drafters.mapped import MappedDrafter
 
 
@@ -50,14 +50,11 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
 class TextContextDrafter(MappedDrafter):
     """Text-mode context over the mapped drafter (see the module docstring)."""
 
-    def start(self, ids, prompt_mask, mask, dense, slots, lazy, cut: int = 0) -> None:
-        """Keep each row's target tokens (the drafter reads their text at its first round, so
-        a decode that never drafts never runs the drafter: `lazy` holds by construction);
+    def start(self, ids, prompt_mask, mask, dense, slots, cut: int = 0) -> None:
+        """Keep each row's target tokens (the drafter reads their text at its first round);
         `cut`: the text of the prompt's first `cut` target slots is never read (counted in the
         target's tokens, this drafter's own tokens being re-cut from the text)."""
         self.mask, self.dense, self.cut = mask, dense, cut
-        # the drafter reads the prompt's text within its first round: no separate prefill
-        self.prefill_seconds = self.prefill_saved = 0.0
         b, plen = ids.shape
         self.rows: list[list[int]] = [
             ids[r, cut:-1][prompt_mask[r, cut:-1]].tolist() for r in range(b)
@@ -66,7 +63,7 @@ class TextContextDrafter(MappedDrafter):
         self.pending: list[int] = []  # the round's t, per row (host)
         self.cached: list[list[int]] = [[] for _ in range(b)]  # drafter ids held, per row
         self.cslots: list[list[int]] = [[] for _ in range(b)]  # and their slots
-        self.fed: tuple[torch.Tensor, int, list[int]] | None = None  # drafts fed, not yet logged
+        self.fed_log: tuple[torch.Tensor, int, list[int]] | None = None  # drafts fed, not logged
         longest = max(len(self._retokenize(row)) for row in self.rows)
         self.runner = self.make_runner(2 * longest + 4 * (slots - plen) + 64)
         self.dmask = torch.zeros(b, self.runner.capacity, dtype=torch.bool, device=self.device)
@@ -84,13 +81,13 @@ class TextContextDrafter(MappedDrafter):
 
     def _log_fed(self) -> None:
         """Record last round's drafts fed to the cache (one host copy, deferred to here)."""
-        if self.fed is None:
+        if self.fed_log is None:
             return
-        drafts, first, _ = self.fed
+        drafts, first, _ = self.fed_log
         for r, row in enumerate(drafts.tolist()):
             self.cached[r] += row
             self.cslots[r] += range(first, first + len(row))
-        self.fed = None
+        self.fed_log = None
 
     def _read_context(self, t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Bring the drafter's cache to each row's re-tokenized text; the last position's log q
@@ -144,44 +141,29 @@ class TextContextDrafter(MappedDrafter):
         k: int,
         generator: torch.Generator | None,
         keep_drafting: KeepDrafting | None = None,
-        shadow: int = 0,
     ) -> Proposal:
-        """Read the context as text, then k 1-token drafter steps (stopping early when
-        `keep_drafting` says so); drafts are target ids, fed back as the drafter's ids. No
-        shadow verdicts: the context is re-tokenized, its tokens are not the target's."""
+        """Read the context as text, then up to k 1-token drafter steps; drafts are target
+        ids, fed back as the drafter's ids."""
         logits, lengths = self._read_context(t)
-        want_q = keep_drafting is not None
         first = self.runner.length
         base_pos = torch.tensor(lengths, device=self.device)[:, None]
-        drafts, qs, confs, fed = [], [], [], []
-        for i in range(k):
-            d, q = self._draw(logits[:, -1], generator, want_q)
-            drafts.append(d)
-            if not self.sampling.greedy:
-                qs.append(q)
-            if want_q:
-                conf = confidences(q, d)
-                confs.append(conf)
-                if i + 1 < k and not keep_drafting(i + 1, conf):
-                    break
-            if i + 1 < k:
-                x = self.t2d[d][:, None]
-                fed.append(x)
-                if not self.dense:
-                    self.dmask[:, self.runner.length] = True
-                logits = self._dforward(x, None if self.dense else base_pos + i, keep=1)
+        fed: list[torch.Tensor] = []
+
+        def feed(d: torch.Tensor, i: int) -> torch.Tensor:
+            x = self.t2d[d][:, None]
+            fed.append(x)
+            if not self.dense:
+                self.dmask[:, self.runner.length] = True
+            return self._dforward(x, None if self.dense else base_pos + i, keep=1)[:, -1]
+
+        prop = self._steps(logits[:, -1], k, generator, keep_drafting, feed)
         if fed:
-            self.fed = (torch.cat(fed, 1), first, lengths)
-        self.drafted = len(drafts)
-        return Proposal(
-            tokens=torch.stack(drafts, 1),
-            q=torch.stack(qs, 1) if qs else None,
-            conf=[list(c) for c in zip(*confs)] or None,
-            forwards=len(drafts),
-        )
+            self.fed_log = (torch.cat(fed, 1), first, lengths)
+        return prop
 
     def skip(self, t: torch.Tensor, pos: torch.Tensor) -> None:
-        """A plain target step: t joins each row's target tokens (read as text next round)."""
+        """A prompt-lookup round's token: t joins each row's target tokens (read as text next
+        round)."""
         for row, x in zip(self.rows, t.tolist()):
             row.append(x)
         self.tlen += 1
@@ -200,7 +182,7 @@ class TextContextDrafter(MappedDrafter):
             row += [x, *d[:n]]
         self.tlen = new_length
 
-    def warm_shapes(self, adaptive: bool) -> tuple[tuple[int, int], ...]:
+    def warm_shapes(self) -> tuple[tuple[int, int], ...]:
         """1-token drafts and the context reads: power-of-two chunks when compiled."""
         return ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1))
 

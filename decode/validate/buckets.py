@@ -7,22 +7,18 @@ cost grows with the context, and so may the drafter's acceptance fall, so one av
 short and long prompts says little: here every bucket gets its own
 
 - **prompts, mean / max prompt tokens** (as decoded, after the `long_prompts` fit);
-- **alpha (every draft, and the drafter's own apart from prompt lookup's, with its count of
-  tested drafts), tau, measured speedup** in both serving modes, from the validate run's own timed,
-  interleaved repeats (`modes.timed_repeats` records each batch; no extra decoding): the
-  speedup is target-only vs speculative tokens/s over that bucket's decodes, end to end
-  (prefills included, what a user waits for) and **decode only** (each decode's own measured
-  prefill subtracted, so a long prompt's prefill does not hide the decode's speedup);
-- **c and the verify cost** measured at that bucket's context length, on its median-length
-  prompt, with the decoder's public `StepTimer` (`timing.measure_c`), and the theoretical
-  speedup they imply with the bucket's alpha;
-- **prefill time** of the target and the drafter (seconds per decode call: time to first
-  token, apart from the decode tokens/s), measured inside the timed decodes;
+- **tau, acceptance by draft position, alpha** (every draft, and the drafter's own apart from
+  prompt lookup's, with its count of tested drafts) in both serving modes, and the measured
+  speedup, from the validate run's own timed, interleaved repeats (`modes.timed_repeats`
+  records each batch; no extra decoding), end to end (prefills included, what a user waits for);
+- **c and the verify cost** timed at that bucket's context length on its median-length prompt
+  (`timing.step_costs`), and the speedup the cost model gives at them with the bucket's
+  acceptance by position (`draft_length.speedup_at`);
 - **KV-cache memory** of target and drafter at the end of the bucket's longest prompt +
   max_new_tokens, from the config (`cache.KV_FORMULA`; tested against the cache tensors'
   nbytes), batch 1 as decoded per row.
 
-The aggregation is pure (`bucket_mode_figures`, `bucket_prefill`) and tested against
+The aggregation is pure (`bucket_mode_figures`, `with_theory`) and tested against
 hand-computed values; `measure_buckets` is the stage's one call.
 """
 
@@ -37,11 +33,11 @@ from typing import Any
 import torch
 
 from specdistill.data.runtime import pad_rows, spread
-from specdistill.decode.acceptance import expected_tau, theoretical_speedup
 from specdistill.decode.cache_layers import KV_FORMULA, kv_cache_bytes
+from specdistill.decode.draft_length import speedup_at
 from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.validate.modes import TimedPass, merge, speedup_range, speedup_text
-from specdistill.decode.validate.timing import forward_cost, measure_c
+from specdistill.decode.validate.timing import costs_of, step_costs
 
 
 @dataclass(frozen=True)
@@ -127,22 +123,17 @@ def bucket_mode_figures(
 ) -> dict[str, Any]:
     """One serving mode's figures over the batches `idx` of each timed repeat (pure).
 
-    Tokens/s of a repeat = the bucket's new tokens / the seconds of its decodes; `decode_*`
-    subtracts each decode's own prefill seconds (target, plus drafter when speculative). The
-    speedups are medians over repeats, as the headline's (`speedup_range`: the lowest and
-    highest repeat's own ratio); alpha, tau and `lossless` (greedy:
-    every row token-identical to target-only) come from the first repeat, as the headline's.
+    Tokens/s of a repeat = the bucket's new tokens / the seconds of its decodes. The speedup is
+    the median over repeats, as the headline's (`speedup_range`: the lowest and highest
+    repeat's own ratio); the acceptance figures and `lossless` (greedy: every row
+    token-identical to target-only) come from the first repeat, as the headline's.
     """
-    base, spec, base_dec, spec_dec = [], [], [], []
+    base, spec = [], []
     for p in passes:
         bo, so = [p.base_outs[i] for i in idx], [p.spec_outs[i] for i in idx]
         tb, ts = sum(p.base_seconds[i] for i in idx), sum(p.spec_seconds[i] for i in idx)
-        pb = sum(o.prefill_target_s + o.prefill_drafter_s for o in bo)
-        ps = sum(o.prefill_target_s + o.prefill_drafter_s for o in so)
         base.append(_rate(emitted_tokens(bo), tb))
         spec.append(_rate(emitted_tokens(so), ts))
-        base_dec.append(_rate(emitted_tokens(bo), tb - pb))
-        spec_dec.append(_rate(emitted_tokens(so), ts - ps))
     first = passes[0]
     spec_out = merge([first.spec_outs[i] for i in idx])
     base_out = merge([first.base_outs[i] for i in idx])
@@ -155,44 +146,27 @@ def bucket_mode_figures(
         }
     return {
         **lookup,
+        "tau": round(spec_out.tau, 3),
+        "acceptance_by_position": spec_out.acceptance_at(),
         "alpha": round(spec_out.alpha, 4),
         # the drafter's own drafts apart from prompt lookup's: what the long fine-tune moves
         # (every draft's alpha above is mostly lookup's on a long prompt that repeats itself)
         "drafter_alpha": round(spec_out.drafter_alpha, 4),
         "drafter_trials": spec_out.drafter_trials,
-        "tau": round(spec_out.tau, 3),
         "speedup": round(statistics.median(spec) / statistics.median(base), 3),
         "speedup_range": speedup_range(base, spec),
-        "decode_speedup": round(statistics.median(spec_dec) / statistics.median(base_dec), 3),
         "baseline_tokens_per_s": spread(base),
         "speculative_tokens_per_s": spread(spec),
-        "baseline_decode_tokens_per_s": spread(base_dec),
-        "speculative_decode_tokens_per_s": spread(spec_dec),
         "lossless": same if greedy else None,
     }
 
 
-def bucket_prefill(idx: Sequence[int], passes: Sequence[TimedPass]) -> dict[str, float]:
-    """Mean seconds per decode call to prefill the prompt (pure): the target's over every
-    target-only and speculative decode of the bucket, the drafter's over the speculative ones."""
-    target = [o.prefill_target_s for p in passes for outs in (p.base_outs, p.spec_outs)
-              for o in (outs[i] for i in idx)]  # fmt: skip
-    drafter = [p.spec_outs[i].prefill_drafter_s for p in passes for i in idx]
-    return {
-        "target": round(statistics.fmean(target), 4),
-        "drafter": round(statistics.fmean(drafter), 4),
-    }
-
-
 def with_theory(fig: dict[str, Any], gamma: int, c: float, verify_cost: float) -> dict[str, Any]:
-    """A mode's bucket figures plus the speedups its alpha implies at the bucket's c: the classic
-    formula and the one with the measured verify cost (pure)."""
-    alpha = min(max(fig["alpha"], 0.0), 1.0)
+    """A mode's bucket figures plus the speedup the cost model gives at the bucket's c and verify
+    cost with its acceptance by position (pure)."""
+    accept = (fig["acceptance_by_position"] + [0.0] * gamma)[:gamma]
     return fig | {
-        "theoretical_speedup": round(theoretical_speedup(alpha, gamma, c), 3),
-        "theoretical_speedup_measured_verify": round(
-            expected_tau(alpha, gamma) / (gamma * c + verify_cost), 3
-        ),
+        "modeled_speedup": round(speedup_at(accept, gamma, costs_of(c, verify_cost, gamma)), 3)
     }
 
 
@@ -218,14 +192,13 @@ def probe_prompt(batches, idx: Sequence[int]) -> torch.Tensor:
     return torch.tensor([rows[(len(rows) - 1) // 2]])
 
 
-def step_costs(dec, probe: torch.Tensor, iters: int, gamma: int) -> tuple[float, float]:
-    """(c, verify cost) at the probe's context length, timed as validate times the headline's
-    (`measure_c`; a parallel drafter's c is one forward of gamma+1 tokens / gamma)."""
+def bucket_costs(dec, probe: torch.Tensor, iters: int, gamma: int) -> tuple[float, float]:
+    """(c, verify cost) at the probe's context length, timed as the headline's; a parallel
+    drafter's c is one forward of gamma+1 tokens / gamma."""
     slots = dec.spec_slots(1, probe.shape[1])
-    c, verify = measure_c(dec, probe, iters, gamma, slots)
-    if dec.parallel:
-        c = forward_cost(dec, probe, gamma + 1, iters) / gamma
-    return c, verify
+    width = gamma + 1 if dec.parallel else 1
+    c, verify = step_costs(dec, probe, iters, gamma, slots, drafter_width=width)
+    return (c / gamma if dec.parallel else c), verify
 
 
 def measure_buckets(
@@ -238,16 +211,15 @@ def measure_buckets(
     passes: dict[str, list[TimedPass]],
 ) -> list[dict[str, Any]]:
     """report.json's `buckets`: one row per bucket (see the module docstring). `passes`: each
-    serving mode's timed repeats, batch by batch (main mode first, its prefill times are the
-    ones reported); c and the verify cost are timed here, per bucket, with `dec`."""
+    serving mode's timed repeats, batch by batch; c and the verify cost are timed here, per
+    bucket, with `dec`."""
     target, drafter = dec.target, dec.drafter
-    first = next(iter(passes.values()))
     rows = []
     for name in plan.names:
         idx = plan.batches_of(name)
         tokens = plan.tokens[name]
         probe = probe_prompt(batches, idx)
-        c, verify = step_costs(dec, probe, iters, gamma)
+        c, verify = bucket_costs(dec, probe, iters, gamma)
         modes = {
             mode: with_theory(bucket_mode_figures(idx, ps, mode == "greedy"), gamma, c, verify)
             for mode, ps in passes.items()
@@ -266,7 +238,6 @@ def measure_buckets(
                 "probe_tokens": int(probe.shape[1]),
                 "c": round(c, 4),
                 "verify_cost": round(verify, 3),
-                "prefill_seconds": bucket_prefill(idx, first),
                 "kv_cache": kv,
                 "modes": modes,
             }
@@ -305,29 +276,27 @@ def bucket_markdown(rows: list[dict[str, Any]] | None) -> list[str]:
         "",
         "## By context-length bucket",
         "",
-        "| bucket | mode | prompts | mean prompt tokens | alpha | the drafter's own alpha (drafts) "
-        "| tau | c | verify cost | "
-        "speedup, end to end (range of repeats) | speedup, decode only | theoretical (measured verify) | "
-        "prefill s, target / drafter | KV MiB, target / drafter (tokens) | lossless |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| bucket | mode | prompts | mean prompt tokens | tau | acceptance by position | "
+        "the drafter's own alpha (drafts) | c | verify cost | speedup (range of repeats) | "
+        "modeled | KV MiB, target / drafter (tokens) | lossless |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        pf, kv = r["prefill_seconds"], r["kv_cache"]
+        kv = r["kv_cache"]
         for mode, m in r["modes"].items():
             lossless = "" if m["lossless"] is None else str(m["lossless"])
+            at = " ".join(f"{x:.2f}" for x in m.get("acceptance_by_position", []))
             lines.append(
                 f"| {r['bucket']} | {mode} | {r['prompts']} | {r['mean_prompt_tokens']} | "
-                f"{m['alpha']} | {drafter_alpha_text(m)} | {m['tau']} | {r['c']} | "
-                f"{r['verify_cost']} | "
+                f"{m['tau']} | {at} | {drafter_alpha_text(m)} | {r['c']} | {r['verify_cost']} | "
                 f"{speedup_text(m['speedup'], m.get('speedup_range'))} | "
-                f"{m['decode_speedup']}x | {m['theoretical_speedup_measured_verify']}x | "
-                f"{pf['target']} / {pf['drafter']} | {_mib(kv['target_bytes'])} / "
+                f"{m['modeled_speedup']}x | {_mib(kv['target_bytes'])} / "
                 f"{_mib(kv['drafter_bytes'])} ({_kv_tokens(kv)}) | {lossless} |"
             )
     lines += [
         "",
         "c and the verify cost (in target steps) are timed at each bucket's median-length "
-        "prompt; prefill: seconds per decode call (the prompt but its last token); KV: one "
-        f"row at the bucket's longest prompt + max_new_tokens, {KV_FORMULA}.",
+        "prompt on this machine; modeled: the cost model's speedup at them; KV: one row at the "
+        f"bucket's longest prompt + max_new_tokens, {KV_FORMULA}.",
     ]
     return lines

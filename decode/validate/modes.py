@@ -40,12 +40,10 @@ def run_each(fn: Callable, batches, seed: int) -> tuple[list[float], list[Decode
 
 
 def _timed_call(fn: Callable, ids, mask, gen, seconds: list[float], outs: list) -> None:
-    """Decode one batch with `fn`, appending its wall seconds and output. A prefill restored
-    from a memo (decode.prefill_memo) counts as the seconds its one timed run took, so a call
-    costs what it would have without the memo: its wall time plus the seconds it saved."""
+    """Decode one batch with `fn`, appending its wall seconds and output."""
     t0 = time.perf_counter()
     out = fn(ids, mask, generator=gen)
-    seconds.append(time.perf_counter() - t0 + out.prefill_saved_s)
+    seconds.append(time.perf_counter() - t0)
     outs.append(out)
 
 
@@ -68,9 +66,6 @@ def merge(outs: list[DecodeOutput]) -> DecodeOutput:
         total.accepted += o.accepted
         total.target_forwards += o.target_forwards
         total.drafter_forwards += o.drafter_forwards
-        total.prefill_target_s += o.prefill_target_s
-        total.prefill_drafter_s += o.prefill_drafter_s
-        total.prefill_saved_s += o.prefill_saved_s
         total.lookup_rounds += o.lookup_rounds
         total.lookup_drafted += o.lookup_drafted
         total.lookup_accepted += o.lookup_accepted
@@ -204,6 +199,7 @@ def mode_figures(dec, base_rates, spec_rates, spec_out: DecodeOutput) -> dict[st
         "drafter_alpha": round(spec_out.drafter_alpha, 4),
         "drafter_trials": spec_out.drafter_trials,
         "tau": round(spec_out.tau, 3),
+        "acceptance_by_position": spec_out.acceptance_at(),
         "speedup": round(statistics.median(spec_rates) / statistics.median(base_rates), 3),
         # each repeat's own ratio (its target-only and speculative passes ran interleaved): the
         # spread a reader needs to tell a speedup from this machine's timing noise

@@ -14,7 +14,7 @@ from specdistill.decode.validate.modes import speedup_text
 
 @dataclass
 class ValidateResult:
-    """Everything report.json holds; p = target, q = drafter."""
+    """Everything report.json holds; p = target, q = drafter, K = gamma = drafts a round."""
 
     output_dir: str
     target: str
@@ -22,7 +22,6 @@ class ValidateResult:
     device: str
     dtype: str
     gamma: int
-    gamma_auto: bool
     temperature: float
     top_k: int
     top_p: float
@@ -32,67 +31,60 @@ class ValidateResult:
     prompts: int
     max_new_tokens: int
     repeats: int
+    # the figures of record (no clock: the same on every machine)
+    tau: float
+    acceptance_by_position: list[float]
     alpha: float
     acceptance_rate: float
-    tau: float
+    lossless: bool | None
+    mismatched_sequences: int
+    # this machine's speed (`machine`): c = q step / p step and the (K+1)-token verify in p
+    # steps, timed; the measured speedup; the cost model's at those costs (`theoretical`)
     c: float
-    verify_cost: float  # (gamma+1)-token verify / 1-token target step
+    verify_cost: float
     baseline_tokens_per_s: dict[str, float]
     speculative_tokens_per_s: dict[str, float]
     speedup: float
     theoretical_speedup: float
     decoder_efficiency: float
-    # The same model with the measured verify cost instead of 1 target step: on CPU a
-    # (gamma+1)-token verify is dearer than one step, which the classic formula ignores.
-    theoretical_speedup_measured_verify: float
-    lossless: bool | None
-    mismatched_sequences: int
-    acceptance_by_position: list[float]
-    # [lowest, highest] per-repeat speedup (each repeat's own target-only pass); None in reports
-    # written before it existed
-    speedup_range: list[float] | None = None
+    machine: str = ""
+    speedup_range: list[float] | None = None  # [lowest, highest] per-repeat speedup
     alpha_sampled: float | None = None  # the sampling side of `modes` (its temperature there)
-    # `alpha` and `acceptance_by_position` count every tested draft, prompt lookup's included;
-    # these, the drafter's own drafts only (None in reports written before them)
+    tau_sampled: float | None = None
+    # `alpha` and `acceptance_by_position` count every tested draft, prompt lookup's included
+    # (decoder.lookup); these, the drafter's own drafts only, and how many were tested
     drafter_alpha: float | None = None
     drafter_acceptance_by_position: list[float] | None = None
-    # how many of its own drafts were tested (0: the 0.0 above is no measurement: every tested
-    # draft was prompt lookup's), overall and by position (None in reports written before them)
     drafter_trials: int | None = None
     drafter_trials_by_position: list[int] | None = None
-    tau_sampled: float | None = None
+    lookup: dict[str, float] | None = None
     # Both serving modes side by side: {"greedy": {...}, "sampling": {...}}, each with
-    # temperature/top_k/top_p, alpha, tau, speedup and tokens/s.
+    # temperature/top_k/top_p, tau, acceptance by position, alpha, speedup and tokens/s.
     modes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The K that maximises the cost model's speedup at this machine's costs and at each
+    # `cost_model` entry's (validate.stage.recommendation): export writes it as engine settings.
+    recommended_k: dict[str, Any] | None = None
     hf_assisted: dict[str, Any] | None = None
     cache: str = "dynamic"
     compiled: bool = False
-    # decoder.prefill_dtype: model (prompt prefills in `dtype`) | bf16 (under bf16 autocast)
-    prefill_dtype: str = "model"
-    # the few-row linear path each model's decode steps took (decoder.cpu_matmul; None in
-    # reports written before it)
-    cpu_linears: dict[str, str] | None = None
-    # Untimed time before the timed repeats: c measurement, warm-up, and compiling the decode
-    # steps when `compiled` (steady-state tokens/s above exclude it).
+    # Untimed time before the timed repeats: warm-up, and compiling the decode steps when
+    # `compiled` (steady-state tokens/s above exclude it).
     warmup_seconds: float = 0.0
     wall_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
-    # Per-round draft length (decode.draft_length): the policy, its figures (mean drafts per
-    # round, share of plain target steps, histogram, step costs) and, for an adaptive policy,
-    # fixed gamma measured beside it on the same prompts.
+    # decoder.draft_length (fixed, heuristic, confidence): rounds by drafts verified and their mean
     draft_length: str = "fixed"
-    draft_figures: dict[str, Any] | None = None
-    fixed_gamma_speedup: float | None = None
+    max_draft: int = 0
+    mean_draft_length: float = 0.0
+    draft_lengths: list[int] = field(default_factory=list)
     # engines=[ours,vllm]: the same pair, prompts and modes in vLLM (decode/validate/two_engines)
     engines: list[str] = field(default_factory=lambda: ["ours"])
     vllm: dict[str, Any] | None = None
     # long_prompts policy, prompt budget and how many prompts were truncated or skipped
     prompt_fit: dict[str, Any] = field(default_factory=dict)
     vocab_mapping: dict[str, Any] | None = None  # mapped pairs: intersection, coverage, context
-    # Long prompt sets: one row per context-length bucket (decode/validate/buckets.py): prompts,
-    # prompt tokens, c and verify cost at its length, prefill seconds and KV-cache bytes of p
-    # and q, and per serving mode alpha, tau, speedup (end to end and decode only), lossless.
+    # Long prompt sets: one row per context-length bucket (decode/validate/buckets.py)
     buckets: list[dict[str, Any]] | None = None
 
 
@@ -113,14 +105,9 @@ def mode_value(v: dict[str, Any], mode: str, key: str) -> Any:
 # what the drafter's own alpha reads as when it rests on no drafts (every tested draft was
 # prompt lookup's): report.md here and the pipeline's summary
 NO_OWN_DRAFTS = "n/a (0 drafts of its own)"
-# what an acceptance over every draft reads as when no draft was tested at all (the floor took
-# plain target steps throughout): the pipeline's summary; 0 would read as every draft rejected
+# what an acceptance over every draft reads as when no draft was tested at all (every round a
+# plain target step): the pipeline's summary; 0 would read as every draft rejected
 NO_DRAFTS = "n/a (0 drafts: target steps only)"
-
-
-def _linears(linears: dict[str, str] | None) -> str:
-    """Each model's few-row linear path, or n/a for a report written before it was kept."""
-    return "n/a" if not linears else f"{linears['target']} / {linears['drafter']}"
 
 
 def _drafter_alpha(r: ValidateResult) -> str:
@@ -139,44 +126,59 @@ def _drafter_alpha(r: ValidateResult) -> str:
     return f"{r.drafter_alpha}{n} / {at}" if at else f"{r.drafter_alpha}{n}"
 
 
+def positions(values: list[float] | None) -> str:
+    """Acceptance by draft position as `0.84 0.77 0.89 0.97`."""
+    return " ".join(f"{x:.2f}" for x in values or []) or "n/a"
+
+
+def recommended_rows(rec: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """One row per cost model: the recommended K and its modeled speedup, with the K sweep."""
+    if not rec:
+        return []
+    rows = []
+    for e in rec["by_cost"]:
+        sweep = " ".join(f"{k}:{x}" for k, x in enumerate(e["speedup_by_k"], 1))
+        rows.append(
+            (
+                f"recommended K, {e['label']} (c {e['c']}, verify +{e['verify_per_token']}/draft)",
+                f"**{e['k']}** (modeled {e['speedup']}x{'' if e.get('pays', True) else ': no K pays here'}"
+                f"; by K {sweep})",
+            )
+        )
+    return rows
+
+
 def report_markdown(r: ValidateResult) -> str:
-    """A short side-by-side table (p = target, q = drafter)."""
+    """Acceptance first (the same on every machine), then this machine's speed."""
     b, s = r.baseline_tokens_per_s, r.speculative_tokens_per_s
-    rows = [
-        (
-            "device / dtype",
-            f"{r.device} / {r.dtype} ({r.cache} cache{', compiled' if r.compiled else ''}"
-            f"{', prefills in bf16' if r.prefill_dtype == 'bf16' else ''})",
-        ),
-        ("gamma", f"{r.gamma}{' (auto)' if r.gamma_auto else ''}"),
-        ("temperature / top_k / top_p", f"{r.temperature} / {r.top_k} / {r.top_p}"),
-        ("alpha (measured, every draft: prompt lookup's too)", f"{r.alpha}"),
+    rows = []
+    for name, m in r.modes.items():
+        t = "" if name == "greedy" else f", temperature {m.get('temperature')}"
+        rows.append((f"tau at K={r.gamma}, {name}{t}", f"**{m['tau']}**"))
+        rows.append(
+            (f"acceptance by draft position, {name}", positions(m.get("acceptance_by_position")))
+        )
+    rows += [
         ("the drafter's own alpha (its drafts only) / by position", _drafter_alpha(r)),
-        ("alpha at temperature 1", f"{r.alpha_sampled}"),
-        ("tau (tokens per target forward)", f"{r.tau} (temperature 1: {r.tau_sampled})"),
+        ("lossless", f"{r.lossless}{' (LOSSY lenience)' if r.lossy else ''}"),
+        ("temperature / top_k / top_p (serving mode)", f"{r.temperature} / {r.top_k} / {r.top_p}"),
+        *recommended_rows(r.recommended_k),
+        ("machine (speed figures below are this machine's)", r.machine or "n/a"),
+        ("device / dtype", f"{r.device} / {r.dtype} ({r.cache} cache{', compiled' if r.compiled else ''})"),
         ("c (drafter / target step time)", f"{r.c}; verify step = {r.verify_cost} target steps"),
-        ("CPU linears: target / drafter", _linears(r.cpu_linears)),
         ("target-only tokens/s", f"{b['median']} (min {b['min']}, max {b['max']})"),
         ("speculative tokens/s", f"{s['median']} (min {s['min']}, max {s['max']})"),
         ("speedup (measured): median (range) of repeats", speedup_text(r.speedup, r.speedup_range)),
-        ("theoretical speedup", f"{r.theoretical_speedup}x"),
-        ("decoder efficiency", f"{r.decoder_efficiency}"),
-        ("theoretical, measured verify cost", f"{r.theoretical_speedup_measured_verify}x"),
-        ("lossless", f"{r.lossless}{' (LOSSY lenience)' if r.lossy else ''}"),
+        ("modeled speedup at this machine's c", f"{r.theoretical_speedup}x (efficiency {r.decoder_efficiency})"),
         ("untimed warm-up (compile included)", f"{r.warmup_seconds} s"),
-    ]
-    if r.draft_figures and r.draft_length != "fixed":
-        f = r.draft_figures
-        rows.append(("draft length policy", f"{r.draft_length} (at most {f['max_draft']} drafts)"))
+    ]  # fmt: skip
+    if r.draft_length != "fixed":
         rows.append(
             (
-                "draft lengths",
-                f"mean {f['mean_draft_length']}, plain target steps {f['target_step_share']}, "
-                f"rounds by drafts 0..: {f['draft_lengths']}",
+                f"draft lengths ({r.draft_length}, at most {r.max_draft})",
+                f"mean {r.mean_draft_length}, rounds by drafts 0..: {r.draft_lengths}",
             )
         )
-        if r.fixed_gamma_speedup is not None:
-            rows.append((f"fixed gamma={r.gamma} beside it", f"{r.fixed_gamma_speedup}x"))
     if r.vocab_mapping:  # a drafter with its own tokenizer (decode/validate/mapped.py)
         v = r.vocab_mapping
         rows.append(
@@ -201,7 +203,8 @@ def report_markdown(r: ValidateResult) -> str:
     lines = [
         f"# Validate: {Path(r.drafter).name} drafting for {Path(r.target).name}",
         "",
-        f"{r.prompts} prompts x {r.max_new_tokens} new tokens, batch {r.batch_size}, {r.repeats} repeats.",
+        f"{r.prompts} prompts x {r.max_new_tokens} new tokens, K={r.gamma} "
+        f"({r.draft_length}), batch {r.batch_size}, {r.repeats} timed repeats.",
         "",
         "| figure | value |",
         "|---|---|",
@@ -281,7 +284,8 @@ def _vllm_mapping_line(m: dict[str, Any] | None) -> list[str]:
     ]
 
 
-def plot_acceptance(by_pos: list[float], path: Path, notes: list[str]) -> None:
+def plot_acceptance(modes: dict[str, dict[str, Any]], path: Path, notes: list[str]) -> None:
+    """report.png: acceptance by draft position, one bar group per serving mode."""
     try:
         import matplotlib
 
@@ -290,9 +294,14 @@ def plot_acceptance(by_pos: list[float], path: Path, notes: list[str]) -> None:
     except ImportError:
         notes.append("matplotlib not installed: no report.png")
         return
-    fig, ax = plt.subplots(figsize=(4, 3))
-    ax.bar(range(1, len(by_pos) + 1), by_pos)
+    fig, ax = plt.subplots(figsize=(4.5, 3))
+    width = 0.8 / max(len(modes), 1)
+    for i, (name, m) in enumerate(modes.items()):
+        at = m.get("acceptance_by_position") or []
+        ax.bar([j + 1 + (i - (len(modes) - 1) / 2) * width for j in range(len(at))], at, width,
+               label=f"{name} (tau {m.get('tau')})")  # fmt: skip
     ax.set(xlabel="draft position", ylabel="P(accept | reached)", ylim=(0, 1))
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -9,18 +9,22 @@ engine settings) is checked by `setup`, still before any weights load.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omegaconf import Container, OmegaConf
+
 from specdistill.data.prompts import check_long_prompts
 from specdistill.data.runtime import ConfigError, setting
 from specdistill.data.sampling import Sampling
-from specdistill.decode.config import DecoderSettings
+from specdistill.decode.config import MAX_DRAFT, DecoderSettings
+from specdistill.decode.draft_length import costs_from_mapping
 from specdistill.decode.validate.modes import both_modes, other_decoder
 from specdistill.decode.validate.vllm_engine import draft_sample_method, parse_engines
 
-PREFILL_ONCE = ("auto", "true", "false")
 _POSITIVE = ("max_new_tokens", "repeats", "batch_size", "step_time_iters")
 
 
@@ -46,11 +50,13 @@ class ValidateSettings:
     device: str = "auto"
     dtype: str = "auto"
     threads: Any = "default"  # default (torch's: every core) | auto (1) | N (set_threads checks it)
-    prefill_threads: Any = "auto"  # a prompt's prefill: auto (every core) | default | N
     hf_assisted: bool = True
     plot: bool = True
     progress: bool = True  # a bar over the timed decodes (stderr)
-    prefill_once: str = "auto"  # auto (long prompt sets) | true | false: decode.prefill_memo
+    # the recommended K: acceptance by position up to this K (0: no recommendation), priced at
+    # this machine's costs and at each `cost_model` entry's (a user's hardware, per batch size)
+    recommend_max_k: int = 8
+    cost_model: tuple[dict[str, Any], ...] = ()
     engines: tuple[str, ...] = ("ours",)
     vllm_draft_sample_method: str | None = None  # engines=[ours,vllm]: vllm.draft_sample_method
 
@@ -74,16 +80,14 @@ class ValidateSettings:
         long_prompts = setting(cfg, cls, "long_prompts")
         check_long_prompts(long_prompts)
         engines = parse_engines(cfg)
-        if "vllm" in engines and decoder.lookup == "auto":
-            # both engines on one footing: vLLM runs the drafter alone, so ours does too unless
-            # asked (decoder.lookup=true); their acceptance is compared position by position
-            decoder = decoder.replace(lookup=False)
         other = other_decoder(decoder, cfg.get("other_sampling")) if both_modes(cfg) else None
-        prefill_once = str(setting(cfg, cls, "prefill_once")).lower()
-        if prefill_once not in PREFILL_ONCE:
+        if cfg.get("prefill_once") is not None:
             raise ConfigError(
-                f"prefill_once={prefill_once!r} is not known; use one of {', '.join(PREFILL_ONCE)}"
+                "prefill_once was removed: every decode prefills its own prompt; drop the key"
             )
+        top = setting(cfg, cls, "recommend_max_k")
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_DRAFT:
+            raise ConfigError(f"recommend_max_k={top!r} must be an integer in 0..{MAX_DRAFT}")
         method = draft_sample_method(cfg.vllm) if "vllm" in engines else None
         return cls(
             output_dir=Path(str(cfg.output_dir)).expanduser().absolute(),
@@ -100,22 +104,46 @@ class ValidateSettings:
             device=str(setting(cfg, cls, "device")),
             dtype=str(setting(cfg, cls, "dtype")),
             threads=setting(cfg, cls, "threads"),
-            prefill_threads=setting(cfg, cls, "prefill_threads"),
             hf_assisted=bool(setting(cfg, cls, "hf_assisted")),
             plot=bool(setting(cfg, cls, "plot")),
             progress=bool(setting(cfg, cls, "progress")),
-            prefill_once=prefill_once,
+            recommend_max_k=top,
+            cost_model=cost_models(cfg.get("cost_model")),
             engines=engines,
             vllm_draft_sample_method=method,
         )
 
-    def prefills_once(self, bucketed: bool) -> bool:
-        """Whether decodes restore each prompt's prefill from its first run (`prefill_once`;
-        auto: for bucketed, i.e. long-context, prompt sets, where prefills dominate a run)."""
-        return self.prefill_once == "true" or (self.prefill_once == "auto" and bucketed)
-
     @property
     def gamma_room(self) -> int:
         """The most tokens one round may draft: the prompt budget leaves room for them."""
-        d = self.decoder
-        return max(d.max_gamma if d.gamma is None else d.gamma, d.max_draft)
+        return max(self.decoder.most_drafts, self.recommend_max_k)
+
+
+def cost_models(node: Any) -> tuple[dict[str, Any], ...]:
+    """`cost_model`: a list of {c, verify_per_token, draft_per_token, batch, label} (a user's
+    hardware: one target step = 1), or null. One ConfigError naming `cost_model[i].key`."""
+    if node is None:
+        return ()
+    if isinstance(node, Container):
+        node = OmegaConf.to_container(node, resolve=True)
+    if isinstance(node, Mapping):
+        node = [node]
+    if isinstance(node, str) or not isinstance(node, Sequence):
+        raise ConfigError(
+            f"cost_model={node!r} must be a list of {{c: ..., verify_per_token: ...}} entries"
+        )
+    out = []
+    for i, entry in enumerate(node):
+        field = f"cost_model[{i}]"
+        if not isinstance(entry, Mapping) or "c" not in entry:
+            raise ConfigError(f"{field}={entry!r} needs c (a drafter step in target steps)")
+        entry = dict(entry)
+        label, batch = entry.pop("label", None), entry.pop("batch", 1)
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ConfigError(f"{field}.batch={batch!r} must be a positive integer")
+        try:
+            costs = costs_from_mapping(entry)
+        except ValueError as e:
+            raise ConfigError(f"{field}: {e}") from None
+        out.append({**dataclasses.asdict(costs), "batch": batch, "label": label})
+    return tuple(out)

@@ -1,20 +1,25 @@
-"""The validate stage: prove the speedup and that the output stayed the target's.
+"""The validate stage: what a drafter is worth at the engines' K, and that the output stayed p's.
 
     python -m specdistill.decode.validate pair=toy-tiny output_dir=DIR
     python -m specdistill.decode.validate pair=toy pair.drafter=/path/to/distilled decoder=sampling
 
 On the same prompts and max_new_tokens it decodes with the target p alone and speculatively
-(drafter q proposes, p verifies), untimed warm-up first, `repeats` timed passes interleaved so
-load drifts hit both alike, and reports side by side: tokens/s (median, min, max), the measured
-speedup, alpha, tau, c (drafter/target step time), the theoretical speedup those imply, their
-ratio (decoder efficiency), `lossless` (greedy: every sequence token-identical to target-only),
-the same figures in the other serving mode (`modes`: greedy and sampling, both timed; a drafter
-tuned for one mode is often poor in the other), and the same pair through `transformers`
-assisted generation.
+(drafter q proposes, p verifies) at the decoder's K (`decoder.gamma`, a fixed K a round by
+default, as vLLM, SGLang and TRT-LLM serve), in both serving modes (greedy and sampling). The
+figures of record need no clock and are the same on every machine: tau (tokens per round, bonus
+included), acceptance by draft position (each given the drafts before it were accepted), alpha,
+the drafter's own alpha apart from prompt lookup's, and `lossless` (greedy: every sequence
+token-identical to target-only). Then speed, stated for what it is: this machine's measured
+speedup (untimed warm-up, `repeats` interleaved timed passes), the cost model's speedup from
+tau at this machine's c (drafter step / target step, `timing.step_costs`) and at the costs a
+user gives for their hardware (`cost_model`), the K that maximises it (`recommend`: from
+acceptance by position up to `recommend_max_k`; export writes it as the engines' settings), and
+the same pair through `transformers` assisted generation and vLLM where asked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -38,12 +43,9 @@ from specdistill.data.runtime import (
     set_threads,
     spread,
 )
-from specdistill.decode.acceptance import expected_tau, theoretical_speedup
 from specdistill.decode.cache import check_rollback_config
 from specdistill.decode.config import DecoderSettings
-from specdistill.decode.draft_length import DraftCosts, draft_figures, modeled_speedup
-from specdistill.decode.draft_length.costs_memo import CostsMemo
-from specdistill.decode.prefill_memo import PrefillMemo
+from specdistill.decode.draft_length import DraftCosts, recommend_k, speedup_table
 from specdistill.decode.speculative import SpeculativeDecoder
 from specdistill.decode.validate.buckets import measure_buckets, regroup
 from specdistill.decode.validate.mapped import check_mapped_stage, load_mapped, mapping_figures
@@ -59,10 +61,10 @@ from specdistill.decode.validate.modes import run_all as _run_all
 from specdistill.decode.validate.report import ValidateResult, plot_acceptance, report_markdown
 from specdistill.decode.validate.settings import ValidateSettings
 from specdistill.decode.validate.timing import (
-    auto_gamma,
-    forward_cost,
+    costs_of,
     hf_assisted_speed,
-    measure_c,
+    machine_name,
+    step_costs,
 )
 from specdistill.decode.validate.vllm_engine import preflight
 
@@ -104,7 +106,7 @@ def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) 
     vs = vs or ValidateSettings.from_cfg(cfg)  # the stage's and the decoder's checks
     check_prompt_settings(cfg.dataset)
     device = resolve_device(vs.device)
-    set_threads(vs.threads, device, prefill=vs.prefill_threads)
+    set_threads(vs.threads, device)
     dtype = parse_dtype(vs.dtype, device)
     spec = resolve_pair(cfg.pair, stage="validate", mapped_ok=True)
     for key, name, rev in (
@@ -155,27 +157,6 @@ def warm_up(dec: SpeculativeDecoder, batches, warm, seed: int) -> None:
 Make = Callable[..., SpeculativeDecoder]  # make(gamma, settings=vs.decoder) -> a decoder
 
 
-def choose_gamma(vs: ValidateSettings, st: Setup, make: Make, notes: list[str]):
-    """(gamma, decoder, c, verify cost): c and the verify cost measured with the decoder's own
-    caches; gamma=auto picks gamma from a pilot run's alpha and c with the speedup model."""
-    fixed_gamma, probe = vs.decoder.gamma, st.warm[0][0]
-    pilot_gamma, iters = vs.decoder.gamma_or_default, vs.step_time_iters
-    c, verify_cost = measure_c(make(pilot_gamma), probe, iters, pilot_gamma)
-    gamma = fixed_gamma
-    if gamma is None:
-        pilot_dec = make(pilot_gamma)
-        batches = st.batches[: max(1, len(st.batches) // 4)]
-        _, pilot = _run_all(pilot_dec.generate, batches, vs.seed)
-        gamma, note = auto_gamma(pilot_dec, probe, _merge(pilot).alpha, c, vs.decoder.max_gamma)
-        notes.append(note)
-    dec = make(gamma)
-    if dec.cfg.draft_length != "fixed":  # the policy's step costs at this batch size (untimed)
-        dec.draft_costs(probe, vs.batch_size)
-    if fixed_gamma is None:  # the verify cost depends on gamma: measure it for the one picked
-        c, verify_cost = measure_c(dec, probe, iters, gamma)
-    return gamma, dec, c, verify_cost
-
-
 def lossless_check(dec: SpeculativeDecoder, base_out, spec_out, dtype, notes: list[str]):
     """(lossless or None when sampling, mismatched sequences): greedy must be token-identical."""
     greedy = dec.cfg.sampling.greedy
@@ -189,29 +170,29 @@ def lossless_check(dec: SpeculativeDecoder, base_out, spec_out, dtype, notes: li
     return ((mismatched == 0 and not dec.cfg.lossy) if greedy else None), mismatched
 
 
-def headline(
-    spec_out, base_rates, spec_rates, gamma: int, c: float, verify_cost: float,
-    costs: DraftCosts | None = None,
-) -> dict:  # fmt: skip
-    """The serving mode's figures: alpha, tau, c, tokens/s, measured and theoretical speedup.
-    `costs`: an adaptive policy's step costs; its theoretical speedup is then the cost model's
-    at the decode's own draft lengths (`modeled_speedup`), not the fixed-gamma formula's."""
-    alpha = min(max(spec_out.alpha, 0.0), 1.0)
+def modeled_speedup(out, costs: DraftCosts) -> float:
+    """The cost model's speedup over target-only decoding at the decode's own rounds: its tokens
+    over what its rounds cost in target steps (each row-round of k drafts costs `round_cost(k)`),
+    so a fixed K and an adaptive policy are priced alike (pure)."""
+    cost = sum(n * costs.round_cost(k) for k, n in enumerate(out.draft_lengths))
+    return out.block_tokens / cost if cost else 1.0
+
+
+def headline(spec_out, base_rates, spec_rates, c: float, verify_cost: float, costs) -> dict:
+    """The serving mode's figures: acceptance first, then this machine's speed."""
     speedup = statistics.median(spec_rates) / statistics.median(base_rates)
-    theory = theoretical_speedup(alpha, gamma, c)
-    measured_verify = expected_tau(alpha, gamma) / (gamma * c + verify_cost)
-    if costs is not None:
-        tokens = sum(len(t) for t in spec_out.tokens)
-        theory = measured_verify = modeled_speedup(spec_out.draft_lengths, tokens, costs)
-    by_pos = [a / t if t else 0.0 for a, t in zip(spec_out.accepted_at, spec_out.trials_at)]
-    return {
+    theory = modeled_speedup(spec_out, costs)
+    figures = {
+        "tau": round(spec_out.tau, 3),
+        "acceptance_by_position": spec_out.acceptance_at(),
         "alpha": round(spec_out.alpha, 4),
         "drafter_alpha": round(spec_out.drafter_alpha, 4),
         "drafter_acceptance_by_position": [round(x, 4) for x in spec_out.drafter_alpha_at()],
         "drafter_trials": spec_out.drafter_trials,
         "drafter_trials_by_position": spec_out.drafter_trials_at(),
         "acceptance_rate": round(spec_out.accepted / max(spec_out.trials, 1), 4),
-        "tau": round(spec_out.tau, 3),
+        "mean_draft_length": round(spec_out.mean_draft_length, 3),
+        "draft_lengths": list(spec_out.draft_lengths),
         "c": round(c, 4),
         "verify_cost": round(verify_cost, 3),
         "baseline_tokens_per_s": spread(base_rates),
@@ -220,9 +201,13 @@ def headline(
         "speedup_range": speedup_range(base_rates, spec_rates),
         "theoretical_speedup": round(theory, 3),
         "decoder_efficiency": round(speedup / theory, 3),
-        "theoretical_speedup_measured_verify": round(measured_verify, 3),
-        "acceptance_by_position": [round(x, 4) for x in by_pos],
     }
+    if spec_out.lookup_rounds:  # decoder.lookup: the share of rounds drafted from the context
+        figures["lookup"] = {
+            "round_share": round(spec_out.lookup_rounds / max(spec_out.row_rounds, 1), 3),
+            "acceptance": round(spec_out.lookup_acceptance, 4),
+        }
+    return figures
 
 
 def settings(vs: ValidateSettings, st: Setup, dec: SpeculativeDecoder, gamma: int) -> dict:
@@ -232,9 +217,9 @@ def settings(vs: ValidateSettings, st: Setup, dec: SpeculativeDecoder, gamma: in
         "target": st.spec.target,
         "drafter": st.spec.drafter,
         "device": str(st.device),
+        "machine": machine_name(st.device),
         "dtype": str(st.dtype).removeprefix("torch."),
         "gamma": gamma,
-        "gamma_auto": vs.decoder.gamma is None,
         "temperature": s.temperature,
         "top_k": s.top_k,
         "top_p": s.top_p,
@@ -246,31 +231,17 @@ def settings(vs: ValidateSettings, st: Setup, dec: SpeculativeDecoder, gamma: in
         "repeats": vs.repeats,
         "cache": "static" if dec.static else "dynamic",
         "compiled": dec.compile,
-        "prefill_dtype": dec.cfg.prefill_dtype,
         "draft_length": dec.cfg.draft_length,
-        "cpu_linears": {  # decoder.cpu_matmul's choice per model (auto: timed on this machine)
-            "target": dec.layout(dec.target).describe(),
-            "drafter": dec.layout(dec.drafter).describe(),
-        },
     }
 
 
 def decoder_factory(vs: ValidateSettings, st: Setup) -> Make:
     """make(gamma, settings=vs.decoder): a decoder on the loaded pair at that gamma."""
 
-    memo = PrefillMemo() if vs.prefills_once(any(b is not None for b in st.buckets)) else None
-    costs = CostsMemo()  # the pilot's, the serving mode's and the other mode's decoders share it
-
     def make(gamma: int, settings: DecoderSettings = vs.decoder) -> SpeculativeDecoder:
         config = settings.decoder_config(vs.max_new_tokens, st.eos, gamma)
         return SpeculativeDecoder(
-            st.target,
-            st.drafter,
-            config,
-            tokenizer_len=len(st.tok),
-            mapped=st.mapped,
-            prefill_memo=memo,
-            costs_memo=costs,
+            st.target, st.drafter, config, tokenizer_len=len(st.tok), mapped=st.mapped
         )
 
     return make
@@ -279,7 +250,7 @@ def decoder_factory(vs: ValidateSettings, st: Setup) -> Make:
 @dataclass
 class ServingMeasurement:
     """The serving mode's measurement: its decoder, gamma and figures (`headline`), with the
-    first pass's outputs and the timed rates the side measurements compare against."""
+    first pass's outputs and this machine's cost model."""
 
     dec: SpeculativeDecoder
     gamma: int
@@ -290,28 +261,27 @@ class ServingMeasurement:
     lossless: bool | None
     mismatched: int
     warmup_seconds: float
+    costs: DraftCosts
+
+
+def machine_costs(vs: ValidateSettings, st: Setup, dec: SpeculativeDecoder, gamma: int):
+    """(c, verify cost, DraftCosts) on this machine at the warm-up prompt: timed for the report's
+    speed figures only. A parallel drafter's c is its one forward of gamma+1 tokens per round."""
+    width = gamma + 1 if dec.parallel else 1
+    c, verify = step_costs(dec, st.warm[0][0], vs.step_time_iters, gamma, drafter_width=width)
+    return c, verify, costs_of(c, verify, gamma, parallel=dec.parallel)
 
 
 def measure_serving(
     vs: ValidateSettings, st: Setup, make: Make, notes: list[str], passes: dict | None = None
 ) -> ServingMeasurement:
-    """Choose gamma (measuring c), warm up untimed, time target-only against speculative
-    decoding in interleaved repeats, and check losslessness: the report's headline."""
+    """Warm up untimed, decode target-only against speculative in interleaved timed repeats,
+    check losslessness, then time this machine's step costs: the report's headline."""
     t_warm = time.perf_counter()
-    log.info(
-        "validate: timing the pair's steps on the warm-up prompt (%d tokens)%s",
-        st.warm[0][0].shape[1],
-        ", then a pilot decode for gamma=auto" if vs.decoder.gamma is None else "",
-    )
-    gamma, dec, c, verify_cost = choose_gamma(vs, st, make, notes)
-    if dec.parallel:  # one drafter forward per round: the formula's gamma c is its cost
-        c = forward_cost(dec, st.warm[0][0], gamma + 1, vs.step_time_iters) / gamma
-        notes.append(
-            f"parallel drafting: c = one drafter forward of gamma+1 tokens / gamma = {c:.3f} "
-            "(the theoretical speedup's gamma c is one forward per round)"
-        )
+    gamma = vs.decoder.gamma
+    dec = make(gamma)
     log.info("validate: untimed warm-up, then the timed repeats (%d)", vs.repeats)
-    warm_up(dec, st.batches, st.warm, vs.seed)  # untimed, then interleaved timed repeats
+    warm_up(dec, st.batches, st.warm, vs.seed)
     warmup_seconds = time.perf_counter() - t_warm
     mode = mode_name(dec.cfg.sampling.temperature)
     base_rates, spec_rates, base_out, spec_out = timed_repeats(
@@ -323,15 +293,13 @@ def measure_serving(
         f"validate {mode}" if vs.progress else None,
     )
     lossless, mismatched = lossless_check(dec, base_out, spec_out, st.dtype, notes)
-    costs = None
-    if dec.cfg.draft_length != "fixed":
-        costs = dec.draft_costs(st.warm[0][0], vs.batch_size)
-    figures = headline(spec_out, base_rates, spec_rates, gamma, c, verify_cost, costs)
-    modes = {
-        mode_name(dec.cfg.sampling.temperature): mode_figures(dec, base_rates, spec_rates, spec_out)
-    }
+    c, verify, costs = machine_costs(vs, st, dec, gamma)
+    if dec.parallel:
+        notes.append(f"parallel drafting: c = one drafter forward of {gamma + 1} tokens")
+    figures = headline(spec_out, base_rates, spec_rates, c, verify, costs)
+    modes = {mode: mode_figures(dec, base_rates, spec_rates, spec_out)}
     return ServingMeasurement(
-        dec, gamma, figures, modes, base_out, spec_out, lossless, mismatched, warmup_seconds
+        dec, gamma, figures, modes, base_out, spec_out, lossless, mismatched, warmup_seconds, costs
     )
 
 
@@ -343,10 +311,10 @@ def side_measurements(
     notes: list[str],
     passes: dict | None = None,
 ) -> dict[str, Any]:
-    """The other serving mode (into `sv.modes`), fixed gamma beside an adaptive policy,
-    `transformers` assisted generation and vLLM, each on the same prompts as the headline."""
+    """The other serving mode (into `sv.modes`), `transformers` assisted generation and vLLM,
+    each on the same prompts as the headline."""
     dec, gamma, seed, repeats = sv.dec, sv.gamma, vs.seed, vs.repeats
-    if vs.other is not None:  # both serving modes, always (unless turned off), timed too
+    if vs.other is not None:  # both serving modes, always (unless turned off)
         other_passes: list = []
         name, other = measure_other_mode(
             lambda ds: make(gamma, ds), vs.other, st.batches, st.warm, seed, repeats,
@@ -355,18 +323,6 @@ def side_measurements(
         sv.modes[name] = other
         if passes is not None:
             passes[name] = other_passes
-    fixed_speedup = None
-    if dec.cfg.draft_length != "fixed":  # the policy beside fixed gamma, same interleaving
-        fdec = make(gamma, vs.decoder.replace(draft_length="fixed"))
-        warm_up(fdec, st.batches, st.warm, seed)
-        fb, fs, _, _ = timed_repeats(
-            fdec,
-            st.batches,
-            seed,
-            repeats,
-            progress=f"validate fixed gamma {gamma}" if vs.progress else None,
-        )
-        fixed_speedup = round(statistics.median(fs) / statistics.median(fb), 3)
     hf = None
     if vs.hf_assisted:
         log.info("validate: transformers' assisted generation on the same prompts")
@@ -379,14 +335,63 @@ def side_measurements(
     vllm_figures = None
     if st.vllm_settings is not None:  # last: vLLM takes over the process's threads
         vllm_figures = in_vllm(vs, st, dec, gamma, sv.modes, sv.base_out, notes)
-    return {"hf_assisted": hf, "fixed_gamma_speedup": fixed_speedup, "vllm": vllm_figures}
+    return {"hf_assisted": hf, "vllm": vllm_figures}
+
+
+def recommendation(
+    vs: ValidateSettings, st: Setup, make: Make, sv: ServingMeasurement, machine: str
+) -> dict[str, Any] | None:
+    """The K that maximises the cost model's speedup (`draft_length.recommend_k`), from the
+    serving mode's acceptance by position up to `recommend_max_k`: read off the headline's
+    decode when its K reaches that far, else from one untimed decode at K = recommend_max_k
+    (fixed K; acceptance at a position barely depends on how many drafts follow it). Priced
+    at this machine's costs and at each of `cost_model`'s (a user's hardware, per batch size)."""
+    top = vs.recommend_max_k
+    if not top:
+        return None
+    accept, source = sv.figures["acceptance_by_position"], f"the serving decode (K={sv.gamma})"
+    if top > len(accept):
+        log.info("validate: acceptance by position up to K=%d for the recommended K", top)
+        probe = make(top, vs.decoder.replace(draft_length="fixed", lookup=False))
+        _, outs = _run_all(probe.generate, st.batches, vs.seed)
+        accept, source = _merge(outs).acceptance_at(), f"an untimed decode at K={top}"
+    accept = accept[:top]
+    machine = {
+        "label": f"this machine ({machine})",
+        "batch": vs.batch_size,
+        **dataclasses.asdict(sv.costs),
+    }
+    entries = [machine, *vs.cost_model]
+    out = []
+    for e in entries:
+        costs = DraftCosts(
+            c=e["c"],
+            verify_per_token=e.get("verify_per_token", 0.0),
+            parallel=sv.dec.parallel,
+            draft_per_token=e.get("draft_per_token", 0.0),
+        )
+        k, speed = recommend_k(accept, costs)
+        out.append(
+            {
+                "label": e.get("label") or f"cost_model (batch {e.get('batch', 1)})",
+                "batch": e.get("batch", 1),
+                "c": round(costs.c, 4),
+                "verify_per_token": round(costs.verify_per_token, 4),
+                "k": k,
+                "speedup": round(speed, 3),
+                "pays": speed > 1.0,  # False: no K beats target-only decoding at these costs
+                "speedup_by_k": speedup_table(accept, costs),
+            }
+        )
+    return {"max_k": top, "acceptance_by_position": accept, "source": source, "by_cost": out}
 
 
 def run(cfg: DictConfig) -> ValidateResult:
     """Validate one pair; see the module docstring. Writes report.json and report.md.
 
     Steps: type the settings, set up the pair and prompts, measure the serving mode
-    (`measure_serving`), then the side measurements (`side_measurements`), then the report.
+    (`measure_serving`), the side measurements (`side_measurements`), the recommended K
+    (`recommendation`), then the report.
     """
     t_start = time.perf_counter()
     vs = ValidateSettings.from_cfg(cfg)
@@ -409,16 +414,11 @@ def run(cfg: DictConfig) -> ValidateResult:
         by_bucket = measure_buckets(
             plan, st.batches, dec, sv.gamma, vs.step_time_iters, vs.max_new_tokens, passes
         )
-    adaptive = dec.cfg.draft_length != "fixed"
-    if dec.prefill_memo is not None:
-        memo = dec.prefill_memo
-        notes.append(
-            f"prefill_once: each prompt's prefill ran once per model ({memo.misses} runs, "
-            f"{memo.hits} restored); every decode's end-to-end time counts that measured prefill"
-        )
+    info = settings(vs, st, dec, sv.gamma)
+    recommended = recommendation(vs, st, make, sv, info["machine"])
     result = ValidateResult(
         output_dir=str(vs.output_dir),
-        **settings(vs, st, dec, sv.gamma),
+        **info,
         **sv.figures,
         lossless=sv.lossless,
         mismatched_sequences=sv.mismatched,
@@ -428,10 +428,8 @@ def run(cfg: DictConfig) -> ValidateResult:
         warmup_seconds=round(sv.warmup_seconds, 1),
         notes=notes,
         config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
-        draft_figures=draft_figures(
-            sv.spec_out, dec.draft_costs(st.warm[0][0], vs.batch_size) if adaptive else None
-        )
-        | {"max_draft": dec.max_draft},
+        max_draft=dec.max_draft,
+        recommended_k=recommended,
         engines=list(st.engines),
         prompt_fit=st.prompt_fit,
         vocab_mapping=mapping_figures(st.mapped, sv.base_out.tokens),
@@ -442,7 +440,7 @@ def run(cfg: DictConfig) -> ValidateResult:
     atomic_write_json(vs.output_dir / "report.json", result)
     atomic_write_text(vs.output_dir / "report.md", report_markdown(result))
     if vs.plot:
-        plot_acceptance(sv.figures["acceptance_by_position"], vs.output_dir / "report.png", notes)
+        plot_acceptance(modes, vs.output_dir / "report.png", notes)
     return result
 
 
@@ -475,10 +473,13 @@ def in_vllm(
 def main(cfg: DictConfig) -> None:
     """CLI: bad input is one clean line on stderr and exit status 2, not a traceback."""
     r = run_or_exit(run, cfg)
+    at = " ".join(f"{x:.2f}" for x in r.acceptance_by_position)
+    rec = (r.recommended_k or {}).get("by_cost") or []
+    k = f"; recommended K {rec[0]['k']} at c {rec[0]['c']}" if rec else ""
     print(
-        f"speedup {r.speedup}x (theoretical {r.theoretical_speedup}x, efficiency "
-        f"{r.decoder_efficiency}); alpha {r.alpha}, tau {r.tau}, c {r.c}, gamma {r.gamma}, "
-        f"lossless {r.lossless}: {r.output_dir}/report.json"
+        f"tau {r.tau} at K={r.gamma} (temperature 1: {r.tau_sampled}), acceptance by position "
+        f"{at}, lossless {r.lossless}{k}; this machine: speedup {r.speedup}x (modeled "
+        f"{r.theoretical_speedup}x at c {r.c}): {r.output_dir}/report.json"
     )
 
 

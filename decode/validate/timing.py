@@ -1,11 +1,14 @@
-"""Timing helpers for the validate stage: c from single steps, and HF assisted generation.
+"""Timing for the validate stage's speed figures: this machine's step costs, HF assisted generation.
 
 c = drafter (q) step time / target (p) step time, measured with the decoder's own caches at the
-length of a real prompt, alternating the two models so CPU load drifts hit both alike.
+length of a real prompt, alternating the two models so load drifts hit both alike. These figures
+price rounds in the report (the modeled speedup, the recommended K); no decode reads them.
 """
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import time
 from typing import Any
@@ -13,96 +16,83 @@ from typing import Any
 import torch
 
 from specdistill.data.runtime import spread
-from specdistill.decode.acceptance import best_gamma, theoretical_speedup
+from specdistill.decode.cache import prefill_prompt, sync
+from specdistill.decode.draft_length import DraftCosts
 from specdistill.decode.speculative import DecodeOutput, DecoderConfig, SpeculativeDecoder
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
-def measure_c(
+def step_costs(
     dec: SpeculativeDecoder,
     input_ids: torch.Tensor,
     iters: int,
     gamma: int,
     slots: int | None = None,
+    drafter_width: int = 1,
 ) -> tuple[float, float]:
-    """(c, verify_cost): median 1-token step times of q over p, and the (gamma+1)-token verify
-    step of p in units of its 1-token step (the speedup formula assumes 1).
-
-    Each sample times a block of gamma+1 steps, as a decode round runs them: 1-token steps
-    back to back (the cache grows, then is rolled back), verify steps each rolled back. On a
-    shared CPU a lone 1-2 ms drafter step often fits in one scheduler slice while a longer target
-    step is preempted, which made single-step medians understate c several times over (toy
-    pair under load: decode/RESULTS.md, 2026-11-23 "decoder step modes"); blocks of similar length
-    are preempted alike. `slots`: the decode's own cache size (`spec_slots`), so compiled steps
-    reuse the decode's graphs instead of compiling a smaller bucket's."""
+    """(c, verify_cost) on this machine, for the report only (no decode reads them): the median
+    of q's `drafter_width`-token step over p's 1-token step, and p's (gamma+1)-token verify in
+    its 1-token steps. Each sample times a block of gamma+1 steps of each, alternated, at the
+    prompt's length with the decoder's own caches, so load drifts hit both models alike.
+    `slots`: the decode's own cache size (compiled steps then reuse the decode's graphs)."""
     ids = input_ids.to(dec.device)
     k = gamma + 1
-    timer = dec.step_timer(ids, slots or ids.shape[1] + k + 2)
+    cap = slots or ids.shape[1] + k * 2 + 2
+    runners = {
+        "target": (dec._runner(dec.target, cap), ids),
+        "drafter": (dec._runner(dec.drafter, cap), dec.drafting.drafter_ids(ids)),
+    }
+    for runner, x in runners.values():
+        prefill_prompt([runner], x, torch.ones_like(x, dtype=torch.bool), True)
+
+    def block(name: str, width: int, grow: bool) -> float:
+        runner, x = runners[name]
+        start, step = runner.length, x[:, -1:].repeat(1, width)
+        sync(dec.device)
+        t0 = time.perf_counter()
+        for _ in range(k):
+            runner.forward(step, keep=1)
+            if not grow:
+                runner.rollback(start)
+        sync(dec.device)
+        runner.rollback(start)
+        return time.perf_counter() - t0
+
     times: dict[str, list[float]] = {"target": [], "drafter": [], "verify": []}
     for i in range(iters + 2):  # the first two are warm-up
-        tt = timer.forward("target", 1, k, grow=True)
-        td = timer.forward("drafter", 1, k, grow=True)
-        tv = timer.forward("target", k, k)
+        sample = (
+            block("target", 1, True),
+            block("drafter", drafter_width, drafter_width == 1),
+            block("target", k, False),
+        )
         if i >= 2:
-            times["target"].append(tt)
-            times["drafter"].append(td)
-            times["verify"].append(tv)
-    t_target = statistics.median(times["target"])
-    return statistics.median(times["drafter"]) / t_target, statistics.median(
-        times["verify"]
-    ) / t_target
+            for name, t in zip(times, sample):
+                times[name].append(t)
+    one = statistics.median(times["target"])
+    return statistics.median(times["drafter"]) / one, statistics.median(times["verify"]) / one
 
 
-@torch.inference_mode()
-def verify_costs(
-    dec: SpeculativeDecoder, input_ids: torch.Tensor, gammas: list[int], iters: int = 4
-) -> dict[int, float]:
-    """The target's (gamma+1)-token verify step in its 1-token steps, per gamma (median over
-    `iters` samples, each a 1-token block beside a verify block, as the decoder runs them)."""
-    ids = input_ids.to(dec.device)
-    timer = dec.step_timer(ids, ids.shape[1] + max(gammas) + 1 + 2)
-    ratios: dict[int, list[float]] = {g: [] for g in gammas}
-    for i in range(iters + 1):  # the first pass warms the shapes up
-        for g in gammas:
-            one, many = timer.forward("target", 1, 2), timer.verify(g, 2)
-            if i:
-                ratios[g].append(many / one)
-    return {g: statistics.median(r) for g, r in ratios.items()}
+def machine_name(device: torch.device) -> str:
+    """The machine a speed figure was measured on, in one line: the GPU's name, or the CPU's
+    model and core count (speed figures are this machine's, never a goal by themselves)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        model = names[0] if names else model
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
 
-def auto_gamma(
-    dec: SpeculativeDecoder, probe: torch.Tensor, alpha: float, c: float, max_gamma: int
-) -> tuple[int, str]:
-    """`gamma: auto`: the best gamma for a pilot's alpha and c, with each candidate's verify
-    cost measured (candidates: gammas within 20% of the best by the formula, at most 8)."""
-    top = theoretical_speedup(alpha, best_gamma(alpha, c, max_gamma), c)
-    near = [g for g in range(1, max_gamma + 1) if theoretical_speedup(alpha, g, c) >= 0.8 * top]
-    verify = verify_costs(dec, probe, sorted(set([1, *near]))[:8])
-    gamma = best_gamma(alpha, c, max_gamma, verify)
-    costs = ", ".join(f"{g}: {v:.2f}" for g, v in verify.items())
-    return (
-        gamma,
-        f"gamma=auto picked {gamma} (pilot alpha {alpha:.3f}, c {c:.3f}; verify costs {costs})",
+def costs_of(c: float, verify_cost: float, gamma: int, parallel: bool = False) -> DraftCosts:
+    """The cost model from what `step_costs` measured at one gamma: the verify's cost beyond one
+    target step spread evenly over its gamma drafts (exact at that width, linear around it)."""
+    return DraftCosts(
+        c=c, verify_per_token=max(verify_cost - 1.0, 0.0) / max(gamma, 1), parallel=parallel
     )
-
-
-@torch.inference_mode()
-def forward_cost(dec: SpeculativeDecoder, input_ids: torch.Tensor, width: int, iters: int) -> float:
-    """One drafter forward of `width` tokens in target 1-token steps (median of blocks of
-    alternating timings, both caches at the prompt's length, as `measure_c` does)."""
-    ids = input_ids.to(dec.device)
-    timer = dec.step_timer(ids, ids.shape[1] + width + 2)
-    ratios = []
-    for i in range(iters + 2):
-        tt, td = timer.forward("target", 1, 4), timer.forward("drafter", width, 4)
-        if i >= 2:
-            ratios.append(td / tt)
-    return statistics.median(ratios)
 
 
 def _rate(tokens: int, seconds: float) -> float:
@@ -145,7 +135,7 @@ def hf_assisted_speed(
     def one_pass(assisted: bool) -> tuple[float, list[list[int]]]:
         extra = assist if assisted else {}
         out, n = [], 0
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for ids in rows:
             ids = ids.to(device)
@@ -153,7 +143,7 @@ def hf_assisted_speed(
             new = gen[0, ids.shape[1] :].tolist()
             out.append(new)
             n += len(new)
-        _sync(device)
+        sync(device)
         return _rate(n, time.perf_counter() - t0), out
 
     w = warm[0][0].to(device)

@@ -7,7 +7,8 @@ Runs `distill.train.stage.prepare` (the target's greedy continuations of the eva
 Seq-KD data: the reference completions stand in as training rows, nothing is trained) and
 `distill.train.predict.heldout_prediction` on the drafter as it is. Prints and writes
 OUT/prediction.json: fixed gamma and the adaptive draft-length policies replayed over the
-held-out agreement strings, with the pair's measured step costs.
+held-out agreement strings, priced with `eval.predict.costs` (else the cost model's defaults,
+labelled uncalibrated: nothing is timed).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def entries_from_output(
             if not active:
                 continue
             n = accepted[r]
-            # drafts row r verified (rows differ under draft_scope=row); n == gamma: a bonus
+            # drafts row r verified (each row verifies its own); n == gamma: a bonus
             gamma = rec.lengths[r] if rec.lengths is not None else rec.draft.shape[1]
             js = range(n + 1) if record == "all" else ([n] if n < gamma else [])
             for j in js:

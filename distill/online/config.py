@@ -91,7 +91,6 @@ class OnlineSettings:
     device: str = "auto"
     dtype: str = "auto"
     threads: Any = "default"  # torch's own count: every core (conf/online.yaml)
-    prefill_threads: Any = "auto"
     log_tokens: bool = False
     plot: bool = True
 
@@ -127,7 +126,6 @@ class OnlineSettings:
             device=str(setting(cfg, cls, "device")),
             dtype=str(setting(cfg, cls, "dtype")),
             threads=setting(cfg, cls, "threads"),
-            prefill_threads=setting(cfg, cls, "prefill_threads"),
             log_tokens=bool(setting(cfg, cls, "log_tokens")),
             plot=bool(setting(cfg, cls, "plot")),
         )
@@ -204,22 +202,14 @@ def _check(cfg: DictConfig) -> list[Segment]:
 
 
 def decoder_settings(cfg: DictConfig) -> DecoderSettings:
-    """The `decoder` node typed and checked, with what online adaptation needs of it: a fixed
-    gamma, a fixed CPU linear layout and autoregressive drafts."""
+    """The `decoder` node typed and checked, with what online adaptation needs of it: fixed-
+    gamma rounds of autoregressive drafts."""
     settings = DecoderSettings.from_node(cfg.decoder, "decoder")
-    if settings.gamma is None:
-        raise ConfigError("decoder.gamma=auto is not supported online: set an integer gamma")
     if settings.draft_length != "fixed":
         raise ConfigError(
-            f"decoder.draft_length={settings.draft_length} is not supported online: its step "
-            "costs are timed, so a resumed run would decode other rounds; set "
-            "decoder.draft_length=fixed"
-        )
-    if settings.cpu_matmul == "auto":
-        raise ConfigError(
-            "decoder.cpu_matmul=auto is not supported online: it times the CPU linear layouts, "
-            "which round differently, so a resumed run could learn from other bits; set "
-            "decoder.cpu_matmul=linear (or weight_major, packed)"
+            f"decoder.draft_length={settings.draft_length} is not supported online: online "
+            "adaptation trains on fixed-gamma rounds (each round's gamma verified positions); "
+            "set decoder.draft_length=fixed"
         )
     if settings.drafting != "autoregressive":
         raise ConfigError(

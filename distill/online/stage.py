@@ -296,7 +296,7 @@ def run(cfg: DictConfig) -> OnlineResult:
     s = check_config(cfg)
     out = s.output_dir
     device = resolve_device(s.device)
-    set_threads(s.threads, device, prefill=s.prefill_threads)
+    set_threads(s.threads, device)
     dtype = parse_dtype(s.dtype, device)
     spec = resolve_pair(cfg.pair, stage="online")
     tok = load_tokenizer(spec)

@@ -1,34 +1,39 @@
 """The decode figures a drafter will get, predicted from the distill stage's held-out set.
 
-p = target, q = drafter. Greedy serving: along the target's own greedy continuation (eval
-source `target`), a round's drafts are accepted exactly as long as q's argmax matches the next
-token, and while they are, q's context *is* that continuation. So the teacher-forced agreement
-string of each held-out row fixes every round of a fixed-gamma or heuristic-length decode, and
-`decode.draft_length.replay` runs the decoder's own policy objects over it: tau, mean draft
-length, plain target steps and, under a cost model (`DraftCosts`, measured on the pair when the
-target is loaded), the speedup. On reference completions (eval source `reference`) the same
-replay is an estimate: the decode would follow the target's text, not the reference.
+p = target, q = drafter, greedy serving. Along the target's own greedy continuation (eval
+source `target`) a round's drafts are accepted exactly as long as q's argmax matches p's, and
+while they are, q's context *is* that continuation. So each held-out row's teacher-forced
+agreement string fixes every round of a fixed or heuristic-length decode, and `replay` walks
+it: a round verifies k drafts, accepts the longest agreeing prefix n <= k and emits n + 1
+tokens (the correction or bonus token takes the next position), the next round starting n + 1
+positions on. `confidence` also reads q's confidences, which after a rejected draft are the
+teacher-forced ones here, not the wrong-context ones the decode sees: an estimate past a
+rejection. On reference completions (eval source `reference`) every figure is an estimate.
+
+Figures per policy: tau (tokens per round), mean draft length, acceptance by draft position and
+the modeled speedup under a `DraftCosts` (total tokens / total round cost). Nothing is timed:
+the costs are `eval.predict.costs`, else the cost model's defaults, labelled uncalibrated, with
+the outcomes kept so the summary can `reprice` them with the c and verify cost validate measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specdistill.decode.draft_length import (
-    DraftCosts,
-    Replay,
-    costs_from_mapping,
-    make_policy,
-    replay,
-)
+from specdistill.decode.config import DecoderConfig
+from specdistill.decode.draft_length import POLICIES, DraftCosts, costs_from_mapping
 
 if TYPE_CHECKING:
     from specdistill.distill.train.settings import TrainSettings
 
-POLICIES = ("fixed", "heuristic", "confidence")
+DEFAULT_P_MIN = DecoderConfig.p_min  # confidence: the decoder's default cut
+UNCALIBRATED = "default, uncalibrated (set eval.predict.costs, or let validate price them)"
 
 
 @torch.no_grad()
@@ -61,61 +66,155 @@ def heldout_outcomes(
     return rows
 
 
+@dataclass
+class Rounds:
+    """Rounds replayed over agreement strings: tokens emitted, rounds (target forwards, plain
+    target steps included), drafts verified, rounds that verified none, modeled cost in target
+    steps, and per draft position j (0-based) the rounds that reached it and accepted it."""
+
+    tokens: int = 0
+    rounds: int = 0
+    drafts: int = 0
+    target_steps: int = 0
+    cost: float = 0.0
+    trials: list[int] = field(default_factory=list)
+    accepts: list[int] = field(default_factory=list)
+
+    def add(self, other: Rounds) -> Rounds:
+        def summed(a: list[int], b: list[int]) -> list[int]:
+            return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
+
+        return Rounds(
+            self.tokens + other.tokens,
+            self.rounds + other.rounds,
+            self.drafts + other.drafts,
+            self.target_steps + other.target_steps,
+            self.cost + other.cost,
+            summed(self.trials, other.trials),
+            summed(self.accepts, other.accepts),
+        )
+
+    def figures(self) -> dict[str, Any]:
+        """tau, mean drafts verified per round, the share of rounds that verified none,
+        acceptance by draft position (accepted / reached) and the modeled speedup over
+        target-only decoding (which costs one target step per token)."""
+        rounds = max(self.rounds, 1)
+        return {
+            "tau": round(self.tokens / rounds, 3),
+            "mean_draft_length": round(self.drafts / rounds, 3),
+            "target_step_share": round(self.target_steps / rounds, 3),
+            "acceptance_by_position": [
+                round(a / t, 4) for a, t in zip(self.accepts, self.trials) if t
+            ],
+            "rounds": self.rounds,
+            "speedup": round(self.tokens / max(self.cost, 1e-9), 3),
+        }
+
+
+def replay(
+    agree: Sequence[bool],
+    conf: Sequence[float] | None,
+    policy: str,
+    *,
+    gamma: int,
+    max_draft: int,
+    p_min: float,
+    costs: DraftCosts,
+) -> Rounds:
+    """One greedy decode of len(agree) tokens along a row's agreement string (agree[t]: q's
+    argmax at position t is p's; conf[t]: q's probability of it), with the decoder's rounds:
+
+    - a round may verify at most `most` drafts (max_draft for heuristic, else gamma), and no
+      more than the tokens left minus one (at least 1), as the decoder's draft width;
+    - fixed: gamma drafts; heuristic: k starts at gamma, +2 (at most max_draft) after a round
+      that accepted every draft it verified, else -1 (at least 1); confidence: up to gamma, cut
+      before the first draft whose conf < p_min (that draft's drafter step is paid, c; 0
+      verified drafts is a plain target step);
+    - k verified drafts cost costs.round_cost(k); n accepted emit n + 1 tokens (fewer at the
+      string's end) and the next round starts n + 1 positions on."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r}: use {', '.join(POLICIES)}")
+    n_pos = len(agree)
+    if conf is not None and len(conf) != n_pos:
+        raise ValueError(f"conf has {len(conf)} positions, agree {n_pos}")
+    if policy == "confidence" and conf is None:
+        raise ValueError("the confidence policy reads q's confidences: pass conf")
+    most = max_draft if policy == "heuristic" else gamma
+    out = Rounds(trials=[0] * most, accepts=[0] * most)
+    state, pos = gamma, 0
+    while pos < n_pos:
+        k = max(1, min(state, most, n_pos - pos - 1))
+        verified, probe = k, 0.0
+        if policy == "confidence":
+            assert conf is not None
+            verified = 0
+            while verified < k and conf[pos + verified] >= p_min:
+                verified += 1
+            probe = costs.c if verified < k else 0.0  # the draft it stopped at was drafted
+        n = 0
+        while n < verified and agree[pos + n]:
+            n += 1
+        for j in range(min(n + 1, verified)):
+            out.trials[j] += 1
+            out.accepts[j] += j < n
+        out.rounds += 1
+        out.drafts += verified
+        out.target_steps += verified == 0
+        out.tokens += min(n + 1, n_pos - pos)
+        out.cost += costs.round_cost(verified) + probe
+        if policy == "heuristic":
+            state = min(state + 2, max_draft) if n >= verified else max(1, state - 1)
+        pos += n + 1
+    return out
+
+
 def predict(
     rows: list[tuple[list[bool], list[float]]],
     *,
     gamma: int,
     max_draft: int,
+    p_min: float,
     costs: DraftCosts,
     policies: tuple[str, ...] = POLICIES,
-) -> dict[str, dict[str, float]]:
-    """Replayed figures per policy over all rows (one policy object per policy, kept across
-    rows like the decoder's: the floor's averages and the calibration carry over)."""
-    figures: dict[str, dict[str, float]] = {}
+) -> dict[str, dict[str, Any]]:
+    """`Rounds.figures` per policy over all rows, each row one decode (the heuristic's length
+    starts at gamma in every row); fixed is labelled `gamma=G`."""
+    knobs = {"gamma": gamma, "max_draft": max_draft, "p_min": p_min, "costs": costs}
+    figures: dict[str, dict[str, Any]] = {}
     for name in policies:
-        policy = make_policy(name, gamma, gamma if name == "fixed" else max_draft, costs)
-        total = Replay()
-        for accepted, conf in rows:
-            total = total.add(replay(accepted, conf, policy))
-        label = f"gamma={gamma}" if name == "fixed" else name
-        figures[label] = total.figures()
+        total = Rounds()
+        for agree, conf in rows:
+            total = total.add(replay(agree, conf, name, **knobs))
+        figures[f"gamma={gamma}" if name == "fixed" else name] = total.figures()
     return figures
 
 
 def heldout_prediction(tr: Any, drafter, s: TrainSettings) -> dict[str, Any] | None:
     """The prediction for the distill result (greedy serving, autoregressive drafting; None
-    otherwise): the policies
-    replayed with the costs from `eval.predict.costs` (`auto`: measured on the pair when the
-    target is loaded, else the cost model's defaults, said so)."""
+    otherwise), priced with `eval.predict.costs` or, when unset, the cost model's defaults
+    (said so, with the outcomes kept for `reprice`)."""
     pred = s.eval.predict
     if not pred.enabled or not tr.eval_sampling.greedy or not tr.eval_batches:
         return None
     if s.drafting != "autoregressive":
         return None  # a parallel round's drafts do not read their predecessors: no AR replay
-    gamma, max_draft, raw = pred.gamma, pred.max_draft, pred.costs
-    source = "configured"
-    if raw not in (None, "auto"):
-        costs = costs_from_mapping(raw)
-    elif tr.target is not None:
-        costs, source = measured_costs(tr, drafter, max_draft), "measured"
+    if isinstance(pred.costs, Mapping):
+        costs, source = costs_from_mapping(pred.costs), "configured"
     else:
         costs, source = DraftCosts(), UNCALIBRATED
     rows = heldout_outcomes(drafter, tr.target, tr.eval_batches, vocab=tr.vocab, device=tr.device)
+    knobs = {"gamma": pred.gamma, "max_draft": pred.max_draft, "p_min": pred.p_min}
     out = {
         "eval_source": s.eval.source,
         "exact": s.eval.source == "target",
         "costs": dataclasses.asdict(costs) | {"source": source},
         "rows": len(rows),
-        "gamma": gamma,
-        "max_draft": max_draft,
-        "figures": predict(rows, gamma=gamma, max_draft=max_draft, costs=costs),
+        **knobs,
+        "figures": predict(rows, **knobs, costs=costs),
     }
-    if source == UNCALIBRATED:  # kept so a later stage's measured costs can price them
+    if source == UNCALIBRATED:  # kept so validate's measured costs can price them
         out["outcomes"] = pack_outcomes(rows)
     return out
-
-
-UNCALIBRATED = "default, uncalibrated (no target loaded: set eval.predict.costs)"
 
 
 def pack_outcomes(rows: list[tuple[list[bool], list[float]]]) -> list[list[Any]]:
@@ -133,44 +232,29 @@ def unpack_outcomes(packed: list[list[Any]]) -> list[tuple[list[bool], list[floa
 
 def costs_from_validate(c: float, verify_cost: float, gamma: int) -> DraftCosts:
     """A cost model from what validate measured: c (drafter step / target step) and the cost of
-    its (gamma+1)-token verify in target steps. One verify width cannot separate a round's fixed
-    overhead from the per-draft cost, so the verify cost beyond one target step is spread evenly
-    over the gamma drafts (exact at the measured width, linear around it).
-
-    A verify that costs less than one target step (on some CPUs a 2-row GEMM streams the weights
-    faster than the 1-row GEMV: decode/RESULTS.md, 2026-12-01) is a fixed saving of the wide
-    step, `round_overhead` < 0, never a refund per draft: spread over the drafts it priced every
-    further draft below nothing, so a long round cost about nothing and the summary's predicted
-    speedups ran to absurd figures."""
+    its (gamma+1)-token verify in target steps, the part beyond one target step spread evenly
+    over the gamma drafts (exact at the measured width, linear around it). A verify measured
+    under one target step is priced as one: the model has no term for a cheaper wide step,
+    and a negative per-draft cost would price long rounds at nothing."""
     if gamma < 1:
         raise ValueError(f"gamma={gamma}: the verify covers at least one draft")
-    extra = verify_cost - 1.0  # split as measure.costs_from splits a timed verify line
-    return DraftCosts(c=c, verify_per_token=max(extra, 0.0) / gamma, round_overhead=min(extra, 0.0))
+    return DraftCosts(c=c, verify_per_token=max(verify_cost - 1.0, 0.0) / gamma)
 
 
 def reprice(pred: dict[str, Any], validate: dict[str, Any]) -> dict[str, Any]:
     """The prediction priced with validate's measured costs where the distill stage had none
-    (its target was not loaded): same outcomes, calibrated cost model. Unchanged otherwise."""
+    configured: same outcomes, calibrated cost model. Unchanged otherwise."""
     c, verify, gamma = validate.get("c"), validate.get("verify_cost"), validate.get("gamma")
     if "outcomes" not in pred or None in (c, verify) or not isinstance(gamma, int) or gamma < 1:
         return pred
     costs = costs_from_validate(float(c), float(verify), gamma)
     rows = unpack_outcomes(pred["outcomes"])
-    figures = predict(rows, gamma=int(pred["gamma"]), max_draft=int(pred["max_draft"]), costs=costs)
+    figures = predict(
+        rows,
+        gamma=int(pred["gamma"]),
+        max_draft=int(pred["max_draft"]),
+        p_min=float(pred.get("p_min", DEFAULT_P_MIN)),
+        costs=costs,
+    )
     source = f"measured by validate (c {c}, a {gamma + 1}-token verify {verify} target steps)"
     return pred | {"costs": dataclasses.asdict(costs) | {"source": source}, "figures": figures}
-
-
-def measured_costs(tr: Any, drafter, max_draft: int) -> DraftCosts:
-    """The pair's step costs, timed with the decoder's own caches on one held-out prompt."""
-    from specdistill.decode.draft_length import measure_costs
-    from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
-
-    batch = tr.eval_batches[0]
-    first = batch["loss_mask"][0].nonzero()
-    end = int(first[0]) + 1 if len(first) else batch["input_ids"].shape[1]
-    ids = batch["input_ids"][:1, :end][:, batch["attention_mask"][0, :end].bool()]
-    dec = SpeculativeDecoder(
-        tr.target, drafter, DecoderConfig(max_new_tokens=8, max_draft=max_draft, gamma=max_draft)
-    )
-    return measure_costs(dec, ids.to(tr.device))

@@ -13,16 +13,17 @@ devices, fp16 on CPU) is checked by `setup.check_config`, still before any weigh
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.runtime import ConfigError, setting
+from specdistill.data.runtime import ConfigError, number_as_float, setting
 from specdistill.data.sampling import Sampling
-from specdistill.decode.config import DEFAULT_GAMMA
+from specdistill.decode.config import DEFAULT_GAMMA, MAX_DRAFT, DecoderConfig
+from specdistill.decode.draft_length import costs_from_mapping
 from specdistill.decode.draft_vocab import draft_vocab_size
 from specdistill.distill.head_loss import AUTO_MIN_VOCAB
 from specdistill.distill.losses import DIVERGENCES
@@ -132,12 +133,15 @@ class DataSettings:
 
 @dataclass(frozen=True)
 class PredictSettings:
-    """`eval.predict`: best/'s decode figures replayed over the held-out set (train/predict.py)."""
+    """`eval.predict`: best/'s decode figures replayed over the held-out set (train/predict.py).
+    `costs`: null (the cost model's defaults, re-priced in the summary with validate's measured
+    c and verify cost) or a mapping {c, verify_per_token}; nothing is timed."""
 
     enabled: bool = True
     gamma: int = DEFAULT_GAMMA
     max_draft: int = 8
-    costs: Any = "auto"  # auto | null | {c, verify_per_token, round_overhead, verify_tokens: [...]}
+    p_min: float = DecoderConfig.p_min
+    costs: dict[str, Any] | None = None
 
     @classmethod
     def from_node(cls, node: Any) -> PredictSettings:
@@ -145,12 +149,36 @@ class PredictSettings:
         costs = node.get("costs", cls.costs)
         if isinstance(costs, DictConfig):
             costs = OmegaConf.to_container(costs, resolve=True)
-        return cls(
+        if costs == "auto":
+            raise ConfigError(
+                "eval.predict.costs=auto was removed: step costs are no longer timed; set null "
+                "(default costs, priced with validate's measured ones in the summary) or "
+                "{c, verify_per_token}"
+            )
+        if costs is not None:
+            if not isinstance(costs, Mapping):
+                raise ConfigError(
+                    f"eval.predict.costs={costs!r}: use null or {{c, verify_per_token}}"
+                )
+            try:
+                costs_from_mapping(costs)
+            except ValueError as err:
+                raise ConfigError(f"eval.predict.costs: {err}") from None
+            costs = dict(costs)
+        out = cls(
             enabled=bool(node.get("enabled", cls.enabled)),
-            gamma=int(node.get("gamma", cls.gamma)),
-            max_draft=int(node.get("max_draft", cls.max_draft)),
+            gamma=node.get("gamma", cls.gamma),
+            max_draft=node.get("max_draft", cls.max_draft),
+            p_min=number_as_float(node.get("p_min", cls.p_min)),
             costs=costs,
         )
+        for key in ("gamma", "max_draft"):
+            v = getattr(out, key)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_DRAFT:
+                raise ConfigError(f"eval.predict.{key}={v!r} must be an integer in 1..{MAX_DRAFT}")
+        if not isinstance(out.p_min, float) or not 0.0 <= out.p_min <= 1.0:
+            raise ConfigError(f"eval.predict.p_min={out.p_min!r} must lie in [0, 1]")
+        return out
 
 
 @dataclass(frozen=True)

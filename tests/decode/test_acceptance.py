@@ -10,7 +10,6 @@ import torch
 from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import (
     acceptance_probs,
-    best_gamma,
     expected_alpha,
     expected_tau,
     greedy_tokens,
@@ -268,32 +267,11 @@ def test_tau_and_speedup_match_series(alpha, gamma):
     assert theoretical_speedup(alpha, gamma, c, 1.3) == pytest.approx(series / (gamma * c + 1.3))
 
 
-def test_best_gamma_is_the_argmax():
-    for alpha, c in [(0.5, 0.1), (0.8, 0.05), (0.9, 0.35), (0.2, 0.5), (0.99, 0.01)]:
-        scores = {g: theoretical_speedup(alpha, g, c) for g in range(1, 13)}
-        assert best_gamma(alpha, c, 12) == max(scores, key=scores.get)
-    assert best_gamma(0.99, 0.001, 8) == 8
-    assert best_gamma(0.1, 0.9, 8) == 1
-
-
 def test_speedup_rejects_bad_arguments():
     with pytest.raises(ValueError, match="gamma"):
         theoretical_speedup(0.5, 0, 0.1)
     with pytest.raises(ValueError, match="alpha"):
         theoretical_speedup(math.nan, 2, 0.1)
-
-
-def test_best_gamma_weighs_measured_verify_costs():
-    """A 3-token verify that costs 1.3 steps (SmolLM2 on 1 CPU thread) makes gamma 1 the best
-    at alpha 0.38, c 0.085, where the paper's verify of 1 step picks 2; only measured gammas
-    are candidates."""
-    alpha, c = 0.38, 0.085
-    assert best_gamma(alpha, c, 8) == 2
-    verify = {1: 1.0, 2: 1.3, 3: 1.35}
-    assert best_gamma(alpha, c, 8, verify) == 1
-    scores = {g: expected_tau(alpha, g) / (g * c + v) for g, v in verify.items()}
-    assert best_gamma(alpha, c, 8, verify) == max(scores, key=scores.get)
-    assert best_gamma(0.9, 0.05, 8, {3: 1.0, 5: 1.0}) == 5  # only measured gammas
 
 
 def test_uniforms_from_a_host_generator_on_another_device(monkeypatch):

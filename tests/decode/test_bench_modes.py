@@ -15,9 +15,6 @@ def _cfg(tmp_path, modes: str):
     overrides = ["pair=toy-tiny", f"output_dir={tmp_path}", "num_prompts=2", "max_new_tokens=8"]
     overrides += ["repeats=1", "hf_assisted=false", "step_time_iters=2", "sampled_alpha=false"]
     overrides += [f"compare_modes={modes}", "plot=false"]
-    # prompt lookup takes a round when its rate beats the drafter's at the step costs each mode
-    # times for itself: the modes' rounds (and alphas) would differ with the clock
-    overrides += ["decoder.lookup=false"]
     with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
         return compose(config_name="validate", overrides=overrides)
 
@@ -26,12 +23,11 @@ def test_modes_side_by_side(tmp_path, toy_tiny):
     from specdistill.decode.acceptance import expected_tau
     from specdistill.decode.bench.modes import run_modes
 
-    rows = run_modes(_cfg(tmp_path, "[eager,static,eager-linear,eager-hf]"))
+    rows = run_modes(_cfg(tmp_path, "[eager,static,compiled-drafter]"))
     assert [(r["mode"], r["cache"], r["compiled"]) for r in rows] == [
         ("eager", "dynamic", False),
         ("static", "static", False),
-        ("eager-linear", "dynamic", False),
-        ("eager-hf", "dynamic", False),
+        ("compiled-drafter", "dynamic", "drafter"),
     ]
     assert all(r["lossless"] is True for r in rows)
     assert len({r["alpha"] for r in rows}) == 1  # only speed differs
@@ -42,7 +38,7 @@ def test_modes_side_by_side(tmp_path, toy_tiny):
     assert saved["modes"] == rows
     table = (tmp_path / "modes.md").read_text()
     assert (
-        "| figure | eager | static | eager-linear | eager-hf |" in table
+        "| figure | eager | static | compiled-drafter |" in table
         and "decoder_efficiency" in table
     )
     assert all(r["warmup_seconds"] >= 0 and r["c"] > 0 for r in rows)

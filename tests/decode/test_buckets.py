@@ -18,19 +18,12 @@ import pytest
 import torch
 
 from specdistill.decode.cache import ModelRunner
-from specdistill.decode.cache_layers import (
-    KV_FORMULA,
-    cache_nbytes,
-    kv_cache_bytes,
-    packed_gqa_attention,
-    slot_layer,
-)
+from specdistill.decode.cache_layers import KV_FORMULA, cache_nbytes, kv_cache_bytes, slot_layer
 from specdistill.decode.outputs import DecodeOutput
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
 from specdistill.decode.validate.buckets import (
     bucket_markdown,
     bucket_mode_figures,
-    bucket_prefill,
     group_batches,
     with_theory,
 )
@@ -43,34 +36,41 @@ from tests.decode.sliding_models import mistral
 
 
 def _out(
-    tokens, alpha_sum=0.0, trials=0, block=0, rounds=0, pt=0.0, pd=0.0, look=(0.0, 0)
+    tokens, alpha_sum=0.0, trials=0, block=0, rounds=0, look=(0.0, 0, 0, 0, 0), acc=(), tried=()
 ) -> DecodeOutput:
+    """look: lookup's (alpha sum, trials, rounds, drafted, accepted)."""
     return DecodeOutput(
         tokens=tokens,
         alpha_sum=alpha_sum,
         trials=trials,
         lookup_alpha_sum=look[0],
         lookup_trials=look[1],
+        lookup_rounds=look[2],
+        lookup_drafted=look[3],
+        lookup_accepted=look[4],
         block_tokens=block,
         row_rounds=rounds,
-        prefill_target_s=pt,
-        prefill_drafter_s=pd,
+        accepted_at=list(acc),
+        trials_at=list(tried),
     )
 
 
 def _passes() -> list[TimedPass]:
     """Three batches of one prompt each: batches 0 and 2 are bucket A, batch 1 bucket B."""
-    base = [_out([[1] * 4], pt=0.5), _out([[2] * 6], pt=2.0), _out([[3] * 4], pt=0.5)]
+    base = [_out([[1] * 4]), _out([[2] * 6]), _out([[3] * 4])]
     spec = [
-        _out([[1] * 4], alpha_sum=3.0, trials=4, block=4, rounds=2, pt=0.5, pd=0.1),
-        _out([[2] * 6], alpha_sum=1.0, trials=5, block=6, rounds=5, pt=2.0, pd=0.4, look=(1.0, 2)),
-        _out([[3, 3, 3, 9]], alpha_sum=1.0, trials=4, block=4, rounds=2, pt=0.5, pd=0.1),
-    ]
+        _out([[1] * 4], alpha_sum=3.0, trials=4, block=4, rounds=2, acc=(2, 1, 0), tried=(2, 2, 1)),
+        _out([[2] * 6], alpha_sum=1.0, trials=5, block=6, rounds=5, look=(1.0, 2, 1, 2, 1), acc=(1, 0, 0),
+             tried=(4, 1, 0)),
+        _out([[3, 3, 3, 9]], alpha_sum=1.0, trials=4, block=4, rounds=2, acc=(1, 0, 0),
+             tried=(2, 1, 0)),
+    ]  # fmt: skip
     first = TimedPass([1.5, 5.0, 2.5], base, [1.0, 4.0, 1.4], spec)
-    # the second repeat: same outputs, other seconds and prefills
-    base2 = [_out(o.tokens, pt=0.3) for o in base]
-    spec2 = [_out(o.tokens, pt=0.3, pd=0.1) for o in spec]
-    second = TimedPass([2.0, 6.0, 2.0], base2, [1.2, 4.0, 1.2], spec2)
+    # the second repeat: same tokens, other seconds, no counters (the figures read the first's)
+    second = TimedPass(
+        [2.0, 6.0, 2.0], [_out(o.tokens) for o in base], [1.2, 4.0, 1.2],
+        [_out(o.tokens) for o in spec],
+    )  # fmt: skip
     return [first, second]
 
 
@@ -78,12 +78,12 @@ def test_bucket_figures_match_hand_computed_values():
     passes = _passes()
     a = bucket_mode_figures([0, 2], passes, greedy=True)
     # repeat 1: base 8 tokens / 4.0 s = 2.0, spec 8 / 2.4 = 3.333; repeat 2: 8/4.0 = 2.0,
-    # 8/2.4 = 3.333 -> speedup 1.667. Decode only: base 8/(4.0-1.0)=2.667 and 8/(4.0-0.6)=2.353,
-    # median 2.510; spec 8/(2.4-1.2)=6.667 and 8/(2.4-0.8)=5.0, median 5.833 -> 2.324.
+    # 8/2.4 = 3.333 -> speedup 1.667
     assert a["speedup"] == 1.667
     assert a["baseline_tokens_per_s"]["median"] == 2.0
-    assert a["decode_speedup"] == round(((8 / 1.2 + 8 / 1.6) / 2) / ((8 / 3.0 + 8 / 3.4) / 2), 3)
     assert a["alpha"] == round((3.0 + 1.0) / 8, 4) and a["tau"] == round(8 / 4, 3)
+    # by position over batches 0 and 2: accepted (2+1, 1+0, 0+0) of (2+2, 2+1, 1+0) tested
+    assert a["acceptance_by_position"] == [0.75, 0.3333, 0.0]
     assert a["lossless"] is False  # batch 2's speculative row differs from target-only
     b = bucket_mode_figures([1], passes, greedy=True)
     # base 6/5.0 and 6/6.0, spec 6/4.0 twice: 1.5 / 1.1 = 1.364
@@ -91,23 +91,52 @@ def test_bucket_figures_match_hand_computed_values():
     # each repeat's own ratio: 1.5 / 1.2 and 1.5 / 1.0 (bucket A's repeats agree)
     assert b["speedup_range"] == [1.25, 1.5] and a["speedup_range"] == [1.667, 1.667]
     assert b["alpha"] == 0.2 and b["tau"] == 1.2
+    assert b["acceptance_by_position"] == [0.25, 0.0, 0.0]  # position 3 never tested: 0.0
     # the drafter's own: bucket B's 5 tests less lookup's 2 (1 accepted) -> 0 of 3; bucket A
     # had no lookup round: its own alpha is every draft's, over all 8 tests
     assert (b["drafter_alpha"], b["drafter_trials"]) == (0.0, 3)
     assert (a["drafter_alpha"], a["drafter_trials"]) == (a["alpha"], 8)
+    assert "lookup_round_share" not in a  # no lookup round anywhere in bucket A
+    # bucket B: 1 of its 5 rounds drafted from the context, 1 of that round's 2 drafts kept
+    assert (b["lookup_round_share"], b["lookup_acceptance"]) == (0.2, 0.5)
     assert bucket_mode_figures([1], passes, greedy=False)["lossless"] is None
-    # prefill: target over the 4 decodes of each repeat (0.5, 0.5, 0.5, 0.5, 0.3 x 4) / 8
-    assert bucket_prefill([0, 2], passes) == {"target": 0.4, "drafter": 0.1}
-    assert bucket_prefill([1], passes) == {"target": round((2.0 * 2 + 0.3 * 2) / 4, 4),
-                                           "drafter": round((0.4 + 0.1) / 2, 4)}  # fmt: skip
+    for gone in ("decode_speedup", "prefill_seconds", "baseline_decode_tokens_per_s"):
+        assert gone not in a
 
 
-def test_theory_uses_the_buckets_c_and_verify_cost():
-    fig = with_theory({"alpha": 0.5}, gamma=2, c=0.25, verify_cost=1.5)
-    # tau = 1 + 0.5 + 0.25 = 1.75; classic: 1.75 / (2 * 0.25 + 1) = 1.167; measured verify:
-    # 1.75 / (0.5 + 1.5) = 0.875
-    assert fig["theoretical_speedup"] == 1.167
-    assert fig["theoretical_speedup_measured_verify"] == 0.875
+def test_modeled_speedup_uses_the_buckets_c_verify_cost_and_acceptance():
+    fig = {"acceptance_by_position": [0.5, 0.25], "alpha": 0.4}
+    out = with_theory(fig, gamma=3, c=0.25, verify_cost=1.6)
+    # positions padded to gamma with 0: E = 1 + 0.5 + 0.5 * 0.25 + 0 = 1.625; the verify's
+    # (1.6 - 1) spread over 3 drafts: cost 3 * 0.25 + 1 + 3 * 0.2 = 2.35 -> 0.691
+    assert out["modeled_speedup"] == 0.691
+    assert out["alpha"] == 0.4 and "modeled_speedup" not in fig  # a copy, the figures kept
+    # acceptance past gamma is ignored: E = 1 + 0.8 + 0.48 = 2.28 over 2 * 0.1 + 1 = 1.9; a
+    # verify dearer than a step by nothing (or cheaper, 0.9: timing noise) adds no cost
+    longer = {"acceptance_by_position": [0.8, 0.6, 0.4]}
+    assert with_theory(longer, gamma=2, c=0.1, verify_cost=1.0)["modeled_speedup"] == 1.9
+    assert with_theory(longer, gamma=2, c=0.1, verify_cost=0.9)["modeled_speedup"] == 1.9
+    # no position measured (every round verified none): one plain step per round's cost
+    assert with_theory({"acceptance_by_position": []}, 1, 0.5, 1.0)["modeled_speedup"] == 0.667
+
+
+def test_bucket_markdown_row_matches_the_figures():
+    a = with_theory(bucket_mode_figures([0, 2], _passes(), greedy=True), 3, 0.25, 1.6)
+    kv = {"tokens": 48, "drafter_tokens": 40, "target_bytes": 2**20, "drafter_bytes": 2**19}
+    row = {"bucket": "A", "prompts": 2, "mean_prompt_tokens": 30.5, "c": 0.25,
+           "verify_cost": 1.6, "kv_cache": kv, "modes": {"greedy": a}}  # fmt: skip
+    lines = bucket_markdown([row])
+    assert lines[1] == "## By context-length bucket"
+    head = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert head[:6] == ["bucket", "mode", "prompts", "mean prompt tokens", "tau",
+                        "acceptance by position"]  # fmt: skip
+    assert head[-3:] == ["modeled", "KV MiB, target / drafter (tokens)", "lossless"]
+    assert len(head) == 13 and lines[4].count("|") == 14
+    assert lines[5] == (
+        f"| A | greedy | 2 | 30.5 | 2.0 | 0.75 0.33 0.00 | 0.5 (8) | 0.25 | 1.6 | 1.667x | "
+        f"{a['modeled_speedup']}x | 1.0 / 0.5 (48 / 40) | False |"
+    )
+    assert bucket_markdown([]) == [] and bucket_markdown(None) == []
 
 
 def test_batches_never_cross_a_bucket():
@@ -197,7 +226,6 @@ def test_work_per_round_does_not_grow_with_the_context(cache):
     gamma, new = 3, 17
     dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=gamma, max_new_tokens=new,
                                                             cache=cache))  # fmt: skip
-    dec.layout(target)  # the CPU linear layouts are timed once, before any decode counted here
     fed = {}
     for plen in (8, 200):
         prompt = torch.randint(1, 64, (1, plen), generator=torch.Generator().manual_seed(plen))
@@ -249,8 +277,6 @@ QUICK += ["dataset.per_bucket=2", "num_prompts=null"]
 
 @pytest.mark.usefixtures("one_thread")
 def test_validate_writes_per_bucket_figures_and_stays_lossless(toy_tiny, tmp_path, monkeypatch):
-    # fixed gamma: toy-tiny's drafter never pays, so the adaptive default's floor would spare
-    # its prefill (0 s, rightly) and this test checks that both prefills are timed
     argv = ["validate", *QUICK, "decoder.draft_length=fixed", f"output_dir={tmp_path}"]
     monkeypatch.setattr("sys.argv", argv)
     main()
@@ -269,7 +295,7 @@ def test_validate_writes_per_bucket_figures_and_stays_lossless(toy_tiny, tmp_pat
     for r, (lo, hi) in zip(rows, [(0, 64), (64, 200)]):
         assert r["prompts"] == 2 and lo < r["mean_prompt_tokens"] <= r["max_prompt_tokens"] <= hi
         assert r["c"] > 0 and r["verify_cost"] > 0 and lo < r["probe_tokens"] <= hi
-        assert r["prefill_seconds"]["target"] > 0 and r["prefill_seconds"]["drafter"] > 0
+        assert "prefill_seconds" not in r
         kv = r["kv_cache"]
         assert kv["tokens"] == r["max_prompt_tokens"] + 8
         assert kv["target_bytes"] == kv_cache_bytes(target.config, kv["tokens"], torch.float32)
@@ -278,63 +304,32 @@ def test_validate_writes_per_bucket_figures_and_stays_lossless(toy_tiny, tmp_pat
         greedy = r["modes"]["greedy"]
         assert greedy["lossless"] is True and r["modes"]["sampling"]["lossless"] is None
         assert 0 <= greedy["alpha"] <= 1 and 1 <= greedy["tau"] <= report["gamma"] + 1
-        assert greedy["speedup"] > 0 and greedy["decode_speedup"] > 0
+        assert greedy["speedup"] > 0 and "decode_speedup" not in greedy
         assert 0 <= greedy["drafter_alpha"] <= 1 and greedy["drafter_trials"] >= 0
+        for m in r["modes"].values():
+            at = m["acceptance_by_position"]
+            assert len(at) == report["gamma"] and all(0 <= x <= 1 for x in at)
+            want = with_theory(m, report["gamma"], r["c"], r["verify_cost"])["modeled_speedup"]
+            assert m["modeled_speedup"] == pytest.approx(want, abs=2e-3)  # c, verify rounded
         low, high = greedy["speedup_range"]
         assert 0 < low <= high
     text = (tmp_path / "report.md").read_text()
     assert "## By context-length bucket" in text and "| 64-200 | sampling | 2 |" in text
-    assert "| alpha | the drafter's own alpha (drafts) | tau |" in text
+    assert "| tau | acceptance by position | the drafter's own alpha (drafts) |" in text
     assert bucket_markdown(rows)[1] == "## By context-length bucket"
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_packed_gqa_attention_equals_transformers_sdpa(batch):
-    """A verify's attention with the query packed onto the KV heads is transformers' SDPA with
-    K and V expanded (`repeat_kv`), to fp32 rounding; a 1-token query is passed through."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    class Module:
-        num_key_value_groups = 3
-        is_causal = True
-
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, 9, 5, 16, generator=g)
-    k, v = torch.randn(batch, 3, 40, 16, generator=g), torch.randn(batch, 3, 40, 16, generator=g)
-    mask = torch.ones(batch, 1, 5, 40, dtype=torch.bool)
-    mask[..., -5:] = torch.tril(torch.ones(5, 5, dtype=torch.bool))
-    mask[-1, ..., :7] = False  # left padding in the last row
-    want, _ = sdpa_attention_forward(Module(), q, k, v, mask, scaling=0.25)
-    got, _ = packed_gqa_attention(Module(), q, k, v, mask, scaling=0.25)
-    assert got.shape == want.shape == (batch, 5, 9, 16)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-
-
-def test_a_gqa_model_decodes_token_identically_with_packed_verifies():
-    """Greedy identity on a grouped-query target (9 heads over 3 KV heads), whose verifies run
-    the packed attention, against cache-free greedy decoding."""
-    from specdistill.decode.cache_layers import PACKED_SDPA
+def test_a_gqa_model_decodes_token_identically():
+    """Greedy identity on a grouped-query target (9 heads over 3 KV heads: its verifies attend
+    through the model's own GQA) against cache-free greedy decoding."""
     from tests.decode.test_speculative import greedy_reference, truncated_copy
 
     target = tiny_llama(layers=3, hidden=36, seed=4, heads=9, kv_heads=3)
-    assert target.config._attn_implementation == "sdpa"
+    assert target.config.num_key_value_heads == 3
     drafter = truncated_copy(target, 1)
     prompt = torch.randint(1, 64, (1, 30), generator=torch.Generator().manual_seed(5))
-    used = []
-    inner = target.forward
-
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        used.append(target.config._attn_implementation)
-        return inner(*args, **kwargs)
-
-    target.forward = forward
-    try:
-        dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=20))
-        out = dec.generate(prompt)
-    finally:
-        del target.forward
-    assert PACKED_SDPA in used and target.config._attn_implementation == "sdpa"
+    dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, max_new_tokens=20))
+    out = dec.generate(prompt)
     assert 0 < out.accepted < out.trials
     assert out.tokens[0] == greedy_reference(target, prompt[0].tolist(), 20)
 

@@ -14,7 +14,6 @@ from omegaconf import OmegaConf
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
 from specdistill.decode.config import DEFAULT_GAMMA, DecoderConfig, DecoderSettings
-from specdistill.decode.draft_length import DraftCosts
 from specdistill.decode.validate.settings import ValidateSettings
 
 
@@ -29,7 +28,11 @@ def _compose(config: str, *overrides: str):
 
 def test_greedy_yaml_lists_every_setting_with_the_dataclass_default():
     node = _yaml("decoder/greedy.yaml")
-    fields = {f.name for f in dataclasses.fields(DecoderSettings)}
+    # what a stage adds per decode (its token budget, the tokenizer's EOS ids) is not a setting
+    fields = {f.name for f in dataclasses.fields(DecoderSettings)} - {
+        "max_new_tokens",
+        "eos_token_id",
+    }
     assert set(node) == fields  # the yaml is the users' list of every setting, no more, no less
     assert DecoderSettings.from_node(node) == DecoderSettings()
     assert node.gamma == DEFAULT_GAMMA == DecoderConfig().gamma
@@ -57,33 +60,41 @@ def test_validate_yaml_defaults_equal_the_dataclass_defaults():
     assert vs.other == DecoderSettings(sampling=Sampling(temperature=1.0))  # both modes
 
 
-def test_gamma_auto_is_none_parsed_once_and_resolved_by_the_caller():
-    s = DecoderSettings.from_node({"gamma": "auto", "max_gamma": 6})
-    assert s.gamma is None and s.max_gamma == 6 and s.gamma_or_default == DEFAULT_GAMMA
-    assert s.decoder_config(16, (2,), gamma=3).gamma == 3
-    with pytest.raises(ValueError, match="gamma=auto"):
-        s.decoder_config(16, ())
+def test_one_config_type_with_one_set_of_defaults():
+    """The stages' settings and the library's decoder config are one class, one default each:
+    fixed K=4 a round, no prompt lookup (what the engines serve)."""
+    assert DecoderSettings is DecoderConfig
+    d = DecoderConfig()
+    assert (d.gamma, d.draft_length, d.lookup) == (DEFAULT_GAMMA, "fixed", False)
+    assert d.decoder_config(16, (2,), gamma=3) == d.replace(
+        max_new_tokens=16, eos_token_id=(2,), gamma=3
+    )
 
 
-def test_draft_costs_mapping_is_typed():
-    s = DecoderSettings.from_node({"draft_costs": {"c": 0.3, "verify_per_token": 0.05}})
-    assert s.draft_costs == DraftCosts(c=0.3, verify_per_token=0.05)
-    assert s.decoder_config(8, ()).draft_costs == s.draft_costs
+@pytest.mark.parametrize(
+    "key", ["cpu_matmul", "lean_steps", "draft_floor", "probe_every", "max_gamma", "draft_costs"]
+)
+def test_removed_settings_say_so_in_one_line(key):
+    with pytest.raises(ConfigError, match=rf"^decoder\.{key} was removed: .*; drop the key$"):
+        DecoderSettings.from_node({key: 1})
 
 
 @pytest.mark.parametrize(
     ("node", "message"),
     [
-        ({"gamma": 0}, "decoder.gamma=0 must be an integer >= 1 or `auto`"),
+        ({"gamma": 0}, "decoder.gamma=0 must be an integer in 1..15"),
+        ({"gamma": "auto"}, "decoder.gamma=auto was removed"),
         ({"gamma": "abc"}, "decoder.gamma='abc'"),
         ({"gamma": True}, "decoder.gamma=True"),
-        ({"gamma": "auto", "max_gamma": 0}, "decoder.max_gamma=0 must be >= 1 for gamma=auto"),
         ({"cache": "paged"}, "decoder.cache='paged'"),
         ({"lenience": "half"}, "decoder.lenience=half"),
         ({"max_draft": 16}, "decoder.max_draft=16"),
-        ({"draft_costs": {"q": 1}}, "decoder.draft_costs="),
+        ({"p_min": 2}, "decoder.p_min=2"),
+        ({"draft_length": "auto"}, "decoder.draft_length='auto'"),
+        ({"lookup": "auto"}, "decoder.lookup='auto' must be true or false"),
         ({"sampling": {"temperature": -1}}, "decoder.sampling.temperature=-1"),
-        ({"temperature": 0.7}, "decoder.temperature was replaced by the one sampling spec"),
+        ({"temperature": 0.7}, "decoder.temperature was removed: it was replaced by the one"),
+        ({"gamm": 4}, "decoder.gamm is not a decoder setting; use one of"),
         ("greedy", "decoder='greedy' must be a mapping"),
     ],
 )

@@ -4,13 +4,23 @@ under different thread counts decodes the same tokens and prints the same accept
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+import specdistill.decode
 from specdistill.decode.config import DecoderSettings
 from specdistill.decode.validate.stage import run
 
 # what validate reports that must not move with the machine (speed figures may)
-ACCEPTANCE_KEYS = ("alpha", "drafter_alpha", "tau", "accepted_at", "trials_at")
+ACCEPTANCE_KEYS = (
+    "alpha",
+    "drafter_alpha",
+    "tau",
+    "acceptance_by_position",
+    "accepted_at",
+    "trials_at",
+)
 
 
 def _cfg(tmp_path, threads: int, *extra: str):
@@ -24,10 +34,29 @@ def _cfg(tmp_path, threads: int, *extra: str):
 
 
 def test_default_decoder_has_no_timed_choice():
-    """The stages' default decoder drafts gamma every round with plain linears: nothing in it
-    is decided by a clock (fails if a timed policy, kernel pick or lookup becomes the default)."""
+    """The stages' default decoder drafts gamma every round, no prompt lookup (fails if a
+    timed or adaptive policy, or lookup, becomes the default)."""
     d = DecoderSettings()
-    assert (d.draft_length, d.cpu_matmul, d.lookup, d.gamma) == ("fixed", "linear", False, 4)
+    assert (d.draft_length, d.lookup, d.gamma) == ("fixed", False, 4)
+
+
+def test_the_decoder_reads_no_clock():
+    """No module of the decoder (validate's and the bench's timing aside) reads a clock or a
+    CPU feature, so nothing a machine measures can change a kernel, a round or a draft length."""
+    root = Path(specdistill.decode.__file__).parent
+    sources = [p for p in root.rglob("*.py") if not {"validate", "bench"} & set(p.parts)]
+    assert len(sources) > 15
+    for path in sources:
+        text = path.read_text()
+        for needle in (
+            "perf_counter",
+            "time.time",
+            "import time",
+            "cpuinfo",
+            "mkldnn",
+            "cpu_capability",
+        ):
+            assert needle not in text, (path.name, needle)
 
 
 def test_validate_figures_equal_across_thread_counts(tmp_path, toy_tiny):
@@ -44,3 +73,6 @@ def test_validate_figures_equal_across_thread_counts(tmp_path, toy_tiny):
     assert one.modes["greedy"]["trials_at"][0] > 0  # the drafter drafted: figures measured
     assert one.lossless is two.lossless is True
     assert one.acceptance_by_position == two.acceptance_by_position
+    assert (
+        one.recommended_k["acceptance_by_position"] == two.recommended_k["acceptance_by_position"]
+    )

@@ -1,17 +1,17 @@
-"""Per-round draft length (decode.draft_length): the expected-gain rule against brute force, and
-the adaptive decoder's losslessness (greedy token-identical, sampling by chi-square).
+"""Draft length (decode.draft_length): the cost model and the recommended K against brute-force
+enumeration, the policies by hand, and the decoder's losslessness under every policy and
+drafting kind (greedy token-identical to the target, sampling by chi-square on a small vocab).
 
-p = target, q = drafter. The stopping rule may read q and earlier rounds only; these tests show
-that whatever length it picks, greedy output is the target's and sampled output follows p.
+p = target, q = drafter, K = drafts a round. A policy may read q and earlier rounds only; these
+tests show that whatever length it picks, greedy output is the target's and sampled output
+follows p.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import math
+import random
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,15 +19,14 @@ from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import verify_sampling
 from specdistill.decode.draft_length import (
-    Calibration,
     DraftCosts,
-    best_length,
-    best_more,
     chunk_widths,
-    draft_gain,
+    costs_from_mapping,
     expected_tokens,
     make_policy,
-    replay,
+    recommend_k,
+    speedup_at,
+    speedup_table,
     verify_widths,
 )
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
@@ -38,9 +37,11 @@ from tests.decode.test_distribution import (
     exact_sequence_probs,
     models,  # noqa: F401  (fixture)
 )
+from tests.decode.test_parallel import MASK
+from tests.decode.test_parallel import pair as parallel_pair  # noqa: F401  (fixture)
 from tests.decode.test_speculative import greedy_reference, left_pad, prompts, truncated_copy
 
-# ---------------------------------------------------------------- the rule, by enumeration
+# ---------------------------------------------------------------- the cost model, by enumeration
 
 
 def brute_tokens(accept: list[float]) -> float:
@@ -55,140 +56,60 @@ def brute_tokens(accept: list[float]) -> float:
     return total
 
 
+def brute_cost(k: int, c: float, v: float, parallel: bool, per: float) -> float:
+    """A round of k drafts in target steps, written out: drafting, then a verify of k + 1."""
+    drafting = (c + (k - 1) * per) if parallel else k * c
+    return drafting + 1.0 + k * v
+
+
 @pytest.mark.parametrize("accept", [[], [0.3], [0.9, 0.5], [0.2, 0.8, 0.6, 1.0], [0.7] * 5])
 def test_expected_tokens_matches_enumeration(accept):
     assert expected_tokens(accept) == pytest.approx(brute_tokens(accept), abs=1e-12)
 
 
-COSTS = [
-    DraftCosts(c=0.38, verify_per_token=0.06, round_overhead=0.15),
-    DraftCosts(c=0.05, verify_per_token=0.0, round_overhead=0.0),
-    DraftCosts(c=0.9, verify_per_token=0.2, round_overhead=0.4),
-    DraftCosts(c=0.3, verify_per_token=0.05, round_overhead=0.1, parallel=True),
-    # every verify width timed (decoder.verify_costs=by_width): uneven, shorter than max_k
-    DraftCosts(
-        c=0.2, verify_per_token=0.1, round_overhead=0.0, verify_tokens=(0.1, 0.4, 0.15, 0.5)
-    ),
-    # the round's host glue timed (draft_length.measure.round_glue): a part per draft
-    DraftCosts(c=0.35, verify_per_token=0.07, round_overhead=0.01, glue_per_draft=0.06),
-]
-IDS = ["toy", "cheap", "dear", "parallel", "by_width", "glue"]
-
-
 def test_round_cost_by_hand():
-    """k drafts: k c (one forward for a parallel drafter, plus a mask per further proposal) +
-    k glue_per_draft + 1 + round_overhead + the verify's k positions (its table where timed)."""
-    glue = DraftCosts(c=0.35, verify_per_token=0.07, round_overhead=0.01, glue_per_draft=0.06)
-    assert glue.round_cost(0) == 1.0
-    assert glue.round_cost(3) == pytest.approx(3 * 0.35 + 3 * 0.06 + 1 + 0.01 + 3 * 0.07)
-    par = DraftCosts(
-        c=0.3, round_overhead=0.0, parallel=True, draft_per_token=0.02, glue_per_draft=0.05,
-        verify_tokens=(0.1, 0.3),
-    )  # fmt: skip
-    assert par.round_cost(2) == pytest.approx(0.3 + 0.02 + 2 * 0.05 + 1 + 0.3)
-    assert par.round_cost(3) == pytest.approx(0.3 + 2 * 0.02 + 3 * 0.05 + 1 + 3 * 0.05)
+    assert DraftCosts(c=0.2, verify_per_token=0.05).round_cost(4) == pytest.approx(0.8 + 1.2)
+    par = DraftCosts(c=0.3, verify_per_token=0.1, parallel=True, draft_per_token=0.02)
+    assert par.round_cost(3) == pytest.approx(0.3 + 0.04 + 1.3)
+    assert par.round_cost(0) == 1.0  # a plain target step
 
 
-@pytest.mark.parametrize("costs", COSTS, ids=IDS)
-@pytest.mark.parametrize("drafted", [0, 1, 3])
-@pytest.mark.parametrize("rate", [1.0, 1.7])
-@pytest.mark.parametrize("first", [None, [0.4, 0.9, 0.05]])
-def test_draft_gain_matches_enumeration(costs, drafted, rate, first):
-    """Net gain of m more drafts (tokens - rate * extra cost) for rows of known history: the
-    closed form against enumerating every outcome of the whole round (the next draft accepted
-    with probability `first`, each later one with `nxt`)."""
-    history = [[0.9, 0.6, 0.7], [0.3, 0.95, 0.5], [1.0, 1.0, 0.2]]
-    nxt = torch.tensor([0.8, 0.35, 0.99], dtype=torch.float64)
-    max_k = 6
-    prefix = torch.tensor([math.prod(h[:drafted]) for h in history], dtype=torch.float64)
-    got = draft_gain(
-        prefix,
-        nxt,
-        drafted,
-        max_k,
-        costs,
-        torch.full((3,), rate, dtype=torch.float64),
-        first_accept=None if first is None else torch.tensor(first, dtype=torch.float64),
-    )
-    assert got.shape == (3, max_k - drafted + 1)
-    for r, h in enumerate(history):
-        stop_now = brute_tokens(h[:drafted]) - rate * costs.round_cost(drafted)
-        for m in range(max_k - drafted + 1):
-            a1 = float(nxt[r]) if first is None else first[r]
-            plan = h[:drafted] + ([a1] + [float(nxt[r])] * (m - 1) if m else [])
-            want = brute_tokens(plan) - rate * costs.round_cost(drafted + m) - stop_now
-            assert float(got[r, m]) == pytest.approx(want, abs=1e-9)
+@pytest.mark.parametrize("seed", range(40))
+def test_recommend_k_is_the_argmax_of_brute_force(seed):
+    """Random acceptances by position and costs: the recommended K and its speedup are those of
+    an exhaustive search over K, each K's tokens enumerated outcome by outcome."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 8)
+    accept = [rng.random() ** rng.choice([0.3, 1, 3]) for _ in range(n)]
+    c, v = rng.choice([0.01, 0.05, 0.2, 0.6, 1.2]), rng.choice([0.0, 0.02, 0.2])
+    parallel, per = rng.random() < 0.3, rng.choice([0.0, 0.01])
+    costs = DraftCosts(c=c, verify_per_token=v, parallel=parallel, draft_per_token=per)
+    brute = {
+        k: brute_tokens(accept[:k]) / brute_cost(k, c, v, parallel, per) for k in range(1, n + 1)
+    }
+    top = max(brute.values())
+    k, speed = recommend_k(accept, costs)
+    assert speed == pytest.approx(top, rel=1e-9)
+    assert k == min(j for j, s in brute.items() if s >= top - 1e-12)  # the smallest on a tie
+    assert speedup_table(accept, costs) == [round(brute[j], 4) for j in range(1, n + 1)]
+    assert speedup_at(accept, k, costs) == pytest.approx(brute[k])
 
 
-@pytest.mark.parametrize("costs", COSTS, ids=IDS)
-def test_scalar_rule_agrees_with_draft_gain(costs):
-    """`best_more` (plain floats, what the decoder runs per drafter step) picks draft_gain's
-    argmax and value."""
-    g = torch.Generator().manual_seed(1)
-    for _ in range(100):
-        prefix, first, nxt, rate = torch.rand(4, generator=g, dtype=torch.float64).tolist()
-        rate, drafted = 1 + rate, int(torch.randint(0, 5, (1,), generator=g))
-        inc = [costs.round_cost(drafted + i) - costs.round_cost(drafted) for i in range(1, 7)]
-        m, v = best_more(prefix, first, nxt, inc, rate)
-        gains = draft_gain(
-            torch.tensor([prefix], dtype=torch.float64),
-            torch.tensor([nxt], dtype=torch.float64),
-            drafted,
-            drafted + 6,
-            costs,
-            torch.tensor([rate], dtype=torch.float64),
-            first_accept=torch.tensor([first], dtype=torch.float64),
-        )[0]
-        assert v == pytest.approx(float(gains.max()), abs=1e-9)
-        assert float(gains[m]) == pytest.approx(float(gains.max()), abs=1e-9)
+def test_recommend_k_by_hand():
+    """Perfect acceptance and free drafts: the longest K; a useless drafter: K=1, below 1x."""
+    assert recommend_k([1.0] * 6, DraftCosts(c=0.0)) == (6, pytest.approx(7.0))
+    k, speed = recommend_k([0.0] * 4, DraftCosts(c=0.5))
+    assert k == 1 and speed == pytest.approx(1 / 1.5)
+    with pytest.raises(ValueError, match="nothing to recommend"):
+        recommend_k([], DraftCosts())
 
 
-@pytest.mark.parametrize("costs", COSTS, ids=IDS)
-def test_best_length_is_the_argmax_over_all_lengths(costs):
-    g = torch.Generator().manual_seed(0)
-    for _ in range(50):
-        accept = torch.rand(6, generator=g).tolist()
-        k = best_length(accept, costs)
-        values = [brute_tokens(accept[:j]) - costs.round_cost(j) for j in range(7)]
-        assert values[k] == pytest.approx(max(values), abs=1e-9)
-
-
-def test_floor_threshold_is_where_one_draft_pays():
-    """Before a round (nothing drafted), drafting pays iff some m >= 1 has a positive gain; for
-    m = 1 that is acceptance > c + verify_per_token + round_overhead (at rate 1)."""
-    costs = DraftCosts(c=0.4, verify_per_token=0.05, round_overhead=0.15)
-    edge = 0.6
-    low, high = torch.tensor([edge - 0.01]), torch.tensor([edge + 0.01])
-    one = torch.ones(1)
-    assert float(draft_gain(one, low, 0, 1, costs, one)[0, 1]) < 0
-    assert float(draft_gain(one, high, 0, 1, costs, one)[0, 1]) > 0
-
-
-def test_calibration_fit_is_the_penalised_maximum_likelihood():
-    """The damped Newton fit against a general-purpose minimiser of the same objective, on a
-    drafter whose flat probabilities mean high acceptance (what the toy drafters look like)."""
-    from scipy.optimize import minimize
-
-    g = torch.Generator().manual_seed(0)
-    conf = 0.02 + 0.06 * torch.rand(400, generator=g, dtype=torch.float64)
-    recent = 0.3 + 0.6 * torch.rand(400, generator=g, dtype=torch.float64)
-    truth = torch.sigmoid(3.0 + 0.8 * torch.logit(conf) + 1.0 * torch.logit(recent))
-    accepted = (torch.rand(400, generator=g, dtype=torch.float64) < truth).double()
-    cal = Calibration(prior=4.0, refit_every=10**9)
-    assert cal(0.9, 0.9) == pytest.approx(0.9)  # the prior
-    cal.update(conf.tolist(), recent.tolist(), accepted.tolist())
-    cal.fit(steps=50)
-    x = np.stack([np.ones(400), np.array(cal.lc), np.array(cal.lr)], 1)
-    y, w0 = accepted.numpy(), cal.w0.numpy()
-
-    def objective(w):
-        z = x @ w
-        return float((np.logaddexp(0, z) - y * z).sum() + 2.0 * ((w - w0) ** 2).sum())
-
-    best = minimize(objective, w0, method="BFGS", options={"gtol": 1e-10})
-    assert cal.w.numpy() == pytest.approx(best.x, abs=1e-4)
-    assert objective(cal.w.numpy()) <= best.fun + 1e-8
-    assert cal(0.05, 0.8) > 0.6  # learnt: flat != poor
+def test_costs_from_mapping_names_the_bad_key():
+    assert costs_from_mapping({"c": 0.1}) == DraftCosts(c=0.1)
+    with pytest.raises(ValueError, match="round_overhead"):
+        costs_from_mapping({"c": 0.1, "round_overhead": 0.2})
+    with pytest.raises(ValueError, match="c=-1"):
+        costs_from_mapping({"c": -1})
 
 
 def test_compiled_shapes_stay_few():
@@ -215,7 +136,51 @@ def test_verify_sampling_lengths_cut_rows():
     assert torch.allclose(counts / 2000, p[0, 1], atol=1e-3)  # the bonus follows p
 
 
-# ---------------------------------------------------------------- the decoder, lossless
+# ---------------------------------------------------------------- the policies, by hand
+
+
+def test_heuristic_schedule_is_transformers():
+    """+2 after a round every active row accepted whole, else -1 (at least 1, at most max)."""
+    pol = make_policy("heuristic", 3, 6)
+    pol.start(2)
+    seen = []
+    for accepted in ([3, 3], [5, 5], [6, 2], [1, 0], [1, 1], [0, 0], [0, 0], [1, 9]):
+        k = pol.plan(budget=99)
+        seen.append(k)
+        pol.observe([k, k], [min(a, k) for a in accepted], [True, accepted != [1, 9]])
+    assert seen == [3, 5, 6, 5, 4, 3, 2, 1]
+    assert pol.plan(budget=99) == 3  # [1, 9] at k=1: the inactive row does not count
+    assert pol.plan(budget=1) == 1
+    pol.start(1)
+    assert pol.plan(budget=99) == 3  # a new decode starts at gamma again
+
+
+def test_confidence_lengths_stop_at_the_first_unconfident_draft():
+    pol = make_policy("confidence", 4, 4, p_min=0.5)
+    assert pol.keep_drafting([0.9, 0.4], [True, True])
+    assert pol.keep_drafting([0.6, 0.99], [True, True])  # row 1 stopped already
+    assert not pol.keep_drafting([0.3, 0.99], [True, True])  # no row confident: stop drafting
+    tops = [[0.9, 0.6, 0.3], [0.4, 0.99, 0.99]]
+    assert pol.lengths(tops, 3, 2) == [2, 0]
+    fixed = make_policy("fixed", 4, 4)
+    assert fixed.plan(99) == 4 and fixed.lengths(None, 4, 3) == [4, 4, 4]
+    assert not fixed.reads_q
+
+
+def test_bad_draft_length_settings_name_the_field():
+    target = tiny_llama(vocab=64, layers=1)
+    for kwargs, field in (
+        ({"draft_length": "auto"}, "decoder.draft_length"),
+        ({"max_draft": 0}, "decoder.max_draft"),
+        ({"max_draft": 16}, "decoder.max_draft"),
+        ({"p_min": 1.5}, "decoder.p_min"),
+        ({"gamma": 0}, "decoder.gamma"),
+    ):
+        with pytest.raises(ConfigError, match=rf"^{field}="):
+            SpeculativeDecoder(target, target, DecoderConfig(**kwargs))
+
+
+# ---------------------------------------------------------------- greedy: token-identical
 
 
 @pytest.fixture(scope="module")
@@ -224,74 +189,97 @@ def pair():
     return target, truncated_copy(target)
 
 
-CHEAP = DraftCosts(c=0.2, verify_per_token=0.02, round_overhead=0.05)
-DEAR = DraftCosts(c=0.9, verify_per_token=0.1, round_overhead=0.3)  # the floor engages
-# every verify width timed (decoder.verify_costs=by_width): 3 drafts cheaper than 2
-WIDTHS = DraftCosts(
-    c=0.1, verify_per_token=0.05, round_overhead=0.0, verify_tokens=(0.05, 0.4, 0.1, 0.5)
-)
+POLICIES = [
+    ("fixed", {}),
+    ("heuristic", {"max_draft": 6}),
+    ("confidence", {"p_min": "median"}),
+]
 
 
-@pytest.mark.parametrize("policy", ["confidence", "heuristic"])
-@pytest.mark.parametrize("costs", [CHEAP, DEAR, WIDTHS], ids=["cheap", "dear", "by_width"])
+@torch.no_grad()
+def median_top(drafter, rows: list[list[int]]) -> float:
+    """The median of q's top probability over the prompts' positions: a p_min that stops some
+    rounds early and lets others run (a random tiny drafter is nearly uniform)."""
+    tops = [torch.softmax(drafter(torch.tensor([r])).logits[0].float(), -1).max(-1).values
+            for r in rows]  # fmt: skip
+    return float(torch.cat(tops).median())
+
+
+def _extra(extra: dict, drafter, rows: list[list[int]]) -> dict:
+    return {k: median_top(drafter, rows) if v == "median" else v for k, v in extra.items()}
+
+
+def _parallel(policy: str, **kw) -> DecoderConfig:
+    return DecoderConfig(drafting="parallel", mask_token_id=MASK, draft_length=policy, **kw)
+
+
+@pytest.mark.parametrize(("policy", "extra"), POLICIES, ids=[p for p, _ in POLICIES])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_adaptive_greedy_is_token_identical_batch1(pair, policy, costs, cache):
+def test_every_policy_greedy_is_token_identical_batch1(pair, policy, extra, cache):
     target, drafter = pair
-    cfg = DecoderConfig(
-        max_new_tokens=24,
-        draft_length=policy,
-        max_draft=6,
-        probe_every=3,
-        draft_costs=costs,
-        cache=cache,
-    )
+    rows = prompts(4, 64, seed=3)
+    extra = _extra(extra, drafter, rows)
+    cfg = DecoderConfig(max_new_tokens=24, draft_length=policy, gamma=3, cache=cache, **extra)
     dec = SpeculativeDecoder(target, drafter, cfg)
-    lengths = [0] * 7
-    for prompt in prompts(4, 64, seed=3):
+    lengths = [0] * (dec.max_draft + 1)
+    for prompt in rows:
         out = dec.generate(torch.tensor([prompt]))
         assert out.tokens[0] == greedy_reference(target, prompt, 24)
         lengths = [a + b for a, b in zip(lengths, out.draft_lengths)]
-    assert sum(1 for n in lengths if n) >= 2  # lengths really varied
-    if costs is DEAR:  # plain target steps, and probes among them
-        assert lengths[0] > 0 and sum(lengths[1:]) > 0
+    if policy != "fixed":  # lengths really varied
+        assert sum(1 for n in lengths if n) >= 2
 
 
-@pytest.mark.parametrize("policy", ["confidence", "heuristic"])
-@pytest.mark.parametrize("scope", ["batch", "row"])
-@pytest.mark.parametrize("costs", [CHEAP, DEAR], ids=["cheap", "dear"])
-def test_adaptive_greedy_batched_uneven_prompts(pair, policy, scope, costs):
+@pytest.mark.parametrize(("policy", "extra"), POLICIES, ids=[p for p, _ in POLICIES])
+def test_every_policy_greedy_batched_uneven_prompts(pair, policy, extra):
     target, drafter = pair
-    cfg = DecoderConfig(
-        max_new_tokens=20,
-        draft_length=policy,
-        draft_scope=scope,
-        max_draft=5,
-        probe_every=2,
-        draft_costs=costs,
-        cache="static",
-    )
-    dec = SpeculativeDecoder(target, drafter, cfg)
     rows = prompts(5, 64, seed=4)
+    extra = _extra(extra, drafter, rows)
+    cfg = DecoderConfig(max_new_tokens=20, draft_length=policy, gamma=3, cache="static", **extra)
+    dec = SpeculativeDecoder(target, drafter, cfg)
     ids, mask = left_pad(rows)
     out = dec.generate(ids, mask)
-    for r, prompt in enumerate(rows):
-        assert out.tokens[r] == greedy_reference(target, prompt, 20)
+    assert out.tokens == [greedy_reference(target, r, 20) for r in rows]
     assert sum(out.draft_lengths) == out.row_rounds
 
 
-def test_useless_drafter_decodes_with_the_target_alone(pair):
-    """A random drafter never pays: after the first rounds, plain target steps and periodic
-    probes only (the floor), at measured costs."""
-    target, _ = pair
-    drafter = tiny_llama(vocab=64, layers=1, hidden=32, seed=7)
-    cfg = DecoderConfig(max_new_tokens=48, draft_length="confidence", probe_every=8)
+def test_confidence_with_an_unconfident_drafter_takes_plain_target_steps(pair):
+    """p_min=1: no draft is confident, every round verifies none (a plain target step)."""
+    target, drafter = pair
+    cfg = DecoderConfig(max_new_tokens=16, draft_length="confidence", p_min=1.0)
     dec = SpeculativeDecoder(target, drafter, cfg)
     prompt = prompts(1, 64, seed=5)[0]
-    dec.generate(torch.tensor([prompt]))  # measures the costs, learns the acceptance
     out = dec.generate(torch.tensor([prompt]))
-    assert out.tokens[0] == greedy_reference(target, prompt, 48)
-    assert out.draft_lengths[0] >= 0.75 * out.row_rounds
-    assert out.drafter_forwards <= 48 // 8 + 2
+    assert out.tokens[0] == greedy_reference(target, prompt, 16)
+    assert out.draft_lengths[0] == out.row_rounds == out.target_forwards and out.trials == 0
+
+
+@pytest.mark.parametrize(("policy", "extra"), POLICIES, ids=[p for p, _ in POLICIES])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_every_policy_parallel_greedy_is_token_identical(parallel_pair, policy, extra, rows):  # noqa: F811
+    target, drafter = parallel_pair
+    batch = prompts(rows, 8, seed=2)
+    cfg = _parallel(policy, gamma=4, max_new_tokens=24, **_extra(extra, drafter, batch))
+    dec = SpeculativeDecoder(target, drafter, cfg)
+    ids, mask = left_pad(batch)
+    out = dec.generate(ids, mask)
+    assert out.tokens == [greedy_reference(target, r, 24) for r in batch]
+    assert sum(out.draft_lengths) == out.row_rounds
+
+
+def test_heuristic_parallel_rounds_stop_at_the_trained_depth(parallel_pair):  # noqa: F811
+    """A parallel drafter trained for 2 drafts a round (`parallel_drafting.max_drafts`): the
+    heuristic grows rounds to 2 at most; a fixed gamma stays the user's."""
+    import copy
+
+    target, drafter = parallel_pair
+    trained = copy.deepcopy(drafter)
+    trained.config.parallel_drafting = {"mask_token_id": MASK, "max_drafts": 2}
+    dec = SpeculativeDecoder(target, trained, _parallel("heuristic", gamma=4, max_draft=8))
+    assert dec.max_draft == 2
+    prompt = prompts(1, 8, seed=4)[0]
+    assert dec.generate(torch.tensor([prompt])).tokens[0] == greedy_reference(target, prompt, 64)
+    assert SpeculativeDecoder(target, trained, _parallel("fixed", gamma=4)).max_draft == 4
 
 
 # ---------------------------------------------------------------- sampling, by chi-square
@@ -312,122 +300,28 @@ def _sample(dec, rows: int, calls: int, seed: int):
 
 
 @pytest.mark.parametrize(
-    ("policy", "scope", "rows", "calls"),
+    ("policy", "drafting", "rows", "calls"),
     [
-        ("confidence", "batch", 1, 1024),
-        ("confidence", "row", 512, 16),
-        ("confidence", "batch", 512, 16),
-        ("heuristic", "row", 512, 16),
+        ("heuristic", "autoregressive", 1, 1024),
+        ("heuristic", "autoregressive", 512, 16),
+        ("confidence", "autoregressive", 1, 1024),
+        ("confidence", "autoregressive", 512, 16),
+        ("heuristic", "parallel", 512, 16),
+        ("confidence", "parallel", 512, 16),
     ],
 )
-def test_adaptive_sampling_matches_target_distribution(models, policy, scope, rows, calls):  # noqa: F811
-    """The exact 3-token sequence law of target-only sampling against the adaptive decoder's
-    samples, batch 1 and batched (row scope: rows verify different lengths)."""
+def test_every_policy_sampling_matches_target_distribution(models, policy, drafting, rows, calls):  # noqa: F811
+    """The exact 3-token sequence law of target-only sampling against the decoder's samples
+    under each adaptive policy, batch 1 and batched (rows verify different lengths); fixed K
+    is test_distribution.py's and test_parallel.py's."""
     target, drafter = models
     s = Sampling(1.0)
+    kw = {"mask_token_id": 3} if drafting == "parallel" else {}
     cfg = DecoderConfig(
-        max_new_tokens=3,
-        sampling=s,
-        draft_length=policy,
-        draft_scope=scope,
-        max_draft=3,
-        probe_every=1,
-        draft_costs=DraftCosts(c=0.3, verify_per_token=0.05, round_overhead=0.1),
-    )
+        max_new_tokens=3, sampling=s, draft_length=policy, drafting=drafting, gamma=2,
+        max_draft=3, p_min=0.4, **kw,
+    )  # fmt: skip
     dec = SpeculativeDecoder(target, drafter, cfg)
     counts, lengths = _sample(dec, rows, calls, seed=21)
-    n = rows * calls
-    assert chi2_pvalue(exact_sequence_probs(target, s), counts, n) > 1e-3
+    assert chi2_pvalue(exact_sequence_probs(target, s), counts, rows * calls) > 1e-3
     assert sum(1 for x in lengths if x) >= 2  # lengths really varied
-
-
-# ---------------------------------------------------------------- settings
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "field"),
-    [
-        ({"draft_length": "auto"}, "decoder.draft_length"),
-        ({"max_draft": 0}, "decoder.max_draft"),
-        ({"max_draft": 16}, "decoder.max_draft"),
-        ({"draft_scope": "rows"}, "decoder.draft_scope"),
-        ({"draft_floor": "yes"}, "decoder.draft_floor"),
-        ({"probe_every": 0}, "decoder.probe_every"),
-        ({"draft_costs": DraftCosts(c=-1.0)}, "decoder.draft_c"),
-        ({"draft_costs": DraftCosts(round_overhead=-0.6)}, "decoder.draft_round_overhead"),
-    ],
-)
-def test_bad_draft_length_settings_name_the_field(kwargs, field):
-    target = tiny_llama(vocab=64, layers=1)
-    with pytest.raises(ConfigError, match=rf"^{field}="):
-        SpeculativeDecoder(target, target, DecoderConfig(**kwargs))
-
-
-def test_a_verify_cheaper_than_a_target_step_lowers_the_floor():
-    """round_overhead < 0 (a 2-token verify that undercuts a 1-token step: CPU GEMM vs GEMV) is
-    accepted, and one draft then pays from acceptance c + verify_per_token + round_overhead."""
-    target = tiny_llama(vocab=64, layers=1)
-    cheap = DraftCosts(c=0.17, verify_per_token=0.0, round_overhead=-0.12)  # edge 0.05
-    SpeculativeDecoder(target, target, DecoderConfig(draft_length="confidence", draft_costs=cheap))
-    one, a = torch.ones(1), torch.tensor([0.2])  # the real pair at T=1
-    assert float(draft_gain(one, a, 0, 1, cheap, one)[0, 1]) > 0
-    clamped = dataclasses.replace(cheap, round_overhead=0.1)  # the verify priced at >= 1 step
-    assert float(draft_gain(one, a, 0, 1, clamped, one)[0, 1]) < 0
-
-
-# ---------------------------------------------------------------- replay (held-out prediction)
-
-
-def _outcomes(target, drafter, prompt: list[int], n: int) -> tuple[list[bool], list[float]]:
-    """Teacher-forced on the target's greedy continuation: does q's argmax match it, and q's
-    probability of its argmax, at each of the n continuation positions."""
-    ref = greedy_reference(target, prompt, n)
-    with torch.no_grad():
-        logits = drafter(torch.tensor([prompt + ref])).logits[0, len(prompt) - 1 : -1].float()
-    q = torch.softmax(logits, -1)
-    return (logits.argmax(-1) == torch.tensor(ref)).tolist(), q.max(-1).values.tolist()
-
-
-@pytest.mark.parametrize("policy", ["fixed", "heuristic", "confidence"])
-@pytest.mark.parametrize("costs", [CHEAP, DEAR], ids=["cheap", "dear"])
-def test_replay_predicts_the_decoders_rounds(pair, policy, costs):
-    """`replay` over teacher-forced outcomes is the greedy decoder's own run: the same rounds,
-    draft lengths and target forwards (fixed, heuristic: exactly); the confidence policy reads
-    confidences past a rejection that the decoder computed on its own draft, so only close."""
-    target, drafter = pair
-    n = 32
-    cfg = dict(max_new_tokens=n, draft_length=policy, gamma=3, max_draft=6, probe_every=3)
-    got_forwards = want_forwards = 0
-    got_drafts = want_drafts = 0
-    for prompt in prompts(4, 64, seed=11):
-        dec = SpeculativeDecoder(target, drafter, DecoderConfig(**cfg, draft_costs=costs))
-        out = dec.generate(torch.tensor([prompt]))
-        accepted, conf = _outcomes(target, drafter, prompt, n)
-        rep = replay(accepted, conf, make_policy(policy, 3, 6 if policy != "fixed" else 3,
-                                                 costs, probe_every=3))  # fmt: skip
-        assert rep.tokens == len(out.tokens[0]) == n
-        if policy != "confidence":
-            assert rep.rounds + rep.target_steps == out.target_forwards
-            assert rep.target_steps == out.draft_lengths[0]
-            assert rep.drafts == sum(k * c for k, c in enumerate(out.draft_lengths))
-        got_forwards += rep.rounds + rep.target_steps
-        want_forwards += out.target_forwards
-        got_drafts += rep.drafts
-        want_drafts += sum(k * c for k, c in enumerate(out.draft_lengths))
-    assert got_forwards == pytest.approx(want_forwards, rel=0.15)
-    assert got_drafts == pytest.approx(want_drafts, rel=0.2, abs=2)
-
-
-def test_replay_cost_model_by_hand():
-    """Fixed gamma 2 over a known outcome string: rounds, tokens and modeled cost by hand."""
-    costs = DraftCosts(c=0.5, verify_per_token=0.1, round_overhead=0.2)
-    # rounds: [1,1] all accepted -> 3 tokens; [0] -> 1 token; [1,0] -> 2 tokens; last: 1 left
-    rep = replay(
-        [True, True, True, False, True, False, True], None, make_policy("fixed", 2, 2, costs)
-    )
-    assert (rep.rounds, rep.tokens, rep.target_steps) == (4, 7, 0)
-    per_round = costs.round_cost(2)
-    # budget shrinks at the end: the last round (1 token left) drafts max(1, 0) = 1
-    assert rep.drafts == 2 + 2 + 2 + 1
-    assert rep.cost == pytest.approx(3 * per_round + costs.round_cost(1))
-    assert rep.figures()["speedup"] == pytest.approx(round(7 / rep.cost, 3))

@@ -27,6 +27,9 @@ from tests.decode.test_speculative import greedy_reference, left_pad, prompts, t
 
 MASK = 2
 K = 3
+# confidence: this random drafter's top q lies near 1/64 (0.019..0.021): a p_min among those
+# stops some rounds early and some before any draft (plain target steps)
+P_MIN = 0.0197
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +69,7 @@ def _start(dec: SpeculativeDecoder, ids: torch.Tensor, mask0: torch.Tensor):
     mask = torch.zeros(b, dec.spec_capacity(b, plen), dtype=torch.bool)
     mask[:, :plen] = mask0
     mask[:, plen - 1 : plen + K] = True  # the round's slots (the loop opens them for rows)
-    dec.drafting.start(
-        ids, mask0, mask, dense, dec.spec_slots(b, plen), False, dec.drafter_cut(plen)
-    )
+    dec.drafting.start(ids, mask0, mask, dense, dec.spec_slots(b, plen), dec.drafter_cut(plen))
     return ids[:, -1], mask0.long().sum(1) - 1
 
 
@@ -119,15 +120,19 @@ def test_greedy_identity_with_a_cut(pair, drafting, cache, draft_length):
     target, drafter = pair
     cfg = DecoderConfig(gamma=K, max_new_tokens=20, drafter_context=4, drafting=drafting,
                         mask_token_id=MASK if drafting == "parallel" else None, cache=cache,
-                        draft_length=draft_length, max_draft=4, draft_floor=False)  # fmt: skip
+                        draft_length=draft_length, max_draft=4, p_min=P_MIN)  # fmt: skip
     dec = SpeculativeDecoder(target, drafter, cfg)
     rows = prompts(6, 64, seed=11)
     accepted = trials = 0
+    lengths = set()  # draft lengths the rounds verified
     for row in rows:
         out = dec.generate(torch.tensor([row]))
         assert out.tokens[0] == greedy_reference(target, row, 20)
         accepted, trials = accepted + out.accepted, trials + out.trials
+        lengths |= {k for k, n in enumerate(out.draft_lengths) if n}
     assert 0 < accepted < trials  # q drafts and is sometimes wrong: the rounds roll back
+    if draft_length == "confidence":  # rounds stopped at different drafts, some at none
+        assert 0 in lengths and len(lengths) > 2
     ids, mask = left_pad(rows)
     out = dec.generate(ids, mask)
     assert out.tokens == [greedy_reference(target, r, 20) for r in rows]

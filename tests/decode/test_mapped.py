@@ -121,7 +121,7 @@ def test_greedy_identity_batched(bpe_pair, context, cache, draft_length):
     rows = [t_tok(x).input_ids for x in TEXTS]
     ids, mask = pad_rows(rows, t_tok.pad_token_id)
     dec = decoder(bpe_pair, context, gamma=3, max_new_tokens=14, cache=cache,
-                  draft_length=draft_length, draft_scope="row")  # fmt: skip
+                  draft_length=draft_length)  # fmt: skip
     out = dec.generate(ids, mask)
     for r, row in enumerate(rows):
         assert out.tokens[r] == greedy_reference(target, row, 14), r

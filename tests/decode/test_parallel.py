@@ -105,8 +105,8 @@ def test_mask_slots_are_rolled_back(pair, monkeypatch, rows, cache):
     seen = []
     real = ParallelDrafter.propose
 
-    def spy(self, t, pos, k, generator, keep_drafting=None, shadow=0):
-        prop = real(self, t, pos, k, generator, keep_drafting, shadow)
+    def spy(self, t, pos, k, generator, keep_drafting=None):
+        prop = real(self, t, pos, k, generator, keep_drafting)
         seen.append((pos.tolist(), prop.q))
         return prop
 

@@ -17,7 +17,7 @@ import torch
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.cache import rollback_problem
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
-from specdistill.decode.validate.timing import measure_c
+from specdistill.decode.validate.timing import step_costs
 from tests.decode.sliding_models import FACTORIES, WINDOW
 from tests.decode.test_speculative import greedy_reference, left_pad, prompts
 
@@ -74,13 +74,17 @@ def test_sliding_greedy_lossless_batched(pair, cache, gamma):
     assert out.accepted < out.trials  # rows left holes: the window is counted in real tokens
 
 
-def test_sliding_measure_c_rolls_back_past_the_window(pair):
+def test_sliding_step_costs_roll_back_past_the_window(pair):
+    """`step_costs` (validate's c and verify cost) runs and rolls back both models' caches at a
+    context 4x the window; a decode afterwards is still token-identical."""
     _, target, drafter = pair
     for cache in ("dynamic", "static"):
         dec = SpeculativeDecoder(target, drafter, DecoderConfig(gamma=4, cache=cache))
-        ids = torch.tensor([prompts(2, 64, seed=1)[1] * 2])  # 24 tokens: 4x the window
-        c, verify = measure_c(dec, ids, iters=2, gamma=4)
+        row = prompts(2, 64, seed=1)[1] * 2  # 24 tokens: 4x the window
+        c, verify = step_costs(dec, torch.tensor([row]), iters=2, gamma=4)
         assert c > 0 and verify > 0
+        want = greedy_reference(target, row, DecoderConfig().max_new_tokens)
+        assert dec.generate(torch.tensor([row])).tokens[0] == want
 
 
 def test_uncroppable_caches_are_refused_with_one_line():

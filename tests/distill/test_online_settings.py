@@ -31,9 +31,8 @@ def test_online_yaml_defaults_equal_the_dataclass_defaults():
         if f.default is not dataclasses.MISSING
     }
     assert {k: getattr(s, k) for k in defaults} == defaults
-    assert s.decoder == DecoderSettings(draft_length="fixed", cpu_matmul="linear") and [g.label for g in s.segments] == [
-        "toy-test", "stdlib-mail", "stdlib-numeric"
-    ]  # fmt: skip
+    assert s.decoder == DecoderSettings(draft_length="fixed")
+    assert [g.label for g in s.segments] == ["toy-test", "stdlib-mail", "stdlib-numeric"]
 
 
 def test_typed_values_and_the_gate_by_serving_mode():
@@ -43,20 +42,20 @@ def test_typed_values_and_the_gate_by_serving_mode():
     assert OnlineSettings.from_cfg(_cfg()).gate == GATE_GREEDY
     assert OnlineSettings.from_cfg(_cfg("decoder=sampling")).gate == GATE_SAMPLING
     assert OnlineSettings.from_cfg(_cfg("gate_agreement=null")).gate is None
-    # the decoder group's adaptive default is fixed gamma online, in both serving modes
+    # fixed-gamma rounds online, in both serving modes
     assert OnlineSettings.from_cfg(_cfg()).decoder.draft_length == "fixed"
     assert OnlineSettings.from_cfg(_cfg("decoder=sampling")).decoder.draft_length == "fixed"
-    # and one CPU linear layout (a timed choice would decode a resumed run with other bits)
-    assert OnlineSettings.from_cfg(_cfg("decoder=sampling")).decoder.cpu_matmul == "linear"
 
 
 @pytest.mark.parametrize(
     ("override", "message"),
     [
         ("window=0", "window=0 must be a positive integer"),
-        ("decoder.gamma=auto", "decoder.gamma=auto is not supported online"),
+        ("decoder.gamma=auto", "decoder.gamma=auto was removed"),
         ("decoder.draft_length=confidence", "decoder.draft_length=confidence is not supported"),
-        ("decoder.cpu_matmul=auto", "decoder.cpu_matmul=auto is not supported online"),
+        ("decoder.draft_length=heuristic", "decoder.draft_length=heuristic is not supported"),
+        ("decoder.drafting=parallel", "decoder.drafting=parallel is not supported online"),
+        ("+decoder.cpu_matmul=linear", "decoder.cpu_matmul was removed"),
         ("decoder.cache=paged", "decoder.cache='paged'"),
         ("gate_agreement=2", "gate_agreement=2 must be a cosine"),
     ],

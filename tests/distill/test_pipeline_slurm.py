@@ -243,7 +243,7 @@ def _rows(run: Path) -> list[str]:
             continue
         if line.startswith("|"):
             line = "|".join(line.split("|")[:3])
-        elif line.startswith("Predicted from"):  # its costs are timed, so its speedups move
+        elif line.startswith("Predicted from"):  # priced with validate's timed c: speedups move
             line = re.sub(r"\d+(\.\d+)?", "N", line)
         rows.append(line)
     return rows

@@ -250,9 +250,9 @@ def test_summary_carries_the_heldout_prediction():
 
 
 def test_an_uncalibrated_prediction_is_priced_with_validates_measured_costs():
-    """The distill stage without its target prices rounds with the default cost model; the
-    summary re-prices the same outcomes with the c and verify cost validate measured (and says
-    so), and the cost model it builds reproduces the measured verify exactly."""
+    """The distill stage without configured costs prices rounds with the default cost model;
+    the summary re-prices the same outcomes with the c and verify cost validate measured (and
+    says so), and the cost model it builds reproduces the measured verify exactly."""
     from specdistill.distill.pipeline.report import prediction_lines
     from specdistill.distill.train.predict import (
         UNCALIBRATED,
@@ -265,46 +265,54 @@ def test_an_uncalibrated_prediction_is_priced_with_validates_measured_costs():
 
     rows = [([True, True, False, True, True, True], [0.9, 0.8, 0.3, 0.95, 0.9, 0.7])] * 3
     assert unpack_outcomes(pack_outcomes(rows)) == rows
-    default = predict(rows, gamma=4, max_draft=8, costs=costs_from_validate(0.4, 1.2, 4))
-    pred = {"exact": True, "rows": 3, "gamma": 4, "max_draft": 8, "figures": default,
+    knobs = {"gamma": 4, "max_draft": 8, "p_min": 0.75}
+    default = predict(rows, **knobs, costs=costs_from_validate(0.4, 1.2, 4))
+    pred = {"exact": True, "rows": 3, **knobs, "figures": default,
             "costs": {"c": 0.4, "source": UNCALIBRATED}, "outcomes": pack_outcomes(rows)}  # fmt: skip
     validate = {"c": 0.175, "verify_cost": 1.54, "gamma": 4}
     got = reprice(pred, validate)
     costs = costs_from_validate(0.175, 1.54, 4)
     assert abs(costs.round_cost(4) - (4 * 0.175 + 1.54)) < 1e-12
-    assert got["figures"] == predict(rows, gamma=4, max_draft=8, costs=costs)
+    assert got["figures"] == predict(rows, **knobs, costs=costs)
     assert got["figures"]["gamma=4"]["speedup"] > default["gamma=4"]["speedup"]
+    # tau, draft lengths and acceptance do not read costs: only the speedups move
+    for name, f in got["figures"].items():
+        assert {k: v for k, v in f.items() if k != "speedup"} == {
+            k: v for k, v in default[name].items() if k != "speedup"
+        }
     line = "\n".join(prediction_lines(got))
     assert "measured by validate (c 0.175, a 5-token verify 1.54 target steps)" in line
-    # nothing measured, or a prediction that was measured in distill: left as it was
+    # nothing measured, or a prediction priced with configured costs: left as it was
     assert reprice(pred, {}) is pred
-    measured = {k: v for k, v in pred.items() if k != "outcomes"}
-    assert reprice(measured, validate) is measured
+    configured = {k: v for k, v in pred.items() if k != "outcomes"}
+    assert reprice(configured, validate) is configured
     assert "uncalibrated" in "\n".join(prediction_lines(pred))
+    # a prediction written before p_min was recorded replays at the decoder's default
+    old = {k: v for k, v in pred.items() if k != "p_min"}
+    assert reprice(old, validate)["figures"] == got["figures"]
 
 
 @pytest.mark.parametrize("verify_cost", [0.678, 0.95, 1.0, 1.54])
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_validates_costs_never_price_a_draft_below_nothing(verify_cost, gamma):
     """The cost model built from validate's c and (gamma+1)-token verify reproduces that verify
-    exactly, and no verify gets cheaper as drafts are added, also where the measured verify
-    costs under one target step (a CPU whose 2-row GEMM beats its 1-row GEMV): so no round is
-    priced under its own drafting plus that verify, and a replayed speedup stays under what its
-    tau would give at that price (a negative per-draft slope printed 7.6e11x)."""
+    where it costs at least one target step, and prices one that cost less (a CPU whose 2-row
+    GEMM beats its 1-row GEMV) as one: no verify gets cheaper as drafts are added, no round is
+    priced under its drafting plus one target step, and a replayed speedup stays under what
+    its tau would give at that price (a negative per-draft slope once printed 7.6e11x)."""
     from specdistill.distill.train.predict import costs_from_validate, predict
 
     c = 0.1728
     costs = costs_from_validate(c, verify_cost, gamma)
-    assert abs(costs.verify_cost(gamma) - verify_cost) < 1e-12
-    verify = [costs.verify_cost(k) for k in range(1, 16)]
+    assert abs(costs.round_cost(gamma) - (gamma * c + max(verify_cost, 1.0))) < 1e-12
+    verify = [costs.round_cost(k) - k * c for k in range(1, 16)]
     assert all(b >= a - 1e-12 for a, b in itertools.pairwise(verify))
-    floor = min(verify_cost, 1.0)
     for k in range(1, 16):
-        assert costs.round_cost(k) >= k * c + floor - 1e-12
+        assert costs.round_cost(k) >= k * c + 1.0 - 1e-12
     rows = [([True] * 40 + [False], [0.99] * 41)] * 2  # long accepted runs: long rounds
-    for name, f in predict(rows, gamma=4, max_draft=8, costs=costs).items():
-        # a round of k drafts emits at most k + 1 tokens and costs at least k c + floor
-        assert f["speedup"] <= max((k + 1) / (k * c + floor) for k in range(1, 9)) + 1e-9, name
+    for name, f in predict(rows, gamma=4, max_draft=8, p_min=0.75, costs=costs).items():
+        # a round of k drafts emits at most k + 1 tokens and costs at least k c + 1
+        assert f["speedup"] <= max((k + 1) / (k * c + 1.0) for k in range(1, 9)) + 1e-9, name
 
 
 def _bucket(name, alpha, speedup, c=0.2):

@@ -124,21 +124,25 @@ def test_cli_prints_one_line_error_and_exits_2(distill_cfg, tmp_path):
 @pytest.mark.slow  # ~1 min on 2 shared CPU cores (target continuations, a few steps, replays)
 def test_result_predicts_decode_figures_from_the_heldout_set(distill_cfg, tmp_path, seqkd_dir):
     """Greedy serving on the target's own continuations: result.json carries best/'s replayed
-    decode figures (exact replay, costs measured on the pair) for fixed gamma and both policies;
-    tau of fixed gamma 4 is 1 + the expected accepted prefix, so it sits in [1, 5] and rises
-    with the greedy agreement."""
+    decode figures (exact replay; nothing timed: default costs, outcomes kept for validate's)
+    for fixed gamma and both policies; tau of fixed gamma 4 is 1 + the expected accepted
+    prefix, so it sits in [1, 5] and rises with the greedy agreement."""
     cfg = distill_cfg(
         tmp_path / "run", f"data.path={seqkd_dir}", "max_steps=4", "eval_every=4",
         "eval.source=target", "eval.sampling.temperature=0", "eval.limit=4",
         "eval.max_new_tokens=16",
     )  # fmt: skip
+    from specdistill.distill.train.predict import UNCALIBRATED
+
     res = train.run(cfg)
     pred = json.loads((tmp_path / "run" / "result.json").read_text())["heldout_prediction"]
-    assert pred["exact"] and pred["rows"] == 4 and pred["costs"]["source"] == "measured"
+    assert pred["exact"] and pred["rows"] == 4 and pred["costs"]["source"] == UNCALIBRATED
+    assert len(pred["outcomes"]) == 4 and (pred["gamma"], pred["p_min"]) == (4, 0.75)
     assert set(pred["figures"]) == {"gamma=4", "heuristic", "confidence"}
     fixed = pred["figures"]["gamma=4"]
     assert 1.0 <= fixed["tau"] <= 5.0 and fixed["mean_draft_length"] <= 4.0
     assert fixed["target_step_share"] == 0.0 and fixed["speedup"] > 0
+    assert len(fixed["acceptance_by_position"]) <= 4
     # all-rejected drafts give tau 1, all-accepted 5: agreement in between lands in between
     assert (fixed["tau"] > 1.0) == (res.greedy_agreement_after > 0.0)
 
