@@ -144,7 +144,7 @@ CLI_CASES = [
     ("pipeline", ["serving.sampling.top_p=2"], "serving.sampling.top_p=2.0"),
     # the per-key spellings the spec replaced, added the way Hydra's own message suggests
     ("generate", ["+do_sample=true"], "do_sample was replaced"),
-    ("validate", ["+decoder.temperature=0.7"], "decoder.temperature was replaced"),
+    ("validate", ["+decoder.temperature=0.7"], "decoder.temperature was removed"),
     ("distill", ["+eval.top_p=0.9"], "eval.top_p was replaced"),
     ("pipeline", ["+serving.temperature=0.7"], "serving.temperature was replaced"),
 ]

@@ -94,28 +94,83 @@ def transformers_usage(target: str, drafter: str, *, own_tokenizer: bool = False
     ]
 
 
+def engine_settings(report: dict[str, Any] | None) -> dict[str, Any]:
+    """The K to serve with and the engines' flags for it. K: the validate report's recommended K
+    (the cost model's argmax over measured acceptance by position) at the first cost model a
+    user gave for batch 1 (their hardware), else at the validating machine's costs; else the K
+    validate ran; else the default. A recommendation no K pays at is kept, and said so."""
+    rec = (report or {}).get("recommended_k") or {}
+    by_cost = rec.get("by_cost") or []
+    users = [e for e in by_cost[1:] if e.get("batch", 1) == 1]
+    chosen = (users or by_cost or [None])[0]
+    if chosen is not None:
+        k = int(chosen["k"])
+        source = (
+            f"recommended by validate for {chosen['label']}: modeled speedup "
+            f"{chosen['speedup']}x at c {chosen['c']}, verify +{chosen['verify_per_token']} "
+            f"per draft, from acceptance by position up to K={rec.get('max_k')}"
+        )
+        if not chosen.get("pays", True):
+            source += " (no K beats target-only decoding at these costs)"
+    elif report:
+        k, source = int(report["gamma"]), "the K validate ran (its report has no recommendation)"
+    else:
+        k, source = DEFAULT_GAMMA, "the default (no validate report was given)"
+    return {
+        "k": k,
+        "source": source,
+        "by_batch": {str(e.get("batch", 1)): e["k"] for e in by_cost[1:]} or None,
+        "vllm": {"num_speculative_tokens": k},
+        "sglang": {"--speculative-num-steps": k, "--speculative-num-draft-tokens": k + 1},
+        "llama_cpp": {"--spec-draft-n-max": k},
+    }
+
+
+def engine_section(settings: dict[str, Any]) -> list[str]:
+    """The card's recommended K and each engine's flag for it."""
+    k = settings["k"]
+    lines = [
+        "## Recommended number of drafts (K)",
+        "",
+        f"**K = {k}**: {settings['source']}.",
+        "",
+        f"- vLLM: `num_speculative_tokens={k}`",
+        f"- SGLang: `--speculative-num-steps {k} --speculative-num-draft-tokens {k + 1}`",
+        f"- llama.cpp: `--spec-draft-n-max {k}`",
+    ]
+    if settings.get("by_batch"):
+        per = ", ".join(f"batch {b}: K={n}" for b, n in settings["by_batch"].items())
+        lines.append(f"- per batch size, at the costs given for each: {per}")
+    return [*lines, ""]
+
+
 def self_check_section(check: dict[str, Any]) -> list[str]:
     """What the self-check found on the written folder, one line a finding."""
     return ["## Self-check at export", "", *[f"- {k}: {v}" for k, v in check.items()], ""]
 
 
+def _positions(values: list[float] | None) -> str | None:
+    return " ".join(f"{x:.2f}" for x in values) if values else None
+
+
 def _figures(report: dict[str, Any]) -> list[str]:
+    modes = report.get("modes") or {}
+    greedy, sampled = modes.get("greedy") or {}, modes.get("sampling") or {}
     hf = report.get("hf_assisted") or {}
+    k = report.get("gamma")
     rows = [
+        (f"tau at K={k} (tokens per round, bonus included), greedy", report.get("tau")),
+        (f"tau at K={k}, temperature 1", report.get("tau_sampled")),
+        ("acceptance by draft position, greedy", _positions(greedy.get("acceptance_by_position"))),
+        ("acceptance by draft position, temperature 1", _positions(sampled.get("acceptance_by_position"))),
         ("alpha, greedy (decode-time acceptance rate)", report.get("alpha")),
         ("alpha at temperature 1 (decode-time)", report.get("alpha_sampled")),
-        ("tau: tokens per target forward, greedy", report.get("tau")),
-        ("tau at temperature 1", report.get("tau_sampled")),
-        ("gamma (drafted tokens per round)", report.get("gamma")),
-        ("c (drafter / target step time)", report.get("c")),
-        ("speedup over target-only decoding (measured)", report.get("speedup")),
-        (
-            "theoretical speedup (cost model: alpha, c, draft lengths)",
-            report.get("theoretical_speedup"),
-        ),
-        ("`transformers` assisted generation speedup", hf.get("speedup")),
         ("output identical to the target's (greedy)", report.get("lossless")),
-    ]
+        (f"speedup over target-only decoding, measured on {report.get('machine') or 'the validating machine'}", report.get("speedup")),
+        ("c there (drafter / target step time)", report.get("c")),
+        ("modeled speedup at that c (cost model)", report.get("theoretical_speedup")),
+        ("`transformers` assisted generation speedup there", hf.get("speedup")),
+    ]  # fmt: skip
     lines = ["| figure | value |", "| --- | --- |"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in rows]
     return lines
@@ -243,9 +298,10 @@ def _measured(report: dict[str, Any] | None) -> list[str]:
         f"Measured by `specdistill.decode.validate.stage` on {report.get('prompts')} held-out prompts "
         f"x {report.get('max_new_tokens')} new tokens, batch {report.get('batch_size')}, "
         f"on {report.get('device')} in {report.get('dtype')}, median of "
-        f"{report.get('repeats')} timed repeats. alpha is the decode-time acceptance rate of "
-        "drafted tokens; greedy figures come from greedy decoding, the temperature-1 ones "
-        "from sampling at temperature 1.",
+        f"{report.get('repeats')} timed repeats, K={report.get('gamma')} drafts a round. tau and "
+        "acceptance by position are the same on any machine; the speed figures are the "
+        "validating machine's. Greedy figures come from greedy decoding, the temperature-1 "
+        "ones from sampling at temperature 1.",
         "",
         *_figures(report),
     ]
@@ -281,7 +337,8 @@ def _serving(target: str, drafter: str, gamma: int) -> list[str]:
 def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, Any] | None) -> str:
     """README.md for the exported folder (result: an ExportResult)."""
     target = result.target
-    gamma = int(report["gamma"]) if report else DEFAULT_GAMMA
+    engines = engine_settings(report)
+    gamma = engines["k"]
     lines = [
         *front_matter("speculative-decoding, draft-model, specdistill"),
         f"# {Path(result.output_dir).name}: a drafter aligned to {target}",
@@ -297,6 +354,7 @@ def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, An
         *_measured(report),
         "",
         *vllm_section(result.vllm),
+        *engine_section(engines),
         *_serving(target, result.output_dir, gamma),
         *parallel_section(result, target, gamma),
         *self_check_section(result.check),

@@ -48,7 +48,7 @@ from specdistill.distill.export.align import (
     resize_vocab_rows,
     target_generation,
 )
-from specdistill.distill.export.card import model_card, usage_command
+from specdistill.distill.export.card import engine_settings, model_card, usage_command
 from specdistill.distill.export.head import pad_head_rows, write_token_map
 from specdistill.distill.export.in_vllm import check_vllm_settings, validate_exported
 from specdistill.distill.export.settings import ExportSettings
@@ -80,6 +80,8 @@ class ExportResult:
     draft_vocab: int = 0  # config.json draft_vocab_ids: tokens our decoder's head scores (0: all)
     padded_head_rows: int = 0  # rows outside a trained-over draft vocabulary set to never win
     mapped: dict[str, Any] | None = None  # its own tokenizer: how to serve it (export/mapped.py)
+    # the K to serve with and each engine's flag for it (card.engine_settings)
+    engine_settings: dict[str, Any] | None = None
 
 
 def check_destination(out: Path, overwrite: bool) -> None:
@@ -260,7 +262,7 @@ def prepare_mapped(
     mapping = export_mapped.mapping_of(spec, folder)
     model = _load(settings, spec, source)
     rows = int(model.get_output_embeddings().weight.shape[0])
-    gamma = int(report["gamma"]) if report else 4
+    gamma = engine_settings(report)["k"]
     out = str(settings.output_dir)
     return Prepared(
         model,
@@ -348,6 +350,7 @@ def run(cfg: DictConfig) -> ExportResult:
             check=check,
             report=settings.report if report else None,
             vllm=vllm_figures,
+            engine_settings=engine_settings(report),
             **prepared.fields,
         )
         (tmp / "README.md").write_text(

@@ -33,6 +33,8 @@ SUMMARY_KEYS = {
         "alpha_sampled",
         "tau",
         "tau_sampled",
+        "acceptance_by_position",
+        "recommended_k",
         "modes",
         "gamma",
         "c",
@@ -42,25 +44,30 @@ SUMMARY_KEYS = {
         "lossless",
         "device",
         "dtype",
+        "machine",
     ),
     "export": ("output_dir", "usage", "vocab_size", "dtype", "vllm"),
 }
 
-# (label, how it was measured, stage, key): `{T}` is the sampling side's temperature.
+# (label, how it was measured, stage, key): `{T}` is the sampling side's temperature, `{K}` the
+# drafts a round. Acceptance first (no clock: the same on every machine), then this machine's speed.
 ROWS = [
-    ("alpha, greedy", "decode-time acceptance, every draft (prompt lookup's too)", "validate", "greedy.alpha"),
-    ("alpha, temperature {T}", "decode-time acceptance, every draft (prompt lookup's too)", "validate", "sampling.alpha"),
+    ("tau at K={K} (tokens per round, bonus included), greedy", "decode-time", "validate", "greedy.tau"),
+    ("tau at K={K}, temperature {T}", "decode-time", "validate", "sampling.tau"),
+    ("acceptance by draft position, greedy", "decode-time, each given the drafts before it were accepted", "validate", "greedy.acceptance_by_position"),
+    ("acceptance by draft position, temperature {T}", "decode-time, each given the drafts before it were accepted", "validate", "sampling.acceptance_by_position"),
     ("the drafter's own alpha, greedy", "decode-time acceptance, the drafter's drafts only", "validate", "greedy.drafter_alpha"),
     ("the drafter's own alpha, temperature {T}", "decode-time acceptance, the drafter's drafts only", "validate", "sampling.drafter_alpha"),
-    ("tau (tokens per target forward), greedy", "decode-time", "validate", "greedy.tau"),
-    ("tau, temperature {T}", "decode-time", "validate", "sampling.tau"),
-    ("speedup over target-only (measured), greedy", "wall clock: median (range) of repeats", "validate", "greedy.speedup"),
-    ("speedup over target-only (measured), temperature {T}", "wall clock: median (range) of repeats", "validate", "sampling.speedup"),
-    ("tokens per second, greedy: target-only / speculative", "wall clock: medians of repeats", "validate", "greedy.rates"),
-    ("theoretical speedup, serving mode", "cost model: alpha, c, draft lengths", "validate", "theoretical_speedup"),
-    ("HF assisted speedup, same pair", "wall clock, serving mode", "validate", "hf_speedup"),
-    ("rounds drafted by prompt lookup, serving mode", "share of rounds (acceptance)", "validate", "lookup"),
+    ("alpha, greedy", "decode-time acceptance, every draft (prompt lookup's too)", "validate", "greedy.alpha"),
+    ("alpha, temperature {T}", "decode-time acceptance, every draft (prompt lookup's too)", "validate", "sampling.alpha"),
     ("lossless (output = target's)", "token-identical, greedy", "validate", "lossless"),
+    ("recommended K (modeled speedup), serving mode", "cost model over acceptance by position, at this machine's c", "validate", "recommended"),
+    ("rounds drafted by prompt lookup, serving mode", "share of rounds (acceptance)", "validate", "lookup"),
+    ("speedup over target-only, this machine, greedy", "wall clock: median (range) of repeats", "validate", "greedy.speedup"),
+    ("speedup over target-only, this machine, temperature {T}", "wall clock: median (range) of repeats", "validate", "sampling.speedup"),
+    ("tokens per second, greedy: target-only / speculative", "wall clock: medians of repeats", "validate", "greedy.rates"),
+    ("modeled speedup at this machine's c, serving mode", "cost model: the decode's rounds, c, verify cost", "validate", "theoretical_speedup"),
+    ("HF assisted speedup, same pair", "wall clock, serving mode", "validate", "hf_speedup"),
     ("held-out alpha, {mode}", "{how}", "distill", "alpha"),
     ("held-out greedy agreement", "argmax q = argmax p on {data}", "distill", "agree"),
 ]  # fmt: skip
@@ -115,13 +122,21 @@ def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> An
     if key == "hf_speedup":
         return (v.get("hf_assisted") or {}).get("speedup")
     if key == "lookup":  # decoder.lookup (decode/lookup.py): copied from the context, no drafter
-        lk = (v.get("draft_figures") or {}).get("lookup")
+        lk = v.get("lookup")
         return f"{lk['round_share']:.2f} ({lk['acceptance']:.2f})" if lk else None
+    if key == "recommended":  # validate.stage.recommendation: this machine's costs first
+        by_cost = (v.get("recommended_k") or {}).get("by_cost") or []
+        if not by_cost:
+            return None
+        e = by_cost[0]
+        return f"{e['k']} ({_shown(e['speedup'])}x at c {_shown(e['c'])})"
     if "." in key:
         mode, name = key.split(".")
         if name == "rates":  # the absolute speed beside the ratio: what the thread count buys
             return _rates(v, mode)
         got = mode_value(v, mode, name)
+        if name == "acceptance_by_position":
+            return " ".join(f"{x:.2f}" for x in got) if got else None
         if name == "drafter_alpha" and mode_value(v, mode, "drafter_trials") == 0:
             return NO_OWN_DRAFTS
         tested = mode_value(v, mode, "trials_at")  # per position; absent in older reports
@@ -174,7 +189,8 @@ def comparison_table(stages: dict[str, dict]) -> list[str]:
         "| figure | how measured | base drafter | distilled drafter |",
         "| --- | --- | --- | --- |",
     ]
-    fill = {"T": _sampling_temperature(stages), **_distill_labels(stages)}
+    v = stages.get("validate") or stages.get("validate_base") or {}
+    fill = {"T": _sampling_temperature(stages), "K": v.get("gamma"), **_distill_labels(stages)}
     for label, how, stage, key in ROWS:
         base, dist = _value(stages, stage, key, False), _value(stages, stage, key, True)
         if base is None and dist is None:
@@ -202,15 +218,14 @@ LONG_SIDES = (  # long_context.enabled (issue 36): held-out long prompts
     ("validate_long", "long-trained"),
 )
 _BUCKET_FIGURES = (  # (mode, key, header): a column appears when a side reported that figure
-    ("greedy", "alpha", "alpha, greedy"),
-    ("greedy", "drafter_alpha", "the drafter's own alpha, greedy (drafts tested)"),
-    ("sampling", "alpha", "alpha, temperature {t}"),
-    ("sampling", "drafter_alpha", "the drafter's own alpha, temperature {t} (drafts tested)"),
     ("greedy", "tau", "tau, greedy"),
-    ("greedy", "speedup", "speedup, greedy"),
-    ("greedy", "decode_speedup", "speedup, decode only, greedy"),
-    ("sampling", "speedup", "speedup, temperature {t}"),
-    ("sampling", "decode_speedup", "speedup, decode only, temperature {t}"),
+    ("sampling", "tau", "tau, temperature {t}"),
+    ("greedy", "drafter_alpha", "the drafter's own alpha, greedy (drafts tested)"),
+    ("sampling", "drafter_alpha", "the drafter's own alpha, temperature {t} (drafts tested)"),
+    ("greedy", "alpha", "alpha, greedy"),
+    ("sampling", "alpha", "alpha, temperature {t}"),
+    ("greedy", "speedup", "speedup, greedy, this machine"),
+    ("sampling", "speedup", "speedup, temperature {t}, this machine"),
 )
 
 
@@ -219,7 +234,7 @@ def bucket_table(
 ) -> list[str]:
     """One per-bucket table when the validate reports of `sides` have context-length buckets
     (long prompt sets, decode/validate/buckets.py): the sides' figures in each cell, in order;
-    c, the verify cost, prefill and KV memory are the last side's that ran (the trained
+    c, the verify cost and KV memory are the last side's that ran (the trained
     drafter's; the base's when it alone ran). A figure's column appears only when some side
     reported it: a mode's only where a side decoded in it (the long leg decodes the serving
     mode only), the drafter's own alpha only from reports that count it."""
@@ -236,22 +251,21 @@ def bucket_table(
     ran = {(m, k) for step, _ in present for r in rows[step].values()
            for m, fig in r.get("modes", {}).items() for k in fig}  # fmt: skip
     figures = [(m, k, h.format(t=t)) for m, k, h in _BUCKET_FIGURES if (m, k) in ran]
-    if ("greedy", "decode_speedup") in ran:  # one decode-only column: greedy's when it ran
-        figures = [f for f in figures if f[:2] != ("sampling", "decode_speedup")]
     labels = " / ".join(label for _, label in present)
     heads = ["bucket", "prompts (mean tokens)", *(h for _, _, h in figures),
-             "c / verify cost", "prefill s, target / drafter", "KV MiB, target / drafter"]  # fmt: skip
+             "c / verify cost", "KV MiB, target / drafter"]  # fmt: skip
     lines = [
         "",
-        f"By context-length bucket (decode-time, {labels} drafter; speedups end to end, "
-        "prefills included, median (range) of repeats; c and the verify cost timed at the bucket's length):",
+        f"By context-length bucket (decode-time, {labels} drafter; speedups end to end on this "
+        "machine, prefills included, median (range) of repeats; c and the verify cost timed at "
+        "the bucket's length):",
         "",
         "| " + " | ".join(heads) + " |",
         "|" + " --- |" * len(heads),
     ]
     for name in names:
         own = next(rows[step][name] for step, _ in reversed(present) if name in rows[step])
-        pf, kv = own["prefill_seconds"], own["kv_cache"]
+        kv = own["kv_cache"]
         cells = [
             f"{own['prompts']} ({own['mean_prompt_tokens']:g})",
             *(
@@ -259,7 +273,6 @@ def bucket_table(
                 for mode, key, _ in figures
             ),
             f"{_shown(own['c'])} / {_shown(own['verify_cost'])}",
-            f"{_shown(pf['target'])} / {_shown(pf['drafter'])}",
             f"{kv['target_bytes'] / 2**20:.1f} / {kv['drafter_bytes'] / 2**20:.1f}",
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -290,13 +303,11 @@ def long_context_lines(stages: dict[str, dict]) -> list[str]:
 
 
 def decoder_words(v: dict[str, Any]) -> str:
-    """How a validate report drafted: `gamma G`, or the adaptive policy and its most drafts."""
-    dec = (v.get("config") or {}).get("decoder") or {}
-    policy = dec.get("draft_length", "fixed")
+    """How a validate report drafted: `K=G drafts a round`, or the policy and its most drafts."""
+    policy = v.get("draft_length", "fixed")
     if policy == "fixed":
-        return f"gamma {v.get('gamma')}"
-    most = (v.get("draft_figures") or {}).get("max_draft", dec.get("max_draft"))
-    return f"draft length `{policy}` (at most {most} drafts a round)"
+        return f"K={v.get('gamma')} drafts a round (fixed, as the engines serve)"
+    return f"draft length `{policy}` (at most {v.get('max_draft')} drafts a round)"
 
 
 def summary_markdown(
@@ -313,8 +324,9 @@ def summary_markdown(
             f"Decode-time figures: `specdistill.decode.validate.stage`, {v.get('prompts')} held-out "
             f"prompts x {v.get('max_new_tokens')} new tokens{_repeats(v)}, {decoder_words(v)}, "
             f"{v.get('device')} / {v.get('dtype')}, both serving modes (greedy and sampling). "
-            "Held-out alpha: the distill stage's expected acceptance (not decoded) that picked "
-            "the shipped checkpoint.",
+            "Acceptance figures are the same on any machine; speed figures are this machine's"
+            f" ({v.get('machine') or 'n/a'}). Held-out alpha: the distill stage's expected "
+            "acceptance (not decoded) that picked the shipped checkpoint.",
             "",
         ]
     lines += comparison_table(stages)

@@ -38,8 +38,7 @@ def test_modes_side_by_side(tmp_path, toy_tiny):
     assert saved["modes"] == rows
     table = (tmp_path / "modes.md").read_text()
     assert (
-        "| figure | eager | static | compiled-drafter |" in table
-        and "decoder_efficiency" in table
+        "| figure | eager | static | compiled-drafter |" in table and "decoder_efficiency" in table
     )
     assert all(r["warmup_seconds"] >= 0 and r["c"] > 0 for r in rows)
 

@@ -186,8 +186,58 @@ def test_bf16_sharded_export_with_report_figures(tmp_path, toy_tiny):
     assert res.check["min_positions"] == 100 + 48 + 3 + 1
     card = (out / "README.md").read_text()
     assert "| alpha at temperature 1 (decode-time) | 0.42 |" in card
-    assert "| speedup over target-only decoding (measured) | 1.23 |" in card
+    assert (
+        "| speedup over target-only decoding, measured on the validating machine | 1.23 |" in card
+    )
+    assert "| tau at K=3 (tokens per round, bonus included), greedy | 2.5 |" in card
+    # no recommendation in the report: the engines get the K validate ran
     assert '"num_speculative_tokens": 3' in card and "--speculative-num-steps 3" in card
+    assert res.engine_settings["k"] == 3 and "the K validate ran" in res.engine_settings["source"]
+
+
+def test_export_writes_the_recommended_k_as_the_engines_settings(tmp_path, toy_tiny):
+    """validate's recommended K reaches export.json and the card as vLLM's, SGLang's and
+    llama.cpp's settings: at the user's batch-1 cost model when one was given (their hardware),
+    with the per-batch Ks beside it."""
+    by_cost = [
+        {"label": "this machine (cpu)", "batch": 1, "c": 0.4, "verify_per_token": 0.05, "k": 2,
+         "speedup": 1.1, "pays": True},
+        {"label": "cost_model (batch 1)", "batch": 1, "c": 0.05, "verify_per_token": 0.0,
+         "k": 6, "speedup": 2.4, "pays": True},
+        {"label": "cost_model (batch 8)", "batch": 8, "c": 0.05, "verify_per_token": 0.1,
+         "k": 3, "speedup": 1.6, "pays": True},
+    ]  # fmt: skip
+    report = {
+        "drafter": str(toy_tiny.drafter_dir), "alpha": 0.6, "tau": 2.5, "gamma": 4,
+        "speedup": 1.2, "prompts": 8, "max_new_tokens": 48, "batch_size": 1, "repeats": 1,
+        "machine": "Some CPU, 2 cores", "config": {"max_prompt_tokens": 100},
+        "modes": {"greedy": {"acceptance_by_position": [0.9, 0.8, 0.7, 0.6]}},
+        "recommended_k": {"max_k": 8, "acceptance_by_position": [0.9] * 8, "by_cost": by_cost},
+    }  # fmt: skip
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    out = tmp_path / "rec"
+    res = export.run(_cfg(out, f"report={tmp_path / 'report.json'}"))
+    saved = json.loads((out / "export.json").read_text())["engine_settings"]
+    assert saved == res.engine_settings
+    assert saved["k"] == 6 and saved["by_batch"] == {"1": 6, "8": 3}
+    assert saved["vllm"] == {"num_speculative_tokens": 6}
+    assert saved["sglang"] == {"--speculative-num-steps": 6, "--speculative-num-draft-tokens": 7}
+    assert saved["llama_cpp"] == {"--spec-draft-n-max": 6}
+    assert "cost_model (batch 1)" in saved["source"] and "2.4x" in saved["source"]
+    card = (out / "README.md").read_text()
+    assert "**K = 6**" in card and "`--spec-draft-n-max 6`" in card
+    assert '"num_speculative_tokens": 6' in card and "--speculative-num-steps 6" in card
+    assert "batch 1: K=6, batch 8: K=3" in card
+    assert "| acceptance by draft position, greedy | 0.90 0.80 0.70 0.60 |" in card
+    assert "measured on Some CPU, 2 cores" in card
+    # without the user's costs, the validating machine's recommendation
+    from specdistill.distill.export.card import engine_settings
+
+    machine_only = {**report, "recommended_k": {"max_k": 8, "by_cost": by_cost[:1]}}
+    assert engine_settings(machine_only)["k"] == 2
+    dear = {**by_cost[0], "speedup": 0.8, "pays": False}
+    note = engine_settings({**report, "recommended_k": {"by_cost": [dear]}})["source"]
+    assert "no K beats target-only decoding" in note
 
 
 def test_report_of_another_drafter_is_refused(tmp_path, toy_tiny):

@@ -37,9 +37,14 @@ def test_table_puts_base_and_distilled_side_by_side_with_methods():
     assert rows["lossless (output = target's)"].endswith("| yes | no |")
     held = rows["held-out alpha, temperature 1"]
     assert "reference completions" in held and held.endswith("| 0.41 | 0.55 |")
-    # no sampled speedup was measured then, nor prompt lookup, nor the drafter's own alpha, nor
-    # tokens per second by mode: those rows are left out
-    assert len(rows) == len(report.ROWS) - 5
+    assert rows["tau at K=4 (tokens per round, bonus included), greedy"].endswith("| 1.58 | 1.58 |")
+    assert rows["acceptance by draft position, greedy"].endswith(
+        "| 0.50 0.40 0.30 0.20 | 0.95 0.90 0.88 0.85 |"
+    )
+    # no sampled speedup or acceptance by position was kept then, nor prompt lookup, nor the
+    # drafter's own alpha, nor tokens per second by mode, nor a recommended K: those rows are
+    # left out
+    assert len(rows) == len(report.ROWS) - 7
 
 
 def _modes(greedy, sampled):
@@ -61,10 +66,10 @@ def test_speedup_rows_show_the_repeats_range_beside_the_median():
     }
     base = {**BASE, "modes": _modes({"speedup": 1.79, "speedup_range": [1.79, 1.79]}, {})}
     rows = _rows({"validate_base": base, "validate": dist, "distill": DISTILL})
-    greedy = rows["speedup over target-only (measured), greedy"]
+    greedy = rows["speedup over target-only, this machine, greedy"]
     assert greedy.endswith("| 1.79 | 1.63 (1.5-1.71) |")
     assert "median (range) of repeats" in greedy
-    sampled = rows["speedup over target-only (measured), temperature 0.7, top_p 0.9"]
+    sampled = rows["speedup over target-only, this machine, temperature 0.7, top_p 0.9"]
     assert sampled.endswith("| n/a | 0.973 (0.941-1.01) |")
     header = {**dist, "prompts": 8, "max_new_tokens": 48, "repeats": 3}
     text = report.summary_markdown("/r", {"validate": header, "distill": DISTILL}, 1.0)
@@ -79,8 +84,20 @@ def test_both_serving_modes_with_speedups_and_the_serving_mode_held_out_figure()
         "temperature": 0.7,
         "alpha": 0.5,
         "modes": _modes(
-            {"alpha": 0.37, "drafter_alpha": 0.02, "tau": 1.6, "speedup": 0.5},
-            {"alpha": 0.5, "drafter_alpha": 0.4, "tau": 1.9, "speedup": 0.7},
+            {
+                "alpha": 0.37,
+                "drafter_alpha": 0.02,
+                "tau": 1.6,
+                "speedup": 0.5,
+                "acceptance_by_position": [0.3, 0.2],
+            },
+            {
+                "alpha": 0.5,
+                "drafter_alpha": 0.4,
+                "tau": 1.9,
+                "speedup": 0.7,
+                "acceptance_by_position": [0.5, 0.45],
+            },
         ),
     }
     dist = {
@@ -96,9 +113,16 @@ def test_both_serving_modes_with_speedups_and_the_serving_mode_held_out_figure()
                 "baseline_tokens_per_s": {"median": 20.0},
                 "speculative_tokens_per_s": {"median": 8.0},
             },
-            {"alpha": 0.73, "drafter_alpha": 0.7, "tau": 3.1, "speedup": 1.2},
+            {
+                "alpha": 0.73,
+                "drafter_alpha": 0.7,
+                "tau": 3.1,
+                "speedup": 1.2,
+                "acceptance_by_position": [0.8, 0.75],
+            },
         ),
-        "draft_figures": {"lookup": {"round_share": 0.4, "acceptance": 0.93}},
+        "lookup": {"round_share": 0.4, "acceptance": 0.93},
+        "recommended_k": {"by_cost": [{"k": 3, "speedup": 1.41, "c": 0.2}]},
     }
     distill = {**DISTILL, "data": {"eval_source": "target",
                "eval_sampling": {"temperature": 0.7, "top_k": 0, "top_p": 0.9}}}  # fmt: skip
@@ -110,11 +134,17 @@ def test_both_serving_modes_with_speedups_and_the_serving_mode_held_out_figure()
         "| 0.02 | 0.6 |"
     )
     assert rows["the drafter's own alpha, temperature 0.7, top_p 0.9"].endswith("| 0.4 | 0.7 |")
-    assert rows["speedup over target-only (measured), greedy"].endswith("| 0.5 | 0.4 |")
-    assert rows["speedup over target-only (measured), temperature 0.7, top_p 0.9"].endswith(
+    assert rows["speedup over target-only, this machine, greedy"].endswith("| 0.5 | 0.4 |")
+    assert rows["speedup over target-only, this machine, temperature 0.7, top_p 0.9"].endswith(
         "| 0.7 | 1.2 |"
     )
     assert rows["rounds drafted by prompt lookup, serving mode"].endswith("| n/a | 0.40 (0.93) |")
+    assert rows["recommended K (modeled speedup), serving mode"].endswith(
+        "| n/a | 3 (1.41x at c 0.2) |"
+    )
+    assert rows["acceptance by draft position, temperature 0.7, top_p 0.9"].endswith(
+        "| 0.50 0.45 | 0.80 0.75 |"
+    )
     assert rows["tokens per second, greedy: target-only / speculative"].endswith("| n/a | 20 / 8 |")
     held = rows["held-out alpha, temperature 0.7, top_p 0.9"]
     assert "sum min(p,q) on the target's sampled continuations" in held
@@ -318,12 +348,9 @@ def test_validates_costs_never_price_a_draft_below_nothing(verify_cost, gamma):
 def _bucket(name, alpha, speedup, c=0.2):
     return {
         "bucket": name, "prompts": 2, "mean_prompt_tokens": 300.5, "c": c, "verify_cost": 1.5,
-        "prefill_seconds": {"target": 1.25, "drafter": 0.25},
         "kv_cache": {"tokens": 400, "target_bytes": 3 * 2**20, "drafter_bytes": 2**19},
-        "modes": {"greedy": {"alpha": alpha, "tau": 2.0, "speedup": speedup,
-                             "decode_speedup": speedup + 0.1},
-                  "sampling": {"alpha": alpha / 2, "tau": 1.5, "speedup": 0.9,
-                               "decode_speedup": 1.0}},
+        "modes": {"greedy": {"alpha": alpha, "tau": 2.0, "speedup": speedup},
+                  "sampling": {"alpha": alpha / 2, "tau": 1.5, "speedup": 0.9}},
     }  # fmt: skip
 
 
@@ -333,25 +360,26 @@ def test_per_bucket_table_when_the_validate_reports_have_buckets():
     dist = {**DIST, "buckets": [_bucket("0-512", 0.7, 1.4, c=0.25), _bucket("4k-8k", 0.6, 1.5)]}
     lines = report.bucket_table({"validate_base": base, "validate": dist})
     rows = [line for line in lines if line.startswith("| 0-512") or line.startswith("| 4k-8k")]
+    # tau first (greedy, sampled), then alpha (greedy, sampled), then this machine's speedups
     assert rows[0] == (
-        "| 0-512 | 2 (300.5) | 0.4 / 0.7 | 0.2 / 0.35 | 2 / 2 | 1.1 / 1.4 | 1.2 / 1.5 | "
-        "0.9 / 0.9 | 0.25 / 1.5 | 1.25 / 0.25 | 3.0 / 0.5 |"
+        "| 0-512 | 2 (300.5) | 2 / 2 | 1.5 / 1.5 | 0.4 / 0.7 | 0.2 / 0.35 | 1.1 / 1.4 | "
+        "0.9 / 0.9 | 0.25 / 1.5 | 3.0 / 0.5 |"
     )
-    assert rows[1].startswith("| 4k-8k | 2 (300.5) | 0.3 / 0.6 |")
+    assert rows[1].startswith("| 4k-8k | 2 (300.5) | 2 / 2 | 1.5 / 1.5 | 0.3 / 0.6 |")
     text = report.summary_markdown("RUN", {"validate_base": base, "validate": dist}, None)
     assert "By context-length bucket" in text and rows[1] in text
 
 
 def test_bucket_speedups_show_their_range_of_repeats():
-    """A bucket's end-to-end speedup carries its per-repeat range (the decode-only one and
-    rows without a range print the median alone), in the greedy and sampling cells."""
+    """A bucket's end-to-end speedup carries its per-repeat range (rows without a range print
+    the median alone), in the greedy and sampling cells."""
     ranged = _bucket("4k-8k", 0.6, 1.5)
     ranged["modes"]["greedy"]["speedup_range"] = [1.42, 1.61]
     ranged["modes"]["sampling"]["speedup_range"] = [0.9, 0.9]  # repeats agree: median alone
     base = {**BASE, "buckets": [_bucket("4k-8k", 0.3, 1.0)]}
     lines = report.bucket_table({"validate_base": base, "validate": {**DIST, "buckets": [ranged]}})
     row = next(line for line in lines if line.startswith("| 4k-8k"))
-    assert "| 1 / 1.5 (1.42-1.61) | 1.1 / 1.6 | 0.9 / 0.9 |" in row
+    assert "| 1 / 1.5 (1.42-1.61) | 0.9 / 0.9 |" in row
     assert "median (range) of repeats" in "\n".join(lines)
 
 
@@ -370,9 +398,9 @@ def test_bucket_table_shows_the_drafters_own_alpha_with_its_tested_drafts():
         "validate_long": {"buckets": [own(_bucket("4k-8k", 0.6, 1.2), 0.5312, 64)]},
     }
     lines = report.bucket_table(sides, report.LONG_SIDES)
-    assert "| alpha, greedy | the drafter's own alpha, greedy (drafts tested) | tau" in lines[3]
+    assert "| tau, greedy | the drafter's own alpha, greedy (drafts tested) | alpha" in lines[3]
     row = next(line for line in lines if line.startswith("| 4k-8k"))
-    assert "| 0.6 / 0.5 / 0.6 | n/a (0) / n/a / 0.531 (64) | 2 / 2 / 2 |" in row
+    assert "| 2 / 2 / 2 | n/a (0) / n/a / 0.531 (64) | 0.6 / 0.5 / 0.6 |" in row
 
 
 def _greedy_only(bucket):
@@ -381,7 +409,7 @@ def _greedy_only(bucket):
 
 def test_long_context_table_sets_three_drafters_side_by_side_in_the_mode_they_ran():
     """`long_context.enabled`: base / short-trained / long-trained drafter per bucket; the leg
-    decodes the serving mode only, so only that mode's columns appear; c, prefill and KV are
+    decodes the serving mode only, so only that mode's columns appear; c and KV are
     the long-trained pair's; a bucket one side lacks reads n/a there."""
     sides = {
         "validate_long_base": {"buckets": [_greedy_only(_bucket("4k-8k", 0.05, 0.97))]},
@@ -391,9 +419,8 @@ def test_long_context_table_sets_three_drafters_side_by_side_in_the_mode_they_ra
     }  # fmt: skip
     lines = report.bucket_table(sides, report.LONG_SIDES)
     assert lines[3] == (
-        "| bucket | prompts (mean tokens) | alpha, greedy | tau, greedy | speedup, greedy | "
-        "speedup, decode only, greedy | c / verify cost | prefill s, target / drafter | "
-        "KV MiB, target / drafter |"
+        "| bucket | prompts (mean tokens) | tau, greedy | alpha, greedy | "
+        "speedup, greedy, this machine | c / verify cost | KV MiB, target / drafter |"
     )
     assert "base / short-trained / long-trained drafter" in lines[1]
     rows = {
@@ -402,16 +429,16 @@ def test_long_context_table_sets_three_drafters_side_by_side_in_the_mode_they_ra
         if line.startswith("| 0") or line.startswith("| 4")
     }
     assert rows["| 4k-8k"] == (
-        "| 4k-8k | 2 (300.5) | 0.05 / 0.45 / 0.58 | 2 / 2 / 2 | 0.97 / 1.1 / 1.25 | "
-        "1.07 / 1.2 / 1.35 | 0.18 / 1.5 | 1.25 / 0.25 | 3.0 / 0.5 |"
+        "| 4k-8k | 2 (300.5) | 2 / 2 / 2 | 0.05 / 0.45 / 0.58 | 0.97 / 1.1 / 1.25 | "
+        "0.18 / 1.5 | 3.0 / 0.5 |"
     )
-    assert rows["| 0-512"].startswith("| 0-512 | 2 (300.5) | n/a / n/a / 0.55 |")
+    assert rows["| 0-512"].startswith("| 0-512 | 2 (300.5) | n/a / n/a / 2 | n/a / n/a / 0.55 |")
     assert report.bucket_table(sides) == []  # the short table: no validate / validate_base
     sampled = {"validate_long": {"buckets": [{**_bucket("4k-8k", 0.6, 1.2), "modes": {
         "sampling": _bucket("4k-8k", 0.6, 1.2)["modes"]["sampling"]}}]}}  # fmt: skip
     heads = report.bucket_table(sampled, report.LONG_SIDES)[3]
     assert (
-        "| alpha, temperature 1 | speedup, temperature 1 | speedup, decode only, temperature 1 |"
+        "| tau, temperature 1 | alpha, temperature 1 | speedup, temperature 1, this machine |"
         in heads
     )
     assert "greedy" not in heads
@@ -441,22 +468,19 @@ def test_held_out_alpha_is_the_shipped_checkpoints_not_the_last_steps():
 
 
 def test_summary_says_how_the_decoder_drafted():
-    """A fixed gamma by its value; an adaptive policy by name and its most drafts a round (the
-    header must not call an adaptive decode 'gamma 4')."""
-    fixed = {**DIST, "config": {"decoder": {"draft_length": "fixed"}}}
-    assert "gamma 4, cpu" in report.summary_markdown("/r", {"validate": fixed}, None)
-    adaptive = {
-        **DIST,
-        "config": {"decoder": {"draft_length": "confidence", "max_draft": 8}},
-        "draft_figures": {"max_draft": 6},
-    }
+    """A fixed K by its value; an adaptive policy by name and its most drafts a round (the
+    header must not call an adaptive decode 'K=4')."""
+    fixed = {**DIST, "draft_length": "fixed"}
+    text = report.summary_markdown("/r", {"validate": fixed}, None)
+    assert "K=4 drafts a round (fixed, as the engines serve), cpu" in text
+    adaptive = {**DIST, "draft_length": "heuristic", "max_draft": 6}
     text = report.summary_markdown("/r", {"validate": adaptive}, None)
-    assert "draft length `confidence` (at most 6 drafts a round), cpu" in text
-    assert "gamma 4" not in text
+    assert "draft length `heuristic` (at most 6 drafts a round), cpu" in text
+    assert "K=4 drafts" not in text
 
 
 def test_an_acceptance_over_no_drafts_reads_n_a_not_zero():
-    """A mode whose decodes never tested a draft (the floor took target steps throughout) has no
+    """A mode whose decodes never tested a draft (every round a plain target step) has no
     acceptance: the summary says so instead of printing 0, which would read as all rejected."""
     none = {"alpha": 0.0, "tau": 1.0, "trials_at": [0, 0, 0, 0], "drafter_trials": 0}
     some = {"alpha": 0.5, "tau": 1.1, "trials_at": [4, 1, 0, 0], "drafter_trials": 4}
