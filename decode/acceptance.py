@@ -220,19 +220,3 @@ def theoretical_speedup(alpha: float, gamma: int, c: float, verify_cost: float =
     if not 0.0 <= alpha <= 1.0 or math.isnan(alpha):
         raise ValueError(f"alpha={alpha} must lie in [0, 1]")
     return expected_tau(alpha, gamma) / (gamma * c + verify_cost)
-
-
-def round_speedup(alpha_at: list[float], draft_cost: float, verify_cost: float = 1.0) -> float:
-    """Tokens per target step of speculative rounds over target-only decoding, from per-position
-    acceptance: (1 + sum_j prod_{i<=j} alpha_i) / (draft_cost + verify_cost).
-
-    alpha_at[j]: acceptance of draft j+1 given drafts 1..j were accepted; draft_cost: the
-    drafter's cost per round in target steps (gamma c autoregressive, one forward's cost for a
-    parallel drafter). With every alpha_at equal to alpha and draft_cost = gamma c it is
-    `theoretical_speedup`.
-    """
-    tokens, prefix = 1.0, 1.0
-    for a in alpha_at:
-        prefix *= a
-        tokens += prefix
-    return tokens / (draft_cost + verify_cost)

@@ -4,8 +4,11 @@
         'compare_draft=[1,2,4,8,heuristic,confidence]'
 
 Entries: an integer K (fixed K drafts a round) or a deterministic draft-length policy of
-`decode.draft_length` (`heuristic`, `confidence`), each with an optional suffix `-lookup`
-(prompt lookup beside the drafter, `decode.lookup`), e.g. `4-lookup`. Every timed repeat decodes the prompts
+`decode.draft_length` (`heuristic`, `confidence`), each with optional suffixes `-lookup`
+(prompt lookup beside the drafter, `decode.lookup`) and `-parallel` (the parallel, PARD,
+drafter at `compare_parallel` drafting all K in one forward, `decoder.drafting=parallel`), e.g.
+`4-lookup`, `4-parallel`. `compare_parallel=DIR` without `compare_draft` measures each of
+`parallel_gammas` and `parallel_policies` with both drafters. Every timed repeat decodes the prompts
 with the target p alone once, then with every entry in turn (same prompts, same seed), so load drifts on a shared
 machine hit all entries alike (interleaved prompt by prompt); a speedup is the median over
 repeats of an entry's tokens/s over the same repeat's target-only tokens/s. Both serving modes (the decoder's, then the other one at
@@ -17,13 +20,15 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
+from specdistill.data.models.pairs import load_role, resolve_pair
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.config import DEFAULT_GAMMA, DecoderSettings
 from specdistill.decode.outputs import emitted_tokens
@@ -33,7 +38,10 @@ from specdistill.decode.validate.settings import ValidateSettings
 from specdistill.decode.validate.stage import setup, warm_up
 from specdistill.decode.validate.timing import hf_assisted_speed, step_costs
 
-SUFFIXES = {"lookup": {"lookup": True}}  # prompt lookup beside the drafter (decode.lookup)
+SUFFIXES = {
+    "lookup": {"lookup": True},  # prompt lookup beside the drafter (decode.lookup)
+    "parallel": {"drafting": "parallel"},  # the compare_parallel drafter, one forward a round
+}
 
 
 def parse_entries(entries: list[Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -55,29 +63,98 @@ def parse_entries(entries: list[Any]) -> list[tuple[str, dict[str, Any]]]:
         else:
             raise ConfigError(
                 f"compare_draft entry {e!r}: use a fixed K 1..15, heuristic or confidence, each "
-                "with an optional -lookup suffix, e.g. [1,4,4-lookup,heuristic,confidence]"
+                "with optional -lookup and -parallel suffixes, e.g. [1,4,4-lookup,4-parallel]"
             )
     return out
 
 
+def parallel_entries(cfg: DictConfig) -> list[Any]:
+    """`compare_parallel` alone: every `parallel_gammas` K and `parallel_policies` policy, with
+    the autoregressive drafter and then the parallel one."""
+    gammas = list(cfg.get("parallel_gammas") or [])
+    if not gammas or any(
+        isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= 15 for g in gammas
+    ):
+        raise ConfigError(f"parallel_gammas={gammas!r}: name gammas in 1..15, e.g. [2,3,4,5,6,8]")
+    policies = [str(p) for p in (cfg.get("parallel_policies") or [])]
+    if any(p not in ("heuristic", "confidence") for p in policies):
+        raise ConfigError(
+            f"parallel_policies={policies!r}: name draft-length policies, heuristic or "
+            "confidence, or [] for fixed gammas only"
+        )
+    return [e for g in [*gammas, *policies] for e in (g, f"{g}-parallel")]
+
+
+def load_parallel_drafter(cfg: DictConfig, st) -> Any:
+    """The parallel drafter at `compare_parallel`, on the pair's device and dtype."""
+    path = Path(str(cfg.compare_parallel)).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"compare_parallel={cfg.compare_parallel}: no config.json there; point it at a "
+            "parallel drafter (distill drafting=parallel writes OUT/best)"
+        )
+    spec = resolve_pair(OmegaConf.merge(cfg.pair, {"drafter": str(path)}), stage="parallel bench")
+    model = load_role(spec, "drafter", device=st.device, dtype=st.dtype).eval()
+    if getattr(model.config, "mask_token_id", None) is None:
+        raise ConfigError(
+            f"compare_parallel={path}: its config.json has no mask_token_id; it is not a "
+            "parallel drafter (train one with distill drafting=parallel)"
+        )
+    return model
+
+
+@torch.inference_mode()
+def first_draft_agreement(target, drafter, batches, continuations: list[list[int]]) -> float:
+    """Greedy alpha at draft position 1 over *every* position of the target's continuations:
+    the share the drafter's argmax (q) predicts from the true prefix. The decoder's position-1
+    alpha is measured at round starts only, which depend on the drafter (each drafting mode
+    starts rounds after its own rejections), so this is the like-for-like figure."""
+    rows = [ids[j, mask[j].bool()] for ids, mask in batches for j in range(ids.shape[0])]
+    device = next(target.parameters()).device  # prompts stay on the host; the models may not
+    hits = total = 0
+    for prompt, cont in zip(rows, continuations):
+        if not cont:
+            continue
+        seq = torch.cat([prompt.cpu(), torch.tensor(cont)]).to(device)[None]
+        span = slice(prompt.shape[0] - 1, prompt.shape[0] - 1 + len(cont))
+        p_logits = target(seq).logits[0, span]
+        q_logits = drafter(seq).logits[0, span, : p_logits.shape[-1]]  # padding rows cut
+        hits += int((q_logits.argmax(-1) == p_logits.argmax(-1)).sum())
+        total += len(cont)
+    return hits / max(total, 1)
+
+
 def run_draft(cfg: DictConfig) -> dict[str, Any]:
     """Measure every entry of `compare_draft` in each serving mode; writes draft.json/.md."""
-    entries = parse_entries(list(cfg.compare_draft or []))
+    raw = list(cfg.compare_draft or []) or (
+        parallel_entries(cfg) if cfg.get("compare_parallel") else []
+    )
+    entries = parse_entries(raw)
     vs = ValidateSettings.from_cfg(cfg)
     gammas = [o["gamma"] for _, o in entries if o and "gamma" in o]
     room = max([*gammas, vs.decoder.max_draft, vs.decoder.gamma])
     st = setup(cfg, room, vs)
+    par = None
+    if any(o.get("drafting") == "parallel" for _, o in entries):
+        par = load_parallel_drafter(cfg, st)
     report: dict[str, Any] = {"modes": {}, "entries": [label for label, _ in entries]}
+    if par is not None:
+        report |= {"drafter_parallel": str(cfg.compare_parallel),
+                   "mask_token_id": int(par.config.mask_token_id)}  # fmt: skip
     for ds in [vs.decoder, *([vs.other] if vs.other else [])]:
         name = mode_name(ds.sampling.temperature)
-        report["modes"][name] = _measure_mode(vs, st, ds, entries)
+        report["modes"][name] = _measure_mode(vs, st, ds, entries, par)
         atomic_write_json(vs.output_dir / "draft.json", report)  # a run cut short keeps its modes
     atomic_write_text(vs.output_dir / "draft.md", draft_markdown(report))
     return report
 
 
 def _measure_mode(
-    vs: ValidateSettings, st, ds: DecoderSettings, entries: list[tuple[str, dict[str, Any]]]
+    vs: ValidateSettings,
+    st,
+    ds: DecoderSettings,
+    entries: list[tuple[str, dict[str, Any]]],
+    par: Any = None,
 ) -> dict[str, Any]:
     seed, reps, iters = vs.seed, vs.repeats, vs.step_time_iters
 
@@ -87,7 +164,7 @@ def _measure_mode(
         settings = ds.replace(**{k: v for k, v in over.items() if k != "gamma"})
         return SpeculativeDecoder(
             st.target,
-            st.drafter,
+            par if settings.drafting == "parallel" else st.drafter,
             settings.decoder_config(vs.max_new_tokens, st.eos, gamma),
             tokenizer_len=len(st.tok),
         )
@@ -128,8 +205,15 @@ def _measure_mode(
         hf = hf_assisted_speed(
             st.target, st.drafter, st.tok, st.warm, st.batches, probe.cfg, reps, base_out
         )
+    agreement = None
+    if par is not None and greedy:  # like for like: every continuation position, not round starts
+        agreement = {
+            label: round(first_draft_agreement(st.target, d, st.batches, base_out.tokens), 4)
+            for label, d in (("autoregressive", st.drafter), ("parallel", par))
+        }
     s = probe.cfg.sampling
     return {
+        "first_draft_agreement": agreement,
         "temperature": s.temperature,
         "top_k": s.top_k,
         "top_p": s.top_p,
@@ -149,8 +233,10 @@ def _row(label: str, dec, out: DecodeOutput, rates: list[float], base_rates: lis
     """One entry's figures; the speedup is paired: each repeat over the same repeat's
     target-only pass."""
     ratios = [r / b for r, b in zip(rates, base_rates)]
-    row = {"entry": label, "gamma": dec.max_draft, "alpha": round(out.alpha, 4)}
+    row = {"entry": label, "gamma": dec.max_draft, "drafting": dec.cfg.drafting}
+    row |= {"alpha": round(out.alpha, 4), "drafter_alpha": round(out.drafter_alpha, 4)}
     row |= {
+        "drafter_forwards_per_round": round(out.drafter_forwards / max(out.target_forwards, 1), 2),
         "tau": round(out.tau, 3),
         "acceptance_by_position": out.acceptance_at(),
         "mean_draft_length": round(out.mean_draft_length, 3),
@@ -190,18 +276,28 @@ def draft_markdown(report: dict[str, Any]) -> str:
             f"{m['baseline_tokens_per_s']} tokens/s, c {m['c']}",
             "",
             "| entry | tau | acceptance by position | alpha | mean draft length | "
-            "speedup (min-max) | lossless |",
-            "|---|---|---|---|---|---|---|",
+            "drafter forwards/round | speedup (min-max) | lossless |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in m["rows"]:
             lo, hi = r["speedup_min_max"]
             lines.append(
                 f"| {r['entry']} | {r['tau']} | {' '.join(f'{x:.2f}' for x in r['acceptance_by_position'])}"
-                f" | {r['alpha']} | {r['mean_draft_length']} | {r['speedup']}x ({lo}-{hi}) | "
+                f" | {r['alpha']} | {r['mean_draft_length']} | {r['drafter_forwards_per_round']} | "
+                f"{r['speedup']}x ({lo}-{hi}) | "
                 f"{r['lossless']} |"
             )
+        agree = m.get("first_draft_agreement")
+        if agree:
+            notes = [
+                *m["notes"],
+                f"greedy alpha at draft position 1 over every continuation position (not only "
+                f"round starts): autoregressive {agree['autoregressive']}, parallel "
+                f"{agree['parallel']}",
+            ]
+            m = {**m, "notes": notes}
         hf = m.get("hf_assisted")
         if hf:
-            lines.append(f"| HF assisted (transformers default) | | | | | {hf['speedup']}x | |")
+            lines.append(f"| HF assisted (transformers default) | | | | | | {hf['speedup']}x | |")
         lines += ["", *[f"- {n}" for n in m["notes"]], ""]
     return "\n".join(lines) + "\n"

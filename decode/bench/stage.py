@@ -2,17 +2,15 @@
 
     python -m specdistill.decode.bench pair=toy pair.drafter=DIR/best output_dir=OUT
     python -m specdistill.decode.bench pair=toy pair.drafter=DIR/best output_dir=OUT \\
-        'compare_modes=[eager,compiled]'
+        'compare_draft=[1,2,4,8,heuristic,confidence]'
 
 Target-only vs speculative vs `transformers` assisted generation, measured in one run and
 reported as ratios (report.json / report.md). The stage itself is `specdistill.decode.validate.stage`;
 this entry point exists so speed goals live under a benchmark name, as the project's
-conventions ask, without a second copy of the measurement. `compare_modes` runs it once per
-decoder step mode (`specdistill.decode.bench.modes`) and prints the modes side by side;
-`compare_draft` runs fixed gammas and the draft-length policies side by side
-(`specdistill.decode.bench.draft`), e.g. 'compare_draft=[1,2,4,8,auto,heuristic,confidence]';
+conventions ask, without a second copy of the measurement. `compare_draft` runs fixed Ks and
+the draft-length policies side by side (`specdistill.decode.bench.draft`);
 `compare_parallel=DIR` measures a parallel (PARD) drafter beside pair.drafter at each of
-`parallel_gammas` (`specdistill.decode.bench.parallel`); `compare_drafters=[DIR|copy:5,...]`
+`parallel_gammas` (the same benchmark's `-parallel` entries); `compare_drafters=[DIR|copy:5,...]`
 validates other drafters of the same target beside pair.drafter, a drafter with its own
 tokenizer included (`specdistill.decode.bench.drafters`).
 """
@@ -27,31 +25,13 @@ from omegaconf import DictConfig
 from specdistill.data.runtime import run_or_exit
 from specdistill.decode.bench.draft import run_draft
 from specdistill.decode.bench.drafters import run_drafters
-from specdistill.decode.bench.modes import run_modes
-from specdistill.decode.bench.parallel import run_parallel
 from specdistill.decode.validate.stage import main as validate_main
-
-
-@hydra.main(config_path="pkg://specdistill.conf", config_name="validate", version_base="1.3")
-def _modes_main(cfg: DictConfig) -> None:
-    run_or_exit(run_modes, cfg)
-    out = Path(str(cfg.output_dir)).expanduser().absolute() / "modes.md"
-    print(out.read_text(), end="")
-    print(out)
 
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="validate", version_base="1.3")
 def _draft_main(cfg: DictConfig) -> None:
     run_or_exit(run_draft, cfg)
     out = Path(str(cfg.output_dir)).expanduser().absolute() / "draft.md"
-    print(out.read_text(), end="")
-    print(out)
-
-
-@hydra.main(config_path="pkg://specdistill.conf", config_name="validate", version_base="1.3")
-def _parallel_main(cfg: DictConfig) -> None:
-    run_or_exit(run_parallel, cfg)
-    out = Path(str(cfg.output_dir)).expanduser().absolute() / "parallel.md"
     print(out.read_text(), end="")
     print(out)
 
@@ -67,12 +47,11 @@ def _drafters_main(cfg: DictConfig) -> None:
 def main() -> None:
     import sys
 
-    if any(a.startswith("compare_modes=") and not a.endswith("=null") for a in sys.argv[1:]):
-        _modes_main()
-    elif any(a.startswith("compare_draft=") and not a.endswith("=null") for a in sys.argv[1:]):
+    if any(
+        a.startswith(("compare_draft=", "compare_parallel=")) and not a.endswith("=null")
+        for a in sys.argv[1:]
+    ):
         _draft_main()
-    elif any(a.startswith("compare_parallel=") and not a.endswith("=null") for a in sys.argv[1:]):
-        _parallel_main()
     elif any(a.startswith("compare_drafters=") and not a.endswith("=null") for a in sys.argv[1:]):
         _drafters_main()
     else:

@@ -81,7 +81,7 @@ def test_cuda_sampling_with_the_stages_host_generator():
 @pytest.mark.gpu
 def test_cuda_first_draft_agreement_reads_host_prompts():
     """The parallel bench's probe feeds the host-side prompt rows to CUDA models."""
-    from specdistill.decode.bench.parallel import first_draft_agreement
+    from specdistill.decode.bench.draft import first_draft_agreement
 
     target = tiny_llama(vocab=64, layers=3, hidden=32, seed=0).cuda()
     ids, mask = left_pad(prompts(2, 64, seed=4))

@@ -187,35 +187,16 @@ def test_one_drafter_forward_per_round_at_any_gamma():
     assert out.tokens[0] == greedy_reference(target, prompts(1, 64, seed=2)[0], 30)
 
 
-def test_round_speedup_brute_force_and_leviathan_form():
-    """Expected tokens per round by enumerating accept/reject outcomes of per-position alphas;
-    equal alphas and gamma c drafting cost give Leviathan et al.'s formula."""
-    import itertools
-
-    from specdistill.decode.acceptance import round_speedup, theoretical_speedup
-
-    alpha_at = [0.9, 0.6, 0.3, 0.5]
-    expected = 0.0
-    for outcome in itertools.product([True, False], repeat=len(alpha_at)):
-        prob, emitted, open_ = 1.0, 1, True
-        for ok, a in zip(outcome, alpha_at):
-            if not open_:
-                prob *= a if ok else 1 - a  # independent draws past the first rejection
-                continue
-            prob *= a if ok else 1 - a
-            emitted += int(ok)
-            open_ = ok
-        expected += prob * emitted
-    assert round_speedup(alpha_at, 0.7, 1.3) == pytest.approx(expected / 2.0)
-    assert round_speedup([0.8] * 5, 5 * 0.3, 1.2) == pytest.approx(
-        theoretical_speedup(0.8, 5, 0.3, 1.2)
-    )
-
-
 def test_bench_parallel_gammas_are_checked():
-    from specdistill.decode.bench.parallel import parse_gammas
+    from omegaconf import OmegaConf
 
-    assert parse_gammas([2, 4, 8]) == [2, 4, 8]
+    from specdistill.decode.bench.draft import parallel_entries
+
+    cfg = OmegaConf.create({"parallel_gammas": [2, 4], "parallel_policies": ["confidence"]})
+    assert parallel_entries(cfg) == [2, "2-parallel", 4, "4-parallel", "confidence",
+                                     "confidence-parallel"]  # fmt: skip
     for bad in ([], [0], [2, "x"], [True], [16]):
-        with pytest.raises(ConfigError, match="parallel_gammas="):
-            parse_gammas(bad)
+        with pytest.raises(ConfigError, match="^parallel_gammas="):
+            parallel_entries(OmegaConf.create({"parallel_gammas": bad}))
+    with pytest.raises(ConfigError, match="^parallel_policies="):
+        parallel_entries(OmegaConf.create({"parallel_gammas": [2], "parallel_policies": ["x"]}))

@@ -35,50 +35,47 @@ def test_validate_with_parallel_drafting(tmp_path, parallel_drafter):
 
 
 def test_bench_compare_parallel_side_by_side(tmp_path, parallel_drafter):
-    from specdistill.decode.bench.parallel import run_parallel
+    from specdistill.decode.bench.draft import run_draft
 
-    # the drafters alone: prompt lookup's rounds run no drafter forward (tested in test_lookup)
-    report = run_parallel(
-        _cfg(
-            tmp_path,
-            f"compare_parallel={parallel_drafter}",
-            "parallel_gammas=[2,3]",
-            "decoder.lookup=false",
-        )
+    report = run_draft(
+        _cfg(tmp_path, f"compare_parallel={parallel_drafter}", "parallel_gammas=[2,3]")
     )
     assert set(report["modes"]) == {"greedy", "sampling"}
     for name, mode in report["modes"].items():
-        rows = [(r["drafting"], r["gamma"]) for r in mode["rows"]]
-        assert rows == [("autoregressive", 2), ("parallel", 2), ("autoregressive", 3),
-                        ("parallel", 3), ("autoregressive", "confidence"),
-                        ("parallel", "confidence")]  # fmt: skip
+        rows = [(r["entry"], r["drafting"], r["gamma"]) for r in mode["rows"]]
+        assert rows == [("K=2", "autoregressive", 2), ("K=2-parallel", "parallel", 2),
+                        ("K=3", "autoregressive", 3), ("K=3-parallel", "parallel", 3),
+                        ("confidence", "autoregressive", 4),
+                        ("confidence-parallel", "parallel", 4)]  # fmt: skip
         for r in mode["rows"]:
             assert r["lossless"] is (True if name == "greedy" else None)
-            # adaptive rows draft at most max(parallel_gammas) = 3
-            assert len(r["alpha_at"]) == (3 if r["gamma"] == "confidence" else r["gamma"])
-            assert r["speedup"] > 0 and 0 <= r["mean_draft_length"] <= len(r["alpha_at"])
-            if r["drafting"] == "parallel":  # at most one forward per round (the floor: none)
-                assert 0 <= r["drafter_forwards_per_round"] <= 1.0
-                if r["gamma"] != "confidence":
+            assert len(r["acceptance_by_position"]) == r["gamma"]
+            assert r["speedup"] > 0 and 0 <= r["mean_draft_length"] <= r["gamma"]
+            if r["drafting"] == "parallel":  # one forward per round (confidence: at most)
+                assert 0 < r["drafter_forwards_per_round"] <= 1.0
+                if r["entry"] != "confidence-parallel":
                     assert r["drafter_forwards_per_round"] == 1.0
-        assert set(mode["best_gamma"]) == {"autoregressive", "parallel"}
+            else:
+                assert r["drafter_forwards_per_round"] >= 1.0
         agree = mode["first_draft_agreement"]
         if name == "greedy":  # one drafter weights file: the same depth-1 predictions
             assert 0 < agree["autoregressive"] == agree["parallel"] <= 1
         else:
             assert agree is None
-    saved = json.loads((tmp_path / "parallel.json").read_text())
+    saved = json.loads((tmp_path / "draft.json").read_text())
     assert saved["mask_token_id"] == report["mask_token_id"]
-    assert "| parallel | 3 |" in (tmp_path / "parallel.md").read_text()
+    assert "| K=3-parallel |" in (tmp_path / "draft.md").read_text()
 
 
 def test_compare_parallel_needs_a_parallel_drafter(tmp_path, toy_tiny):
-    from specdistill.decode.bench.parallel import run_parallel
+    from specdistill.decode.bench.draft import run_draft
 
     with pytest.raises(ConfigError, match="compare_parallel="):
-        run_parallel(_cfg(tmp_path, f"compare_parallel={tmp_path / 'nowhere'}"))
+        run_draft(_cfg(tmp_path, f"compare_parallel={tmp_path / 'nowhere'}"))
     with pytest.raises(ConfigError, match="no mask_token_id"):
-        run_parallel(_cfg(tmp_path, f"compare_parallel={toy_tiny.drafter_dir}"))
+        run_draft(_cfg(tmp_path, f"compare_parallel={toy_tiny.drafter_dir}"))
+    with pytest.raises(ConfigError, match="parallel_gammas="):
+        run_draft(_cfg(tmp_path, f"compare_parallel={toy_tiny.drafter_dir}", "parallel_gammas=[0]"))
 
 
 def test_first_draft_agreement_feeds_the_models_device():
@@ -87,7 +84,7 @@ def test_first_draft_agreement_feeds_the_models_device():
     `meta` device stands in for the GPU; the stubs return fixed logits."""
     import torch
 
-    from specdistill.decode.bench.parallel import first_draft_agreement
+    from specdistill.decode.bench.draft import first_draft_agreement
 
     class Stub(torch.nn.Module):
         def __init__(self, argmax: int):
