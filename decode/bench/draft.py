@@ -239,6 +239,7 @@ def _row(label: str, dec, out: DecodeOutput, rates: list[float], base_rates: lis
         "drafter_forwards_per_round": round(out.drafter_forwards / max(out.target_forwards, 1), 2),
         "tau": round(out.tau, 3),
         "acceptance_by_position": out.acceptance_at(),
+        "trials_by_position": list(out.trials_at),
         "mean_draft_length": round(out.mean_draft_length, 3),
         "draft_lengths": list(out.draft_lengths),
     }
@@ -267,6 +268,12 @@ def interleaved(fns: dict[str, Any], batches, seed: int, bar: tqdm | None = None
     return secs, outs
 
 
+def _positions(row: dict[str, Any]) -> str:
+    """Acceptance by position, `-` where no round reached the position (not a 0)."""
+    tested = row.get("trials_by_position") or [1] * len(row["acceptance_by_position"])
+    return " ".join(f"{x:.2f}" if n else "-" for x, n in zip(row["acceptance_by_position"], tested))
+
+
 def draft_markdown(report: dict[str, Any]) -> str:
     """One table per serving mode: entries as rows (p = target, q = drafter)."""
     lines = ["# Draft-length policies side by side", ""]
@@ -282,7 +289,7 @@ def draft_markdown(report: dict[str, Any]) -> str:
         for r in m["rows"]:
             lo, hi = r["speedup_min_max"]
             lines.append(
-                f"| {r['entry']} | {r['tau']} | {' '.join(f'{x:.2f}' for x in r['acceptance_by_position'])}"
+                f"| {r['entry']} | {r['tau']} | {_positions(r)}"
                 f" | {r['alpha']} | {r['mean_draft_length']} | {r['drafter_forwards_per_round']} | "
                 f"{r['speedup']}x ({lo}-{hi}) | "
                 f"{r['lossless']} |"

@@ -119,6 +119,7 @@ def engine_settings(report: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "k": k,
         "source": source,
+        "machine_priced": chosen is not None and not users,
         "by_batch": {str(e.get("batch", 1)): e["k"] for e in by_cost[1:]} or None,
         "vllm": {"num_speculative_tokens": k},
         "sglang": {"--speculative-num-steps": k, "--speculative-num-draft-tokens": k + 1},
@@ -138,6 +139,12 @@ def engine_section(settings: dict[str, Any]) -> list[str]:
         f"- SGLang: `--speculative-num-steps {k} --speculative-num-draft-tokens {k + 1}`",
         f"- llama.cpp: `--spec-draft-n-max {k}`",
     ]
+    if settings.get("machine_priced"):
+        lines.append(
+            "- priced at the validating machine's step costs; for your hardware rerun validate "
+            "with `cost_model=[{batch: 1, c: C, verify_per_token: V}]` (C: a drafter step in "
+            "target steps, V: what each draft adds to the verify)"
+        )
     if settings.get("by_batch"):
         per = ", ".join(f"batch {b}: K={n}" for b, n in settings["by_batch"].items())
         lines.append(f"- per batch size, at the costs given for each: {per}")

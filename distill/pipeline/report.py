@@ -406,13 +406,17 @@ def prediction_lines(pred: dict[str, Any] | None) -> list[str]:
 
 
 def plot_acceptance(stages: dict[str, dict], path: Path) -> bool:
-    """report.png: acceptance by draft position, base and distilled drafter in one figure."""
-    series = [
-        (name, (stages.get(stage) or {}).get("acceptance_by_position"))
-        for name, stage in (("base drafter", "validate_base"), ("distilled drafter", "validate"))
-    ]
-    series = [(n, s) for n, s in series if s]
-    if not series:
+    """report.png: acceptance by draft position, base and distilled drafter side by side, one
+    panel per serving mode the reports hold (greedy, then sampling)."""
+    sides = (("base drafter", "validate_base"), ("distilled drafter", "validate"))
+    panels = []
+    for mode in ("greedy", "sampling"):
+        series = [(name, mode_value(stages.get(step) or {}, mode, "acceptance_by_position"))
+                  for name, step in sides]  # fmt: skip
+        series = [(n, v) for n, v in series if v]
+        if series:
+            panels.append((mode, series))
+    if not panels:
         return False
     try:
         import matplotlib
@@ -422,14 +426,17 @@ def plot_acceptance(stages: dict[str, dict], path: Path) -> bool:
     except ImportError:
         log.warning("matplotlib is not installed: no %s", path)
         return False
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    width = 0.8 / len(series)
-    for i, (name, values) in enumerate(series):
-        xs = [k + 1 + (i - (len(series) - 1) / 2) * width for k in range(len(values))]
-        ax.bar(xs, values, width=width, label=name)
-    ax.set(xlabel="draft position", ylabel="P(accept | reached), greedy", ylim=(0, 1))
-    ax.set_xticks(range(1, max(len(s) for _, s in series) + 1))
-    ax.legend()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.2), squeeze=False)
+    t = _sampling_temperature(stages)
+    for ax, (mode, series) in zip(axes[0], panels):
+        width = 0.8 / len(series)
+        for i, (name, values) in enumerate(series):
+            xs = [k + 1 + (i - (len(series) - 1) / 2) * width for k in range(len(values))]
+            ax.bar(xs, values, width=width, label=name)
+        title = "greedy" if mode == "greedy" else f"temperature {t}"
+        ax.set(xlabel="draft position", ylabel="P(accept | reached)", ylim=(0, 1.2), title=title)
+        ax.set_xticks(range(1, max(len(v) for _, v in series) + 1))
+        ax.legend(fontsize=8, loc="upper center", ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

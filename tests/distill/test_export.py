@@ -230,11 +230,15 @@ def test_export_writes_the_recommended_k_as_the_engines_settings(tmp_path, toy_t
     assert "batch 1: K=6, batch 8: K=3" in card
     assert "| acceptance by draft position, greedy | 0.90 0.80 0.70 0.60 |" in card
     assert "measured on Some CPU, 2 cores" in card
-    # without the user's costs, the validating machine's recommendation
+    # without the user's costs, the validating machine's recommendation, said so
+    from specdistill.distill.export.card import engine_section as card_lines
     from specdistill.distill.export.card import engine_settings
 
     machine_only = {**report, "recommended_k": {"max_k": 8, "by_cost": by_cost[:1]}}
-    assert engine_settings(machine_only)["k"] == 2
+    mine = engine_settings(machine_only)
+    assert mine["k"] == 2 and mine["machine_priced"] and not saved["machine_priced"]
+    assert "for your hardware rerun validate" in "\n".join(card_lines(mine))
+    assert "for your hardware" not in card
     dear = {**by_cost[0], "speedup": 0.8, "pays": False}
     note = engine_settings({**report, "recommended_k": {"by_cost": [dear]}})["source"]
     assert "no K beats target-only decoding" in note
