@@ -10,7 +10,6 @@ lossy variant, which callers must label as such wherever it is reported.
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
@@ -48,10 +47,8 @@ def process_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """`logits.argmax(-1)`: the index of the first maximal value of each row (ties to the lowest
-    index, NaN wins, as documented for both ops), through `max`, whose CPU kernel reads a
-    vocabulary row several times faster than `argmax`'s; every greedy decision of the decoder
-    and of target-only decoding goes through here, so both pick identically."""
+    """`logits.argmax(-1)` (same ties and NaN rule) through `max`, whose CPU kernel is faster;
+    every greedy decision, speculative and target-only, goes through here, so both pick alike."""
     return logits.max(-1).indices
 
 
@@ -66,13 +63,10 @@ def probs_from_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample per row of `probs` (..., V) with uniforms `u` (...) in [0, 1).
 
-    Unnormalised rows are fine (the CDF is scaled by the row's total). Zero-probability tokens
-    are never picked: the search finds the first CDF entry above the point, and an entry only
-    rises where its token has mass. Float round-off can put u * total at the total itself, past
-    every entry; the point is held to the largest float below the total instead, whose first
-    entry above it is where the CDF reaches its total (a token with mass). Every target-only
-    and speculative T=1 step samples here, so it stays a few tensor ops (half the time of
-    clamping and then stepping back over a zero tail).
+    Unnormalised rows are fine. Zero-probability tokens are never picked: the search finds the
+    first CDF entry above the point, which only rises where a token has mass; round-off could
+    put u * total at the total itself, so the point is held just below it. Every T=1 step
+    samples here, so it stays a few tensor ops.
     """
     cdf = torch.cumsum(probs.float(), dim=-1)
     total = cdf[..., -1:]
@@ -83,12 +77,11 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, device) -> torch.Tensor:
-    """U[0,1) draws; the decoder calls this so one generator seeds a whole run.
+    """U[0,1) draws; one generator seeds a whole run.
 
-    The stages seed one host generator per run; torch refuses a CPU generator for a CUDA draw
-    (every T=1 decode on a GPU failed), and drawing on the host then copying would put a
-    host-device sync in every target-only step. So a decode on another device draws from a
-    companion generator there, seeded once from the host one: runs stay reproducible."""
+    torch refuses a CPU generator for a CUDA draw, and drawing on the host then copying would
+    sync every step; so a decode on another device draws from a companion generator there,
+    seeded once from the host one: runs stay reproducible."""
     if generator is not None and generator.device != torch.device(device):
         generator = _companion(generator, torch.device(device))
     return torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
@@ -176,9 +169,8 @@ def verify_sampling(
     bonus slot); q: (B, G, V) drafter probs; u_accept: (B, G) and u_sample: (B,) uniforms.
     Accept draft[j] iff u_accept[j] < min(1, p/q); at the first rejection j resample from
     residual(p_j, q_j); with all G accepted, sample the bonus token from p_G.
-    `lengths` (B,): row r proposed only its first lengths[r] drafts (the rest are not tested, and
-    with all of them accepted the bonus token comes from p at position lengths[r]).
-    `accept_p`: `acceptance_probs(p[:, :G], q, draft, lenience)` when the caller has it already.
+    `lengths` (B,): row r proposed only its first lengths[r] drafts (its bonus slot follows them).
+    `accept_p`: `acceptance_probs(p[:, :G], q, draft, lenience)` when the caller has it.
     Returns (n_accepted (B,), next_token (B,)).
     """
     b, g = draft.shape
@@ -200,23 +192,3 @@ def verify_sampling(
 def expected_alpha(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Per-position acceptance probability sum_x min(p, q) = 1 - TVD(p, q) (p target, q drafter)."""
     return torch.minimum(p.float(), q.float()).sum(-1)
-
-
-def expected_tau(alpha: float, gamma: int) -> float:
-    """Expected tokens per target forward: (1 - alpha^(gamma+1)) / (1 - alpha)."""
-    if alpha >= 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def theoretical_speedup(alpha: float, gamma: int, c: float, verify_cost: float = 1.0) -> float:
-    """Leviathan et al.'s walltime improvement: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)).
-
-    c = drafter step time / target step time; a (gamma+1)-token verify costs `verify_cost`
-    target steps (1 in the paper; benchmarks put the measured cost in).
-    """
-    if gamma < 1:
-        raise ValueError(f"gamma={gamma} must be >= 1")
-    if not 0.0 <= alpha <= 1.0 or math.isnan(alpha):
-        raise ValueError(f"alpha={alpha} must lie in [0, 1]")
-    return expected_tau(alpha, gamma) / (gamma * c + verify_cost)

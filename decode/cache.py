@@ -1,23 +1,16 @@
 """One causal LM plus its KV cache, advanced and rolled back by position.
 
-The speculative decoder keeps the target's (p) and the drafter's (q) caches in one shared slot
-layout: slot i of both caches holds the same token, a shared 2-D mask marks the slots a row may
-attend to (left padding, and "holes" where one row rejected drafts another row kept), and
-explicit position ids count only a row's real tokens. Rolling back is then a pure position
-change: a `SlotLayer` (`specdistill.decode.cache_layers`: a dynamic layer written in place
-into one buffer per decode) shortens its views, a preallocated `StaticLayer` moves its write
-pointer; the prefix is never recomputed nor re-copied. With batch 1 and no padding the layout is dense, so the mask and
-position ids are left to the model (less per-step overhead, and the shapes compiled steps want).
+The target's (p) and drafter's (q) caches share one slot layout: slot i of both holds the same
+token, a shared 2-D mask marks the slots a row may attend to (left padding, and holes where one
+row rejected drafts another kept), and explicit position ids count a row's real tokens. Rolling
+back is then a pure position change (a `SlotLayer` shortens its views, a `StaticLayer` moves its
+write pointer): the prefix is never recomputed. Batch 1 without padding is dense: mask and
+positions are left to the model (the shapes compiled steps want).
 
-Sliding-window layers: `transformers`' own sliding caches keep only the last `window` states
-(a ring buffer once full), so the states a rollback must restore are gone (`crop` refuses; the
-static ring buffer cannot move back at all). Here every attention layer keeps the whole history
-(a full `SlotLayer` / `StaticLayer`), and the window is enforced by the attention mask, as
-the model does when it runs without a cache: batch 1 uses the model's own sliding mask (slot ==
-position); batched layouts with holes get 4-D masks built from real positions, because the
-model's mask counts slots and a hole would shrink the window. The cost is memory: sliding layers
-hold prompt + new tokens, like full layers. Caches that cannot be rolled back by position
-(recurrent / linear-attention / conv states, chunked attention) are refused up front.
+Sliding-window layers keep the whole history here, because `transformers`' ring buffers drop the
+states a rollback must restore; the window is enforced by the mask instead (4-D masks from real
+positions when holes would make the model's slot-counting mask shrink the window), at the cost
+of memory. Caches that cannot roll back by position (recurrent, conv, chunked) are refused.
 """
 
 from __future__ import annotations
@@ -72,8 +65,7 @@ def check_rollback_config(field: str, name: str, revision: str | None, remote: b
 
 def rollback_cache(config, *, static: bool, capacity: int):
     """A cache whose every attention layer keeps full history, so any suffix can be dropped:
-    `StaticLayer`s (attention over the whole capacity, masked) or `SlotLayer`s (attention over
-    the slots in use, written in place into one buffer of `capacity` slots)."""
+    `StaticLayer`s (the whole capacity, masked) or `SlotLayer`s (the slots in use)."""
     from transformers.cache_utils import Cache, StaticLayer
 
     types, _ = cache_layer_types(config)
@@ -87,9 +79,8 @@ def rollback_cache(config, *, static: bool, capacity: int):
 
 
 def cache_argument(model) -> str:
-    """The keyword `model.forward` takes its KV cache by: `transformers` 5 renamed it `cache`
-    (`past_key_values` deprecated there, due to go within the versions pyproject allows); older
-    forwards and remote code know only the old name."""
+    """The keyword `model.forward` takes its KV cache by: `cache` in newer `transformers`,
+    `past_key_values` in older forwards and remote code."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -140,9 +131,8 @@ class ModelRunner:
             attention_mask = self._window_masks(attention_mask.bool(), n)
         kwargs = {"logits_to_keep": keep} if self._keep_arg and keep else {}
         kwargs[self._cache_arg] = self.cache
-        # The first call lazily allocates the cache; it must run eagerly so the buffers get static
-        # addresses (allocated inside a CUDA-graph step they would live in the graph's pool and
-        # be overwritten by the next replay). Prompts of one token have no prefill to do this.
+        # The first call allocates the cache: eagerly, or the buffers would live in a CUDA graph's
+        # pool and be overwritten by its next replay (1-token prompts have no prefill for it).
         fn = self._eager if prefill or not self._allocated else self._step
         if fn is not self._eager:  # compiled graphs guard on strides: views of a prompt recompile
             ids, position_ids = _fresh(ids), _fresh(position_ids)
@@ -200,10 +190,8 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def compiled_forward(model):
     """`model.forward` compiled once per model for fixed-shape decode steps over a static cache
-    (prefill stays eager). CUDA: CUDA graphs ("reduce-overhead"); CPU: inductor's C++ kernels,
-    which cut the per-step framework overhead that dominates small models' 1-token steps.
-    Shapes are static (`dynamic=False`): one graph per step shape (1-token draft and baseline
-    step, 2-token drafter catch-up, (gamma+1)-token verify), reused across prompts because
+    (prefill stays eager): CUDA graphs on CUDA, inductor on CPU, both to cut the per-step
+    framework overhead of small models. One graph per step shape, reused across prompts because
     capacities are bucketed (`bucket_capacity`)."""
     fn = _COMPILED.get(model)
     if fn is None:
@@ -216,16 +204,14 @@ def compiled_forward(model):
 
 
 def step_mask(runner: ModelRunner, mask: torch.Tensor, width: int) -> torch.Tensor:
-    """The 2-D mask for a step of `runner` over the shared slot layout `mask` (B, capacity):
-    full width over a static cache (one shape for compiled steps; slots past the step are
-    causally masked anyway), else the `width` slots in use."""
+    """The 2-D mask for a step of `runner`: full width over a static cache (one shape for
+    compiled steps; later slots are causally masked anyway), else the `width` slots in use."""
     return mask[:, : runner.capacity] if runner.static else mask[:, :width]
 
 
 def prompt_feed(ids: torch.Tensor, mask: torch.Tensor, dense: bool):
-    """What a prefill feeds, in the shared slot layout: (ids, attention mask, positions) of all
-    prompt tokens but the last (None, None, None for a 1-token prompt), then that last token
-    (it opens the first round) and its position per row."""
+    """(ids, mask, positions) of all prompt tokens but the last (Nones for a 1-token prompt),
+    then that last token (it opens the first round) and its position per row."""
     t, tpos = ids[:, -1], mask.long().sum(1) - 1
     if ids.shape[1] <= 1:
         return None, None, None, t, tpos

@@ -1,14 +1,9 @@
 """Cache layers for long contexts, and the KV cache's size.
 
 p = target, q = drafter. At long context a decode step's cost should grow only with the
-attention over the context, never with re-work of it. `transformers`' defaults do re-work, and
-the decoder's runners (`specdistill.decode.cache.ModelRunner`) avoid it here:
-
-- `SlotLayer`: `DynamicLayer.update` concatenates the whole history every forward; a slot
-  layer writes in place into one buffer allocated once per decode.
-- `kv_cache_bytes`: what the caches hold, from the config (tested against the tensors).
-
-Tested: tests/decode/test_buckets.py.
+attention over the context, never with re-work of it: `SlotLayer` writes in place where
+`transformers`' `DynamicLayer` re-concatenates the whole history; `kv_cache_bytes` says what
+the caches hold, from the config.
 """
 
 from __future__ import annotations
@@ -33,9 +28,8 @@ KV_FORMULA = "layers x 2 x kv_heads x head_dim x tokens x dtype bytes (from the 
 def kv_cache_bytes(config, tokens: int, dtype: torch.dtype, batch: int = 1) -> int:
     """Bytes of K and V the decoder's cache holds for `tokens` slots of `batch` rows, from the
     config alone (`KV_FORMULA`): every attention layer counts, sliding ones included, since
-    here they keep their whole history so a rollback can restore it (`rollback_cache`); dummy
-    layers hold nothing. A static cache allocates its whole capacity: pass that as `tokens`.
-    Tested against the cache tensors' nbytes (tests/decode/test_buckets.py)."""
+    here they keep their whole history so a rollback can restore it; dummy layers hold nothing.
+    A static cache allocates its whole capacity: pass that as `tokens`."""
     text = config.get_text_config(decoder=True)
     types, _ = cache_layer_types(config)
     layers = sum(t != "dummy" for t in types)
@@ -65,15 +59,11 @@ def slot_layer(capacity: int):
         from transformers.cache_utils import DynamicLayer
 
         class SlotLayer(DynamicLayer):
-            """A dynamic layer without the re-copy: `DynamicLayer.update` concatenates the whole
-            history with the new states on every forward, so each 1-token step at context L
-            copies L slots of K and V per layer (SmolLM2 in fp32 at 8k tokens: 377 MB per
-            target step), quadratic over a decode. Here one buffer of `capacity` slots is
-            allocated at the first write (once per decode: the decoder sizes its runners to the
-            decode); a forward writes only its new slots and `keys` / `values` are views of the
-            slots in use, so attention still spans exactly those (as a dynamic layer's, unlike
-            a static layer's masked capacity) and `crop` (a rollback) only shortens the views.
-            Writing past the capacity grows the buffer (doubling, counted in `allocations`)."""
+            """A dynamic layer without the re-copy (`DynamicLayer.update` copies the whole
+            history every step: quadratic over a decode). One buffer of `capacity` slots is
+            allocated at the first write; `keys` / `values` are views of the slots in use, so
+            attention spans exactly those and `crop` only shortens the views. Writing past
+            the capacity grows the buffer (doubling, counted in `allocations`)."""
 
             def __init__(self, capacity: int) -> None:
                 super().__init__()

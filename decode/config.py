@@ -1,12 +1,8 @@
 """The decoder's one config type and the checks that run before any decoding.
 
-`DecoderConfig` is the `decoder` config node typed once (`DecoderConfig.from_node(cfg.decoder)`)
-and what one `SpeculativeDecoder` runs with: every key of conf/decoder/*.yaml with its default
-(the defaults live here and nowhere else; tests/decode/test_decoder_settings.py holds the yaml's
-listed values equal to them), plus what a stage adds (max_new_tokens, the tokenizer's EOS ids:
-`decoder_config`). `DecoderSettings` is the same class under the name the stages use.
-
-p = target, q = drafter, gamma = drafts per round. Every bad setting is one `ConfigError`
+`DecoderConfig` is the `decoder` config node typed once and what one `SpeculativeDecoder` runs
+with: every key of conf/decoder/*.yaml with its default (the defaults live here only), plus what
+a stage adds (`decoder_config`). p = target, q = drafter. Every bad setting is one `ConfigError`
 naming its config field, raised before weights are touched.
 """
 
@@ -29,7 +25,7 @@ from specdistill.decode.drafters.mapped import check_context
 
 DEFAULT_GAMMA = 4  # drafts per round: the K vLLM and SGLang examples serve small drafters at
 MAX_DRAFT = 15  # most drafts a round may verify (the heuristic policy's ceiling)
-# settings earlier versions had, and why they are gone (a user's override gets this, not a typo hint)
+# removed settings and why (a user's override gets this, not a typo hint)
 REMOVED = {
     "cpu_matmul": "CPU kernels are no longer chosen by timing: steps run plain F.linear",
     "lean_steps": "decode steps run the model's own forward",
@@ -73,10 +69,6 @@ class DecoderConfig:
     @property
     def lossy(self) -> bool:
         return self.lenience != 1.0
-
-    @property
-    def gamma_or_default(self) -> int:
-        return self.gamma
 
     @property
     def most_drafts(self) -> int:

@@ -1,22 +1,15 @@
 """A drafter's draft vocabulary: its LM head over the tokens the target actually emits.
 
-A drafter built from a large-vocabulary target pays most of its step for the head (SmolLM2's
-tied [49152, 576] head is over half a first:2 drafter's step on a CPU), while the target's
-greedy continuations use a small part of the vocabulary (decode/RESULTS.md, 2026-11-25 "draft
-vocabulary on the real pair"). So the decoder can
-score only a frequency-ranked subset (FR-Spec, arXiv 2502.14856; EAGLE-3's reduced draft
-vocabulary): q is the drafter's softmax over the subset and 0 elsewhere. That is still a
-distribution the acceptance rule takes as is, so decoding stays lossless: greedy drafts the
-subset's argmax, sampling drafts from the subset, and the residual max(p - q, 0) covers every
-token outside it. Only acceptance can fall, where the target emits a token outside the subset,
-which a small drafter almost never predicts anyway (on the real pair the held-out argmax
-agreement did not change: decode/RESULTS.md, same entry).
+A small drafter of a large-vocabulary target pays much of its step for the head, while the
+target's continuations use a small part of the vocabulary. So the decoder can score only a
+frequency-ranked subset (FR-Spec; EAGLE-3's reduced draft vocabulary): q is the drafter's
+softmax over the subset and 0 elsewhere, still a distribution the acceptance rule takes as is,
+so decoding stays lossless (the residual max(p - q, 0) covers every token outside it). Only
+acceptance can fall, where the target emits a token a small drafter rarely predicts anyway.
 
-The subset is chosen by the distill stage from its training rows' token counts and stored in
-the drafter's `config.json` as `draft_vocab_ids`, so every `save_pretrained` (distill, online,
-export) carries it and engines that do not know the key ignore it (vLLM and `transformers`
-still run the full head). The decoder applies it only inside its own decode steps
-(`ModelRunner`), never to a training forward.
+The subset is stored in the drafter's `config.json` as `draft_vocab_ids`, so every
+`save_pretrained` carries it and engines that do not know the key ignore it. The decoder applies
+it only inside its own decode steps (`ModelRunner`), never to a training forward.
 """
 
 from __future__ import annotations
@@ -30,9 +23,8 @@ import torch
 from specdistill.data.runtime import ConfigError
 
 CONFIG_KEY = "draft_vocab_ids"
-# auto: heads this large; smaller ones by choice (toy parallel: --size 1024, decode/RESULTS.md)
-AUTO_MIN_VOCAB = 16384
-AUTO_SIZE = 4096  # most of the head's cost gone, acceptance kept (decode/RESULTS.md, 2026-11-25)
+AUTO_MIN_VOCAB = 16384  # auto: heads this large; smaller ones by choice
+AUTO_SIZE = 4096  # most of the head's cost gone, acceptance kept
 
 
 def draft_vocab_size(setting: object, vocab: int) -> int:
@@ -130,7 +122,7 @@ class SubsetHead(torch.nn.Module):
         self._version = version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.proj(x)  # an nn.Linear, so decode.cpu_matmul's few-row path applies
+        y = self.proj(x)
         out = y.new_full((*y.shape[:-1], self.vocab), torch.finfo(y.dtype).min)
         return out.index_copy_(-1, self.ids, y)
 
@@ -178,10 +170,9 @@ def swapped_head(model, head: tuple[str, SubsetHead] | None) -> Iterator[None]:
 
 
 def attach_draft_vocab(drafter: str, data: str, size: int, out: str | None = None) -> dict:
-    """Store a draft vocabulary in a drafter checkpoint already trained (the distill stage does
-    it for its own runs): the `size` most frequent ids of a Seq-KD dataset's prompts and
-    completions, EOS always in, a parallel drafter's mask id never. Written into a copy at `out`
-    (or in place), so the checkpoint stays one `from_pretrained` folder."""
+    """Store a draft vocabulary in an already trained drafter checkpoint: the `size` most
+    frequent ids of a Seq-KD dataset, EOS always in, a parallel drafter's mask id never. Written
+    into a copy at `out` (or in place), so it stays one `from_pretrained` folder."""
     import shutil
     from pathlib import Path
 

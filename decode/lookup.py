@@ -1,20 +1,13 @@
 """Prompt lookup: drafts copied from the context's own n-grams, at no drafter cost.
 
-p = target, q = drafter, k = drafts per round. Long prompts (a whole file, retrieved documents, a
-tool's output) repeat themselves: identifiers, calls, whole lines come back. Where the last n
-tokens (n from `MAX_NGRAM` down to `min_ngram`) occurred before, the tokens that followed them
-then are a draft that costs no drafter forward at all, only the verify's extra positions; the
-longer the context, the more often one exists (Saxena's prompt lookup decoding; vLLM's `ngram`
-method). `decoder.lookup=true` lets the round loop take such a draft before asking the drafter
-(`SpeculativeDecoder._round`); rounds without a match run as before.
+p = target, q = drafter. Long prompts repeat themselves: where the last n tokens (n from
+`MAX_NGRAM` down to `min_ngram`) occurred before, the tokens that followed them are a draft that
+costs no drafter forward (Saxena's prompt lookup decoding; vLLM's `ngram`). The round loop takes
+such a draft before asking the drafter; rounds without a match run as before.
 
-Lossless either way: the drafts are read from tokens already emitted (the prompt and the target's
-own output), never from p of the round being drafted. They are deterministic proposals, q a one-hot
-row: greedy keeps the matching prefix; speculative sampling accepts draft x with probability
-min(1, p(x) / 1) = p(x) and resamples from p with x removed, exactly the target's distribution.
-
-Opt-in (`decoder.lookup=true`): engines serve it as a drafter of its own (vLLM's `ngram`), so
-validate's figures of record leave it off and a decode's report counts its rounds apart.
+Lossless: the drafts come from tokens already emitted, never from p of the round; q is one-hot,
+so sampling accepts x with probability p(x) and resamples from p with x removed. Opt-in, since
+engines serve it as a drafter of its own: a decode's report counts its rounds apart.
 """
 
 from __future__ import annotations

@@ -16,11 +16,8 @@ import torch
 class RoundRecord:
     """One draft/verify round, for online adaptation (p = target, q = drafter).
 
-    `start[r]`: tokens row r had emitted before the round (the drafts continue from there);
-    `draft` (B, gamma): proposed tokens; `accepted` (B,): how many were kept; `next_token` (B,):
-    the target's correction or bonus token; `target_probs` (B, gamma+1, V) fp32 softmax of the
-    target's raw (temperature-1) logits at each verified position, if `record_probs`.
-    Rows that were already finished are flagged in `active`.
+    `start[r]`: tokens row r had emitted before the round; `next_token`: p's correction or bonus
+    token; `target_probs` (B, gamma+1, V): p's raw (temperature-1) softmax, if `record_probs`.
     """
 
     start: list[int]
@@ -35,10 +32,8 @@ class RoundRecord:
 class VerifiedRow(NamedTuple):
     """One row of a verified round as the host reads it (`Verifier.settle`'s one sync).
 
-    `drafts`: the round's proposals; `accepted`: how many the target kept; `next_token`: its
-    correction or bonus token; `alphas`: each position's figure (greedy: 1.0 where the draft is
-    the target's argmax; sampled: the expected acceptance sum_x min(p, q)); `probs`: sampled
-    only, each draft's acceptance probability min(1, p(x)/q(x)) (else empty).
+    `alphas`: each position's figure (greedy: 1.0 where the draft is p's argmax; sampled:
+    sum_x min(p, q)); `probs`: sampled only, each draft's min(1, p(x)/q(x)).
     """
 
     drafts: list[int]
@@ -49,8 +44,8 @@ class VerifiedRow(NamedTuple):
 
     @classmethod
     def from_host(cls, row: list[float], k: int) -> VerifiedRow:
-        """Row r of [drafts (k), accepted, next token, alphas (k), probs (k or none)] as moved
-        to the host in fp32 (token ids < 2^24 are exact)."""
+        """Row r of [drafts (k), accepted, next, alphas (k), probs (k or none)], moved to the host
+        in fp32 (token ids < 2^24 are exact)."""
         return cls(
             [int(v) for v in row[:k]], int(row[k]), int(row[k + 1]), row[k + 2 : 2 * k + 2],
             row[2 * k + 2 :],
@@ -83,10 +78,8 @@ class DecodeOutput:
     lookup_rounds: int = 0
     lookup_drafted: int = 0
     lookup_accepted: int = 0
-    # the lookup rounds' share of the acceptance counters (alpha_sum, trials, accepted_at,
-    # trials_at), so the drafter's own acceptance can be told apart (`drafter_alpha`): on a real
-    # pair, lookup drafts can be most of the drafts a decode tests, and a drafter
-    # that never pays looked, in the totals, as if most of its drafts were kept
+    # the lookup rounds' share of the acceptance counters, so the drafter's own acceptance can
+    # be told apart (`drafter_alpha`): lookup drafts can be most of those a decode tests
     lookup_alpha_sum: float = 0.0
     lookup_trials: int = 0
     lookup_accepted_at: list[int] = field(default_factory=list)
@@ -123,8 +116,7 @@ class DecodeOutput:
 
     @property
     def drafter_trials(self) -> int:
-        """How many of the drafter's own drafts were put to the test: 0 means `drafter_alpha`'s
-        0.0 is no measurement (every tested draft was prompt lookup's), not a drafter that fails."""
+        """The drafter's own tested drafts: 0 makes `drafter_alpha`'s 0.0 no measurement."""
         return self.trials - self.lookup_trials
 
     def drafter_trials_at(self) -> list[int]:
@@ -133,8 +125,7 @@ class DecodeOutput:
         return [t - lt for t, lt in zip(self.trials_at, look_t)]
 
     def drafter_alpha_at(self) -> list[float]:
-        """The drafter's own acceptance by draft position, each given the drafts before it were
-        accepted (lookup rounds left out)."""
+        """`acceptance_at` for the drafter's own drafts (lookup rounds left out)."""
         look_a = self.lookup_accepted_at or [0] * len(self.accepted_at)
         return [
             (a - la) / t if t > 0 else 0.0
@@ -148,9 +139,8 @@ class DecodeOutput:
         lengths: list[int],
         lookup: bool = False,
     ) -> None:
-        """Add one verified round's acceptance counters over the rows still decoding (trials
-        stop at the first reject); row r verified lengths[r] of its drafts. lookup: the drafts
-        came from the context (decode.lookup): also counted in the lookup_* counters."""
+        """Add one verified round's counters over the rows still decoding (trials stop at the
+        first reject; row r verified lengths[r] drafts); lookup: also into the lookup_* ones."""
         for row, a, kr in zip(rows, active, lengths):
             if not a:
                 continue

@@ -1,24 +1,15 @@
 """The speculative decoder: a drafter q proposes up to gamma tokens, the target p verifies them.
 
-Works over any two `transformers` causal LMs sharing a vocabulary (a drafter padded differently
-is padded/trimmed to the target's size), or a drafter with its own tokenizer through a
-vocabulary mapping. `generate` is the one round loop, whatever the kind of drafter: each kind
-(autoregressive, parallel = PARD mask tokens, mapped) is a strategy behind the small interface
-of `specdistill.decode.drafters.base.Drafter`. A round:
+Works over two `transformers` causal LMs sharing a vocabulary (up to padding), or a drafter
+with its own tokenizer through a mapping. `generate` is the one round loop; each kind of drafter
+is a strategy behind `drafters.base.Drafter`. A round plans k (`decoder.draft_length`, reading
+q and earlier rounds only, so it stays lossless), drafts up to k tokens, verifies them in one
+target forward (`verify.Verifier`), and rolls both caches back to the longest accepted prefix
+in the batch; rows that accepted less keep masked holes, so nothing is recomputed.
 
-1. plan k (`decoder.draft_length`: fixed gamma, transformers' heuristic, or llama.cpp's p_min
-   confidence stop; each reads q and earlier rounds only, so the rule stays lossless);
-2. the drafter proposes up to k drafts with their q;
-3. the target verifies [t, d_1..d_k] in one forward and the acceptance rule keeps a prefix
-   plus one token of p's (`verify.Verifier`);
-4. both caches roll back to the longest accepted prefix in the batch.
-
-Both KV caches share one slot layout (`specdistill.decode.cache`): rows that accepted less keep
-masked "holes", so rows may accept different lengths and nothing is recomputed. A round drafts
-fewer tokens only when no unfinished row could emit more before `max_new_tokens` (a compiled
-target keeps one verify shape). `baseline` decodes with the target alone through the same
-caches, so a speedup compares like with like. Nothing here reads a clock: the tokens and the
-acceptance counters are a function of the models, the prompts, the config and the seed.
+`baseline` decodes with the target alone through the same caches, so a speedup compares like
+with like. Nothing here reads a clock: tokens and counters are a function of the models,
+prompts, config and seed.
 """
 
 from __future__ import annotations
@@ -100,13 +91,11 @@ class SpeculativeDecoder:
         self.static = cfg.cache == "static" or (cfg.cache == "auto" and (cuda or compile_on))
         self.compile_target = compile_on and self.static
         self.compile = self.compile_target or cfg.compile == "drafter"  # some steps compiled
-        # auto: 8 on CUDA, where the host can queue steps ahead; 1 on CPU, where it cannot and
-        # steps past an EOS would only cost time
+        # auto: 8 on CUDA, where the host queues steps ahead; on CPU steps past an EOS only cost
         self.sync_every = cfg.host_sync_every or (8 if cuda else 1)
         self.max_draft = cfg.most_drafts
         if cfg.draft_length == "heuristic" and cfg.drafting == "parallel":
-            # a growing round proposes no mask past the depth the drafter was trained for: those
-            # masks draft what it never learnt (a fixed gamma is the user's to choose)
+            # no mask past the depth the drafter was trained for: it never learnt to draft there
             self.max_draft = min(self.max_draft, trained_depth(drafter) or self.max_draft)
         fixed = cfg.draft_length == "fixed" and not cfg.lookup
         # one verify shape for a fixed gamma; a few padded widths when lengths vary
@@ -237,9 +226,8 @@ class SpeculativeDecoder:
             pos = pos + 1
             out.target_forwards += 1
             pending.append(t)
-            # Moving tokens to the host stalls the host until the device is done; batching the
-            # moves lets it queue the next steps meanwhile. A row past its EOS wastes at most
-            # sync_every - 1 steps; its output is cut at the EOS all the same.
+            # Batched host moves let the host queue steps meanwhile; a row past its EOS wastes
+            # at most sync_every - 1 steps (its output is cut at the EOS all the same).
             if len(pending) >= self.sync_every or out.target_forwards >= cfg.max_new_tokens:
                 for r, toks in enumerate(torch.stack(pending, 1).tolist()):
                     if not done[r]:

@@ -1,9 +1,8 @@
 """The target's side of a round: verify the drafts in one forward, plain target steps, settle.
 
-p = target, q = drafter, k = drafts verified this round. The same for every kind of drafter:
-`verify` feeds [t, d_1..d_k] to p (k = 0: a plain target step) and applies the acceptance rule
-of `acceptance.py` (greedy agreement, or speculative sampling with q), and `settle` makes the round's one host sync, then its counters (alpha, tau), its record and its
-emitted tokens. The round loop itself is `SpeculativeDecoder.generate`.
+p = target, q = drafter, k = drafts verified this round (0: a plain target step). The same for
+every kind of drafter: `verify` runs p once and applies the acceptance rule; `settle` makes the
+round's one host sync, then its counters, record and tokens.
 """
 
 from __future__ import annotations
@@ -64,14 +63,10 @@ class Verifier:
         self.verify_widths, self.pad_widths = verify_widths, pad_widths
 
     def verify(self, st: RoundState, draft_t, q, lengths):
-        """Verify [t, d_1..d_K] with p in one forward (a compiled target pads to a few widths;
-        batched: the padding's slots are opened in the mask) and apply the acceptance rule, the
-        same for every kind of drafter. q (B, K, V): the drafts' distributions (sampling; None
-        when greedy); lengths: drafts row r verifies, when rows were cut short. Returns
-        (accepted counts, next tokens, per-position figures, target logits, verify width); the
-        per-position figures are (B, K) greedy agreement, or sampling (B, 2K): the expected
-        alpha sum_x min(p, q) of each position, then each draft's acceptance probability
-        min(1, p(x)/q(x))."""
+        """Verify [t, d_1..d_K] with p in one forward (a compiled target pads to a few widths)
+        and apply the acceptance rule. q (B, K, V): None when greedy; lengths: drafts row r
+        verifies. Returns (accepted, next tokens, per-position figures, target logits, width);
+        the figures are (B, K) greedy agreement, or (B, 2K) sum_x min(p, q) then min(1, p/q)."""
         s, (b, kd), tgt, steps = self.cfg.sampling, draft_t.shape, st.tgt, st.steps
         length, t, dense, generator = tgt.length, st.t, st.dense, st.generator
         vin = torch.cat([t[:, None], draft_t], 1)
@@ -123,10 +118,8 @@ class Verifier:
         row_cut: bool = False,
         lookup: bool = False,
     ) -> list[VerifiedRow]:
-        """The round's one host sync (drafts, accepted counts, next tokens, the per-position
-        figures of `verify`), then its counters, its record and its tokens, the same for every
-        drafting mode (lookup: a prompt-lookup round's, counted apart too). Marks finished rows
-        in `done`; returns the rows as the host read them."""
+        """The round's one host sync, then its counters, record and tokens (lookup: counted
+        apart too). Marks finished rows in `done`; returns the rows as the host read them."""
         draft_t, n, nxt, alpha_pos = verdict
         k = draft_t.shape[1]
         host = torch.cat([draft_t, n[:, None], nxt[:, None], alpha_pos], 1).float().tolist()

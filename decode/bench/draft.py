@@ -3,17 +3,14 @@
     python -m specdistill.decode.bench pair=toy output_dir=OUT \\
         'compare_draft=[1,2,4,8,heuristic,confidence]'
 
-Entries: an integer K (fixed K drafts a round) or a deterministic draft-length policy of
-`decode.draft_length` (`heuristic`, `confidence`), each with optional suffixes `-lookup`
-(prompt lookup beside the drafter, `decode.lookup`) and `-parallel` (the parallel, PARD,
-drafter at `compare_parallel` drafting all K in one forward, `decoder.drafting=parallel`), e.g.
-`4-lookup`, `4-parallel`. `compare_parallel=DIR` without `compare_draft` measures each of
-`parallel_gammas` and `parallel_policies` with both drafters. Every timed repeat decodes the prompts
-with the target p alone once, then with every entry in turn (same prompts, same seed), so load drifts on a shared
-machine hit all entries alike (interleaved prompt by prompt); a speedup is the median over
-repeats of an entry's tokens/s over the same repeat's target-only tokens/s. Both serving modes (the decoder's, then the other one at
-`other_sampling`) unless `both_modes=false`, and `transformers` assisted generation on the same
-prompts per mode. Writes OUT/draft.json and OUT/draft.md. p = target, q = drafter.
+Entries: an integer K or a draft-length policy (`heuristic`, `confidence`), with optional
+suffixes `-lookup` (prompt lookup beside the drafter) and `-parallel` (the PARD drafter at
+`compare_parallel`), e.g. `4-lookup`. `compare_parallel=DIR` alone measures `parallel_gammas`
+and `parallel_policies` with both drafters. Every timed repeat decodes with the target p alone,
+then with every entry in turn, prompt by prompt, so load drifts hit all entries alike; a speedup
+is the median over repeats of an entry's tokens/s over that repeat's target-only tokens/s. Both
+serving modes unless `both_modes=false`, with `transformers` assisted generation beside.
+Writes OUT/draft.json and OUT/draft.md. p = target, q = drafter.
 """
 
 from __future__ import annotations
@@ -106,9 +103,8 @@ def load_parallel_drafter(cfg: DictConfig, st) -> Any:
 @torch.inference_mode()
 def first_draft_agreement(target, drafter, batches, continuations: list[list[int]]) -> float:
     """Greedy alpha at draft position 1 over *every* position of the target's continuations:
-    the share the drafter's argmax (q) predicts from the true prefix. The decoder's position-1
-    alpha is measured at round starts only, which depend on the drafter (each drafting mode
-    starts rounds after its own rejections), so this is the like-for-like figure."""
+    the like-for-like figure, since the decoder's position-1 alpha is measured at round starts,
+    which depend on each drafting mode's own rejections."""
     rows = [ids[j, mask[j].bool()] for ids, mask in batches for j in range(ids.shape[0])]
     device = next(target.parameters()).device  # prompts stay on the host; the models may not
     hits = total = 0

@@ -3,21 +3,12 @@
     python -m specdistill.decode.bench.gpu --out DIR [--preset tinyllama] [--batches 1 4 16]
 
 Random weights are fine for speed (bytes per token do not depend on values), but a random
-drafter never agrees with a random target, so the pair is built to agree partially: the
-drafter is the target's first `--draft-layers` layers with its embeddings, final norm and LM head
-(a layer-skip drafter), and every layer's residual branches (o_proj, down_proj) are scaled by
-a factor chosen so that greedy agreement on random contexts is near `--alpha`. Decoding speed
-does not depend on that scale. All figures come from one process, measured side by side:
-
-- copy bandwidth (device-to-device, bytes read + written) and the HBM roofline of a batch-1
-  target step: (weight bytes read + KV bytes at the mean context) / bandwidth;
-- our target-only decode (static cache, CUDA-graph steps) against that roofline;
-- speculative decode: alpha, tau, c and the verify cost (`step_costs` at the decode's own cache
-  size), measured and theoretical speedup, decoder efficiency, compile seconds apart, and the
-  number of graphs compiled during a long decode after warm-up (must be 0: no per-token
-  recompiles);
-- `transformers` generate() and generate(assistant_model=) on the same pair and prompts;
-- batch sizes > 1: target-only vs speculative tokens/s, to find where the gain crosses 1.0x.
+drafter never agrees with a random target, so the drafter is the target's first
+`--draft-layers` layers (a layer-skip drafter) and every residual branch is scaled so that
+greedy agreement is near `--alpha` (speed does not depend on the scale). Reported side by side:
+copy bandwidth and the batch-1 roofline, our target-only decode against it, speculative alpha,
+tau, c, verify cost, measured and modeled speedup, graphs compiled after warm-up (must be 0),
+`transformers` generate() with and without an assistant, and larger batches.
 
 Results go to DIR/bench_gpu.json after every section, so a run cut short keeps what it measured.
 """
@@ -35,7 +26,7 @@ from typing import Any
 import torch
 
 from specdistill.data.io import atomic_write_json
-from specdistill.decode.acceptance import theoretical_speedup
+from specdistill.decode.draft_length.costs import DraftCosts, speedup_at
 from specdistill.decode.speculative import DecodeOutput, DecoderConfig, SpeculativeDecoder
 from specdistill.decode.validate.modes import merge
 from specdistill.decode.validate.timing import hf_assisted_speed, step_costs
@@ -217,7 +208,8 @@ def bench_batch(target, drafter, args, batch: int, device: str) -> dict[str, Any
         row["baseline_sync_every_step_tokens_per_s"] = round(rate, 1)
         slots = dec.spec_slots(1, args.prompt_len)
         c, verify = step_costs(dec, prompts[0], args.c_iters, args.gamma, slots=slots)
-        theory = theoretical_speedup(min(max(out_s.alpha, 0.0), 1.0), args.gamma, c)
+        costs = DraftCosts(c=c, verify_per_token=max(verify - 1, 0) / args.gamma)
+        theory = speedup_at(out_s.acceptance_at(), args.gamma, costs)
         ctx = args.prompt_len + args.new_tokens / 2
         roof = args.bandwidth / step_bytes(target, ctx)
         row |= {
@@ -230,43 +222,6 @@ def bench_batch(target, drafter, args, batch: int, device: str) -> dict[str, Any
         }
         row["graphs_compiled_total"] = graphs_compiled() - graphs0
     return row
-
-
-def profile_decode(target, drafter, args, device: str) -> dict[str, Any]:
-    """Where a batch-1 decode's time goes, target-only per step and speculative per round: wall
-    time vs GPU kernel time, graph and kernel launches (tables in DIR/profile.txt)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    ids = torch.randint(1, target.config.vocab_size, (1, args.prompt_len)).to(device)
-    dec = SpeculativeDecoder(
-        target, drafter, DecoderConfig(gamma=args.gamma, max_new_tokens=args.new_tokens)
-    )
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    found: dict[str, Any] = {}
-    tables = []
-    for name, fn in (("target_only_step", dec.baseline), ("speculative_round", dec.generate)):
-        fn(ids)
-        sync(device)
-        t0 = time.perf_counter()
-        with profile(activities=acts) as prof:
-            out = fn(ids)
-            sync(device)
-        wall = time.perf_counter() - t0
-        events = prof.key_averages()
-        tables.append(f"## {name}\n" + events.table(sort_by="self_cpu_time_total", row_limit=20))
-        tables.append(events.table(sort_by="self_device_time_total", row_limit=12))
-        counts = {e.key: e.count for e in events}
-        n = out.target_forwards
-        found[name] = {
-            "count": n,
-            "wall_ms": round(wall / n * 1e3, 3),
-            "gpu_kernel_ms": round(sum(e.self_device_time_total for e in events) / n / 1e3, 3),
-            "graph_launches": round(counts.get("cudaGraphLaunch", 0) / n, 2),
-            "kernel_launches": round(counts.get("cudaLaunchKernel", 0) / n, 2),
-            "host_copies": round(counts.get("cudaMemcpyAsync", 0) / n, 2),
-        }
-    (args.out / "profile.txt").write_text("\n".join(tables))
-    return found
 
 
 @torch.inference_mode()
@@ -295,7 +250,7 @@ def fp32_lossless(target, drafter, args, device: str) -> dict[str, Any]:
     }
 
 
-def bench_hf(target, drafter, args, device: str, ours: float) -> dict[str, Any]:
+def bench_hf(target, drafter, args, ours: float) -> dict[str, Any]:
     """transformers' generate() alone and with assistant_model= on batch-1 prompts."""
     g = torch.Generator().manual_seed(7)
     vocab = target.config.vocab_size
@@ -327,7 +282,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batches", type=int, nargs="+", default=[1])
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    ap.add_argument("--profile", action="store_true", help="profile a batch-1 target-only decode")
     ap.add_argument("--fp32-check", type=int, default=0, help="prompts for the fp32 check (last)")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -359,11 +313,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for batch in args.batches:
         rows.append(bench_batch(target, drafter, args, batch, device))
         save("batches", rows)
-        if batch == 1 and args.profile:
-            save("profile", profile_decode(target, drafter, args, device))
         if batch == 1 and not args.no_hf:
             ours = rows[-1]["speculative_tokens_per_s"]
-            save("hf", bench_hf(target, drafter, args, device, ours))
+            save("hf", bench_hf(target, drafter, args, ours))
     if args.fp32_check:
         save("fp32_lossless", fp32_lossless(target, drafter, args, device))
     print(markdown(result), flush=True)

@@ -1,14 +1,10 @@
 """The pure cost model of a speculative round, and the draft count K it recommends.
 
-p = target, q = drafter, K = drafts a round, c = one drafter step in target steps. Units: one
-1-token target step. A round of K drafts costs K c (autoregressive drafting; one forward for a
-parallel drafter: c + (K - 1) draft_per_token) plus its verify, 1 + K verify_per_token (on a GPU
-at batch 1 a (K+1)-token verify costs about one step: verify_per_token ~ 0; batched serving makes
-it dearer). With acceptance a_1..a_K by draft position (a_j: draft j accepted given drafts
-1..j-1 were), a round emits E(K) = 1 + sum_j prod_{i<=j} a_i tokens, and speculative decoding
-runs E(K) / cost(K) times as fast as target-only decoding: the speedup the engines' fixed K buys
-(Leviathan et al.'s formula when every a_j is one alpha). `recommend_k` maximises it over the
-measured positions. No state, no models, no timing: tested against brute-force enumeration.
+p = target, q = drafter, K = drafts a round, c = one drafter step in 1-token target steps. A
+round costs K c (parallel: c + (K - 1) draft_per_token) plus its verify, 1 + K verify_per_token.
+With acceptance a_j by draft position (given drafts 1..j-1 were accepted), a round emits
+E(K) = 1 + sum_j prod_{i<=j} a_i tokens, and decoding runs E(K) / cost(K) times as fast as
+target-only (Leviathan et al.'s formula when every a_j is one alpha); `recommend_k` maximises it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The draft-length policies: per round, how many drafts q proposes before the target p verifies.
 
-p = target, q = drafter, gamma = the configured drafts per round. Each policy is deterministic
-and reads only q and the outcomes of earlier rounds, never p of the round being drafted, so the
-acceptance rule stays exact for whatever length it picks (a length is a stopping time of the
-draft; tests check greedy identity and the sampled distribution with a chi-square test). None
-reads a clock: decoded tokens depend on models, prompts, config and seed alone.
+p = target, q = drafter. Each policy is deterministic and reads only q and earlier rounds, never
+p of the round being drafted, so the acceptance rule stays exact for whatever length it picks
+(a length is a stopping time of the draft). None reads a clock.
 
 - `fixed` (the default, what vLLM, SGLang and TRT-LLM serve): gamma drafts every round.
 - `heuristic`: `transformers`' assisted-generation schedule, per decode: start at gamma, +2

@@ -1,24 +1,14 @@
 """`Drafter`: the one small interface through which the round loop drives any kind of drafter q.
 
-p = target, q = drafter, gamma (k) = drafts per round. `SpeculativeDecoder.generate` is the only
-round loop; what differs between kinds of drafter (autoregressive: k 1-token steps; parallel: one
-forward over k-1 mask tokens; mapped: another tokenizer) lives behind these methods:
+p = target, q = drafter, k = drafts per round. `SpeculativeDecoder.generate` is the only round
+loop; what differs between kinds of drafter (autoregressive, parallel mask tokens, another
+tokenizer) lives behind `start`, `propose`, `skip` (a prompt-lookup round the drafter did not
+read), `accept` (keep the accepted prefix, roll back the rest) and `warm_shapes`. The loop speaks
+the target's ids only: `drafter_ids` / `target_logits` map ids in and logits out.
 
-- `start`: begin a decode over the shared slot layout (prefill the prompt);
-- `propose`: up to k drafts, their q over the target's vocabulary (None when greedy) and, when
-  a draft-length policy reads q, each draft's confidence (q's top probability there);
-- `skip`: the target emitted a token the drafter did not read (a prompt-lookup round); read it
-  in the next forward;
-- `accept`: after the verify, keep the longest accepted prefix and roll the rest back;
-- `warm_shapes`: the forwards a round runs (compile warm-up);
-- `drafter_ids` / `target_logits`: the vocabulary mapping. The loop speaks the target's ids
-  only; a drafter with its own tokenizer maps ids in and logits out (here: identity, with a
-  vocabulary smaller or larger only by padding).
-
-Both caches share one slot layout (`specdistill.decode.cache`): slot i of the drafter's cache
-holds the token of slot i of the target's, so the loop's 2-D mask serves both; a drafter that
-reads only the end of the prompt (`decoder.drafter_context`, `context.py`) skips the first `cut`
-slots: its slot i is the target's slot i + cut, its view of the mask starts there.
+Both caches share one slot layout (`specdistill.decode.cache`), so the loop's 2-D mask serves
+both; a drafter that reads only the end of the prompt (`decoder.drafter_context`) skips the first
+`cut` slots: its slot i is the target's slot i + cut.
 """
 
 from __future__ import annotations
@@ -69,10 +59,9 @@ class Drafter(ABC):
         make_runner: Callable[[int], ModelRunner],
         mask_token_id: int | None = None,
     ) -> None:
-        """vocab: the target's vocabulary size; max_draft: most drafts a round proposes;
-        compiled: some decode steps are compiled (long feeds go in a few chunk shapes);
-        make_runner(slots): this drafter's runner as the decoder builds it (caches, compiled
-        steps, draft head); mask_token_id: read by drafters that draft from mask tokens."""
+        """vocab: the target's vocabulary size; compiled: long feeds go in a few chunk shapes;
+        make_runner(slots): this drafter's runner (cache, compiled steps, draft head);
+        mask_token_id: read only by drafters that draft from mask tokens."""
         self.model, self.vocab, self.sampling, self.device = model, vocab, sampling, device
         self.max_draft, self.compiled, self.make_runner = max_draft, compiled, make_runner
         self._runner: ModelRunner | None = None
@@ -132,10 +121,8 @@ class Drafter(ABC):
         generator: torch.Generator | None,
         keep_drafting: KeepDrafting | None = None,
     ) -> Proposal:
-        """Up to k drafts continuing the pending token t (B,) at positions pos (B,). When
-        `keep_drafting` is given, confidences are returned; a drafter that drafts step by step
-        stops before the first draft it says no to, one that proposes all k at once leaves the
-        cut to the policy."""
+        """Up to k drafts continuing the pending token t (B,) at positions pos (B,); with
+        `keep_drafting`, confidences too (a step-by-step drafter stops at its first no)."""
 
     def _steps(
         self,
@@ -145,10 +132,8 @@ class Drafter(ABC):
         keep_drafting: KeepDrafting | None,
         feed: Callable[[torch.Tensor, int], torch.Tensor],
     ) -> Proposal:
-        """k 1-token draft steps from the logits (B, V) of the first: draw a draft, ask
-        `keep_drafting`, and feed(d, i) the kept draft i for the next step's logits (not after
-        the k-th). Sets `fed`: how many drafts this drafter's cache has read (all kept ones
-        when the rule stopped it, all but the last otherwise)."""
+        """k 1-token draft steps from the first step's logits (B, V); feed(d, i) reads kept draft
+        i for the next logits. Sets `fed`: drafts this cache has read (the last is not fed)."""
         want_q = keep_drafting is not None
         drafts, qs, confs = [], [], []
         for i in range(k):
@@ -181,10 +166,8 @@ class Drafter(ABC):
     def accept(
         self, drafts: torch.Tensor, accepted: int, new_length: int, pos: torch.Tensor
     ) -> None:
-        """After the verify: the longest accepted prefix over the rows is `accepted` of the
-        verified `drafts` (B, k); the target's cache now holds `new_length` slots; pos (B,) the
-        round's pending-token positions. Keep what is needed for the next round, roll back the
-        rest."""
+        """After the verify: `accepted` of `drafts` (B, k) is the longest prefix over the rows;
+        the target's cache holds `new_length` slots. Roll back the rest."""
 
     # ------------------------------------------------------------------ compile warm-up
     @abstractmethod
@@ -204,8 +187,7 @@ class Drafter(ABC):
 
     def _slot_mask(self) -> torch.Tensor:
         """This drafter's view of the shared mask, padded to a static cache's capacity (after a
-        cut, a compiled drafter's bucketed capacity may outgrow the view; slots past the
-        decode's are never written)."""
+        cut, a bucketed capacity may outgrow the view; those slots are never written)."""
         pad = self.runner.capacity - self.mask.shape[1] if self.runner.static else 0
         return torch.nn.functional.pad(self.mask, (0, pad)) if pad > 0 else self.mask
 
@@ -231,9 +213,8 @@ class Drafter(ABC):
     def _draw(
         self, logits: torch.Tensor, generator: torch.Generator | None, want_q: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Drafts from q (argmax when greedy, else sampled after the sampling spec's
-        temperature/top-k/top-p, as applied to p) and q itself: always when sampling, for
-        greedy only when `want_q` (confidences)."""
+        """Drafts from q (processed as p is) and q itself, which greedy computes only when
+        `want_q` (confidences)."""
         if self.sampling.greedy:
             q = torch.softmax(logits.float(), -1) if want_q else None
             return greedy_tokens(logits), q

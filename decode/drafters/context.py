@@ -1,21 +1,13 @@
-"""How much of the prompt the drafter reads (`decoder.drafter_context`; issue 36).
+"""How much of the prompt the drafter reads (`decoder.drafter_context`).
 
 p = target, q = drafter. The target must read the whole prompt; the drafter need not: its
-drafts are only proposals, verified by p, so a drafter that reads the last N prompt tokens
-keeps the decode lossless and costs N tokens of prefill and cache instead of the whole prompt's
-(at 4k-8k tokens of context q's prefill costs several times what its drafts save in a short
-decode). Prompt lookup still searches the whole context for repeated spans.
+drafts are only proposals, so reading the last N prompt tokens keeps the decode lossless and
+costs N tokens of prefill and cache instead of the whole prompt's. q's slot j holds the target's
+slot j + cut, positions shifted alike per row (rotary positions are relative).
 
-The cut drops the first `cut` prompt slots from q's cache: q's slot j holds the target's slot
-j + cut, and its positions are the target's shifted by the same amount per row (rotary
-positions are relative, so q sees exactly a prompt that starts at the cut).
-
-- `all`: the whole prompt, even past the drafter's trained positions;
-- `auto` (default): the whole prompt unless the decode would run q past its own
-  `max_position_embeddings` (a drafter with a shorter context than the target's, e.g. another
-  tokenizer's small model): then the last tokens that fit, so q never reads positions it never
-  learnt;
-- `N`: at most the last N prompt tokens (and within the drafter's positions, as `auto`).
+`all`: the whole prompt; `auto`: the whole prompt unless the decode would run q past its own
+`max_position_embeddings`, then the last tokens that fit (q never reads positions it never
+learnt); `N`: at most the last N prompt tokens, within the drafter's positions as `auto`.
 """
 
 from __future__ import annotations

@@ -1,33 +1,21 @@
 """A drafter q with its own tokenizer, decoded against the target p through a vocabulary mapping.
 
-p = target, q = drafter, k = drafts per round. The round loop speaks the target's ids only; this
-drafter maps ids in (`drafter_ids`) and its distribution out (`target_logits`), the two hooks
-`Drafter` left for it. Two context modes (`decoder.mapped_context`):
+p = target, q = drafter. The round loop speaks the target's ids only; this drafter maps ids in
+(`drafter_ids`) and its distribution out (`target_logits`). Two context modes
+(`decoder.mapped_context`): `tli` (vLLM's `use_heterogeneous_vocab`): the drafter reads the
+target's tokens mapped to its ids, a token outside the intersection as its unk (else eos) id,
+vLLM's rule, so each drafter slot stays one target token and the autoregressive strategy runs
+unchanged; `text` (`transformers`' universal assisted generation): the drafter reads the
+target's text re-tokenized (`text_context.py`).
 
-- `tli` (default; what vLLM serves as `use_heterogeneous_vocab`): the drafter reads the target's
-  tokens mapped to its ids (`target_to_draft`); a target token outside the intersection becomes
-  the drafter's unk id, or its eos id when it has no unk (vLLM's rule, `_get_unk_token_id`), so
-  the slot layout stays one target token per drafter slot and the autoregressive strategy runs
-  unchanged. Its own round logic: `drafters/autoregressive.py`.
-- `text` (what `transformers`' universal assisted generation does): the drafter reads the
-  target's text re-tokenized by its own tokenizer (`drafters/text_context.py`).
+In both, q is the drafter's softmax over the rows that map, its mass scatter-added into the
+target's ids (several drafter ids may spell one target token). The sampling spec then applies
+to q over the target's ids exactly as to p, and q depends only on the context and the round's
+earlier drafts, so the acceptance rule stays exact: lossless in both modes. Target tokens
+outside the intersection get q = 0 and come only from the residual or p's own next token.
 
-In both modes q is the same kind of object. The drafter's logits are restricted to the rows that
-map (`draft_to_target >= 0`; others -inf), softmaxed, and the probabilities moved into the
-target's vocabulary with a scatter-add over `draft_to_target` (several drafter ids may spell
-the same target token: their mass adds up). `target_logits` returns log of that distribution, so
-the sampling spec (temperature, top-k, top-p) is applied to q over the target's ids exactly as
-it is applied to p, and greedy drafting is its argmax. q is then an ordinary distribution over
-the target's vocabulary that depends only on the context before the round and the round's
-earlier drafts, and each draft is drawn from it: the acceptance rule (greedy agreement, or
-speculative sampling min(1, p/q) with the residual max(0, p - q)) stays exact, so decoding is
-lossless in both serving modes. Target tokens outside the intersection get q = 0: they are never
-drafted and come only from the residual (or the target's own next token). Vocabulary mapping
-(data/models/vocab_mapping.py) differs from vLLM's only where its docstring says.
-
-Unsupported with a mapping (one `error:` line each): `decoder.drafting=parallel` (its mask token
-is an id of a drafter trained on the target's ids) and `decoder.lenience` < 1 (a lossy rule over
-a q that is 0 outside the intersection is not DistillSpec's any more).
+Unsupported with a mapping: `drafting=parallel` (its mask token is an id of a drafter trained on
+the target's ids) and `lenience` < 1 (a lossy rule over such a q is not DistillSpec's).
 """
 
 from __future__ import annotations
@@ -57,8 +45,7 @@ class MappedVocab:
 
     @property
     def figures(self) -> dict[str, Any]:
-        """The mapping's figures for reports: intersection (drafter ids q can propose), target
-        ids q can read, both sizes, the context mode."""
+        """The mapping's figures for reports."""
         m = self.mapping
         return {
             "context": self.context,

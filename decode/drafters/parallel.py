@@ -1,23 +1,13 @@
 """Parallel drafting (PARD): one drafter forward proposes all k drafts of a round.
 
-p = target, q = drafter. A parallel drafter was trained to read a context followed by k-1 copies
-of a mask token and predict, at the context's last position and at every mask, the next k
-tokens at once (`specdistill.distill.parallel`). A round then costs one drafter forward and one
-verify, whatever k: the drafter reads the tokens accepted since its last forward (the accepted
-drafts and the pending token t, and the tokens of plain target steps) plus k-1 masks; the
-logits at t give q_1, mask i gives q_{i+1}; draft i is sampled (or argmaxed) from q_i alone. The
-masks' cache slots are then rolled back, so the drafter's cache holds real tokens only, in the
-slot layout the target shares (`specdistill.decode.cache`): the masks sit in the slots the
-verify later writes d_1..d_{k-1} to, and the accepted drafts are fed at the start of the next
-forward.
+p = target, q = drafter. A parallel drafter reads a context followed by k-1 mask tokens and
+predicts the next k tokens at once (`specdistill.distill.parallel`), so a round costs one drafter
+forward whatever k: it reads the tokens accepted since its last forward plus the masks, and
+draft i is drawn from q_i alone. The masks' slots are then rolled back, so the drafter's cache
+holds real tokens only (the accepted drafts are fed at the start of the next forward).
 
 Lossless: q_i depends on the context before the round only, never on d_1..d_{i-1}; it is still a
-distribution over position i given the prefix, which is all the acceptance rule needs
-(min(1, p/q) then the residual max(0, p - q)); drafts are independent given the context, and
-the verify reads q_i at each position exactly as for autoregressive drafts. Greedy drafts are
-argmaxes, verified by agreement with the target's argmax. With the `confidence` policy all k
-proposals and their confidences are known before the verify, which verifies each row's prefix
-of confident drafts (q only).
+distribution over position i given the prefix, which is all the acceptance rule needs.
 """
 
 from __future__ import annotations

@@ -2,27 +2,18 @@
 tokenizer (what `transformers`' universal assisted generation, UAG, does), and drafts through the
 vocabulary mapping.
 
-p = target, q = drafter, k = drafts per round. Each round, every row's target tokens (prompt,
-emitted tokens, the pending token t) are decoded to text (special tokens skipped) and encoded by
-the drafter's tokenizer; the drafter's cache keeps the longest common prefix with what it holds
-(BPE may re-split the last tokens once more text follows) and reads the rest, then drafts k
-tokens one step at a time, feeding its own drafts back as its ids.
+p = target, q = drafter. Each round, every row's target tokens are decoded to text and encoded
+by the drafter's tokenizer; the drafter's cache keeps the longest common prefix with what it
+holds (BPE may re-split the last tokens once more text follows) and reads the rest.
 
-Lossless in both serving modes, and why we do not re-tokenize the drafts: UAG decodes the
-drafter's tokens to text and re-tokenizes that by the target's tokenizer, so one drafted token
-may become zero, one or several target tokens and nothing gives q(x) for a target token x: the
-speculative sampling rule cannot be applied (UAG itself samples only greedily). Here each draft
-is drawn from q restricted to the intersection and moved into the target's ids, exactly as in
-`tli` mode (`drafters/mapped.py`): one drafter token is one target token, q is a distribution
-over the target's ids, and it depends only on the target's prefix (through its text) and the
-round's earlier drafts, so the acceptance rule stays exact for greedy and for sampling. What
-text mode changes is the context only: the drafter reads its own tokenization of the text (no
-unk for target tokens it lacks) instead of a token-by-token mapping. The price: a target token
-the drafter lacks can still not be drafted (text mode's context helps the drafts after it).
+The drafts are not re-tokenized, unlike UAG's: there one drafted token may become several
+target tokens and nothing gives q(x) for a target token x, so speculative sampling cannot apply.
+Here each draft is drawn from q moved into the target's ids, exactly as in `tli` mode, so the
+acceptance rule stays exact for greedy and sampling; only the context differs (no unk for
+target tokens the drafter lacks, which still cannot be drafted).
 
-Batches: rows re-tokenize to different lengths, so the drafter keeps its own slot mask; a row's
-discarded tokens become masked holes, new tokens are right-aligned in each feed, positions are
-each row's token index. When the cache would overflow, every row is read again from slot 0.
+Batches: rows re-tokenize to different lengths, so the drafter keeps its own slot mask (discarded
+tokens become holes); when the cache would overflow, every row is read again from slot 0.
 """
 
 from __future__ import annotations
@@ -51,9 +42,8 @@ class TextContextDrafter(MappedDrafter):
     """Text-mode context over the mapped drafter (see the module docstring)."""
 
     def start(self, ids, prompt_mask, mask, dense, slots, cut: int = 0) -> None:
-        """Keep each row's target tokens (the drafter reads their text at its first round);
-        `cut`: the text of the prompt's first `cut` target slots is never read (counted in the
-        target's tokens, this drafter's own tokens being re-cut from the text)."""
+        """Keep each row's target tokens (read as text at the first round); `cut`: the text of
+        the prompt's first `cut` target slots is never read."""
         self.mask, self.dense, self.cut = mask, dense, cut
         b, plen = ids.shape
         self.rows: list[list[int]] = [
@@ -171,8 +161,8 @@ class TextContextDrafter(MappedDrafter):
     def accept(
         self, drafts: torch.Tensor, accepted: int, new_length: int, pos: torch.Tensor
     ) -> None:
-        """Each row keeps t and the drafts it accepted (the shared mask's verdict per row; the
-        whole batch's count at batch 1); the drafter's cache is reconciled next round."""
+        """Each row keeps t and the drafts it accepted (per the shared mask; the batch's count at
+        batch 1); the drafter's cache is reconciled next round."""
         k = drafts.shape[1]
         if self.dense:
             counts = [new_length - self.tlen - 1]

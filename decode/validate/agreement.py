@@ -1,24 +1,16 @@
 """Acceptance as both engines count it, and whether they disagree beyond sampling noise.
 
-Our decoder and vLLM count acceptance differently, so neither headline figure can be compared
-with the other as printed. Ours: `acceptance_rate` = accepted / drafts put to the test (a
-round's trials stop at the first rejection), `tau` = tokens per target forward. vLLM's
-(`vllm:spec_decode_*` counters): drafts (rounds), draft tokens (every drafted token, tested or
-not), accepted tokens, accepted tokens per draft position; its "mean acceptance length" is
-1 + accepted / drafts. Both reduce to the same per-round record, because acceptance is a prefix
-(position j is accepted only if 1..j-1 were): c_j = rounds whose first j drafts were accepted
-(ours: `accepted_at[j-1]`; vLLM: `per_pos[j-1]`) and n = rounds with a draft (ours:
-`trials_at[0]`; vLLM: drafts). From those, for either engine:
+Our decoder and vLLM count acceptance differently (ours: accepted / drafts tested; vLLM: its
+`spec_decode_*` counters), so neither headline figure compares with the other as printed. Both
+reduce to one per-round record, because acceptance is a prefix: c_j = rounds whose first j drafts
+were accepted (ours `accepted_at[j-1]`, vLLM `per_pos[j-1]`), n = rounds with a draft (ours
+`trials_at[0]`, vLLM drafts). From those: mean accepted m = sum_j c_j / n with variance
+E[L^2] - m^2, E[L^2] = sum_j (2j - 1) c_j / n; mean acceptance length 1 + m; conditional rate
+sum_j c_j / (n + sum_{j<K} c_j); per-position c_j / n.
 
-- mean accepted per round m = sum_j c_j / n, and its variance E[L^2] - m^2 with
-  E[L^2] = sum_j (2j - 1) c_j / n (L = accepted drafts in a round);
-- mean acceptance length 1 + m (vLLM's figure; ours equals tau when no round is cut short);
-- conditional acceptance rate sum_j c_j / (n + sum_{j<K} c_j) (our `acceptance_rate`);
-- per-position acceptance c_j / n (vLLM's per-position rate).
-
-The two engines' mean acceptance lengths are compared with a two-sample z statistic on the
-per-round L; |z| > 3 is called a disagreement beyond sampling noise. Rounds of one sequence are
-not independent, so the stated noise is a lower bound (the threshold is 3, not 2, for that).
+The mean acceptance lengths are compared with a two-sample z statistic on the per-round L;
+rounds of one sequence are not independent, so the noise is a lower bound and |z| > 3 (not 2)
+is called a disagreement.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
-"""Validate by context-length bucket (issue 36): every figure of the report, per bucket.
+"""Validate by context-length bucket: every figure of the report, per bucket.
 
-p = target, q = drafter, gamma = drafts per round, alpha = acceptance rate, tau = tokens per
-target forward, c = drafter step time / target step time. A long-context prompt set
-(`dataset=stdlib-long`) tags each prompt with its bucket (`0-512`, `512-2k`, ...). A step's
-cost grows with the context, and so may the drafter's acceptance fall, so one average over
-short and long prompts says little: here every bucket gets its own
-
-- **prompts, mean / max prompt tokens** (as decoded, after the `long_prompts` fit);
-- **tau, acceptance by draft position, alpha** (every draft, and the drafter's own apart from
-  prompt lookup's, with its count of tested drafts) in both serving modes, and the measured
-  speedup, from the validate run's own timed, interleaved repeats (`modes.timed_repeats`
-  records each batch; no extra decoding), end to end (prefills included, what a user waits for);
-- **c and the verify cost** timed at that bucket's context length on its median-length prompt
-  (`timing.step_costs`), and the speedup the cost model gives at them with the bucket's
-  acceptance by position (`draft_length.speedup_at`);
-- **KV-cache memory** of target and drafter at the end of the bucket's longest prompt +
-  max_new_tokens, from the config (`cache.KV_FORMULA`; tested against the cache tensors'
-  nbytes), batch 1 as decoded per row.
-
-The aggregation is pure (`bucket_mode_figures`, `with_theory`) and tested against
-hand-computed values; `measure_buckets` is the stage's one call.
+p = target, q = drafter, c = drafter step / target step. A long-context prompt set tags each
+prompt with its bucket (`0-512`, `512-2k`, ...). Step costs grow with the context and acceptance
+may fall, so one average over short and long prompts says little: each bucket gets its prompt
+lengths; tau, acceptance by position and alpha (the drafter's own apart from prompt lookup's)
+in both modes and the measured speedup, all from validate's own timed repeats (no extra
+decoding); c and the verify cost timed at its median-length prompt, with the cost model's
+speedup there; and the KV-cache memory at its longest prompt + max_new_tokens (`KV_FORMULA`).
+The aggregation is pure; `measure_buckets` is the stage's one call.
 """
 
 from __future__ import annotations
@@ -66,10 +54,8 @@ def group_batches(
     pad_id: int,
     batch_size: int,
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int], BucketPlan] | None:
-    """Batches that never mix buckets, the prompts' new order, and the plan; None when the
-    prompts carry no buckets (short prompt sets). Batches already within one bucket (batch 1)
-    stay as they are; mixed ones are rebuilt bucket by bucket (stable order), so a batch's time
-    belongs to one bucket."""
+    """Batches that never mix buckets (so a batch's time belongs to one), the prompts' new order,
+    and the plan; None when the prompts carry no buckets. Pure batches stay as they are."""
     if not buckets or any(b is None for b in buckets):
         return None
     rows = _rows(batches)
@@ -121,13 +107,8 @@ def _rate(tokens: int, seconds: float) -> float:
 def bucket_mode_figures(
     idx: Sequence[int], passes: Sequence[TimedPass], greedy: bool
 ) -> dict[str, Any]:
-    """One serving mode's figures over the batches `idx` of each timed repeat (pure).
-
-    Tokens/s of a repeat = the bucket's new tokens / the seconds of its decodes. The speedup is
-    the median over repeats, as the headline's (`speedup_range`: the lowest and highest
-    repeat's own ratio); the acceptance figures and `lossless` (greedy: every row
-    token-identical to target-only) come from the first repeat, as the headline's.
-    """
+    """One serving mode's figures over the batches `idx` of each timed repeat (pure), read as
+    the headline's: the speedup's median over repeats, acceptance and `lossless` from the first."""
     base, spec = [], []
     for p in passes:
         bo, so = [p.base_outs[i] for i in idx], [p.spec_outs[i] for i in idx]
@@ -149,8 +130,7 @@ def bucket_mode_figures(
         "tau": round(spec_out.tau, 3),
         "acceptance_by_position": spec_out.acceptance_at(),
         "alpha": round(spec_out.alpha, 4),
-        # the drafter's own drafts apart from prompt lookup's: what the long fine-tune moves
-        # (every draft's alpha above is mostly lookup's on a long prompt that repeats itself)
+        # apart from prompt lookup's, which dominate on long prompts that repeat themselves
         "drafter_alpha": round(spec_out.drafter_alpha, 4),
         "drafter_trials": spec_out.drafter_trials,
         "speedup": round(statistics.median(spec) / statistics.median(base), 3),
@@ -210,9 +190,8 @@ def measure_buckets(
     max_new_tokens: int,
     passes: dict[str, list[TimedPass]],
 ) -> list[dict[str, Any]]:
-    """report.json's `buckets`: one row per bucket (see the module docstring). `passes`: each
-    serving mode's timed repeats, batch by batch; c and the verify cost are timed here, per
-    bucket, with `dec`."""
+    """report.json's `buckets`, one row per bucket, from `passes` (each mode's timed repeats,
+    batch by batch); c and the verify cost are timed here."""
     target, drafter = dec.target, dec.drafter
     rows = []
     for name in plan.names:
@@ -259,9 +238,8 @@ def _kv_tokens(kv: dict[str, Any]) -> str:
 
 
 def drafter_alpha_text(mode: dict[str, Any]) -> str:
-    """`0.53 (64)`: the drafter's own acceptance and how many of its drafts were tested; `n/a
-    (0)` when none was (every round prompt lookup's: no measurement, not a drafter that fails);
-    `n/a` for reports from before the figure."""
+    """`0.53 (64)`: the drafter's own acceptance and its tested drafts; `n/a (0)` when every
+    round was prompt lookup's (no measurement, not a failing drafter); `n/a` without the figure."""
     alpha, trials = mode.get("drafter_alpha"), mode.get("drafter_trials")
     if alpha is None or trials is None:
         return "n/a"

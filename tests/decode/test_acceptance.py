@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -11,13 +9,11 @@ from specdistill.data.sampling import Sampling
 from specdistill.decode.acceptance import (
     acceptance_probs,
     expected_alpha,
-    expected_tau,
     greedy_tokens,
     probs_from_logits,
     process_logits,
     residual,
     sample_from,
-    theoretical_speedup,
     uniforms,
     verify_greedy,
     verify_sampling,
@@ -253,25 +249,6 @@ def test_expected_alpha_is_one_minus_tvd():
     tvd = 0.5 * (p - q).abs().sum()
     assert expected_alpha(p, q).item() == pytest.approx(1 - tvd.item(), abs=1e-6)
     assert expected_alpha(p, p).item() == pytest.approx(1.0)
-
-
-@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 0.99, 1.0])
-@pytest.mark.parametrize("gamma", [1, 3, 7])
-def test_tau_and_speedup_match_series(alpha, gamma):
-    # tau = sum_{i=0}^{gamma} alpha^i (expected tokens per round when acceptance is iid)
-    series = sum(alpha**i for i in range(gamma + 1))
-    assert expected_tau(alpha, gamma) == pytest.approx(series)
-    c = 0.3
-    assert theoretical_speedup(alpha, gamma, c) == pytest.approx(series / (gamma * c + 1))
-    # a verify measured at 1.3 target steps instead of the paper's 1
-    assert theoretical_speedup(alpha, gamma, c, 1.3) == pytest.approx(series / (gamma * c + 1.3))
-
-
-def test_speedup_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="gamma"):
-        theoretical_speedup(0.5, 0, 0.1)
-    with pytest.raises(ValueError, match="alpha"):
-        theoretical_speedup(math.nan, 2, 0.1)
 
 
 def test_uniforms_from_a_host_generator_on_another_device(monkeypatch):

@@ -67,6 +67,12 @@ def test_expected_tokens_matches_enumeration(accept):
     assert expected_tokens(accept) == pytest.approx(brute_tokens(accept), abs=1e-12)
 
 
+@pytest.mark.parametrize("a", [0.0, 0.3, 0.8, 0.99])
+@pytest.mark.parametrize("g", [1, 3, 7])
+def test_expected_tokens_is_leviathans_closed_form_at_one_alpha(a, g):
+    assert expected_tokens([a] * g) == pytest.approx((1 - a ** (g + 1)) / (1 - a))
+
+
 def test_round_cost_by_hand():
     assert DraftCosts(c=0.2, verify_per_token=0.05).round_cost(4) == pytest.approx(0.8 + 1.2)
     par = DraftCosts(c=0.3, verify_per_token=0.1, parallel=True, draft_per_token=0.02)

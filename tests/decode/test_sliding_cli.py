@@ -40,7 +40,7 @@ def _pair_args(target: str, drafter: str, tokenizer: str) -> list[str]:
         "max_new_tokens=16",
         "repeats=1",
         "step_time_iters=2",
-        "sampled_alpha=false",
+        "both_modes=false",
     ]
 
 
