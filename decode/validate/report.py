@@ -121,9 +121,10 @@ def _drafter_alpha(r: ValidateResult) -> str:
     return f"{r.drafter_alpha}{n} / {at}" if at else f"{r.drafter_alpha}{n}"
 
 
-def positions(values: list[float] | None) -> str:
-    """Acceptance by draft position as `0.84 0.77 0.89 0.97`."""
-    return " ".join(f"{x:.2f}" for x in values or []) or "n/a"
+def positions(values: list[float] | None, tested: list[int] | None = None) -> str:
+    """Acceptance by draft position as `0.84 0.77 0.89 0.97`, `-` where no round reached it."""
+    tested = tested or [1] * len(values or [])
+    return " ".join(f"{x:.2f}" if n else "-" for x, n in zip(values or [], tested)) or "n/a"
 
 
 def recommended_rows(rec: dict[str, Any] | None) -> list[tuple[str, str]]:
@@ -150,9 +151,8 @@ def report_markdown(r: ValidateResult) -> str:
     for name, m in r.modes.items():
         t = "" if name == "greedy" else f", temperature {m.get('temperature')}"
         rows.append((f"tau at K={r.gamma}, {name}{t}", f"**{m['tau']}**"))
-        rows.append(
-            (f"acceptance by draft position, {name}", positions(m.get("acceptance_by_position")))
-        )
+        at = positions(m.get("acceptance_by_position"), m.get("trials_at"))
+        rows.append((f"acceptance by draft position, {name}", at))
     rows += [
         ("the drafter's own alpha (its drafts only) / by position", _drafter_alpha(r)),
         ("lossless", f"{r.lossless}{' (LOSSY lenience)' if r.lossy else ''}"),

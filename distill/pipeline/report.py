@@ -135,8 +135,9 @@ def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> An
         if name == "rates":  # the absolute speed beside the ratio: what the thread count buys
             return _rates(v, mode)
         got = mode_value(v, mode, name)
-        if name == "acceptance_by_position":
-            return " ".join(f"{x:.2f}" for x in got) if got else None
+        if name == "acceptance_by_position":  # `-` where no round reached the position
+            tested = mode_value(v, mode, "trials_at") or [1] * len(got or [])
+            return " ".join(f"{x:.2f}" if n else "-" for x, n in zip(got, tested)) if got else None
         if name == "drafter_alpha" and mode_value(v, mode, "drafter_trials") == 0:
             return NO_OWN_DRAFTS
         tested = mode_value(v, mode, "trials_at")  # per position; absent in older reports
