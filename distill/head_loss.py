@@ -54,9 +54,8 @@ from specdistill.distill.losses import (
     token_divergence,
 )
 
-# Elements of one chunk's [P, V] fp32 logits (64 MiB). At 262k rows 2^22 / 2^24 / 2^26 took
-# 8.8 / 8.6 / 7.0 s per 512-position loss step on the loaded 2-core CPU (distill/RESULTS.md):
-# bigger chunks matmul a little better, 2^24 bounds a chunk at 64 MiB on a GPU too.
+# Elements of one chunk's [P, V] fp32 logits (64 MiB): bigger chunks matmul a little better
+# (distill/RESULTS.md), and 2^24 bounds a chunk at 64 MiB on a GPU too.
 CHUNK_ELEMENTS = 1 << 24
 # `distill.chunked_loss: auto` turns the fused loss on for heads this large (RESULTS.md).
 AUTO_MIN_VOCAB = 32768

@@ -39,9 +39,8 @@ log = logging.getLogger(__name__)
 
 VOCAB_MODES = ("shared", "mapped", "auto")
 # Below half of the target's tokens reachable, TLI acceptance is at most 0.5 and in practice
-# well below it (~0.7 x coverage): at alpha 0.35 the best CPU round here (gamma 1, verify 0.96
-# target steps, a free drafter) gives <= 1.35x, no better than pair=smollm2's copy:5 drafter
-# (1.33x) that needs no mapping. Lower it to try a pair anyway.
+# well below it, where a same-tokenizer drafter cut from the target does as well with no
+# mapping. Lower it to try a pair anyway.
 DEFAULT_MIN_COVERAGE = 0.5
 
 

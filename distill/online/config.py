@@ -219,14 +219,12 @@ def decoder_settings(cfg: DictConfig) -> DecoderSettings:
     return settings
 
 
-# `gate_agreement: auto` per serving mode (toy pair, distilled drafter, 8-request windows).
-# Greedy acceptance hangs on the argmax alone: on its own domain the distilled drafter's half-
-# batch gradients barely agree and every step taken there lost alpha; 0.6 took none (adapted ==
-# frozen) and passes shifted traffic. Sampled acceptance (1 - TV) gains from any real FKL
-# progress, and 0.3 kept most of the ungated gains (figures: distill/RESULTS.md, 2026-11-23
-# "online adaptation"). After a shift, the replay buffer mixes domains and 0.6 passed too few
-# steps (greedy ended that segment below the frozen drafter); `gate_relax_margin`
-# relaxes the gate while served alpha is well below its best (specdistill.distill.online.drift).
+# `gate_agreement: auto` per serving mode. Greedy acceptance hangs on the argmax alone: on its
+# own domain a distilled drafter's half-batch gradients barely agree and steps taken there lose
+# alpha, so the greedy gate is strict and passes shifted traffic. Sampled acceptance (1 - TV)
+# gains from any real FKL progress, so its gate is looser (distill/RESULTS.md, online
+# adaptation). After a shift the replay buffer mixes domains; `gate_relax_margin` relaxes the
+# gate while served alpha is well below its best (specdistill.distill.online.drift).
 GATE_GREEDY = 0.6
 GATE_SAMPLING = 0.3
 

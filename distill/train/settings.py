@@ -331,10 +331,9 @@ class TrainSettings:
     def trains_draft_vocab(self, head_rows: int) -> bool:
         """Whether a drafter whose head has `head_rows` rows trains over its draft vocabulary
         (`draft_vocab_train`; where it applies at all: setup.train_head_ids). auto: from
-        DRAFT_VOCAB_TRAIN_MIN rows on, where the head is most of a step (a 262k head: 5.3x the
-        FLOPs of SmolLM2's 49k) and the draft-vocabulary loss keeps the held-out acceptance
-        (SmolLM2 copy:5 at N = 4096: 0.657 against 0.637 over the full head, distill/RESULTS.md);
-        below it the full head's cost is modest, and the default keeps it."""
+        DRAFT_VOCAB_TRAIN_MIN rows on, where the head is most of a step and the
+        draft-vocabulary loss keeps the held-out acceptance (distill/RESULTS.md); below it the
+        full head's cost is modest, and the default keeps it."""
         if self.draft_vocab_train == "auto":
             return head_rows >= DRAFT_VOCAB_TRAIN_MIN
         return bool(self.draft_vocab_train)
