@@ -99,6 +99,11 @@ class DecodeOutput:
         return self.block_tokens / max(self.row_rounds, 1)
 
     @property
+    def lookup_round_share(self) -> float:
+        """The share of row-rounds whose drafts prompt lookup copied from the context."""
+        return round(self.lookup_rounds / max(self.row_rounds, 1), 3)
+
+    @property
     def lookup_acceptance(self) -> float:
         """Share of the verified prompt-lookup drafts the target accepted."""
         return self.lookup_accepted / max(self.lookup_drafted, 1)

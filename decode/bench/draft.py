@@ -31,6 +31,7 @@ from specdistill.decode.config import DEFAULT_GAMMA, DecoderSettings
 from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
 from specdistill.decode.validate.modes import merge, mode_name, repeats_bar
+from specdistill.decode.validate.report import positions
 from specdistill.decode.validate.settings import ValidateSettings
 from specdistill.decode.validate.stage import setup, warm_up
 from specdistill.decode.validate.timing import hf_assisted_speed, step_costs
@@ -264,12 +265,6 @@ def interleaved(fns: dict[str, Any], batches, seed: int, bar: tqdm | None = None
     return secs, outs
 
 
-def _positions(row: dict[str, Any]) -> str:
-    """Acceptance by position, `-` where no round reached the position (not a 0)."""
-    tested = row.get("trials_by_position") or [1] * len(row["acceptance_by_position"])
-    return " ".join(f"{x:.2f}" if n else "-" for x, n in zip(row["acceptance_by_position"], tested))
-
-
 def draft_markdown(report: dict[str, Any]) -> str:
     """One table per serving mode: entries as rows (p = target, q = drafter)."""
     lines = ["# Draft-length policies side by side", ""]
@@ -284,8 +279,9 @@ def draft_markdown(report: dict[str, Any]) -> str:
         ]
         for r in m["rows"]:
             lo, hi = r["speedup_min_max"]
+            at = positions(r["acceptance_by_position"], r.get("trials_by_position"))
             lines.append(
-                f"| {r['entry']} | {r['tau']} | {_positions(r)}"
+                f"| {r['entry']} | {r['tau']} | {at}"
                 f" | {r['alpha']} | {r['mean_draft_length']} | {r['drafter_forwards_per_round']} | "
                 f"{r['speedup']}x ({lo}-{hi}) | "
                 f"{r['lossless']} |"

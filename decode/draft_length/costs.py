@@ -47,6 +47,19 @@ def costs_from_mapping(values: Mapping[str, Any], parallel: bool = False) -> Dra
     return DraftCosts(**out, parallel=parallel)
 
 
+def costs_from_steps(
+    c: float, verify_cost: float, gamma: int, parallel: bool = False
+) -> DraftCosts:
+    """The cost model from step costs measured at one gamma: c (a drafter step, or a parallel
+    drafter's one forward, in target steps) and the (gamma+1)-token verify in target steps, its
+    part beyond one step spread evenly over the gamma drafts (exact at that width, linear around
+    it). A verify under one target step is priced as one: the model has no term for a cheaper
+    wide step, and a negative per-draft cost would price long rounds at nothing."""
+    if gamma < 1:
+        raise ValueError(f"gamma={gamma}: the verify covers at least one draft")
+    return DraftCosts(c=c, verify_per_token=max(verify_cost - 1.0, 0.0) / gamma, parallel=parallel)
+
+
 def expected_tokens(accept: Sequence[float]) -> float:
     """Tokens a round emits on average: 1 + sum_j prod_{i<=j} a_i (a_j: acceptance of draft j
     given drafts 1..j-1 were accepted; the 1 is the correction or bonus token)."""

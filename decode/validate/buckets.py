@@ -22,10 +22,10 @@ import torch
 
 from specdistill.data.runtime import pad_rows, spread
 from specdistill.decode.cache_layers import KV_FORMULA, kv_cache_bytes
-from specdistill.decode.draft_length import speedup_at
+from specdistill.decode.draft_length import costs_from_steps, speedup_at
 from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.validate.modes import TimedPass, merge, speedup_range, speedup_text
-from specdistill.decode.validate.timing import costs_of, step_costs
+from specdistill.decode.validate.timing import round_costs
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def bucket_mode_figures(
     lookup = {}
     if spec_out.lookup_rounds:  # decoder.lookup: the share of rounds drafted from the context
         lookup = {
-            "lookup_round_share": round(spec_out.lookup_rounds / max(spec_out.row_rounds, 1), 3),
+            "lookup_round_share": spec_out.lookup_round_share,
             "lookup_acceptance": round(spec_out.lookup_acceptance, 4),
         }
     return {
@@ -146,7 +146,9 @@ def with_theory(fig: dict[str, Any], gamma: int, c: float, verify_cost: float) -
     cost with its acceptance by position (pure)."""
     accept = (fig["acceptance_by_position"] + [0.0] * gamma)[:gamma]
     return fig | {
-        "modeled_speedup": round(speedup_at(accept, gamma, costs_of(c, verify_cost, gamma)), 3)
+        "modeled_speedup": round(
+            speedup_at(accept, gamma, costs_from_steps(c, verify_cost, gamma)), 3
+        )
     }
 
 
@@ -175,9 +177,7 @@ def probe_prompt(batches, idx: Sequence[int]) -> torch.Tensor:
 def bucket_costs(dec, probe: torch.Tensor, iters: int, gamma: int) -> tuple[float, float]:
     """(c, verify cost) at the probe's context length, timed as the headline's; a parallel
     drafter's c is one forward of gamma+1 tokens / gamma."""
-    slots = dec.spec_slots(1, probe.shape[1])
-    width = gamma + 1 if dec.parallel else 1
-    c, verify = step_costs(dec, probe, iters, gamma, slots, drafter_width=width)
+    c, verify, _ = round_costs(dec, probe, iters, gamma, dec.spec_slots(1, probe.shape[1]))
     return (c / gamma if dec.parallel else c), verify
 
 

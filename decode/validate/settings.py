@@ -9,11 +9,10 @@ engine settings) is checked by `setup`, still before any weights load.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from omegaconf import Container, OmegaConf
 
@@ -21,11 +20,19 @@ from specdistill.data.prompts import check_long_prompts
 from specdistill.data.runtime import ConfigError, setting
 from specdistill.data.sampling import Sampling
 from specdistill.decode.config import MAX_DRAFT, DecoderSettings
-from specdistill.decode.draft_length import costs_from_mapping
+from specdistill.decode.draft_length import DraftCosts, costs_from_mapping
 from specdistill.decode.validate.modes import both_modes, other_decoder
 from specdistill.decode.validate.vllm_engine import draft_sample_method, parse_engines
 
 _POSITIVE = ("max_new_tokens", "repeats", "batch_size", "step_time_iters")
+
+
+class CostModel(NamedTuple):
+    """One `cost_model` entry: a user's hardware at a batch size, in target steps."""
+
+    label: str
+    batch: int
+    costs: DraftCosts
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ class ValidateSettings:
     # the recommended K: acceptance by position up to this K (0: no recommendation), priced at
     # this machine's costs and at each `cost_model` entry's (a user's hardware, per batch size)
     recommend_max_k: int = 8
-    cost_model: tuple[dict[str, Any], ...] = ()
+    cost_model: tuple[CostModel, ...] = ()
     engines: tuple[str, ...] = ("ours",)
     vllm_draft_sample_method: str | None = None  # engines=[ours,vllm]: vllm.draft_sample_method
 
@@ -119,7 +126,7 @@ class ValidateSettings:
         return max(self.decoder.most_drafts, self.recommend_max_k)
 
 
-def cost_models(node: Any) -> tuple[dict[str, Any], ...]:
+def cost_models(node: Any) -> tuple[CostModel, ...]:
     """`cost_model`: a list of {c, verify_per_token, draft_per_token, batch, label} (a user's
     hardware: one target step = 1), or null. One ConfigError naming `cost_model[i].key`."""
     if node is None:
@@ -145,5 +152,5 @@ def cost_models(node: Any) -> tuple[dict[str, Any], ...]:
             costs = costs_from_mapping(entry)
         except ValueError as e:
             raise ConfigError(f"{field}: {e}") from None
-        out.append({**dataclasses.asdict(costs), "batch": batch, "label": label})
+        out.append(CostModel(label or f"cost_model (batch {batch})", batch, costs))
     return tuple(out)

@@ -54,12 +54,11 @@ from specdistill.decode.validate.modes import (
 from specdistill.decode.validate.modes import merge as _merge
 from specdistill.decode.validate.modes import run_all as _run_all
 from specdistill.decode.validate.report import ValidateResult, plot_acceptance, report_markdown
-from specdistill.decode.validate.settings import ValidateSettings
+from specdistill.decode.validate.settings import CostModel, ValidateSettings
 from specdistill.decode.validate.timing import (
-    costs_of,
     hf_assisted_speed,
     machine_name,
-    step_costs,
+    round_costs,
 )
 from specdistill.decode.validate.vllm_engine import preflight
 
@@ -199,7 +198,7 @@ def headline(spec_out, base_rates, spec_rates, c: float, verify_cost: float, cos
     }
     if spec_out.lookup_rounds:  # decoder.lookup: the share of rounds drafted from the context
         figures["lookup"] = {
-            "round_share": round(spec_out.lookup_rounds / max(spec_out.row_rounds, 1), 3),
+            "round_share": spec_out.lookup_round_share,
             "acceptance": round(spec_out.lookup_acceptance, 4),
         }
     return figures
@@ -259,14 +258,6 @@ class ServingMeasurement:
     costs: DraftCosts
 
 
-def machine_costs(vs: ValidateSettings, st: Setup, dec: SpeculativeDecoder, gamma: int):
-    """(c, verify cost, DraftCosts) on this machine at the warm-up prompt: timed for the report's
-    speed figures only. A parallel drafter's c is its one forward of gamma+1 tokens per round."""
-    width = gamma + 1 if dec.parallel else 1
-    c, verify = step_costs(dec, st.warm[0][0], vs.step_time_iters, gamma, drafter_width=width)
-    return c, verify, costs_of(c, verify, gamma, parallel=dec.parallel)
-
-
 def measure_serving(
     vs: ValidateSettings, st: Setup, make: Make, notes: list[str], passes: dict | None = None
 ) -> ServingMeasurement:
@@ -288,7 +279,8 @@ def measure_serving(
         f"validate {mode}" if vs.progress else None,
     )
     lossless, mismatched = lossless_check(dec, base_out, spec_out, st.dtype, notes)
-    c, verify, costs = machine_costs(vs, st, dec, gamma)
+    # this machine's step costs at the warm-up prompt: the report's speed figures only
+    c, verify, costs = round_costs(dec, st.warm[0][0], vs.step_time_iters, gamma)
     if dec.parallel:
         notes.append(f"parallel drafting: c = one drafter forward of {gamma + 1} tokens")
     figures = headline(spec_out, base_rates, spec_rates, c, verify, costs)
@@ -350,25 +342,15 @@ def recommendation(
         _, outs = _run_all(probe.generate, st.batches, vs.seed)
         accept, source = _merge(outs).acceptance_at(), f"an untimed decode at K={top}"
     accept = accept[:top]
-    machine = {
-        "label": f"this machine ({machine})",
-        "batch": vs.batch_size,
-        **dataclasses.asdict(sv.costs),
-    }
-    entries = [machine, *vs.cost_model]
+    entries = [CostModel(f"this machine ({machine})", vs.batch_size, sv.costs), *vs.cost_model]
     out = []
     for e in entries:
-        costs = DraftCosts(
-            c=e["c"],
-            verify_per_token=e.get("verify_per_token", 0.0),
-            parallel=sv.dec.parallel,
-            draft_per_token=e.get("draft_per_token", 0.0),
-        )
+        costs = dataclasses.replace(e.costs, parallel=sv.dec.parallel)
         k, speed = recommend_k(accept, costs)
         out.append(
             {
-                "label": e.get("label") or f"cost_model (batch {e.get('batch', 1)})",
-                "batch": e.get("batch", 1),
+                "label": e.label,
+                "batch": e.batch,
                 "c": round(costs.c, 4),
                 "verify_per_token": round(costs.verify_per_token, 4),
                 "k": k,

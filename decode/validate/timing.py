@@ -17,7 +17,7 @@ import torch
 
 from specdistill.data.runtime import spread
 from specdistill.decode.cache import prefill_prompt, sync
-from specdistill.decode.draft_length import DraftCosts
+from specdistill.decode.draft_length import DraftCosts, costs_from_steps
 from specdistill.decode.speculative import DecodeOutput, DecoderConfig, SpeculativeDecoder
 
 
@@ -86,12 +86,14 @@ def machine_name(device: torch.device) -> str:
     return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
 
-def costs_of(c: float, verify_cost: float, gamma: int, parallel: bool = False) -> DraftCosts:
-    """The cost model from what `step_costs` measured at one gamma: the verify's cost beyond one
-    target step spread evenly over its gamma drafts (exact at that width, linear around it)."""
-    return DraftCosts(
-        c=c, verify_per_token=max(verify_cost - 1.0, 0.0) / max(gamma, 1), parallel=parallel
-    )
+def round_costs(
+    dec: SpeculativeDecoder, probe: torch.Tensor, iters: int, gamma: int, slots: int | None = None
+) -> tuple[float, float, DraftCosts]:
+    """(c, verify cost, the cost model) on this machine at the probe's length (`step_costs`); a
+    parallel drafter's c is its one forward of gamma+1 tokens a round."""
+    width = gamma + 1 if dec.parallel else 1
+    c, verify = step_costs(dec, probe, iters, gamma, slots, drafter_width=width)
+    return c, verify, costs_from_steps(c, verify, gamma, parallel=dec.parallel)
 
 
 def _rate(tokens: int, seconds: float) -> float:

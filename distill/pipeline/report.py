@@ -20,7 +20,7 @@ from typing import Any
 from specdistill.data.io import atomic_write_text, read_json
 from specdistill.decode.validate.buckets import drafter_alpha_text
 from specdistill.decode.validate.modes import has_range
-from specdistill.decode.validate.report import NO_DRAFTS, NO_OWN_DRAFTS, mode_value
+from specdistill.decode.validate.report import NO_DRAFTS, NO_OWN_DRAFTS, mode_value, positions
 from specdistill.distill.train.predict import reprice
 
 log = logging.getLogger("specdistill.report")
@@ -136,8 +136,7 @@ def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> An
             return _rates(v, mode)
         got = mode_value(v, mode, name)
         if name == "acceptance_by_position":  # `-` where no round reached the position
-            tested = mode_value(v, mode, "trials_at") or [1] * len(got or [])
-            return " ".join(f"{x:.2f}" if n else "-" for x, n in zip(got, tested)) if got else None
+            return positions(got, mode_value(v, mode, "trials_at")) if got else None
         if name == "drafter_alpha" and mode_value(v, mode, "drafter_trials") == 0:
             return NO_OWN_DRAFTS
         tested = mode_value(v, mode, "trials_at")  # per position; absent in older reports

@@ -27,7 +27,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specdistill.decode.config import DecoderConfig
-from specdistill.decode.draft_length import POLICIES, DraftCosts, costs_from_mapping
+from specdistill.decode.draft_length import (
+    POLICIES,
+    DraftCosts,
+    costs_from_mapping,
+    costs_from_steps,
+)
 
 if TYPE_CHECKING:
     from specdistill.distill.train.settings import TrainSettings
@@ -230,24 +235,13 @@ def unpack_outcomes(packed: list[list[Any]]) -> list[tuple[list[bool], list[floa
     return [([ch == "1" for ch in agree], [float(c) for c in conf]) for agree, conf in packed]
 
 
-def costs_from_validate(c: float, verify_cost: float, gamma: int) -> DraftCosts:
-    """A cost model from what validate measured: c (drafter step / target step) and the cost of
-    its (gamma+1)-token verify in target steps, the part beyond one target step spread evenly
-    over the gamma drafts (exact at the measured width, linear around it). A verify measured
-    under one target step is priced as one: the model has no term for a cheaper wide step,
-    and a negative per-draft cost would price long rounds at nothing."""
-    if gamma < 1:
-        raise ValueError(f"gamma={gamma}: the verify covers at least one draft")
-    return DraftCosts(c=c, verify_per_token=max(verify_cost - 1.0, 0.0) / gamma)
-
-
 def reprice(pred: dict[str, Any], validate: dict[str, Any]) -> dict[str, Any]:
     """The prediction priced with validate's measured costs where the distill stage had none
     configured: same outcomes, calibrated cost model. Unchanged otherwise."""
     c, verify, gamma = validate.get("c"), validate.get("verify_cost"), validate.get("gamma")
     if "outcomes" not in pred or None in (c, verify) or not isinstance(gamma, int) or gamma < 1:
         return pred
-    costs = costs_from_validate(float(c), float(verify), gamma)
+    costs = costs_from_steps(float(c), float(verify), gamma)
     rows = unpack_outcomes(pred["outcomes"])
     figures = predict(
         rows,

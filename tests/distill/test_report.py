@@ -283,10 +283,10 @@ def test_an_uncalibrated_prediction_is_priced_with_validates_measured_costs():
     """The distill stage without configured costs prices rounds with the default cost model;
     the summary re-prices the same outcomes with the c and verify cost validate measured (and
     says so), and the cost model it builds reproduces the measured verify exactly."""
+    from specdistill.decode.draft_length import costs_from_steps
     from specdistill.distill.pipeline.report import prediction_lines
     from specdistill.distill.train.predict import (
         UNCALIBRATED,
-        costs_from_validate,
         pack_outcomes,
         predict,
         reprice,
@@ -296,12 +296,12 @@ def test_an_uncalibrated_prediction_is_priced_with_validates_measured_costs():
     rows = [([True, True, False, True, True, True], [0.9, 0.8, 0.3, 0.95, 0.9, 0.7])] * 3
     assert unpack_outcomes(pack_outcomes(rows)) == rows
     knobs = {"gamma": 4, "max_draft": 8, "p_min": 0.75}
-    default = predict(rows, **knobs, costs=costs_from_validate(0.4, 1.2, 4))
+    default = predict(rows, **knobs, costs=costs_from_steps(0.4, 1.2, 4))
     pred = {"exact": True, "rows": 3, **knobs, "figures": default,
             "costs": {"c": 0.4, "source": UNCALIBRATED}, "outcomes": pack_outcomes(rows)}  # fmt: skip
     validate = {"c": 0.175, "verify_cost": 1.54, "gamma": 4}
     got = reprice(pred, validate)
-    costs = costs_from_validate(0.175, 1.54, 4)
+    costs = costs_from_steps(0.175, 1.54, 4)
     assert abs(costs.round_cost(4) - (4 * 0.175 + 1.54)) < 1e-12
     assert got["figures"] == predict(rows, **knobs, costs=costs)
     assert got["figures"]["gamma=4"]["speedup"] > default["gamma=4"]["speedup"]
@@ -330,10 +330,11 @@ def test_validates_costs_never_price_a_draft_below_nothing(verify_cost, gamma):
     GEMM beats its 1-row GEMV) as one: no verify gets cheaper as drafts are added, no round is
     priced under its drafting plus one target step, and a replayed speedup stays under what
     its tau would give at that price (a negative per-draft slope once printed 7.6e11x)."""
-    from specdistill.distill.train.predict import costs_from_validate, predict
+    from specdistill.decode.draft_length import costs_from_steps
+    from specdistill.distill.train.predict import predict
 
     c = 0.1728
-    costs = costs_from_validate(c, verify_cost, gamma)
+    costs = costs_from_steps(c, verify_cost, gamma)
     assert abs(costs.round_cost(gamma) - (gamma * c + max(verify_cost, 1.0))) < 1e-12
     verify = [costs.round_cost(k) - k * c for k in range(1, 16)]
     assert all(b >= a - 1e-12 for a, b in itertools.pairwise(verify))
