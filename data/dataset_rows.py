@@ -39,7 +39,9 @@ def file_rows(cfg: Any, source: str, split: str) -> list[dict]:
     """A jsonl/json/parquet/csv file at `dataset.path` as row dicts (an empty file: none)."""
     import datasets
 
-    path = node_get(cfg, "path")
+    from specdistill.data.local_data import resolve_path
+
+    path = resolve_path(node_get(cfg, "path"))
     if not path or not Path(path).expanduser().exists():
         raise ConfigError(f"dataset.path={path!r} does not exist: point it at a {source} file")
     file = Path(path).expanduser()

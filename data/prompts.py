@@ -8,22 +8,14 @@ here. Fields that do not exist and empty sets are reported before any model runs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from specdistill.data.chat_prompts import chat_prompts, is_conversation_set
 from specdistill.data.dataset_rows import file_rows, hub_rows, node_get
+from specdistill.data.prompt_record import Prompt
 from specdistill.data.runtime import ConfigError
 
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt: its stable index in the source, text as the model sees it, a reference, and
-    its context-length bucket (long prompt sets only) so reports can group by it."""
-
-    index: int
-    text: str
-    reference: str | None = None
-    bucket: str | None = None
+__all__ = ["Prompt", "check_prompt_settings", "fit_prompt_set", "fit_to_context", "load_prompts"]
 
 
 _get = node_get
@@ -33,6 +25,8 @@ def load_prompts(cfg: Any, tokenizer=None, *, default_split: str = "train") -> l
     """Read prompts per the `dataset` config node; a stage passes its usual split as default."""
     source = _get(cfg, "source", "toy")
     split = _get(cfg, "split") or default_split
+    if source == "mixture" or is_conversation_set(cfg):
+        return chat_prompts(cfg, tokenizer, split)
     field = _get(cfg, "field", "prompt")
     ref_field = _get(cfg, "reference_field")
     if source == "toy":
@@ -66,15 +60,13 @@ def load_prompts(cfg: Any, tokenizer=None, *, default_split: str = "train") -> l
         )
     if ref_field and ref_field not in rows[0]:
         raise ConfigError(f"dataset.reference_field={ref_field!r} is not one of {sorted(rows[0])}")
-    chat = bool(_get(cfg, "chat", False)) or (field == "messages")
     prompts = []
     for i, row in enumerate(rows):
-        value = row[field]
-        text = _apply_chat(value, tokenizer) if chat else value
+        text = row[field]
         if not isinstance(text, str):
             raise ConfigError(
-                f"dataset.field={field!r} holds {type(value).__name__} values, not text; "
-                "for a list of chat messages set dataset.chat=true"
+                f"dataset.field={field!r} holds {type(text).__name__} values, not text; "
+                "for chat messages set dataset.format=messages (or sharegpt, turns)"
             )
         reference = row.get(ref_field) if ref_field else None
         prompts.append(Prompt(index=i, text=text, reference=reference, bucket=row.get("bucket")))
@@ -93,22 +85,6 @@ def check_prompt_settings(cfg: Any) -> None:
         from specdistill.data.long_documents import long_settings
 
         long_settings(cfg)
-
-
-def _apply_chat(messages: Any, tokenizer) -> str:
-    if tokenizer is None:
-        raise ConfigError("chat prompts need the target's tokenizer to apply its chat template")
-    if isinstance(messages, str):
-        messages = [{"role": "user", "content": messages}]
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(
-            "dataset.chat=true but the target's tokenizer has no chat_template: "
-            "use a chat model's tokenizer (pair.tokenizer) or set dataset.chat=false"
-        )
-    # A trailing assistant turn is the reference, not part of the prompt.
-    if messages and messages[-1].get("role") == "assistant":
-        messages = messages[:-1]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def _toy_rows(name: str, split: str) -> list[dict]:

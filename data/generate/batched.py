@@ -85,11 +85,16 @@ class GenerationSettings:
 
 @dataclass(frozen=True)
 class PreparedPrompt:
-    """A prompt as generated from: source index, text (decoded if truncated), token ids."""
+    """A prompt as generated from: row index, text (decoded if truncated), token ids; a chat
+    turn's also its conversation, turn (1-based) and the head tokens a cut keeps
+    (`data/generate/turns.py`)."""
 
     index: int
     text: str
     ids: list[int]
+    head: int = 0
+    conversation: int | None = None
+    turn: int = 1
 
 
 def split_completion(ids: Sequence[int], eos: Sequence[int]) -> tuple[list[int], str]:
@@ -229,6 +234,8 @@ def completion_row(
     }
     if top is not None:
         row["topk_ids"], row["topk_logprobs"] = top
+    if p.conversation is not None:
+        row |= {"conversation_index": p.conversation, "turn": p.turn, "prompt_head": p.head}
     return row
 
 

@@ -9,11 +9,34 @@ skip, or refuse the set (`error`). The benchmark (bench.py) fits its prompts wit
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from specdistill.data.chat_prompts import is_conversation_set
+from specdistill.data.conversations import Conversation, fit_turn
 from specdistill.data.generate.batched import PreparedPrompt
+from specdistill.data.generate.turns import prompt_head, row_index
 from specdistill.data.prompts import Prompt, fit_to_context, load_prompts
 from specdistill.data.runtime import ConfigError
+
+
+@dataclass(frozen=True)
+class ChatSet:
+    """A chat set's conversations (by index), template arguments and most turns: what
+    rendering its later turns needs (`data/generate/turns.py`)."""
+
+    conversations: dict[int, Conversation]
+    kwargs: dict[str, Any]
+    max_turns: int
+
+
+def chat_set(prompts: Sequence[Prompt]) -> ChatSet | None:
+    """The prompts' ChatSet, or None for a plain (non-template) prompt set."""
+    convs = {p.conversation.index: p.conversation for p in prompts if p.conversation}
+    if not convs:
+        return None
+    kwargs = dict(next(p.template_kwargs for p in prompts if p.conversation))
+    return ChatSet(convs, kwargs, max(len(c.turns) for c in convs.values()))
 
 
 def context_length(model_config: Any, tokenizer: Any) -> int | None:
@@ -47,10 +70,12 @@ def prompt_budget(context: int | None, max_new_tokens: int, max_prompt_tokens: i
 def prepare_prompts(
     prompts: Sequence[Prompt], tokenizer: Any, budget: int, policy: str, add_special_tokens: bool
 ) -> tuple[list[PreparedPrompt], dict[str, int]]:
-    """Tokenize; truncate (keep the end, nearest the completion) or skip prompts over budget,
-    or refuse the set (`error`)."""
+    """Tokenize; truncate (keep the end, nearest the completion; a chat prompt keeps its
+    system prompt and header and loses the front of its user turn) or skip prompts over
+    budget, or refuse the set (`error`). Chat prompts are numbered by row (turn 1's)."""
     out: list[PreparedPrompt] = []
     stats = {"total": len(prompts), "skipped_long": 0, "skipped_empty": 0, "truncated_long": 0}
+    chat = chat_set(prompts)
     encoded = [
         tokenizer(p.text, add_special_tokens=add_special_tokens)["input_ids"] for p in prompts
     ]
@@ -65,10 +90,20 @@ def prepare_prompts(
             if policy == "skip":
                 stats["skipped_long"] += 1
                 continue
-            ids = ids[-budget:]
-            text = tokenizer.decode(ids)
+            if p.conversation is not None:
+                fitted = fit_turn(tokenizer, p.conversation, 1, [], budget, dict(p.template_kwargs))
+                text, ids = fitted.text, fitted.ids
+            else:
+                ids = ids[-budget:]
+                text = tokenizer.decode(ids)
             stats["truncated_long"] += 1
-        out.append(PreparedPrompt(p.index, text, list(ids)))
+        if chat is not None and p.conversation is not None:
+            c = p.conversation
+            head = prompt_head(tokenizer, c, chat.kwargs)
+            index = row_index(c.index, 1, chat.max_turns)
+            out.append(PreparedPrompt(index, text, list(ids), head=head, conversation=c.index))
+        else:
+            out.append(PreparedPrompt(p.index, text, list(ids)))
     return out, stats
 
 
@@ -96,15 +131,19 @@ def no_prompts_message(stats: dict[str, int], dataset_cfg: Any) -> str:
 
 def load_prepared_prompts(
     dataset_cfg: Any, tokenizer: Any, budget: int, split: str, policy: str
-) -> tuple[list[PreparedPrompt], dict[str, int]]:
+) -> tuple[list[PreparedPrompt], dict[str, int], ChatSet | None]:
     """The stage's prompts (`dataset`, `split` when dataset.split is null), tokenised and fitted
-    to `budget` under `long_prompts=policy` (the benchmark uses the same)."""
+    to `budget` under `long_prompts=policy` (the benchmark uses the same), and the chat set
+    their later turns come from (None for plain prompts)."""
     prompts = load_prompts(dataset_cfg, tokenizer, default_split=split)
-    return prepare_prompts(
+    prepared, stats = prepare_prompts(
         prompts, tokenizer, budget, policy, add_special_tokens=not is_chat(dataset_cfg)
     )
+    return prepared, stats, chat_set(prompts)
 
 
 def is_chat(dataset_cfg: Any) -> bool:
     """Chat prompts already hold the template's special tokens: add none when tokenizing."""
-    return bool(dataset_cfg.get("chat", False)) or dataset_cfg.get("field") == "messages"
+    if not is_conversation_set(dataset_cfg):
+        return False
+    return dataset_cfg.get("format") != "plain" or bool(dataset_cfg.get("chat", False))

@@ -124,8 +124,9 @@ def _discard_other_runs(out: Path, keep: str) -> None:
         f.unlink(missing_ok=True)
 
 
-def chunk_schema(topk: bool) -> pa.Schema:
-    """The row schema the distill stage reads (see the generate stage's docstring)."""
+def chunk_schema(topk: bool, chat: bool = False) -> pa.Schema:
+    """The row schema the distill stage reads (see the generate stage's docstring); chat sets'
+    rows also name their conversation, turn and head tokens (`data/generate/turns.py`)."""
     fields = [
         ("prompt_index", pa.int64()),
         ("sample_index", pa.int64()),
@@ -140,13 +141,18 @@ def chunk_schema(topk: bool) -> pa.Schema:
             ("topk_ids", pa.list_(pa.list_(pa.int64()))),
             ("topk_logprobs", pa.list_(pa.list_(pa.float32()))),
         ]
+    if chat:
+        fields += [("conversation_index", pa.int64()), ("turn", pa.int64())]
+        fields += [("prompt_head", pa.int64())]
     return pa.schema(fields)
 
 
-def write_chunk(path: Path, rows: Sequence[Mapping[str, Any]], topk: bool) -> Path:
+def write_chunk(
+    path: Path, rows: Sequence[Mapping[str, Any]], topk: bool, chat: bool = False
+) -> Path:
     """Write rows as parquet to a temp file, fsync, and rename: a chunk is all or nothing."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    table = pa.Table.from_pylist(list(rows), schema=chunk_schema(topk))
+    table = pa.Table.from_pylist(list(rows), schema=chunk_schema(topk, chat))
     with guard_write(path, table.nbytes, cleanup=(tmp,)):  # never a half chunk, nor its temp
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, tmp)
@@ -216,7 +222,7 @@ def merge_shards(output_dir: str | Path, wall_seconds: float | None = None) -> d
 
 def _read_rows(out: Path, config: Mapping[str, Any], records: Sequence[Mapping]) -> pa.Table:
     fp, count = config["fingerprint"], int(config["shard_count"])
-    schema = chunk_schema(int(config["topk_logprobs"]) > 0)
+    schema = chunk_schema(int(config["topk_logprobs"]) > 0, "chat_turns" in config)
     files = sorted(
         f
         for rec in records

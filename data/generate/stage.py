@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from specdistill.data.generate import vllm_engine as vllm_backend
 from specdistill.data.generate.batched import PreparedPrompt, generate_rows
 from specdistill.data.generate.fitted_prompts import (
+    ChatSet,
     context_length,
     load_prepared_prompts,
     no_prompts_message,
@@ -66,6 +67,7 @@ from specdistill.data.generate.shards import (
     write_chunk,
     write_done,
 )
+from specdistill.data.generate.turns import read_answers, turn_plan, turn_prompts
 from specdistill.data.models.pairs import PairSpec, load_role, load_tokenizer, resolve_pair
 from specdistill.data.runtime import ConfigError, parse_dtype, run_or_exit, set_threads
 
@@ -85,6 +87,8 @@ class Shard:
     dtype: torch.dtype
     tokenizer: Any
     engine_len: int | None  # backend=vllm: the engine's max_model_len; None for hf
+    budget: int = 0  # prompt tokens allowed (a chat set's later turns are fitted to it)
+    chat: ChatSet | None = None  # a chat set: every assistant turn is regenerated in order
 
 
 def config_record(
@@ -96,6 +100,7 @@ def config_record(
     prepared: Sequence[PreparedPrompt],
     stats: dict[str, int],
     shard_count: int,
+    chat: ChatSet | None = None,
 ) -> dict[str, Any]:
     """Everything that decides the rows; its fingerprint guards resume against config drift."""
     digest = hashlib.sha256(repr([(p.index, p.ids) for p in prepared]).encode()).hexdigest()
@@ -118,6 +123,9 @@ def config_record(
     }
     if s.backend != "hf":  # hf runs keep the fingerprints they always had
         record["backend"] = s.backend
+    if chat is not None:  # chat sets: every turn regenerated, rows numbered by turn
+        record["chat_turns"] = chat.max_turns
+        record["chat_template_kwargs"] = chat.kwargs
     return {
         "fingerprint": fingerprint(record),
         **record,
@@ -162,7 +170,9 @@ def prepare_shard(cfg: DictConfig, s: GenerateSettings) -> Shard:
     vocab = getattr(model_config, "vocab_size", None) or len(tokenizer)
     if s.topk_logprobs > vocab:
         raise ConfigError(f"topk_logprobs={s.topk_logprobs} exceeds the vocabulary ({vocab})")
-    prepared, stats = load_prepared_prompts(cfg.dataset, tokenizer, budget, s.split, s.long_prompts)
+    prepared, stats, chat = load_prepared_prompts(
+        cfg.dataset, tokenizer, budget, s.split, s.long_prompts
+    )
     if not prepared:
         raise ConfigError(no_prompts_message(stats, cfg.dataset))
     engine_len = None
@@ -174,22 +184,45 @@ def prepare_shard(cfg: DictConfig, s: GenerateSettings) -> Shard:
             max(len(p.ids) for p in prepared) + s.generation.max_new_tokens,
             context,
         )
-    record = config_record(cfg.dataset, s, spec, dtype, budget, prepared, stats, count)
+    record = config_record(cfg.dataset, s, spec, dtype, budget, prepared, stats, count, chat)
     claim_output_dir(s.output_dir, record, s.overwrite)
     return Shard(
-        index, count, record["fingerprint"], prepared, spec, device, dtype, tokenizer, engine_len
+        index,
+        count,
+        record["fingerprint"],
+        prepared,
+        spec,
+        device,
+        dtype,
+        tokenizer,
+        engine_len,
+        budget,
+        chat,
     )
+
+
+def shard_plan(s: GenerateSettings, shard: Shard) -> list[tuple[int, list[int]]]:
+    """(turn, row ids) chunks of this shard: its prompts' chunks (turn 1), and for a chat set
+    each later turn of its conversations after them (`data/generate/turns.py`)."""
+    if shard.chat is None or shard.chat.max_turns == 1:
+        lengths = {p.index: len(p.ids) for p in shard.prompts}
+        return [(1, c) for c in plan_shard(lengths, shard.index, shard.count, s.chunk_size)]
+    lengths = {int(p.conversation): len(p.ids) for p in shard.prompts}  # type: ignore[arg-type]
+    chunks = plan_shard(lengths, shard.index, shard.count, s.chunk_size)
+    turns = {c: len(conv.turns) for c, conv in shard.chat.conversations.items()}
+    return turn_plan(chunks, turns, shard.chat.max_turns, s.chunk_size)
 
 
 def generate_shard(s: GenerateSettings, shard: Shard, t0: float) -> GenerateResult:
     """Generate the shard's missing chunks, mark it done, and merge if it was the last."""
     out, index, count = s.output_dir, shard.index, shard.count
     sdir = shard_dir(out, shard.fingerprint, index, count)
-    plan = plan_shard({p.index: len(p.ids) for p in shard.prompts}, index, count, s.chunk_size)
+    turn_chunks = shard_plan(s, shard)
+    plan = [chunk for _, chunk in turn_chunks]
     num_samples = s.generation.num_samples
     todo = [
-        (k, chunk)
-        for k, chunk in enumerate(plan)
+        (k, turn, chunk)
+        for k, (turn, chunk) in enumerate(turn_chunks)
         if not chunk_is_complete(chunk_path(sdir, k), chunk, num_samples)
     ]
     prompts = sum(map(len, plan))
@@ -202,11 +235,11 @@ def generate_shard(s: GenerateSettings, shard: Shard, t0: float) -> GenerateResu
         len(plan) - len(todo),
     )
     new_tokens, gen_seconds = 0, 0.0
+    cuts = {"turn_prompts_cut": 0, "turns_dropped": 0}
     if todo or not (sdir / "done.json").exists():
         if todo:
-            by_index = {p.index: p for p in shard.prompts}
             new_tokens, gen_seconds = _generate_todo(
-                s, _engine_for(s, shard), todo, by_index, sdir, index, count
+                s, _engine_for(s, shard), todo, _prompts_for(shard, sdir, cuts), sdir, index, count
             )
         write_done(
             sdir,
@@ -221,6 +254,7 @@ def generate_shard(s: GenerateSettings, shard: Shard, t0: float) -> GenerateResu
                 "generation_seconds": round(gen_seconds, 3),
                 "wall_seconds": round(time.perf_counter() - t0, 3),
                 "device": str(shard.device),
+                **(cuts if shard.chat is not None else {}),
             },
         )
     result = None
@@ -271,17 +305,51 @@ def _engine_for(s: GenerateSettings, shard: Shard) -> RowsFn:
     )
 
 
+PromptsFn = Callable[[int, list[int]], list[PreparedPrompt]]
+
+
+def _prompts_for(shard: Shard, sdir: Path, cuts: dict[str, int]) -> PromptsFn:
+    """`prompts(turn, rows)`: turn 1's prepared prompts; a later turn's rendered after the
+    target's own replies in this shard's finished chunks (read when the turn starts), its cuts
+    counted into `cuts`."""
+    by_index = {p.index: p for p in shard.prompts}
+    answers: dict[int, str] = {}
+    read_for = 0
+
+    def prompts(turn: int, rows: list[int]) -> list[PreparedPrompt]:
+        nonlocal answers, read_for
+        if turn == 1 or shard.chat is None:
+            return [by_index[i] for i in rows]
+        if read_for != turn:  # every earlier turn is on disk: its chunks come first in the plan
+            answers, read_for = read_answers(sorted(sdir.glob("chunk-*.parquet"))), turn
+        chat = shard.chat
+        out, stats = turn_prompts(
+            shard.tokenizer,
+            chat.conversations,
+            chat.kwargs,
+            rows,
+            chat.max_turns,
+            answers,
+            shard.budget,
+        )
+        for key, value in stats.items():
+            cuts[key] += value
+        return out
+
+    return prompts
+
+
 def _generate_todo(
     s: GenerateSettings,
     rows_for: RowsFn,
-    todo: Sequence[tuple[int, list[int]]],
-    by_index: dict[int, PreparedPrompt],
+    todo: Sequence[tuple[int, int, list[int]]],
+    prompts_for: PromptsFn,
     sdir: Path,
     index: int,
     count: int,
 ) -> tuple[int, float]:
     """Generate the missing chunks, each written atomically as soon as it is done."""
-    total = sum(len(c) for _, c in todo) * s.generation.num_samples
+    total = sum(len(c) for *_, c in todo) * s.generation.num_samples
     tokens, seconds = 0, 0.0
     with tqdm(
         total=total,
@@ -299,10 +367,12 @@ def _generate_todo(
             bar.update(rows)
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - tick):.0f} tok/s")
 
-        for k, chunk in todo:
+        for k, turn, chunk in todo:
+            prompts = prompts_for(turn, chunk)
             torch.manual_seed(chunk_seed(s.generation.seed, index, k))
-            rows = rows_for([by_index[i] for i in chunk], on_batch)
-            write_chunk(chunk_path(sdir, k), rows, topk=s.topk_logprobs > 0)
+            rows = rows_for(prompts, on_batch)
+            chat = prompts[0].conversation is not None
+            write_chunk(chunk_path(sdir, k), rows, topk=s.topk_logprobs > 0, chat=chat)
         seconds = time.perf_counter() - tick
     return tokens, seconds
 

@@ -29,6 +29,7 @@ class Example:
     completion_ids: list[int]
     topk_ids: list[list[int]] | None = None
     topk_logprobs: list[list[float]] | None = None
+    prompt_head: int = 0  # a chat row's system prompt + header tokens: a cut keeps them
 
 
 def load_seqkd(path: str | Path, *, limit: int | None = None, use_topk: bool = True):
@@ -60,6 +61,7 @@ def load_seqkd(path: str | Path, *, limit: int | None = None, use_topk: bool = T
     if limit is not None:
         ds = ds.select(range(min(int(limit), len(ds))))
     topk = use_topk and "topk_ids" in ds.column_names and "topk_logprobs" in ds.column_names
+    head = "prompt_head" in ds.column_names
     out = []
     for row in ds:
         if not row["completion_ids"]:
@@ -70,6 +72,7 @@ def load_seqkd(path: str | Path, *, limit: int | None = None, use_topk: bool = T
                 completion_ids=list(row["completion_ids"]),
                 topk_ids=row["topk_ids"] if topk else None,
                 topk_logprobs=row["topk_logprobs"] if topk else None,
+                prompt_head=int(row["prompt_head"]) if head else 0,
             )
         )
     if not out:
@@ -98,13 +101,23 @@ def reference_examples(prompts, tokenizer, field: str = "dataset.reference_field
     return out
 
 
+def fit_prompt(ids: list[int], room: int, head: int) -> list[int]:
+    """The prompt within `room` tokens: its end (nearest the completion), and a chat row's
+    `head` (system prompt and template header) kept in front when there is room for more."""
+    if len(ids) <= room:
+        return list(ids)
+    if 0 < head < room:
+        return [*ids[:head], *ids[len(ids) - (room - head) :]]
+    return list(ids[len(ids) - room :])
+
+
 def collate(examples: list[Example], pad_id: int, max_seq_len: int) -> dict[str, torch.Tensor]:
     """Right-padded batch; `loss_mask[b, t]` marks logits positions whose *next* token is a
     completion token, so logits[:, t] is compared with the target's distribution at t."""
     seqs, starts, tk_ids, tk_lp = [], [], [], []
     for ex in examples:
         comp = ex.completion_ids[: max_seq_len - 1]
-        prompt = ex.prompt_ids[-(max_seq_len - len(comp)) :] if ex.prompt_ids else []
+        prompt = fit_prompt(ex.prompt_ids, max_seq_len - len(comp), ex.prompt_head)
         if not prompt:  # the first completion token needs a context position to predict it
             raise ConfigError("an example has an empty prompt; every row needs prompt_ids")
         seqs.append(prompt + comp)

@@ -101,8 +101,8 @@ def test_resume_after_crash_generates_only_missing_chunks(generate_cfg, tmp_path
     written: list[Path] = []
     real_write = gen.write_chunk
 
-    def write_then_die(path, rows, topk):
-        real_write(path, rows, topk)
+    def write_then_die(path, rows, topk, **kw):
+        real_write(path, rows, topk, **kw)
         written.append(path)
         if len(written) == 2:
             raise KeyboardInterrupt("killed")

@@ -274,11 +274,11 @@ def test_vllm_resume_regenerates_only_missing_chunks(vllm_model, tmp_path, monke
     real = gen.write_chunk
     written = []
 
-    def write_then_die(path, rows, topk):
+    def write_then_die(path, rows, topk, **kw):
         if len(written) == 2:
             raise KeyboardInterrupt("killed")
         written.append(path.name)
-        return real(path, rows, topk)
+        return real(path, rows, topk, **kw)
 
     monkeypatch.setattr(gen, "write_chunk", write_then_die)
     with pytest.raises(KeyboardInterrupt):
