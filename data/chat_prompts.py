@@ -6,6 +6,7 @@ training and held-out conversations, rendered with the target's chat template.
                                                           any other split: the held-out ones)
     dataset.chat_template_kwargs: {enable_thinking: false} (every place a template is applied)
     dataset.source: mixture, dataset.mixture: [{label, weight, <a dataset node>}, ...]
+    dataset.per_category: N                              (N conversations of each category)
 
 Each prompt opens a conversation (turn 1); generate and validate render its later turns after
 the target's own answers (`later_turn`). `limit` draws conversations in a seeded hash order (a
@@ -138,7 +139,16 @@ def source_conversations(cfg: Any, split: str, *, label: str | None) -> list[Con
     convs, _skipped = read_conversations(rows, cfg, source=label)
     if label and not _get(cfg, "category_field"):
         convs = [replace(c, category=label, source=label) for c in convs]
-    return split_holdout(convs, cfg, split)
+    convs = split_holdout(convs, cfg, split)
+    per = _get(cfg, "per_category")
+    if per is not None:  # a benchmark sorted by category: the same few from each
+        seed = int(_get(cfg, "seed") or 0)
+        groups: dict[str | None, list[Conversation]] = {}
+        for c in convs:
+            groups.setdefault(c.category, []).append(c)
+        keep = {id(c) for g in groups.values() for c in _limited(g, per, seed, "per_category")}
+        convs = [c for c in convs if id(c) in keep]
+    return convs
 
 
 def _rows(cfg: Any, split: str) -> list[dict]:

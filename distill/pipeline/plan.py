@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from specdistill.data.io import atomic_write_text
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.compose import StageOverrides, compose_stage, config_module
+from specdistill.distill.pipeline.category_report import COMPARED
 from specdistill.distill.pipeline.mapped_pairs import check_mapped_plan
 from specdistill.distill.pipeline.serving import (
     check_recipe,
@@ -151,6 +152,13 @@ class _Planner:
             # an autoregressive base drafter: validated as one, whatever `drafting` is
             base = self.compose("validate", output_dir=str(out), decoder__drafting="autoregressive")
             self.add("validate_base", "validate", out, base, [])
+        for name, path in compare_drafters(self.cfg).items():  # other drafters, same prompts
+            out = run_dir / f"{COMPARED}{name}"
+            other = self.compose(
+                "validate", output_dir=str(out), decoder__drafting="autoregressive"
+            )
+            other.pair.drafter = path
+            self.add(out.name, "validate", out, other, [])
         report = None
         for name in [None, *(self.cfg.get("validate_sets") or [])]:  # more prompt distributions
             out = run_dir / ("validate" if name is None else f"validate_{name}")
@@ -232,6 +240,31 @@ def _written_eval(step: Step | None) -> str | None:
         return None
     ev = step.config["eval"]
     return str(ev["path"] or Path(step.config["output_dir"]) / "eval_continuations")
+
+
+def compare_drafters(cfg: DictConfig) -> dict[str, str]:
+    """`compare_drafters: {name: DIR}`: other drafters of the target (a pair=smollm2 run's
+    export beside a chat run's) validated on the run's validate prompts as step
+    validate_drafter_<name>; checked here, in one line, before any step runs."""
+    raw = cfg.get("compare_drafters") or {}
+    if not hasattr(raw, "items"):
+        raise ConfigError(
+            f"compare_drafters={raw!r} must map names to drafter folders: {{code: DIR}}"
+        )
+    out = {}
+    for name, path in raw.items():
+        if not str(name).isidentifier() or name in ("base", "distilled"):
+            raise ConfigError(
+                f"compare_drafters.{name}: use a name that is an identifier other than base and "
+                "distilled (it names the validate_drafter_<name> step)"
+            )
+        if not Path(str(path)).expanduser().is_dir():
+            raise ConfigError(
+                f"compare_drafters.{name}={path!r} is not a folder: point it at a drafter "
+                "checkpoint (e.g. a pair=smollm2 run's export/drafter)"
+            )
+        out[str(name)] = str(Path(str(path)).expanduser().absolute())
+    return out
 
 
 def pipeline_dataset(dataset: DictConfig, own: Any) -> DictConfig:

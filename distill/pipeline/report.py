@@ -21,6 +21,7 @@ from specdistill.data.io import atomic_write_text, read_json
 from specdistill.decode.validate.buckets import drafter_alpha_text
 from specdistill.decode.validate.modes import has_range
 from specdistill.decode.validate.report import NO_DRAFTS, NO_OWN_DRAFTS, mode_value, positions
+from specdistill.distill.pipeline.category_report import category_table, plot_categories
 from specdistill.distill.train.predict import reprice
 
 log = logging.getLogger("specdistill.report")
@@ -330,6 +331,7 @@ def summary_markdown(
             "",
         ]
     lines += comparison_table(stages)
+    lines += category_table(stages)
     lines += bucket_table(stages)
     d = stages.get("distill")
     if d:
@@ -473,6 +475,7 @@ def write_report(
     text = summary_markdown(str(run_dir), stages, wall_seconds, serving, recipe)
     atomic_write_text(run_dir / "summary.md", text)
     plot_acceptance(stages, run_dir / "report.png")
+    plot_categories(stages, run_dir / "report_categories.png")
     return text
 
 

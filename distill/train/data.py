@@ -9,6 +9,7 @@ for a micro-batch is drawn from the same seed whatever the layout.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,26 @@ def fit_prompt(ids: list[int], room: int, head: int) -> list[int]:
     if 0 < head < room:
         return [*ids[:head], *ids[len(ids) - (room - head) :]]
     return list(ids[len(ids) - room :])
+
+
+def chat_record(path: str | Path | None) -> dict[str, Any]:
+    """`{"chat": {turns, template_kwargs}}` when the Seq-KD rows at `path` are chat traffic (the
+    generate stage's config says so), for the result and the card: a drafter trained on a
+    template rendered with arguments (Qwen3's enable_thinking) is served with the same."""
+    config = Path(str(path)) / "generation_config.json" if path else None
+    if config is None or not config.is_file():
+        return {}
+    record = json.loads(config.read_text())
+    if "chat_turns" not in record:
+        return {}
+    return {
+        "chat": {"turns": record["chat_turns"], "template_kwargs": record["chat_template_kwargs"]}
+    }
+
+
+def prompts_cut(examples: list[Example], max_seq_len: int) -> int:
+    """How many rows `collate` cuts at `max_seq_len` (reported, never silent)."""
+    return sum(len(e.prompt_ids) + len(e.completion_ids) > max_seq_len for e in examples)
 
 
 def collate(examples: list[Example], pad_id: int, max_seq_len: int) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from specdistill.data.io import atomic_write_json
 from specdistill.distill.train import checkpoint as ckpt
+from specdistill.distill.train.data import chat_record, prompts_cut
 from specdistill.distill.train.predict import heldout_prediction
 from specdistill.distill.train.sweep_summary import write_summary
 
@@ -102,6 +103,9 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
             # the draft vocabulary's greedy mask (a mapped pair's summary below carries its own)
             **({"tli_mask_unreachable": s.mask_unreachable} if tr.head_ids is not None else {}),
             "train_examples": len(tr.train_examples),
+            # rows longer than max_seq_len: their prompt cut (the end kept, a chat row's head too)
+            "prompts_cut": prompts_cut(tr.train_examples, s.max_seq_len),
+            **chat_record(s.data.path or (out / "seqkd" if s.data.seq_kd else None)),
             "eval_tokens": before["tokens"],
             "eval_source": s.eval.source,
             "eval_sampling": tr.eval_sampling.as_dict(),

@@ -273,3 +273,39 @@ def test_generate_regenerates_every_turn_in_order(toy_tiny, generate_cfg, tmp_pa
     assert config["chat_turns"] == 3 and config["chat_template_kwargs"] == {"think": True}
     again = gen.run(generate_cfg(*overrides))
     assert again.chunks_generated == 0 and again.samples == 6
+
+
+def test_an_evaluation_set_overlapping_the_training_rows_is_refused(
+    toy_tiny, generate_cfg, tmp_path
+):
+    from specdistill.data.generate import stage as gen
+    from specdistill.data.heldout_check import check_disjoint
+
+    tok_dir = tmp_path / "tok"
+    tok = chat_tokenizer(toy_tiny, tok_dir)
+    path = write_jsonl(tmp_path / "c.jsonl", [conversation(k, 1) for k in range(12)])
+    cfg = {
+        "source": "jsonl",
+        "path": str(path),
+        "format": "messages",
+        "id_field": "id",
+        "holdout": {"count": 3},
+    }
+    overrides = [
+        f"pair.tokenizer={tok_dir}",
+        "dataset.source=jsonl",
+        f"+dataset.path={path}",
+        "+dataset.format=messages",
+        "dataset.field=messages",
+        "+dataset.id_field=id",
+        "+dataset.holdout={count: 3}",
+        "dataset.limit=null",
+    ]
+    gen.run(generate_cfg(*overrides))
+    heldout = load_prompts(cfg, tok, default_split="test")
+    assert check_disjoint(heldout, tmp_path / "gen") == 9
+    with pytest.raises(ConfigError) as e:
+        check_disjoint(
+            load_prompts(cfg, tok, default_split="train")[:2] + heldout, tmp_path / "gen"
+        )
+    assert "2 of 5 evaluation prompts" in str(e.value) and "\n" not in str(e.value)

@@ -158,3 +158,19 @@ def test_prediction_is_skipped_for_sampling_serving(distill_cfg, tmp_path):
     s = TrainSettings.from_cfg(distill_cfg(tmp_path / "run"))
     tr = SimpleNamespace(eval_sampling=Sampling(temperature=1.0), eval_batches=[{}])
     assert heldout_prediction(tr, None, s) is None
+
+
+def test_a_cut_chat_prompt_keeps_its_head_and_its_end():
+    """Over max_seq_len, a chat row keeps its system prompt + header (prompt_head tokens) and
+    the end nearest its reply; the oldest middle goes. Without a head: the end only."""
+    from specdistill.distill.train.data import Example, collate, fit_prompt, prompts_cut
+
+    ids = list(range(100, 120))
+    assert fit_prompt(ids, 8, 3) == [100, 101, 102, 115, 116, 117, 118, 119]
+    assert fit_prompt(ids, 8, 0) == ids[-8:]
+    assert fit_prompt(ids, 30, 3) == ids
+    assert fit_prompt(ids, 3, 3) == ids[-3:]  # no room beyond the head: the end wins
+    row = Example(prompt_ids=ids, completion_ids=[7, 8], prompt_head=3)
+    batch = collate([row], pad_id=0, max_seq_len=10)
+    assert batch["input_ids"][0].tolist() == [100, 101, 102, 115, 116, 117, 118, 119, 7, 8]
+    assert prompts_cut([row, Example([1], [2])], 10) == 1
