@@ -127,6 +127,7 @@ def later_turn(tokenizer: Any, prompt: Prompt, turn: int, answers: Sequence[str]
         source=prompt.source,
         conversation=conv,
         turn=turn,
+        answers=tuple(answers[: turn - 1]),
         template_kwargs=prompt.template_kwargs,
     )
 

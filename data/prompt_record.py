@@ -26,4 +26,5 @@ class Prompt:
     source: str | None = None
     conversation: Conversation | None = None
     turn: int = 1
+    answers: tuple[str, ...] = ()  # the target's own replies to turns 1..turn-1, as rendered
     template_kwargs: tuple[tuple[str, Any], ...] = ()

@@ -139,6 +139,26 @@ def fit_to_context(
     return kept, [ids[i][-budget:] for i in kept], over
 
 
+def _fit_chat_turns(
+    prompts: list[Prompt], ids: list[list[int]], tok: Any, policy: str, budget: int
+) -> tuple[list[Prompt], list[list[int]], int]:
+    """Long chat prompts under `truncate` re-rendered by `fit_turn` (system prompt and template
+    header kept, oldest exchanges dropped first) instead of losing their beginning; how many."""
+    if policy != "truncate":
+        return prompts, ids, 0
+    from dataclasses import replace
+
+    from specdistill.data.conversations import fit_turn
+
+    prompts, ids, cut = list(prompts), list(ids), 0
+    for i, p in enumerate(prompts):
+        if p.conversation is None or len(ids[i]) <= budget:
+            continue
+        fitted = fit_turn(tok, p.conversation, p.turn, p.answers, budget, dict(p.template_kwargs))
+        prompts[i], ids[i], cut = replace(p, text=fitted.text), fitted.ids, cut + 1
+    return prompts, ids, cut
+
+
 def fit_prompt_set(
     prompts: list[Prompt], tok: Any, policy: str, budget: int, where: str
 ) -> tuple[list[Prompt], list[list[int]], dict[str, Any]]:
@@ -149,7 +169,9 @@ def fit_prompt_set(
 
     ids = [tok(p.text, add_special_tokens=False).input_ids for p in prompts]
     where = f"{where} and the verify's drafts"
+    prompts, ids, chat_cut = _fit_chat_turns(prompts, ids, tok, policy, budget)
     kept, rows, over = fit_to_context(ids, budget, policy, context=where)
+    over += chat_cut
     if not kept:
         raise ConfigError(
             f"every one of the {len(prompts)} prompts is longer than the {budget} prompt tokens "
@@ -157,6 +179,7 @@ def fit_prompt_set(
             "(dataset.bucket) or lower max_new_tokens"
         )
     fit: dict[str, Any] = {"policy": policy, "max_prompt_tokens": budget, "long": over}
+    fit |= {"chat_turns_cut": chat_cut}
     fit |= {"truncated": over if policy == "truncate" else 0}
     fit |= {"skipped": over if policy == "skip" else 0}
     if over:

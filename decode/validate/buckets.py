@@ -93,6 +93,7 @@ def regroup(st: Any, batch_size: int) -> tuple[Any, BucketPlan | None]:
         batches=batches,
         texts=[st.texts[i] for i in order],
         buckets=[st.buckets[i] for i in order],
+        categories=[st.categories[i] for i in order] if st.categories else st.categories,
     )
     return st, plan
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.decode.validate.buckets import bucket_markdown
+from specdistill.decode.validate.categories import category_markdown
 from specdistill.decode.validate.modes import speedup_text
 
 
@@ -81,6 +82,8 @@ class ValidateResult:
     vocab_mapping: dict[str, Any] | None = None  # mapped pairs: intersection, coverage, context
     # Long prompt sets: one row per context-length bucket (decode/validate/buckets.py)
     buckets: list[dict[str, Any]] | None = None
+    # Chat benchmarks: one row per (set, category), set and `all`, per serving mode (categories.py)
+    categories: list[dict[str, Any]] | None = None
 
 
 def mode_value(v: dict[str, Any], mode: str, key: str) -> Any:
@@ -207,6 +210,7 @@ def report_markdown(r: ValidateResult) -> str:
         "",
     ]
     lines += bucket_markdown(r.buckets)
+    lines += category_markdown(r.categories)
     if r.vllm:
         lines += two_engine_table(r.vllm)
     lines += [f"- {n}" for n in r.notes]

@@ -66,6 +66,7 @@ class ValidateSettings:
     cost_model: tuple[CostModel, ...] = ()
     engines: tuple[str, ...] = ("ours",)
     vllm_draft_sample_method: str | None = None  # engines=[ours,vllm]: vllm.draft_sample_method
+    training_data: str | None = None  # a Seq-KD dataset: no prompt may be among its rows
 
     @property
     def both_modes(self) -> bool:
@@ -118,6 +119,7 @@ class ValidateSettings:
             cost_model=cost_models(cfg.get("cost_model")),
             engines=engines,
             vllm_draft_sample_method=method,
+            training_data=str(cfg.training_data) if cfg.get("training_data") else None,
         )
 
     @property

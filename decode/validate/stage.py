@@ -20,12 +20,15 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from specdistill.data.dataset_rows import node_get
+from specdistill.data.heldout_check import check_disjoint
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.models.pairs import load_pair, resolve_pair
 from specdistill.data.prompts import check_prompt_settings, fit_prompt_set, load_prompts
@@ -43,6 +46,8 @@ from specdistill.decode.config import DecoderSettings
 from specdistill.decode.draft_length import DraftCosts, recommend_k, speedup_table
 from specdistill.decode.speculative import SpeculativeDecoder
 from specdistill.decode.validate.buckets import measure_buckets, regroup
+from specdistill.decode.validate.categories import category_rows, check_batches, plot_by_category
+from specdistill.decode.validate.categories import labels as category_labels
 from specdistill.decode.validate.mapped import check_mapped_stage, load_mapped, mapping_figures
 from specdistill.decode.validate.modes import (
     measure_other_mode,
@@ -60,6 +65,7 @@ from specdistill.decode.validate.timing import (
     machine_name,
     round_costs,
 )
+from specdistill.decode.validate.turns import expand_turns, greedy_answers, merge_fit
 from specdistill.decode.validate.vllm_engine import preflight
 
 log = logging.getLogger(__name__)
@@ -91,6 +97,8 @@ class Setup:
     prompt_fit: dict[str, Any] = field(default_factory=dict)
     buckets: list[str | None] = field(default_factory=list)
     mapped: Any = None  # MappedVocab: the drafter has its own tokenizer (decode/validate/mapped.py)
+    # chat benchmarks: each prompt's (set, category) (decode/validate/categories.py), else None
+    categories: list[tuple[str, str]] | None = None
 
 
 def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) -> Setup:
@@ -116,6 +124,9 @@ def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) 
     prompts = load_prompts(cfg.dataset, tok, default_split="test")
     if vs.num_prompts:
         prompts = prompts[: vs.num_prompts]
+    check_disjoint(prompts, vs.training_data)
+    keys = category_labels(prompts, node_get(cfg.dataset, "label") or "dataset")
+    check_batches(keys, vs.batch_size)
     eos = tuple(sorted({i for i in [tok.eos_token_id] if i is not None}))
     context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
     room = context - vs.max_new_tokens - gamma_room - 2
@@ -126,7 +137,17 @@ def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) 
             f"after max_new_tokens={vs.max_new_tokens}; lower max_new_tokens or max_prompt_tokens"
         )
     where = f"the target's {context}-token context leaves after max_new_tokens={vs.max_new_tokens}"
-    prompts, rows, fit = fit_prompt_set(prompts, tok, vs.long_prompts, max_prompt, where)
+
+    def fit_set(ps: list) -> tuple:
+        return fit_prompt_set(ps, tok, vs.long_prompts, max_prompt, where)
+
+    prompts, rows, fit = fit_set(prompts)
+    # a multi-turn question's later turns, after the target's own greedy answers
+    answer = greedy_answers(target, tok, device, vs.max_new_tokens, eos)
+    prompts, rows, turns = expand_turns(prompts, rows, tok, answer, fit_set)
+    fit = merge_fit(fit, turns["later_fit"])
+    if len(turns["turns"]) > 1:
+        fit["turns"] = turns["turns"]
     fit["context"] = context
     texts = [p.text for p in prompts]
     batches = _batches(rows, tok.pad_token_id, vs.batch_size)
@@ -134,6 +155,7 @@ def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) 
     return Setup(
         spec, target, drafter, tok, device, dtype, eos, texts, batches, warm, engines,
         vllm_settings, prompt_fit=fit, buckets=[p.bucket for p in prompts], mapped=mapped,
+        categories=category_labels(prompts, node_get(cfg.dataset, "label") or "dataset"),
     )  # fmt: skip
 
 
@@ -369,7 +391,7 @@ def run(cfg: DictConfig) -> ValidateResult:
     st = setup(cfg, vs.gamma_room, vs)
     st, plan = regroup(st, vs.batch_size)  # long prompt sets: batches within one bucket
     # each mode's timed repeats batch by batch, kept only when there are buckets to regroup
-    passes: dict[str, list] | None = {} if plan else None
+    passes: dict[str, list] | None = {} if plan or st.categories else None
     notes: list[str] = []
     if st.prompt_fit.get("long"):
         fit = st.prompt_fit
@@ -386,6 +408,7 @@ def run(cfg: DictConfig) -> ValidateResult:
             plan, st.batches, dec, sv.gamma, vs.step_time_iters, vs.max_new_tokens, passes
         )
     info = settings(vs, st, dec, sv.gamma)
+    by_category = category_rows(st.categories, passes) if st.categories and passes else None
     recommended = recommendation(vs, st, make, sv, info["machine"])
     result = ValidateResult(
         output_dir=str(vs.output_dir),
@@ -405,6 +428,7 @@ def run(cfg: DictConfig) -> ValidateResult:
         prompt_fit=st.prompt_fit,
         vocab_mapping=mapping_figures(st.mapped, sv.base_out.tokens),
         buckets=by_bucket,
+        categories=by_category,
         **side,
     )
     result.wall_seconds = round(time.perf_counter() - t_start, 1)
@@ -412,6 +436,8 @@ def run(cfg: DictConfig) -> ValidateResult:
     atomic_write_text(vs.output_dir / "report.md", report_markdown(result))
     if vs.plot:
         plot_acceptance(modes, vs.output_dir / "report.png", notes)
+        name = Path(str(st.spec.drafter)).name
+        plot_by_category([(name, by_category or [])], vs.output_dir / "report_categories.png")
     return result
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from specdistill.decode.validate.categories import plot_by_category
 from specdistill.decode.validate.report import positions
 
 COMPARED = "validate_drafter_"  # distill/pipeline/plan.py names compare_drafters steps so
@@ -76,34 +77,4 @@ def _num(row: dict[str, Any] | None, key: str, digits: int = 2) -> str:
 
 def plot_categories(stages: dict[str, dict], path: Path) -> bool:
     """report_categories.png: tau by set (and category), one bar per drafter, a panel per mode."""
-    named = drafters(stages)
-    if not named:
-        return False
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    modes = list(dict.fromkeys(r.get("mode") for _, v in named for r in v["categories"]))
-    order = list(dict.fromkeys(_key(r) for _, v in named for r in v["categories"]))
-    fig, axes = plt.subplots(len(modes), 1, figsize=(max(6, 0.55 * len(order)), 3 * len(modes)),
-                             squeeze=False)  # fmt: skip
-    width = 0.8 / len(named)
-    for ax, mode in zip(axes[:, 0], modes):
-        for i, (name, v) in enumerate(named):
-            rows = {_key(r): r for r in v["categories"] if r.get("mode") == mode}
-            taus = [float((rows.get(k) or {}).get("tau") or 0) for k in order]
-            xs = [j + (i - (len(named) - 1) / 2) * width for j in range(len(order))]
-            ax.bar(xs, taus, width=width, label=name)
-        labels = [c if c not in (s, "None") else s for s, c in order]
-        ax.set_xticks(range(len(order)), labels, rotation=40, ha="right", fontsize=8)
-        ax.set(ylabel="tau", title=mode)
-        ax.axhline(1.0, color="grey", lw=0.5)
-        ax.legend(fontsize=8, ncol=len(named))
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return plot_by_category([(n, v["categories"]) for n, v in drafters(stages)], path)

@@ -144,28 +144,35 @@ class _Planner:
             stage_cfg.dataset = pipeline_dataset(cfg.dataset, own)
         return stage_cfg
 
-    def validate_steps(self, run_dir: Path, drafter_path: str | None, reads: list) -> Step:
+    def validate_steps(
+        self, run_dir: Path, drafter_path: str | None, reads: list, data: Step | None = None
+    ) -> Step:
         """validate_base (the undistilled drafter), validate and one validate_<set> per
-        `validate_sets`; returns the validate step (its report goes into the export's card)."""
+        `validate_sets`; returns the validate step (its report goes into the export's card).
+        With the run's own Seq-KD rows (`data`), each checks its prompts are none of them
+        (validate.training_data) and so waits for generate."""
+        held: dict[str, Any] = {"training_data": data.out_dir} if data else {}
         if drafter_path and self.cfg.get("validate_base", True):
             out = run_dir / "validate_base"
             # an autoregressive base drafter: validated as one, whatever `drafting` is
-            base = self.compose("validate", output_dir=str(out), decoder__drafting="autoregressive")
-            self.add("validate_base", "validate", out, base, [])
+            base = self.compose(
+                "validate", output_dir=str(out), decoder__drafting="autoregressive", **held
+            )
+            self.add("validate_base", "validate", out, base, [data])
         for name, path in compare_drafters(self.cfg).items():  # other drafters, same prompts
             out = run_dir / f"{COMPARED}{name}"
             other = self.compose(
-                "validate", output_dir=str(out), decoder__drafting="autoregressive"
+                "validate", output_dir=str(out), decoder__drafting="autoregressive", **held
             )
             other.pair.drafter = path
-            self.add(out.name, "validate", out, other, [])
+            self.add(out.name, "validate", out, other, [data])
         report = None
         for name in [None, *(self.cfg.get("validate_sets") or [])]:  # more prompt distributions
             out = run_dir / ("validate" if name is None else f"validate_{name}")
-            vcfg = self.compose("validate", name, output_dir=str(out))
+            vcfg = self.compose("validate", name, output_dir=str(out), **held)
             if drafter_path:
                 vcfg.pair.drafter = drafter_path
-            step = self.add(out.name, "validate", out, vcfg, reads)
+            step = self.add(out.name, "validate", out, vcfg, [*reads, data])
             report = report or step
         return report  # type: ignore[return-value]
 
@@ -323,7 +330,7 @@ def build_plan(cfg: DictConfig) -> list[Step]:
             drafter_path = str(out / "drafter")
         reads = [drafter] if drafter else []
         if "validate" in stages:
-            report = plan.validate_steps(run_dir, drafter_path, reads)
+            report = plan.validate_steps(run_dir, drafter_path, reads, data)
         if (cfg.get("long_context") or {}).get("enabled", False):
             plan.long_context_steps(run_dir, drafter_path, drafter)
         if "export" in stages:

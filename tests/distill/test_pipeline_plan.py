@@ -67,7 +67,9 @@ def test_hand_offs_are_paths_known_up_front(tmp_path):
     )
     assert (exp.config["drafter"], exp.config["report"]) == (best, str(val.result_path))
     assert exp.config["output_dir"] == str(run / "export" / "drafter")
-    assert dis.needs == ["generate"] and base.needs == [] and val.needs == ["distill"]
+    # every validate step refuses prompts among the run's Seq-KD rows, so it waits for them
+    assert dis.needs == base.needs == ["generate"] and val.needs == ["distill", "generate"]
+    assert {s.config["training_data"] for s in (base, val, extra)} == {gen.out_dir}
     assert exp.needs == ["distill", "validate"]
     assert rep.needs == [s for s in steps if s != "report"]
     assert rep.config["results"]["export"] == str(run / "export" / "drafter" / "export.json")
