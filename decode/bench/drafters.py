@@ -9,7 +9,9 @@ own interleaved target-only baseline, so speedups are ratios on the same footing
 `pair.vocab` is `auto`, so a drafter with its own tokenizer decodes through the vocabulary
 mapping and one with the target's decodes directly. Per drafter: alpha, tau, c, speedup (both
 serving modes), losslessness, `transformers` assisted generation (universal for a mapped pair),
-and the mapping's intersection and coverage. Writes OUT/drafters.json and OUT/drafters.md.
+and the mapping's intersection and coverage; on a chat benchmark (`dataset=chat_bench`) tau and
+alpha by set and category per drafter. Writes OUT/drafters.json, OUT/drafters.md and
+OUT/drafters_categories.png.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.runtime import ConfigError
+from specdistill.decode.validate.categories import compare_table, plot_by_category
 from specdistill.decode.validate.stage import run as validate_run
 
 _LAYERS = re.compile(r"^(first|spread|copy):\d+$")
@@ -61,11 +64,17 @@ def run_drafters(cfg: DictConfig) -> list[dict[str, Any]]:
                 "hf_speedup": hf.get("speedup"),
                 "hf_error": hf.get("error"),
                 "vocab_mapping": r.vocab_mapping,
+                "categories": r.categories,  # chat benchmarks: by set and category
             }
         )
         atomic_write_json(out_dir / "drafters.json", rows)  # a run cut short keeps its rows
     atomic_write_text(out_dir / "drafters.md", drafters_markdown(rows))
+    plot_by_category(_named(rows), out_dir / "drafters_categories.png")
     return rows
+
+
+def _named(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    return [(r["drafter"], r.get("categories") or []) for r in rows]
 
 
 def drafters_markdown(rows: list[dict[str, Any]]) -> str:
@@ -88,4 +97,5 @@ def drafters_markdown(rows: list[dict[str, Any]]) -> str:
                 f"| {r['drafter']} | {mode} | {f.get('alpha')} | {f.get('tau')} | {r['c']} | "
                 f"{f.get('speedup')}x | {r['lossless']} | {hf} | {mapping} |"
             )
+    lines += compare_table(_named(rows), "pair.drafter")
     return "\n".join(lines) + "\n"

@@ -129,6 +129,49 @@ def category_markdown(rows: list[dict[str, Any]] | None) -> list[str]:
     return lines
 
 
+def compare_table(named: list[tuple[str, list[dict[str, Any]]]], main: str | None) -> list[str]:
+    """Several drafters on the same prompts (`named`: (drafter, category rows)): one table per
+    serving mode, a row per set and category, tau and alpha per drafter, and `main`'s (default:
+    the last drafter's) acceptance by draft position."""
+    from specdistill.decode.validate.report import positions
+
+    named = [(n, rows) for n, rows in named if rows]
+    if not named:
+        return []
+    names = [n for n, _ in named]
+    main = main if main in names else names[-1]
+    by = {n: {(r["set"], r["category"], r["mode"]): r for r in rows} for n, rows in named}
+    order = list(dict.fromkeys((r["set"], r["category"]) for _, rows in named for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for _, rows in named for r in rows))
+    lines = ["", "## By benchmark and category", ""]
+    for mode in modes:
+        lines += [
+            f"{mode}: tau at the serving K (tokens per round, bonus included) / the drafter's alpha",
+            "",
+            "| set | category | prompts | " + " | ".join(f"tau {n}" for n in names) + " | "
+            + " | ".join(f"alpha {n}" for n in names) + f" | acceptance by position, {main} |",
+            "| --- | --- | --- | " + " | ".join("---" for _ in names * 2) + " | --- |",
+        ]  # fmt: skip
+        for s, c in order:
+            rows = [by[n].get((s, c, mode)) for n in names]
+            first = next((r for r in rows if r), None)
+            if first is None:
+                continue
+            mine = by[main].get((s, c, mode))
+            lines.append(
+                f"| {s} | {c} | {first['prompts']} | "
+                + " | ".join(_num(r, "tau", 2) for r in rows) + " | "
+                + " | ".join(_num(r, "alpha", 3) for r in rows)
+                + f" | {positions(mine['acceptance_by_position']) if mine else '-'} |"
+            )  # fmt: skip
+        lines.append("")
+    return lines
+
+
+def _num(row: dict[str, Any] | None, key: str, digits: int) -> str:
+    return "-" if not row or row.get(key) is None else f"{float(row[key]):.{digits}f}"
+
+
 def plot_by_category(named: list[tuple[str, list[dict[str, Any]]]], path: Any) -> bool:
     """tau by set and category, one bar per drafter (`named`: (drafter, category rows)), a panel
     per serving mode; False when there is nothing to plot or no matplotlib."""

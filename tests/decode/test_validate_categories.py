@@ -259,3 +259,21 @@ def test_validate_refuses_prompts_among_the_training_rows(toy_tiny, tmp_path):
     )
     with pytest.raises(ConfigError, match=r"1 of 3 evaluation prompts .* are training rows"):
         run(cfg)
+
+
+def test_drafters_side_by_side_by_category(tmp_path):
+    from specdistill.distill.pipeline.category_report import category_table, plot_categories
+
+    def row(s, c, mode, tau):
+        return {"set": s, "category": c, "mode": mode, "prompts": 2, "tau": tau, "alpha": 0.5,
+                "acceptance_by_position": [0.5, 0.25]}  # fmt: skip
+
+    base = [row("mt", "math", "greedy", 1.0), row("gsm", "all", "greedy", 1.1)]
+    mine = [row("mt", "math", "greedy", 2.0), row("gsm", "all", "greedy", 2.5)]
+    stages = {"validate_base": {"categories": base}, "validate": {"categories": mine},
+              "validate_drafter_code": {"categories": base[:1]}}  # fmt: skip
+    text = "\n".join(category_table(stages))
+    assert "| set | category | prompts | tau base | tau distilled | tau code |" in text
+    assert "| mt | math | 2 | 1.00 | 2.00 | 1.00 | 0.500 | 0.500 | 0.500 | 0.50 0.25 |" in text
+    assert "| gsm | all | 2 | 1.10 | 2.50 | - |" in text  # a drafter without the row: '-'
+    assert plot_categories(stages, tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size
