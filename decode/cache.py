@@ -25,6 +25,7 @@ from specdistill.decode.cache_layers import cache_layer_types, slot_layer
 from specdistill.decode.draft_vocab import SubsetHead, swapped_head
 
 ROLLBACK_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
+RECURRENT_LAYER_TYPES = {"linear_attention", "mamba", "conv", "recurrent"}
 
 
 def rollback_problem(model) -> str | None:
@@ -35,7 +36,11 @@ def rollback_problem(model) -> str | None:
     types, _ = cache_layer_types(config)
     bad = sorted({t for t in types if t not in ROLLBACK_LAYER_TYPES})
     if bad:
-        return f"its cache has {', '.join(bad)} layers, which cannot be rolled back by position"
+        # transformers names a state-space model's (Mamba's) layers linear_attention too
+        state = " (a recurrent state)" if set(bad) & RECURRENT_LAYER_TYPES else ""
+        return (
+            f"its cache has {', '.join(bad)} layers{state}, which cannot be rolled back by position"
+        )
     return None
 
 

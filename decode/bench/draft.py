@@ -30,8 +30,7 @@ from specdistill.data.runtime import ConfigError
 from specdistill.decode.config import DEFAULT_GAMMA, DecoderSettings
 from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
-from specdistill.decode.validate.modes import merge, mode_name, repeats_bar
-from specdistill.decode.validate.report import positions
+from specdistill.decode.validate.modes import merge, mode_name, positions, repeats_bar
 from specdistill.decode.validate.settings import ValidateSettings
 from specdistill.decode.validate.stage import setup, warm_up
 from specdistill.decode.validate.timing import hf_assisted_speed, step_costs

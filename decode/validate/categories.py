@@ -17,7 +17,7 @@ from typing import Any
 from specdistill.data.prompt_record import Prompt
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.outputs import emitted_tokens
-from specdistill.decode.validate.modes import TimedPass, merge
+from specdistill.decode.validate.modes import TimedPass, merge, positions
 
 ALL = "all"
 
@@ -107,8 +107,6 @@ def category_markdown(rows: list[dict[str, Any]] | None) -> list[str]:
     """report.md's section: one table per serving mode, a row per set and category."""
     if not rows:
         return []
-    from specdistill.decode.validate.report import positions
-
     lines = ["## By benchmark and category", ""]
     for mode in dict.fromkeys(r["mode"] for r in rows):
         lines += [
@@ -133,8 +131,6 @@ def compare_table(named: list[tuple[str, list[dict[str, Any]]]], main: str | Non
     """Several drafters on the same prompts (`named`: (drafter, category rows)): one table per
     serving mode, a row per set and category, tau and alpha per drafter, and `main`'s (default:
     the last drafter's) acceptance by draft position."""
-    from specdistill.decode.validate.report import positions
-
     named = [(n, rows) for n, rows in named if rows]
     if not named:
         return []

@@ -213,3 +213,9 @@ def measure_other_mode(
         dec, batches, seed, repeats, passes, f"validate {name}" if progress else None
     )
     return name, mode_figures(dec, base_rates, spec_rates, spec_out)
+
+
+def positions(values: list[float] | None, tested: list[int] | None = None) -> str:
+    """Acceptance by draft position as `0.84 0.77 0.89 0.97`, `-` where no round reached it."""
+    tested = tested or [1] * len(values or [])
+    return " ".join(f"{x:.2f}" if n else "-" for x, n in zip(values or [], tested)) or "n/a"

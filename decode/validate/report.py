@@ -10,7 +10,7 @@ from typing import Any
 
 from specdistill.decode.validate.buckets import bucket_markdown
 from specdistill.decode.validate.categories import category_markdown
-from specdistill.decode.validate.modes import speedup_text
+from specdistill.decode.validate.modes import positions, speedup_text
 
 
 @dataclass
@@ -122,12 +122,6 @@ def _drafter_alpha(r: ValidateResult) -> str:
     )
     n = f" ({r.drafter_trials} drafts)" if r.drafter_trials is not None else ""
     return f"{r.drafter_alpha}{n} / {at}" if at else f"{r.drafter_alpha}{n}"
-
-
-def positions(values: list[float] | None, tested: list[int] | None = None) -> str:
-    """Acceptance by draft position as `0.84 0.77 0.89 0.97`, `-` where no round reached it."""
-    tested = tested or [1] * len(values or [])
-    return " ".join(f"{x:.2f}" if n else "-" for x, n in zip(values or [], tested)) or "n/a"
 
 
 def recommended_rows(rec: dict[str, Any] | None) -> list[tuple[str, str]]:

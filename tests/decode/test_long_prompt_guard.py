@@ -57,6 +57,7 @@ def test_truncate_keeps_the_last_tokens_and_counts_them(toy_tiny):
         "max_prompt_tokens": budget,
         "context": 512,
         "long": 1,
+        "chat_turns_cut": 0,  # plain prompts: nothing re-rendered by turns
         "truncated": 1,
         "skipped": 0,
     }

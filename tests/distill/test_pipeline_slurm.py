@@ -93,8 +93,9 @@ def test_chain_afterok_generate_array_and_multi_node_distill(tmp_path, monkeypat
     assert gen["sbatch"]["--gpus-per-node"] == "1"
     assert (dist["sbatch"]["--nodes"], dist["sbatch"]["--ntasks-per-node"]) == ("4", "8")
     assert dist["sbatch"]["--gpus-per-node"] == "8" and dist["dependency"] == [gen["job_id"]]
-    assert base["dependency"] == []  # the base drafter needs nothing: it runs at once
-    assert val["dependency"] == [dist["job_id"]]
+    # the base drafter waits for generate only: it checks its prompts are none of the Seq-KD rows
+    assert base["dependency"] == [gen["job_id"]]
+    assert val["dependency"] == [dist["job_id"], gen["job_id"]]  # the drafter; the rows to avoid
     assert exp["dependency"] == [dist["job_id"], val["job_id"]]
     assert rep["dependency"] == [j["job_id"] for j in jobs[:-1]]
     assert "--gpus-per-node" not in rep["sbatch"]
