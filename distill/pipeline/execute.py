@@ -61,6 +61,24 @@ def is_done(step: Step) -> bool:
     return marker.is_file() and read_json(marker).get("fingerprint") == step.fingerprint
 
 
+def distill_resume(cfg: DictConfig, fingerprint: str, out_dir: str) -> None:
+    """A distill step rerun unchanged (a preempted or killed job) continues from its latest
+    checkpoint (`resume: auto`); one whose config or upstream steps changed starts afresh over
+    the old checkpoints, as any changed step reruns. The step's fingerprint, recorded in each
+    checkpoint as `run_key`, tells them apart; every rank reads the same checkpoint."""
+    from specdistill.distill.train.checkpoint import latest_config
+
+    cfg.run_key = fingerprint
+    if cfg.get("resume", "auto") != "auto":
+        return  # the user's own resume=true / false
+    saved = latest_config(Path(str(cfg.get("output_dir") or out_dir)) / "checkpoints")
+    if saved is not None and saved.get("run_key") != fingerprint:
+        log.info(
+            "distill: the checkpoints in %s are another step's: starting afresh", cfg.output_dir
+        )
+        cfg.resume = False
+
+
 def main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -80,8 +98,11 @@ def run_step(step: Step, config: dict[str, Any] | None = None) -> dict:
         return read_json(step.result_path)
     log.info("[%s] running -> %s", step.name, step.out_dir)
     t0 = time.perf_counter()
+    cfg = OmegaConf.create(config or step.config)
+    if step.stage == "distill":
+        distill_resume(cfg, step.fingerprint, step.out_dir)
     with kept_threads():  # a stage's thread setting (generate threads=auto: 1) ends with it
-        out = _stage_runner(step.stage)(OmegaConf.create(config or step.config))
+        out = _stage_runner(step.stage)(cfg)
     if not main_process() or getattr(out, "merged", True) is False:
         return {}
     result = read_json(step.result_path)

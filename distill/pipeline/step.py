@@ -73,6 +73,18 @@ def run_job(
     return run_step(step, config)
 
 
+def _requeue_as_is(*args: Any, **kwargs: Any) -> Any:
+    """submitit's checkpoint hook (a preempted or timed-out job, signalled with USR2): the job is
+    requeued with the same arguments, since every step resumes from its own files (distill saves
+    a checkpoint on the signal first, distill/train/preempt.py; generate keeps finished chunks)."""
+    from submitit.helpers import DelayedSubmission
+
+    return DelayedSubmission(run_job, *args, **kwargs)
+
+
+run_job.checkpoint = _requeue_as_is  # type: ignore[attr-defined]
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or argv[0].startswith("-"):

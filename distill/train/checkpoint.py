@@ -59,12 +59,24 @@ def latest_checkpoint(root: Path) -> Path | None:
     return path if (path / STATE_FILE).exists() else None
 
 
+def latest_config(root: Path) -> dict[str, Any] | None:
+    """The run config the latest checkpoint under `root` recorded (train/progress.py
+    `run_config`); None when there is no checkpoint, {} for one written before configs were."""
+    latest = latest_checkpoint(root)
+    return None if latest is None else read_state(latest).get("config", {})
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's trainer state alone (nothing loaded): what resume checks first."""
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
 def load_checkpoint(accelerator, path: Path) -> dict[str, Any]:
     """Restore model/optimizer/scheduler/RNG in place; return the trainer state."""
-    fix = "delete that folder and rerun (resume=true then starts afresh)"
-    check_checkpoint_files("resume=true checkpoint", path, fix)
+    fix = "delete that folder and rerun (the run then starts afresh)"
+    check_checkpoint_files("resume checkpoint", path, fix)
     accelerator.load_state(str(path))
-    return json.loads((Path(path) / STATE_FILE).read_text())
+    return read_state(path)
 
 
 def export_pretrained(accelerator, model, tokenizer, path: Path) -> Path:

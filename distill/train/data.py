@@ -10,7 +10,8 @@ for a micro-batch is drawn from the same seed whatever the layout.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,11 @@ def prompts_cut(examples: list[Example], max_seq_len: int) -> int:
     return sum(len(e.prompt_ids) + len(e.completion_ids) > max_seq_len for e in examples)
 
 
+def collated_lengths(examples: Sequence[Example], max_seq_len: int) -> tuple[int, ...]:
+    """Each example's length in a collated batch (prompt + completion, cut to max_seq_len)."""
+    return tuple(min(len(e.prompt_ids) + len(e.completion_ids), max_seq_len) for e in examples)
+
+
 def collate(examples: list[Example], pad_id: int, max_seq_len: int) -> dict[str, torch.Tensor]:
     """Right-padded batch; `loss_mask[b, t]` marks logits positions whose *next* token is a
     completion token, so logits[:, t] is compared with the target's distribution at t."""
@@ -170,13 +176,28 @@ def collate(examples: list[Example], pad_id: int, max_seq_len: int) -> dict[str,
 
 @dataclass(frozen=True)
 class StreamSpec:
-    """The layout of the example stream: what is needed to find any micro-batch's examples."""
+    """The layout of the example stream: what is needed to find any micro-batch's examples.
+
+    `group_by_length` = N > 0 sorts each run of N micro-batches' examples of an epoch's
+    permutation by length (`lengths`: each example's collated length), longest first, so a
+    micro-batch holds rows of similar length and pads little (`transformers`' group_by_length);
+    every example is still read once an epoch, and a micro-batch is still a function of
+    (seed, g) alone."""
 
     num_examples: int
     micro_batch_size: int
     world_size: int
     grad_accum: int
     seed: int
+    group_by_length: int = 0
+    lengths: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """What a checkpoint records and a resumed run must match (lengths follow the data)."""
+        keys = ["num_examples", "micro_batch_size", "world_size", "grad_accum", "seed"]
+        keys += ["group_by_length"] if self.group_by_length else []  # older checkpoints match
+        return {k: getattr(self, k) for k in keys}
 
     @property
     def micro_per_step(self) -> int:
@@ -196,11 +217,36 @@ class StreamSpec:
         out = []
         for slot in range(g * self.micro_batch_size, (g + 1) * self.micro_batch_size):
             epoch, pos = divmod(slot, self.num_examples)
-            out.append(int(_epoch_perm(self.seed, epoch, self.num_examples)[pos]))
+            out.append(int(self._order(epoch)[pos]))
         return out
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        perm = _epoch_perm(self.seed, epoch, self.num_examples)
+        if not self.group_by_length or self.lengths is None:
+            return perm
+        key = (self.seed, epoch, self.num_examples, self.group_by_length, id(self.lengths))
+        if key not in _GROUPED_CACHE:
+            if len(_GROUPED_CACHE) > 8:
+                _GROUPED_CACHE.clear()
+            _GROUPED_CACHE[key] = grouped_by_length(
+                perm, self.lengths, self.group_by_length * self.micro_batch_size
+            )
+        return _GROUPED_CACHE[key]
+
+
+def grouped_by_length(perm: torch.Tensor, lengths: Sequence[int], size: int) -> torch.Tensor:
+    """`perm` with each run of `size` consecutive entries sorted by length, longest first (a
+    stable sort: ties keep the permutation's order)."""
+    out = perm.clone()
+    for start in range(0, len(perm), size):
+        run = perm[start : start + size].tolist()
+        run.sort(key=lambda i: -lengths[i])
+        out[start : start + len(run)] = torch.tensor(run, dtype=perm.dtype)
+    return out
 
 
 _PERM_CACHE: dict[tuple[int, int, int], torch.Tensor] = {}
+_GROUPED_CACHE: dict[tuple[int, ...], torch.Tensor] = {}
 
 
 def _epoch_perm(seed: int, epoch: int, n: int) -> torch.Tensor:

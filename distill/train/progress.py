@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdistill.data.runtime import ConfigError
@@ -18,23 +19,82 @@ if TYPE_CHECKING:
 log = logging.getLogger("specdistill.distill")
 
 
-def start_or_resume(tr: Trainer) -> dict[str, Any]:
-    """The run's state: restored from the latest checkpoint, or fresh (evaluated at step 0)."""
+# Keys that do not change what a run computes: a rerun may change them and still resume.
+RUN_ONLY = ("resume", "output_dir", "logger", "log_every", "keep_checkpoints", "hydra")
+
+
+def run_config(cfg: Any) -> dict[str, Any]:
+    """The stage config as flat `dotted.key: value` pairs, less `RUN_ONLY`: what a checkpoint
+    records so that `resume: auto` continues only the same run."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(cfg):
+        try:
+            tree = OmegaConf.to_container(cfg, resolve=True)
+        except Exception:  # an interpolation only the stage resolves: compare it as written
+            tree = OmegaConf.to_container(cfg, resolve=False)
+    else:
+        tree = dict(cfg)
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            flat[prefix[:-1]] = node
+
+    walk({k: v for k, v in tree.items() if k not in RUN_ONLY}, "")
+    return flat
+
+
+def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """`key: saved -> now` for every key that differs (a key only one side has included)."""
+    keys = sorted(set(saved) | set(now))
+    return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
+
+
+def resume_point(config: dict[str, Any], s: Any) -> Any:
+    """The checkpoint this run continues from (None: start afresh), per `resume`, from the
+    files alone, before anything loads: a checkpoint of another config (`config`, this run's
+    `run_config`) under `resume: auto` is one error line naming what changed."""
+    root = Path(s.output_dir) / "checkpoints"
+    latest = None if s.resume is False else ckpt.latest_checkpoint(root)
+    if latest is None:
+        if s.resume is True:
+            log.warning("resume=true but no checkpoint in %s: starting fresh", root)
+        return None
+    saved = ckpt.read_state(latest).get("config")
+    if s.resume == "auto" and saved is not None:
+        changed = config_changes(saved, config)
+        if changed:
+            shown = "; ".join(changed[:4]) + (
+                f"; and {len(changed) - 4} more" if changed[4:] else ""
+            )
+            raise ConfigError(
+                f"output_dir={s.output_dir} holds a checkpoint ({latest.name}) of another config "
+                f"({shown}): resume=true continues from it anyway, resume=false starts afresh "
+                "over it, or use a fresh output_dir"
+            )
+    return latest
+
+
+def start_or_resume(tr: Trainer, latest: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """The run's state: restored from checkpoint `latest` (`resume_point`), or fresh (evaluated
+    at step 0) when it is None; `config` (`run_config`, taken before anything loaded) is what
+    its checkpoints record."""
     accelerator = tr.accelerator
-    root = tr.out / "checkpoints"
-    latest = ckpt.latest_checkpoint(root) if tr.s.resume else None
     if latest is not None:
         state = ckpt.load_checkpoint(accelerator, latest)
-        if state["stream"] != tr.stream.__dict__:
+        if state["stream"] != tr.stream.layout:
             raise ConfigError(
-                f"resume=true but the data layout changed since {latest} "
-                f"({state['stream']} vs {tr.stream.__dict__}): keep the data, micro_batch_size, "
-                "grad_accum, process count and seed, or start a fresh output_dir"
+                f"resume={str(tr.s.resume).lower()} but the data layout changed since {latest} "
+                f"({state['stream']} vs {tr.stream.layout}): keep the data, micro_batch_size, "
+                "grad_accum, process count and seed, or start a fresh output_dir (resume=false)"
             )
+        state["config"] = config
         log.info("resumed from %s at step %d", latest, state["step"])
         return state
-    if tr.s.resume:
-        log.warning("resume=true but no checkpoint in %s: starting fresh", root)
     before = tr.evaluate()
     state = {
         "step": 0,
@@ -45,6 +105,7 @@ def start_or_resume(tr: Trainer) -> dict[str, Any]:
         "best_alpha": before["alpha"],
         "best_score": score(before),
         "best_step": 0,
+        "config": config,
     }
     ckpt.export_pretrained(accelerator, tr.model, tr.out_tok, tr.out / "best")
     accelerator.log(
@@ -60,9 +121,10 @@ def score(ev: dict[str, Any]) -> float:
 
 
 def evaluate_and_save(
-    tr: Trainer, state: dict[str, Any], rec: dict[str, Any], t_train: float
+    tr: Trainer, state: dict[str, Any], rec: dict[str, Any], t_train: float, save: bool = False
 ) -> float:
-    """Held-out eval (best/ follows the best alpha) and the resumable checkpoint, on schedule.
+    """Held-out eval (best/ follows the best alpha) and the resumable checkpoint, on schedule;
+    `save` (a stop signal, train/preempt.py) checkpoints this step off schedule.
 
     Returns the time the next training stretch starts from (checkpoint time is not training).
     """
@@ -80,10 +142,10 @@ def evaluate_and_save(
             ckpt.export_pretrained(tr.accelerator, tr.model, tr.out_tok, tr.out / "best")
     state["history"].append(rec)
     tr.accelerator.log({f"train/{k}" if k != "step" else k: v for k, v in rec.items()}, step=step)
-    if step % s.save_every == 0 or last:
+    if step % s.save_every == 0 or last or save:
         state["step"] = step
         state["examples_seen"] = tr.stream.examples_seen(step)
-        state["stream"] = tr.stream.__dict__
+        state["stream"] = tr.stream.layout
         state["train_seconds"] += time.perf_counter() - t_train
         t_train = time.perf_counter()
         root = tr.out / "checkpoints"

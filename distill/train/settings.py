@@ -246,7 +246,9 @@ class TrainSettings:
     micro_batch_size: int = 8
     grad_accum: int = 1
     max_seq_len: int = 256
-    resume: bool = False
+    # auto: continue from the latest checkpoint of the same config (a preempted or killed run's
+    # rerun); true: from the latest checkpoint whatever changed but the data layout; false: afresh
+    resume: bool | str = "auto"
     eval_every: int = 50
     save_every: int = 50
     keep_checkpoints: int = 1
@@ -254,6 +256,7 @@ class TrainSettings:
     device: str = "auto"
     target_dtype: str = "auto"
     loss_chunk_size: int | None = 256
+    group_by_length: int = 0  # micro-batches whose rows are sorted by length together (0: off)
     drafting: str = "autoregressive"  # autoregressive | parallel
     parallel: ParallelSettings | None = None  # drafting=parallel only
     masked_head: bool = True
@@ -279,6 +282,7 @@ class TrainSettings:
             "tli_mask_unreachable",
             "freeze_embeddings",
             "draft_vocab_train",
+            "resume",
         ):
             value = setting(cfg, cls, key)
             if value not in _AUTO_OR_BOOL:
@@ -309,12 +313,13 @@ class TrainSettings:
             switch=switch,
             seed=int(setting(cfg, cls, "seed")),
             **{key: int(cfg[key]) for key in (*_POSITIVE, "max_seq_len")},
-            resume=bool(setting(cfg, cls, "resume")),
+            resume=setting(cfg, cls, "resume"),
             keep_checkpoints=int(setting(cfg, cls, "keep_checkpoints")),
             mixed_precision=str(setting(cfg, cls, "mixed_precision")),
             device=str(setting(cfg, cls, "device")),
             target_dtype=str(setting(cfg, cls, "target_dtype")),
             loss_chunk_size=_int_or_none(setting(cfg, cls, "loss_chunk_size")),
+            group_by_length=int(setting(cfg, cls, "group_by_length")),
             drafting=str(drafting),
             parallel=par,
             masked_head=bool(setting(cfg, cls, "masked_head")),
@@ -400,6 +405,11 @@ def _check_scalars(cfg: DictConfig) -> None:
     chunk = cfg.get("loss_chunk_size")
     if chunk is not None and int(chunk) <= 0:
         raise ConfigError(f"loss_chunk_size={chunk} must be positive or null")
+    group = cfg.get("group_by_length", 0)
+    if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+        raise ConfigError(
+            f"group_by_length={group!r} must be a whole number of micro-batches (0: off)"
+        )
     if cfg.mixed_precision not in ("auto", "no", "bf16", "fp16"):
         raise ConfigError(f"mixed_precision={cfg.mixed_precision!r}: use auto, no, bf16 or fp16")
 

@@ -8,7 +8,8 @@ probability `lmbda` per micro-batch); the target runs on the fly (frozen, no gra
 Seq-KD rows carry stored top-k log-probs. The loss is summed over completion tokens and divided
 by the token count of the whole accumulation window across processes, so 2 processes x 1
 micro-batch train exactly like 1 process x 2. Writes `output_dir/result.json`, `best/` (the
-best held-out alpha: the drafter to ship), `final/` and resumable `checkpoints/`.
+best held-out alpha: the drafter to ship), `final/` and resumable `checkpoints/`: a rerun of
+the same config continues from the latest, and SIGTERM / SIGUSR1 save one first (preempt.py).
 
 `run` is the loop; its parts live beside it: the settings (train/settings.py), `prepare` and
 the `Trainer` it builds (train/trainer.py), one optimizer step (train/step.py, its micro-batch
@@ -26,7 +27,13 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from specdistill.data.runtime import run_or_exit
-from specdistill.distill.train.progress import evaluate_and_save, start_or_resume
+from specdistill.distill.train.preempt import StopRequest
+from specdistill.distill.train.progress import (
+    evaluate_and_save,
+    resume_point,
+    run_config,
+    start_or_resume,
+)
 from specdistill.distill.train.result import DistillResult, finish
 from specdistill.distill.train.settings import TrainSettings
 from specdistill.distill.train.step import train_step
@@ -42,29 +49,39 @@ STEP_HOOK: Callable[[int], None] | None = None
 def run(cfg: DictConfig) -> DistillResult:
     """Distill the pair's drafter; see the module docstring."""
     s = TrainSettings.from_cfg(cfg)  # every check of the stage's own settings, before any load
+    config = run_config(cfg)  # what its checkpoints record, so that a rerun knows its own
+    latest = resume_point(config, s)  # the checkpoint this run continues (resume: auto), if any
     tr = prepare(cfg, s)
-    state = start_or_resume(tr)
-    step, max_steps = int(state["step"]), s.max_steps
-    bar = tqdm(
-        total=max_steps,
-        initial=step,
-        disable=not tr.accelerator.is_main_process,
-        desc=f"distill[{s.loss.name}]",
-        dynamic_ncols=True,
-    )
-    t_train = time.perf_counter()
-    while step < max_steps:
-        rec = train_step(tr, step)
-        step = rec["step"]
-        state["tokens"] += rec["tokens"]
-        t_train = evaluate_and_save(tr, state, rec, t_train)
-        bar.update(1)
-        bar.set_postfix(loss=f"{rec['loss']:.4f}", alpha=f"{state['best_alpha']:.3f}")
-        if STEP_HOOK is not None:
-            STEP_HOOK(step)
-    bar.close()
-    state["train_seconds"] += time.perf_counter() - t_train
-    return finish(tr, state, step)
+    stop = StopRequest().install()  # SIGTERM / SIGUSR1 / SIGUSR2: save at the next step, exit
+    try:
+        state = start_or_resume(tr, latest, config)
+        step, max_steps = int(state["step"]), s.max_steps
+        bar = tqdm(
+            total=max_steps,
+            initial=step,
+            disable=not tr.accelerator.is_main_process,
+            desc=f"distill[{s.loss.name}]",
+            dynamic_ncols=True,
+        )
+        t_train = time.perf_counter()
+        while step < max_steps:
+            rec = train_step(tr, step)
+            step = rec["step"]
+            state["tokens"] += rec["tokens"]
+            signum = stop.agreed(tr.accelerator)
+            t_train = evaluate_and_save(tr, state, rec, t_train, save=bool(signum))
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", alpha=f"{state['best_alpha']:.3f}")
+            if STEP_HOOK is not None:
+                STEP_HOOK(step)
+            if signum and step < max_steps:  # saved above; the last step finishes instead
+                bar.close()
+                stop.exit(signum)
+        bar.close()
+        state["train_seconds"] += time.perf_counter() - t_train
+        return finish(tr, state, step)
+    finally:
+        stop.restore()
 
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="distill", version_base="1.3")

@@ -21,7 +21,7 @@ from specdistill.data.sampling import Sampling
 from specdistill.distill import parallel
 from specdistill.distill.intersection import Intersection
 from specdistill.distill.train import mapped, setup
-from specdistill.distill.train.data import Example, StreamSpec, collate
+from specdistill.distill.train.data import Example, StreamSpec, collate, collated_lengths
 from specdistill.distill.train.evaluate import evaluate, evaluate_parallel
 from specdistill.distill.train.settings import TrainSettings, lr_schedule
 
@@ -150,7 +150,13 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
         eval_batches=_eval_batches(s, eval_examples, tok.pad_token_id),
         topk=topk,
         stream=StreamSpec(
-            len(train_examples), s.micro_batch_size, accelerator.num_processes, s.grad_accum, s.seed
+            len(train_examples),
+            s.micro_batch_size,
+            accelerator.num_processes,
+            s.grad_accum,
+            s.seed,
+            s.group_by_length,
+            collated_lengths(train_examples, s.max_seq_len),
         ),
         # both models' logits are cut to the real tokens (padding rows dropped)
         vocab=len(tok),
