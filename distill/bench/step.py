@@ -3,11 +3,15 @@
     python -m specdistill.distill.bench.step --data SEQKD_DIR pair=smollm2 \\
         --variant live:data.use_topk=false,freeze_embeddings=false \\
         --variant topk:freeze_embeddings=false --variant topk+freeze:
+    python -m specdistill.distill.bench.step --data CHAT_SEQKD_DIR pair=smollm2 --steps 32 \\
+        --variant plain: --variant grouped:group_by_length=16     # mixed-length chat rows
 
 Each variant is the distill stage's own `prepare` + `train_step` (the code a run executes),
 composed from conf/distill.yaml with the shared overrides and the variant's own, in a fresh
 process (so peak RSS is the variant's): one warm-up step, then `--steps` timed optimizer steps.
-tokens/s counts the completion tokens trained on (the loss's tokens), as the stage reports it.
+tokens/s counts the completion tokens trained on (the loss's tokens), as the stage reports it;
+each variant's ratio to the first is printed beside it (`group_by_length`: time a whole number
+of groups, since each group starts with its longest rows).
 The held-out set is one row of the same data (no target is loaded for it when the rows carry
 stored top-k), so only training is timed.
 """
@@ -88,12 +92,15 @@ def main(argv: list[str] | None = None) -> None:
         row = {"variant": name, **json.loads(out.stdout.strip().splitlines()[-1])}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("| variant | tokens/s | peak RSS MB | target loaded | frozen params |")
-    print("|---|---|---|---|---|")
+    first = rows[0]["tokens_per_s"]
+    print(
+        f"| variant | tokens/s | x {rows[0]['variant']} | peak RSS MB | target loaded | frozen params |"
+    )
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['variant']} | {r['tokens_per_s']} | {r['peak_rss_mb']} | "
-            f"{r['target_loaded']} | {r['frozen_params']} |"
+            f"| {r['variant']} | {r['tokens_per_s']} | {r['tokens_per_s'] / first:.2f} | "
+            f"{r['peak_rss_mb']} | {r['target_loaded']} | {r['frozen_params']} |"
         )
 
 

@@ -144,42 +144,57 @@ def test_sigterm_saves_that_step_and_the_rerun_ends_like_an_uninterrupted_run(
     assert res.alpha_after == ref.alpha_after
 
 
-def _launch(tmp: Path, out: Path) -> subprocess.Popen:
-    cmd = ["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "specdistill.distill.train"]
-    cmd += [*COMMON, "max_steps=8", "save_every=100", f"output_dir={out}"]
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+MARKER_SCRIPT = Path(__file__).with_name("step_marker.py")
+LAST = 12  # steps of the preempted run
+
+
+def _launch(tmp: Path, out: Path, step_file: Path) -> subprocess.Popen:
+    cmd = ["torchrun", "--standalone", "--nproc_per_node", "2", str(MARKER_SCRIPT)]
+    cmd += [*COMMON, f"max_steps={LAST}", "save_every=100", f"output_dir={out}"]
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1",
+           "SPECDISTILL_TEST_STEP_FILE": str(step_file), "SPECDISTILL_TEST_STEP_PAUSE": "0.3"}  # fmt: skip
     return subprocess.Popen(
         cmd, cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
 
 
-@pytest.mark.slow  # an uninterrupted 2-process run and up to 6 interrupted ones: ~3 min
+def _steps_done(step_file: Path) -> int:
+    text = step_file.read_text().strip() if step_file.exists() else ""
+    return int(text) if text else 0
+
+
+@pytest.mark.slow  # an uninterrupted 2-process run and up to four more: ~2 min on 2 cores
 def test_two_processes_sigtermed_at_random_moments_end_with_the_uninterrupted_weights(tmp_path):
-    """SIGTERM to torchrun (which passes it to both ranks) at seeded random moments; each time
-    the same command runs again, until one finishes. Only the last step and the signals save,
-    so every interrupted run either saved the step both ranks agreed on or died before its
-    first step (the signal before the handler: nothing to lose)."""
+    """SIGTERM to torchrun (which passes it to both ranks) at a seeded random moment after each
+    run has trained a new step, three times, each followed by the same command; the fourth run
+    finishes. Only the last step and the signals save, so each interrupted run must have saved
+    the step both ranks agreed on, later than the one it resumed from."""
     ref = tmp_path / "ref"
-    proc = _torchrun(tmp_path, ref, "max_steps=8", "save_every=100")
+    proc = _torchrun(tmp_path, ref, f"max_steps={LAST}", "save_every=100")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out, rng, codes, steps_saved = tmp_path / "run", random.Random(0), [], []
-    for _ in range(6):
-        p = _launch(tmp_path, out)
-        time.sleep(rng.uniform(8.0, 20.0))  # start-up is ~8 s here: most land mid-training
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+    out, marks, rng = tmp_path / "run", tmp_path / "steps", random.Random(0)
+    saved = [0]
+    for _ in range(3):
+        p = _launch(tmp_path, out, marks)
+        deadline = time.monotonic() + 240
+        while _steps_done(marks) <= saved[-1] and p.poll() is None:
+            assert time.monotonic() < deadline, "no step trained in 240 s"
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.5))  # mid-step, mid-eval, mid-save or between steps
+        p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=300)
-        codes.append(p.returncode)
-        if p.returncode == 0:
+        assert p.returncode != 0  # torchrun reports the signal it was sent
+        if (out / "result.json").exists():  # it had reached the last step: the run is done
             break
-        latest = out / "checkpoints" / "latest"
-        steps_saved.append(latest.read_text().strip() if latest.exists() else None)
-    else:  # six interruptions: finish with one more plain rerun
-        p = _launch(tmp_path, out)
-        _, err = p.communicate(timeout=600)
-        codes.append(p.returncode)
-    assert codes[-1] == 0, err[-3000:]
-    assert any(s is not None for s in steps_saved), (codes, steps_saved)  # a save did happen
+        latest = (out / "checkpoints" / "latest").read_text().strip()
+        step = int(latest.split("-")[1])
+        assert saved[-1] < step < LAST, (saved, latest, err[-2000:])
+        saved.append(step)
+    assert len(saved) > 1, saved  # at least one signal-driven save
+    p = _launch(tmp_path, out, marks)  # the same command once more: resumes and finishes
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
     result = json.loads((out / "result.json").read_text())
-    assert [h["step"] for h in result["history"]][-1] == 8
+    assert result["history"][-1]["step"] == LAST
+    assert [h["step"] for h in result["history"]] == list(range(1, LAST + 1))
     _same_weights(ref / "final", out / "final")
