@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from specdistill.data.dataset_rows import node_get
 from specdistill.data.runtime import ConfigError
 
 FORMATS = ("messages", "sharegpt", "turns", "plain")
@@ -120,12 +121,7 @@ _DEFAULT_FIELD = {
 }
 
 
-def _get(cfg: Any, key: str, default=None):
-    if cfg is None:
-        return default
-    if hasattr(cfg, "get"):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
+_get = node_get
 
 
 def _content_key(system: str | None, turns: Sequence[Turn]) -> str:

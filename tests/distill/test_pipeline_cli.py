@@ -116,6 +116,7 @@ def _param(form: str):
 
 @pytest.mark.parametrize("form", [_param(f) for f in documented_forms()])
 def test_documented_form_plans(form, cli, tmp_path):
+    (tmp_path / "sweep").mkdir()  # DIR: a folder that exists (a sweep's, a drafter's)
     args = [a.replace("DIR", str(tmp_path / "sweep")) for a in shlex.split(form)[1:]]
     args = [a for a in args if a != "plan=true"]
     if "hydra/launcher=slurm" in args:  # a multirun sent to Slurm: compose it, submit nothing
