@@ -71,11 +71,10 @@ def distill_resume(cfg: DictConfig, fingerprint: str, out_dir: str) -> None:
     cfg.run_key = fingerprint
     if cfg.get("resume", "auto") != "auto":
         return  # the user's own resume=true / false
-    saved = latest_config(Path(str(cfg.get("output_dir") or out_dir)) / "checkpoints")
+    folder = Path(str(cfg.get("output_dir") or out_dir))
+    saved = latest_config(folder / "checkpoints")
     if saved is not None and saved.get("run_key") != fingerprint:
-        log.info(
-            "distill: the checkpoints in %s are another step's: starting afresh", cfg.output_dir
-        )
+        log.info("distill: the checkpoints in %s are another step's: starting afresh", folder)
         cfg.resume = False
 
 
