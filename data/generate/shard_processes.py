@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from specdistill.data.generate.merge import merge_shards
 from specdistill.data.generate.result import GenerateResult, merged_result
 from specdistill.data.generate.settings import GenerateSettings
-from specdistill.data.generate.shards import merge_shards
 from specdistill.data.runtime import ConfigError, resolve_device
 
 RunFn = Callable[[DictConfig], GenerateResult]

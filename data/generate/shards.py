@@ -4,8 +4,9 @@ A run is split into shards (ranks of `accelerate launch`/`torchrun`, or tasks of
 and each shard into chunks, the unit of resume. Every chunk is a parquet file written to a temp
 name and renamed, so a SIGKILL leaves either a whole chunk or none. All files of one config live
 under `chunks/<fingerprint>/`, so a changed config can never mix its rows with an older one's.
-Merging needs only the output folder: it reads `generation_config.json` and every shard's
-`done.json`, checks that each planned prompt is there exactly once, and writes the dataset.
+Merging (`merge.py`) needs only the output folder: it reads `generation_config.json` and every
+shard's `done.json`, checks that each planned prompt is there exactly once, and writes the
+dataset; the rows' layout is `storage.py`'s.
 """
 
 from __future__ import annotations
@@ -14,18 +15,14 @@ import hashlib
 import json
 import os
 import shutil
-import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from filelock import FileLock
 
-from specdistill.data.generate.batched import sampled_prompt
+from specdistill.data.generate.storage import rows_table
 from specdistill.data.io import atomic_write_json, guard_write, read_json
 from specdistill.data.runtime import ConfigError
 
@@ -124,35 +121,13 @@ def _discard_other_runs(out: Path, keep: str) -> None:
         f.unlink(missing_ok=True)
 
 
-def chunk_schema(topk: bool, chat: bool = False) -> pa.Schema:
-    """The row schema the distill stage reads (see the generate stage's docstring); chat sets'
-    rows also name their conversation, turn and head tokens (`data/generate/turns.py`)."""
-    fields = [
-        ("prompt_index", pa.int64()),
-        ("sample_index", pa.int64()),
-        ("prompt", pa.string()),
-        ("prompt_ids", pa.list_(pa.int64())),
-        ("completion", pa.string()),
-        ("completion_ids", pa.list_(pa.int64())),
-        ("finish_reason", pa.string()),
-    ]
-    if topk:
-        fields += [
-            ("topk_ids", pa.list_(pa.list_(pa.int64()))),
-            ("topk_logprobs", pa.list_(pa.list_(pa.float32()))),
-        ]
-    if chat:
-        fields += [("conversation_index", pa.int64()), ("turn", pa.int64())]
-        fields += [("prompt_head", pa.int64())]
-    return pa.schema(fields)
-
-
 def write_chunk(
-    path: Path, rows: Sequence[Mapping[str, Any]], topk: bool, chat: bool = False
+    path: Path, rows: Sequence[Mapping[str, Any]], topk: int, chat: bool = False
 ) -> Path:
-    """Write rows as parquet to a temp file, fsync, and rename: a chunk is all or nothing."""
+    """Write rows as parquet to a temp file, fsync, and rename: a chunk is all or nothing.
+    `topk`: K stored entries per position (0: none), in the compact layout of `storage.py`."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    table = pa.Table.from_pylist(list(rows), schema=chunk_schema(topk, chat))
+    table = rows_table(rows, topk, chat)
     with guard_write(path, table.nbytes, cleanup=(tmp,)):  # never a half chunk, nor its temp
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, tmp)
@@ -189,122 +164,3 @@ def shard_records(output_dir: str | Path) -> tuple[dict[str, Any], list[dict[str
         rec = read_json(done) if done.exists() else None
         records.append(rec if rec and rec.get("fingerprint") == fp else None)
     return config, records
-
-
-def merge_shards(output_dir: str | Path, wall_seconds: float | None = None) -> dict[str, Any]:
-    """Merge every finished shard into the `datasets` dataset at `output_dir`; return result.json.
-
-    Safe to call from several processes at once (a file lock serialises them, and a merge that
-    is already on disk for this fingerprint is not redone). Raises ConfigError naming the
-    unfinished shards.
-    """
-    out = Path(output_dir)
-    with FileLock(str(out / ".merge.lock")):
-        config, records = shard_records(out)
-        missing = [i for i, r in enumerate(records) if r is None]
-        if missing:
-            raise ConfigError(
-                f"cannot merge {str(out)!r}: shards {missing} of {len(records)} are not finished; "
-                "run them (shard.index=I shard.count=N) with the same config, then merge again"
-            )
-        done_recs = [r for r in records if r is not None]
-        result_path = out / RESULT_FILE
-        if result_path.exists() and (out / "state.json").exists():
-            previous = read_json(result_path)
-            if previous.get("fingerprint") == config["fingerprint"]:
-                return previous
-        table = _read_rows(out, config, done_recs)
-        _save_dataset(out, table, config)
-        result = _result(config, done_recs, table, wall_seconds)
-        atomic_write_json(result_path, result)
-        return result
-
-
-def _read_rows(out: Path, config: Mapping[str, Any], records: Sequence[Mapping]) -> pa.Table:
-    fp, count = config["fingerprint"], int(config["shard_count"])
-    schema = chunk_schema(int(config["topk_logprobs"]) > 0, "chat_turns" in config)
-    files = sorted(
-        f
-        for rec in records
-        for f in shard_dir(out, fp, rec["shard_index"], count).glob("chunk-*.parquet")
-    )
-    tables = [pq.read_table(f, schema=schema) for f in files]
-    table = pa.concat_tables(tables) if tables else schema.empty_table()
-    table = table.sort_by([("prompt_index", "ascending"), ("sample_index", "ascending")])
-    n = int(config["sampling"]["num_samples"])
-    expected = Counter({i: n for rec in records for i in rec["prompt_indices"]})
-    got = Counter(table.column("prompt_index").to_pylist())
-    if got != expected:
-        bad = sorted(set(got) ^ set(expected) | {i for i in got if got[i] != expected.get(i)})
-        raise RuntimeError(
-            f"merge of {str(out)!r}: rows do not match the plan for prompts {bad[:10]} "
-            f"({len(bad)} prompts); delete {out / 'chunks'} and rerun"
-        )
-    return table
-
-
-def _save_dataset(out: Path, table: pa.Table, config: Mapping[str, Any]) -> None:
-    """save_to_disk into a temp folder, then move its files over `output_dir`, state.json last."""
-    import datasets
-    from datasets.table import InMemoryTable
-
-    info = datasets.DatasetInfo(description=json.dumps(config, sort_keys=True))
-    tmp = out / f".merge-tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    with guard_write(out, table.nbytes, cleanup=(tmp,)):  # no state.json: not read as merged
-        datasets.Dataset(InMemoryTable(table), info=info).save_to_disk(str(tmp))
-    new = {f.name for f in tmp.iterdir()}
-    for f in sorted(tmp.iterdir(), key=lambda f: f.name == "state.json"):
-        os.replace(f, out / f.name)
-    for f in out.glob("data-*.arrow"):
-        if f.name not in new:
-            f.unlink()
-    tmp.rmdir()
-
-
-def _result(
-    config: Mapping[str, Any],
-    records: Sequence[Mapping[str, Any]],
-    table: pa.Table,
-    wall_seconds: float | None,
-) -> dict[str, Any]:
-    lengths = pc.list_value_length(table.column("completion_ids")).to_pylist()
-    reasons = Counter(table.column("finish_reason").to_pylist())
-    new_tokens = sum(int(r["new_tokens"]) for r in records)
-    gen_seconds = sum(float(r["generation_seconds"]) for r in records)
-    # shards run side by side (ranks, processes, array tasks): the slowest one's time is the
-    # span the tokens took; the sum is shard-seconds (reported as generation_seconds)
-    span = max((float(r["generation_seconds"]) for r in records), default=0.0)
-    walls = [float(r["wall_seconds"]) for r in records]
-    stats = config["prompt_stats"]
-    share = config["sampling"].get("sampled_share")  # a mixed set: how many rows were sampled
-    mixed = {}
-    if share is not None:
-        indices = table.column("prompt_index").to_pylist()
-        mixed = {"sampled_samples": sum(sampled_prompt(int(i), float(share)) for i in indices)}
-    return {
-        "output_dir": config["output_dir"],
-        "fingerprint": config["fingerprint"],
-        "backend": config.get("backend", "hf"),  # the one field that tells the engines apart
-        "prompts_in_source": stats["total"],
-        "prompts": len(set(table.column("prompt_index").to_pylist())),
-        "samples_per_prompt": int(config["sampling"]["num_samples"]),
-        "samples": table.num_rows,
-        **mixed,
-        "skipped_long_prompts": stats["skipped_long"],
-        "skipped_empty_prompts": stats["skipped_empty"],
-        "truncated_long_prompts": stats["truncated_long"],
-        "tokens_generated": int(sum(lengths)),
-        "finish_reasons": {"eos": reasons.get("eos", 0), "length": reasons.get("length", 0)},
-        # What the last run of each shard generated (a resumed run: only the missing chunks).
-        "new_tokens": new_tokens,
-        "generation_seconds": round(gen_seconds, 3),
-        "tokens_per_s": round(new_tokens / span, 1) if span else 0.0,
-        "wall_seconds": round(max([*walls, wall_seconds or 0.0]), 3),
-        "shard_count": len(records),
-        "shards": [
-            {k: v for k, v in r.items() if k not in ("prompt_indices", "fingerprint")}
-            for r in records
-        ],
-        "merged_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }

@@ -46,6 +46,7 @@ from specdistill.data.generate.fitted_prompts import (
     no_prompts_message,
     prompt_budget,
 )
+from specdistill.data.generate.merge import merge_shards
 from specdistill.data.generate.result import GenerateResult, merged_result
 from specdistill.data.generate.settings import GenerateSettings
 from specdistill.data.generate.shard_processes import (
@@ -59,7 +60,6 @@ from specdistill.data.generate.shards import (
     chunk_seed,
     claim_output_dir,
     fingerprint,
-    merge_shards,
     plan_shard,
     resolve_shard,
     shard_dir,
@@ -372,7 +372,7 @@ def _generate_todo(
             torch.manual_seed(chunk_seed(s.generation.seed, index, k))
             rows = rows_for(prompts, on_batch)
             chat = prompts[0].conversation is not None
-            write_chunk(chunk_path(sdir, k), rows, topk=s.topk_logprobs > 0, chat=chat)
+            write_chunk(chunk_path(sdir, k), rows, topk=s.topk_logprobs, chat=chat)
         seconds = time.perf_counter() - tick
     return tokens, seconds
 
