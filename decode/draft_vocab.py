@@ -14,10 +14,10 @@ it only inside its own decode steps (`ModelRunner`), never to a training forward
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from specdistill.data.runtime import ConfigError
@@ -48,10 +48,15 @@ def choose_draft_vocab(
     the like), then the lowest unused ids: BPE assigns low ids to early, frequent merges."""
     if size >= vocab:
         return list(range(vocab))
-    counts = Counter(t for seq in sequences for t in seq if 0 <= t < vocab)
+    counts = np.zeros(vocab, dtype=np.int64)
+    for seq in sequences:  # lists or flat numpy arrays (lazy Seq-KD rows): counted with bincount
+        ids = np.asarray(seq, dtype=np.int64).reshape(-1)
+        ids = ids[(ids >= 0) & (ids < vocab)]
+        counts += np.bincount(ids, minlength=vocab)
     keep = [int(t) for t in always if 0 <= t < vocab]
     chosen = dict.fromkeys(keep)
-    for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+    seen = np.flatnonzero(counts)
+    for t in seen[np.lexsort((seen, -counts[seen]))]:  # most frequent first, ties: lower id
         if len(chosen) >= size:
             break
         chosen.setdefault(int(t))
@@ -188,7 +193,10 @@ def attach_draft_vocab(drafter: str, data: str, size: int, out: str | None = Non
         raise ConfigError(f"--size {size}: name a token count in 1..{vocab - 1} (vocab {vocab})")
     eos = cfg.get("eos_token_id")
     always = [t for t in (eos if isinstance(eos, list) else [eos]) if isinstance(t, int)]
-    seqs = (s for r in rows for s in (r["prompt_ids"], r["completion_ids"]))
+    import pyarrow.compute as pc
+
+    table = rows.flatten_indices().data.table if rows._indices is not None else rows.data.table
+    seqs = (pc.list_flatten(table.column(c)).to_numpy() for c in ("prompt_ids", "completion_ids"))
     ids = drafter_vocab_ids(seqs, vocab, size, always, cfg.get("mask_token_id"))
     dst = Path(out).expanduser() if out else src
     if dst.resolve() != src.resolve():

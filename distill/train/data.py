@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from specdistill.data.runtime import ConfigError
@@ -29,61 +30,25 @@ class Example:
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    topk_ids: list[list[int]] | None = None
-    topk_logprobs: list[list[float]] | None = None
+    # [completion tokens, K]: nested lists, or numpy views of the stored int32 / float16
+    # columns for rows read from a Seq-KD dataset (seqkd_rows.py)
+    topk_ids: Any = None
+    topk_logprobs: Any = None
     prompt_head: int = 0  # a chat row's system prompt + header tokens: a cut keeps them
 
 
 def load_seqkd(path: str | Path, *, limit: int | None = None, use_topk: bool = True):
-    """Rows of a generate-stage dataset (`datasets.load_from_disk`) as Examples."""
-    import datasets
+    """Rows of a generate-stage dataset (`datasets.load_from_disk`) as Examples, read lazily
+    (`seqkd_rows.SeqKDRows`: memory-mapped, a row built when a micro-batch asks for it)."""
+    from specdistill.distill.train.seqkd_rows import SeqKDRows
 
-    p = Path(str(path)).expanduser()
-    if not p.exists():
-        raise ConfigError(
-            f"data.path={str(path)!r} does not exist: point it at a generate-stage output_dir "
-            "(python -m specdistill.data.generate ...) or set data.path=null to build one"
-        )
-    try:
-        ds = datasets.load_from_disk(str(p))
-    except Exception as e:  # datasets raises IndexError for a 0-row save, ValueError, ...
-        raise ConfigError(
-            f"data.path={str(path)!r} is empty or not a saved `datasets` dataset ({e!r})"
-        ) from e
-    if isinstance(ds, datasets.DatasetDict):
-        raise ConfigError(f"data.path={str(path)!r} holds several splits; point it at one")
-    missing = [c for c in SEQKD_COLUMNS if c not in ds.column_names]
-    if missing:
-        raise ConfigError(
-            f"data.path={str(path)!r} lacks columns {missing} (has {ds.column_names}); "
-            "it must be written by the generate stage"
-        )
-    if len(ds) == 0:
-        raise ConfigError(f"data.path={str(path)!r} has no rows")
-    if limit is not None:
-        ds = ds.select(range(min(int(limit), len(ds))))
-    topk = use_topk and "topk_ids" in ds.column_names and "topk_logprobs" in ds.column_names
-    head = "prompt_head" in ds.column_names
-    out = []
-    for row in ds:
-        if not row["completion_ids"]:
-            continue
-        out.append(
-            Example(
-                prompt_ids=list(row["prompt_ids"]),
-                completion_ids=list(row["completion_ids"]),
-                topk_ids=row["topk_ids"] if topk else None,
-                topk_logprobs=row["topk_logprobs"] if topk else None,
-                prompt_head=int(row["prompt_head"]) if head else 0,
-            )
-        )
-    if not out:
-        raise ConfigError(f"data.path={str(path)!r} has no rows with a non-empty completion")
-    return out
+    return SeqKDRows.open(path, limit=limit, use_topk=use_topk)
 
 
-def has_topk(examples: list[Example]) -> bool:
-    return bool(examples) and all(e.topk_ids is not None for e in examples)
+def has_topk(examples: Sequence[Example]) -> bool:
+    from specdistill.distill.train.seqkd_rows import has_topk as stored_topk
+
+    return stored_topk(examples)
 
 
 def reference_examples(prompts, tokenizer, field: str = "dataset.reference_field") -> list:
@@ -128,14 +93,20 @@ def chat_record(path: str | Path | None) -> dict[str, Any]:
     }
 
 
-def prompts_cut(examples: list[Example], max_seq_len: int) -> int:
+def prompts_cut(examples: Sequence[Example], max_seq_len: int) -> int:
     """How many rows `collate` cuts at `max_seq_len` (reported, never silent)."""
-    return sum(len(e.prompt_ids) + len(e.completion_ids) > max_seq_len for e in examples)
+    from specdistill.distill.train.seqkd_rows import lengths
+
+    prompt, completion = lengths(examples)
+    return int(((prompt + completion) > max_seq_len).sum())
 
 
 def collated_lengths(examples: Sequence[Example], max_seq_len: int) -> tuple[int, ...]:
     """Each example's length in a collated batch (prompt + completion, cut to max_seq_len)."""
-    return tuple(min(len(e.prompt_ids) + len(e.completion_ids), max_seq_len) for e in examples)
+    from specdistill.distill.train.seqkd_rows import lengths
+
+    prompt, completion = lengths(examples)
+    return tuple(np.minimum(prompt + completion, max_seq_len).tolist())
 
 
 def collate(examples: list[Example], pad_id: int, max_seq_len: int) -> dict[str, torch.Tensor]:

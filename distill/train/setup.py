@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,14 @@ from specdistill.decode.draft_vocab import (
 )
 from specdistill.distill.intersection import Intersection
 from specdistill.distill.train import mask_row, zero
-from specdistill.distill.train.data import Example, has_topk, load_seqkd, reference_examples
+from specdistill.distill.train.data import Example, load_seqkd, reference_examples
+from specdistill.distill.train.seqkd_rows import (
+    chain,
+    has_topk,
+    token_arrays,
+    topk_width,
+    without_topk,
+)
 from specdistill.distill.train.settings import TrainSettings
 
 log = logging.getLogger(__name__)
@@ -75,7 +83,9 @@ def train_head_ids(
     return head_ids.to(device), inter.to(device)
 
 
-def set_draft_vocab(setting: Any, drafter, examples: list, tok, mask_id: int | None) -> int:
+def set_draft_vocab(
+    setting: Any, drafter, examples: Sequence[Example], tok, mask_id: int | None
+) -> int:
     """Store the decode-time draft vocabulary (decode.draft_vocab) in the drafter's config, from
     the training rows' token counts, so every checkpoint it saves carries it. `setting`:
     `draft_vocab` (auto | none | N). Returns its size."""
@@ -86,8 +96,7 @@ def set_draft_vocab(setting: Any, drafter, examples: list, tok, mask_id: int | N
             drafter.config.__dict__.pop(CONFIG_KEY, None)
         return 0
     always = [t for t in (tok.eos_token_id,) if t is not None]
-    seqs = (s for e in examples for s in (e.prompt_ids, e.completion_ids))
-    ids = drafter_vocab_ids(seqs, vocab, size, always, mask_id)
+    ids = drafter_vocab_ids(token_arrays(examples), vocab, size, always, mask_id)
     setattr(drafter.config, CONFIG_KEY, ids)
     return len(ids)
 
@@ -234,20 +243,21 @@ def run_generate(
 
 def build_train_examples(
     s: TrainSettings, cfg: DictConfig, tokenizer, accelerator
-) -> tuple[list[Example], bool]:
-    """(examples, top-k mode). Sources mix: Seq-KD rows + reference completions; with
-    lmbda = 1 and neither, the dataset's prompts alone (every batch is drafter-generated)."""
-    examples: list[Example] = []
+) -> tuple[Sequence[Example], bool]:
+    """(examples, top-k mode). Sources mix: Seq-KD rows (read lazily) + reference completions;
+    with lmbda = 1 and neither, the dataset's prompts alone (every batch is drafter-generated)."""
+    parts: list[Sequence[Example]] = []
     data = s.data
     path = data.path
     if path is None and data.seq_kd:
         path = build_seqkd(s, cfg, accelerator)
     use_topk = data.use_topk
     if path is not None:
-        examples += load_seqkd(path, limit=data.limit, use_topk=use_topk in ("auto", True))
+        parts.append(load_seqkd(path, limit=data.limit, use_topk=use_topk in ("auto", True)))
     if data.reference:
         prompts = load_prompts(_dataset_cfg(cfg, None), tokenizer, default_split="train")
-        examples += reference_examples(prompts[: data.limit or None], tokenizer)
+        parts.append(reference_examples(prompts[: data.limit or None], tokenizer))
+    examples = chain(parts)
     if not examples and s.lmbda >= 1.0:
         prompts = load_prompts(_dataset_cfg(cfg, None), tokenizer, default_split="train")
         ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -266,14 +276,14 @@ def build_train_examples(
                 f"data.use_topk=true with lmbda={cfg.lmbda}: on-policy batches need the target "
                 "loaded; set lmbda=0 or data.use_topk=false"
             )
-        examples = [Example(e.prompt_ids, e.completion_ids) for e in examples]
+        examples = without_topk(examples)
         topk = False
     if topk and s.loss.temperature != 1.0:
         raise ConfigError("loss.temperature must be 1 with stored top-k log-probs (stored at T=1)")
     return examples, topk
 
 
-def eval_topk(s: TrainSettings, train_examples: list[Example], train_topk: bool) -> int:
+def eval_topk(s: TrainSettings, train_examples: Sequence[Example], train_topk: bool) -> int:
     """K of the top-k log-probs stored with the target's held-out continuations (0: none).
 
     `eval.topk_logprobs: auto` stores the training rows' K when training reads stored top-k
@@ -288,7 +298,7 @@ def eval_topk(s: TrainSettings, train_examples: list[Example], train_topk: bool)
     stored_ok = sp.greedy or (sp.temperature == 1.0 and sp.top_k == 0 and sp.top_p == 1.0)
     if not (train_topk and stored_ok):
         return 0
-    return len(train_examples[0].topk_ids[0]) if train_examples[0].topk_ids else 0  # type: ignore[index]
+    return topk_width(train_examples)
 
 
 def build_eval_examples(

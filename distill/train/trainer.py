@@ -8,6 +8,7 @@ p = target, q = drafter. `prepare` loads the target only when some batch needs i
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,13 @@ from specdistill.data.sampling import Sampling
 from specdistill.distill import parallel
 from specdistill.distill.intersection import Intersection
 from specdistill.distill.train import mapped, setup
-from specdistill.distill.train.data import Example, StreamSpec, collate, collated_lengths
+from specdistill.distill.train.data import (
+    Example,
+    StreamSpec,
+    collate,
+    collated_lengths,
+    has_topk,
+)
 from specdistill.distill.train.evaluate import evaluate, evaluate_parallel
 from specdistill.distill.train.settings import TrainSettings, lr_schedule
 
@@ -40,7 +47,7 @@ class Trainer:
     tok: Any
     opt: Any
     sched: Any
-    train_examples: list
+    train_examples: Sequence[Example]  # Seq-KD rows read lazily (train/seqkd_rows.py)
     eval_batches: list
     topk: bool
     stream: StreamSpec
@@ -120,7 +127,7 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
     train_examples, topk = setup.build_train_examples(s, cfg, tok, accelerator)
     eval_k = setup.eval_topk(s, train_examples, topk)
     eval_examples = setup.build_eval_examples(s, cfg, tok, accelerator, eval_k)
-    eval_has_topk = all(e.topk_ids is not None for e in eval_examples)
+    eval_has_topk = has_topk(eval_examples)
     mask_id = None
     if s.parallel is not None:
         mask_id = parallel.resolve_train_mask_token(s.parallel.mask_token_id, tok)
@@ -170,7 +177,7 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
     )
 
 
-def _eval_batches(s: TrainSettings, examples: list[Example], pad_id: int) -> list[dict]:
+def _eval_batches(s: TrainSettings, examples: Sequence[Example], pad_id: int) -> list[dict]:
     """The held-out rows collated once, `eval.batch_size` at a time."""
     size = s.eval.batch_size
     return [
