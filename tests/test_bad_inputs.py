@@ -425,22 +425,22 @@ def test_disk_full_in_the_merge_leaves_no_dataset(toy_tiny, tmp_path, monkeypatc
     folder; merge_only=true then merges."""
     import datasets
 
+    from specdistill.data.generate import merge
     from specdistill.data.generate import stage as gen
 
     out = tmp_path / "gen"
-    real = datasets.Dataset.save_to_disk
+    real = merge.DatasetWriter.write
 
-    def full(self, path, *a, **k):
-        Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / "data-00000-of-00001.arrow").write_bytes(b"half")
+    def full(self, table):
+        real(self, table)  # half a dataset file on disk, then the disk is full
         enospc()
 
-    monkeypatch.setattr(datasets.Dataset, "save_to_disk", full)
+    monkeypatch.setattr(merge.DatasetWriter, "write", full)
     code, lines = main_in_process(gen.main, ["gen", *GEN, f"output_dir={out}"], monkeypatch, capsys)
     _one_fault_line(code, lines, str(out))
     assert not _leftovers(out)
     assert not (out / "state.json").exists() and not (out / "result.json").exists()
-    monkeypatch.setattr(datasets.Dataset, "save_to_disk", real)
+    monkeypatch.setattr(merge.DatasetWriter, "write", real)
     from hydra import compose, initialize_config_module
 
     with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):

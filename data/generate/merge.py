@@ -7,7 +7,8 @@ held the whole table in one process (RAM >= the data). Here it is an external bu
 pass 1 reads one chunk at a time and appends its rows to the bucket of their prompt-index range
 (an Arrow stream file each; buckets sized to `budget_bytes`), pass 2 sorts one bucket at a time
 and streams it to the dataset's Arrow files (a new file past `shard_bytes`, as `save_to_disk`
-does). Peak memory: about one chunk plus one bucket, flat in the row count. The dataset files
+does). Peak memory: about one chunk plus a few copies of one bucket (read, sorted, cast),
+flat in the row count once a set spans several buckets. The dataset files
 land in the output folder by rename, `state.json` last, so a killed merge leaves the previous
 dataset (or none) and reruns from the chunks.
 """
@@ -147,6 +148,7 @@ def _merge_to(
     buckets = tmp / "buckets"
     buckets.mkdir(parents=True)
     _scatter(files, schema, edges, buckets)
+    pa.default_memory_pool().release_unused()
     stats = MergeStats(buckets=len(edges))
     bad: list[int] = []
     with DatasetWriter(tmp, schema, config, shard_bytes) as writer:
@@ -157,6 +159,8 @@ def _merge_to(
             bad += _plan_mismatch(table.column("prompt_index").to_numpy(), want, num_samples)
             stats.add(table, share)
             writer.write(table)
+            del table
+            pa.default_memory_pool().release_unused()  # the allocator keeps freed pages else
     shutil.rmtree(buckets)
     if bad:
         raise RuntimeError(
@@ -194,7 +198,7 @@ def _sorted_buckets(dest: Path, schema: pa.Schema, n: int) -> Iterator[tuple[int
         with pa.OSFile(str(path)) as f:
             table = pa.ipc.open_stream(f).read_all()
         path.unlink()
-        yield b, table.sort_by(order).combine_chunks()
+        yield b, table.sort_by(order)
 
 
 def _plan_mismatch(got: np.ndarray, want: np.ndarray, num_samples: int) -> list[int]:

@@ -8,8 +8,9 @@ in nested variable lists took 12 plus offsets.
 float16's error is relative: a stored log-prob l differs from the fp32 one by at most
 |l| * 2^-11 (half a unit in the last of its 11 significant bits; subnormals, |l| < 6.1e-5,
 by at most 2^-25 absolute), so p = exp(l) moves by a factor exp(+-|l| * 2^-11), and the top-k
-mass, and any acceptance sum_k min(p_k, q_k) built from it, by at most 2^-11 * sum_k p_k |l_k|
-(<= 2^-11 * ln K, below 2e-3 at K = 32: `logprob_error_bound`). Log-probs below float16's
+mass, and any sum_k min(p_k, q_k) over the K entries, by at most B = 2^-11 * sum_k p_k |l_k|
+(<= 2^-11 * ln K, below 2e-3 at K = 32: `logprob_error_bound`); the (K+1)-way acceptance
+with a rest bucket (1 - the top-k mass: `distill/losses.py::topk_logprobs`) by at most 2B. Log-probs below float16's
 range (-65504) are stored as -65504 (p = 0 either way), never as -inf, so p log p stays 0.
 Chunks written before this layout (int64 ids, fp32 log-probs) are cast when merged.
 """

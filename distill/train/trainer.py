@@ -163,7 +163,8 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
             s.grad_accum,
             s.seed,
             s.group_by_length,
-            collated_lengths(train_examples, s.max_seq_len),
+            # a tuple of Python ints per row: built only when grouping reads it
+            collated_lengths(train_examples, s.max_seq_len) if s.group_by_length else None,
         ),
         # both models' logits are cut to the real tokens (padding rows dropped)
         vocab=len(tok),
