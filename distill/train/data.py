@@ -1,7 +1,8 @@
 """Training data for the distill stage: Seq-KD rows, reference completions, on-policy samples.
 
-Every source becomes a list of `Example` (prompt ids + completion ids, optionally the target's
-stored top-k log-probs per completion token). Which examples form which micro-batch is a pure
+Every source becomes a sequence of `Example` (prompt ids + completion ids, optionally the
+target's stored top-k log-probs per completion token); Seq-KD rows are read lazily
+(seqkd_rows.py), other sources are lists. Which examples form which micro-batch is a pure
 function of (seed, optimizer step, rank, accumulation index), so a resumed run and a run with a
 different process count (same global batch) see exactly the same data, and the on-policy coin
 for a micro-batch is drawn from the same seed whatever the layout.
@@ -20,35 +21,15 @@ import torch
 
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
-
-SEQKD_COLUMNS = ("prompt_ids", "completion_ids")
-
-
-@dataclass(frozen=True)
-class Example:
-    """One training sequence; completion tokens are the ones the loss sees."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    # [completion tokens, K]: nested lists, or numpy views of the stored int32 / float16
-    # columns for rows read from a Seq-KD dataset (seqkd_rows.py)
-    topk_ids: Any = None
-    topk_logprobs: Any = None
-    prompt_head: int = 0  # a chat row's system prompt + header tokens: a cut keeps them
+from specdistill.distill.train.example import Example
+from specdistill.distill.train.seqkd_rows import SeqKDRows, lengths
+from specdistill.distill.train.seqkd_rows import has_topk as has_topk  # where callers found it
 
 
 def load_seqkd(path: str | Path, *, limit: int | None = None, use_topk: bool = True):
     """Rows of a generate-stage dataset (`datasets.load_from_disk`) as Examples, read lazily
     (`seqkd_rows.SeqKDRows`: memory-mapped, a row built when a micro-batch asks for it)."""
-    from specdistill.distill.train.seqkd_rows import SeqKDRows
-
     return SeqKDRows.open(path, limit=limit, use_topk=use_topk)
-
-
-def has_topk(examples: Sequence[Example]) -> bool:
-    from specdistill.distill.train.seqkd_rows import has_topk as stored_topk
-
-    return stored_topk(examples)
 
 
 def reference_examples(prompts, tokenizer, field: str = "dataset.reference_field") -> list:
@@ -95,16 +76,12 @@ def chat_record(path: str | Path | None) -> dict[str, Any]:
 
 def prompts_cut(examples: Sequence[Example], max_seq_len: int) -> int:
     """How many rows `collate` cuts at `max_seq_len` (reported, never silent)."""
-    from specdistill.distill.train.seqkd_rows import lengths
-
     prompt, completion = lengths(examples)
     return int(((prompt + completion) > max_seq_len).sum())
 
 
 def collated_lengths(examples: Sequence[Example], max_seq_len: int) -> tuple[int, ...]:
     """Each example's length in a collated batch (prompt + completion, cut to max_seq_len)."""
-    from specdistill.distill.train.seqkd_rows import lengths
-
     prompt, completion = lengths(examples)
     return tuple(np.minimum(prompt + completion, max_seq_len).tolist())
 

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from specdistill.data.runtime import ConfigError
-from specdistill.distill.train.data import SEQKD_COLUMNS, Example
+from specdistill.distill.train.example import SEQKD_COLUMNS, Example
 
 
 class SeqKDRows(Sequence[Example]):

@@ -1,7 +1,7 @@
 """Seq-KD storage: the compact top-k layout's round trip and error bound, and the streaming merge.
 
 The merge's bucket sort is checked against the order and content a whole-table sort gives, on
-synthetic runs (`storage_bench.synthetic_run`) small enough to merge in a fraction of a second.
+synthetic runs (`generate/synthetic.py`) small enough to merge in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from specdistill.data.generate.storage import (
     rows_table,
     topk_bytes,
 )
-from specdistill.data.generate.storage_bench import synthetic_run
+from specdistill.data.generate.synthetic import synthetic_run
 from specdistill.distill.losses import topk_logprobs
 
 

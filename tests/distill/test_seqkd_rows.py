@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from specdistill.data.generate.merge import merge_shards
-from specdistill.data.generate.storage_bench import synthetic_run
+from specdistill.data.generate.synthetic import synthetic_run
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.draft_vocab import choose_draft_vocab
 from specdistill.distill.train import seqkd_rows
