@@ -20,7 +20,12 @@ from specdistill.distill import parallel
 from specdistill.distill.head_loss import HeadInput, fused_distill_loss, positions_per_chunk
 from specdistill.distill.intersection import tli_loss
 from specdistill.distill.losses import distill_loss
-from specdistill.distill.train.logits import has_plain_head, masked_head_input, masked_logits
+from specdistill.distill.train.logits import (
+    has_plain_head,
+    masked_head_input,
+    masked_logits,
+    model_inputs,
+)
 
 if TYPE_CHECKING:
     from specdistill.distill.train.trainer import Trainer
@@ -39,18 +44,20 @@ def logits_and_targets(
     vocabulary's head (`tr.head_ids`) the logits are its [1, N, K] columns and the stored top-k
     ids come as `topk_rows` (those columns, -1 outside the subset) for `intersection.tli_loss`.
     """
-    ids, att, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    ids, mask = batch["input_ids"], batch["loss_mask"]
+    # a packed batch (train/packing.py) has position ids and no attention mask
+    att, pos = batch.get("attention_mask"), batch.get("position_ids")
     use_topk = tr.topk and not onp
     sub = masked and use_topk and tr.head_ids is not None  # the draft vocabulary's head only
     fused = masked and not sub and tr.chunked and has_plain_head(tr.model)
     with tr.accelerator.autocast():
         if fused:
-            logits = masked_head_input(tr.model, ids, att, mask, tr.vocab)
+            logits = masked_head_input(tr.model, ids, att, mask, tr.vocab, pos)
         elif masked:
             head = tr.head_ids if sub else None
-            logits = masked_logits(tr.model, ids, att, mask, tr.vocab, head)[None]
+            logits = masked_logits(tr.model, ids, att, mask, tr.vocab, head, pos)[None]
         else:
-            logits = tr.model(input_ids=ids, attention_mask=att).logits[..., : tr.vocab]
+            logits = tr.model(**model_inputs(ids, att, pos)).logits[..., : tr.vocab]
     if use_topk:
         kwargs: dict[str, Any] = {"topk_ids": batch["topk_ids"], "topk_lp": batch["topk_lp"]}
         if masked:
@@ -61,11 +68,11 @@ def logits_and_targets(
     else:
         with torch.no_grad():
             if fused and has_plain_head(tr.target):
-                target = masked_head_input(tr.target, ids, att, mask, tr.vocab)
+                target = masked_head_input(tr.target, ids, att, mask, tr.vocab, pos)
             elif masked:
-                target = masked_logits(tr.target, ids, att, mask, tr.vocab)[None]
+                target = masked_logits(tr.target, ids, att, mask, tr.vocab, None, pos)[None]
             else:
-                target = tr.target(input_ids=ids, attention_mask=att).logits[..., : tr.vocab]
+                target = tr.target(**model_inputs(ids, att, pos)).logits[..., : tr.vocab]
         kwargs = {"target_logits": target}
     if masked:
         rows = logits.hidden.shape[:1] if fused else logits.shape[:2]  # type: ignore[union-attr]

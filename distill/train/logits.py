@@ -31,29 +31,44 @@ def has_plain_head(model: Any) -> bool:
     return getattr(config, "model_type", None) in PLAIN_HEAD and hasattr(model, "get_decoder")
 
 
+def model_inputs(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+) -> dict[str, Any]:
+    """A forward's keywords; `position_ids` only for a packed batch (train/packing.py), since
+    some forwards (a recurrent state's) take none, and then no cache: `transformers` reads
+    sequence restarts from the position ids only when there is neither a mask nor a cache."""
+    inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if position_ids is not None:
+        inputs |= {"position_ids": position_ids, "use_cache": False}
+    return inputs
+
+
 def masked_logits(
     model: Any,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     mask: torch.Tensor,
     vocab: int,
     head_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The logits of the positions where `mask` [b, n] is True, as [N, vocab] in row order;
     with `head_ids` [K], only those vocabulary rows, as [N, K] (the draft vocabulary: the head's
     matmul and its gradient shrink by V / K).
 
     `model` is an unwrapped `*ForCausalLM` (a DDP/DeepSpeed wrapper must see its own forward;
-    the caller passes those through the full path).
+    the caller passes those through the full path). `position_ids` (and no attention mask): a
+    packed batch (train/packing.py).
     """
     mask = mask.bool()
+    inputs = model_inputs(input_ids, attention_mask, position_ids)
     if not has_plain_head(model):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        logits = model(**inputs).logits
         logits = logits[..., :vocab][mask]
         return logits if head_ids is None else logits.index_select(-1, head_ids)
-    hidden = model.get_decoder()(
-        input_ids=input_ids, attention_mask=attention_mask
-    ).last_hidden_state
+    hidden = model.get_decoder()(**inputs).last_hidden_state
     head = model.get_output_embeddings()
     if head_ids is None:
         return head(hidden[mask])[..., :vocab]
@@ -64,15 +79,16 @@ def masked_logits(
 def masked_head_input(
     model: Any,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     mask: torch.Tensor,
     vocab: int,
+    position_ids: torch.Tensor | None = None,
 ) -> HeadInput:
     """The final hidden states of the positions where `mask` [b, n] is True ([N, H], row order)
     and the head cut to `vocab` rows, for `head_loss.fused_distill_loss`, which never
     materialises the [N, vocab] logits. `model` must pass `has_plain_head`."""
     hidden = model.get_decoder()(
-        input_ids=input_ids, attention_mask=attention_mask
+        **model_inputs(input_ids, attention_mask, position_ids)
     ).last_hidden_state
     head = model.get_output_embeddings()
     bias = None if head.bias is None else head.bias[:vocab]

@@ -195,6 +195,11 @@ def check_mapped_config(s: TrainSettings) -> bool:
             f"drafting={s.drafting}: a drafter with its own tokenizer (pair.vocab=mapped) "
             "trains autoregressive drafts only"
         )
+    if s.pack_sequences:
+        raise ConfigError(
+            "pack_sequences=true: a drafter with its own tokenizer (pair.vocab=mapped) reads "
+            "mapped, padded rows; set pack_sequences=false"
+        )
     if s.draft_vocab_train is True:  # auto: the mapped path never trains a draft vocabulary
         raise ConfigError(
             "draft_vocab_train=true: a drafter with its own tokenizer (pair.vocab=mapped) is "

@@ -4,8 +4,8 @@ keeping its own attention and positions.
 Chat rows mix 30-token and 900-token turns; right padding to the longest row of a micro-batch
 makes the decoder run over padding (1.55x the real positions on the chat pair's rows). Packed,
 a row holds several sequences back to back (first-fit decreasing into rows of `max_seq_len`),
-`position_ids` restart at 0 for each, and the batch carries no attention mask: `transformers`
-then builds a mask from the position restarts that lets a token attend only within its own
+`position_ids` restart at 0 for each, and the batch carries no attention mask (and the forward
+no cache: `logits.model_inputs`): `transformers` then builds a mask from the position restarts that lets a token attend only within its own
 sequence (masking_utils.find_packed_sequence_indices; sdpa and eager on CPU, and
 flash-attention's variable-length path on GPU read the same position ids). Each sequence sees
 exactly the context and positions it has unpacked, so the loss is the unpacked loss up to
@@ -25,6 +25,7 @@ import torch
 
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.train.data import Example, fit_prompt
+from specdistill.distill.train.logits import model_inputs
 
 
 def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -80,10 +81,10 @@ def collate_packed(examples: list[Example], pad_id: int, max_seq_len: int) -> di
             loss_mask[r, at + st - 1 : at + len(s) - 1] = True
             if with_topk:
                 ids, lps = tops[i]
-                topk_ids[r, at + st - 1 : at + st - 1 + len(ids)] = torch.as_tensor(
+                topk_ids[r, at + st - 1 : at + st - 1 + len(ids)] = torch.tensor(
                     ids, dtype=torch.long
                 )
-                topk_lp[r, at + st - 1 : at + st - 1 + len(lps)] = torch.as_tensor(
+                topk_lp[r, at + st - 1 : at + st - 1 + len(lps)] = torch.tensor(
                     lps, dtype=torch.float32
                 )
             at += len(s)
@@ -109,9 +110,9 @@ def check_isolation(model: Any, role: str, name: str, vocab: int, atol: float = 
         gen = torch.Generator().manual_seed(0)
         a = torch.randint(0, vocab, (1, 5), generator=gen).to(device)
         b = torch.randint(0, vocab, (1, 7), generator=gen).to(device)
-        apart = [model(input_ids=x).logits.float() for x in (a, b)]
+        apart = [model(input_ids=x, use_cache=False).logits.float() for x in (a, b)]
         pos = torch.cat([torch.arange(5), torch.arange(7)])[None].to(device)
-        joined = model(input_ids=torch.cat([a, b], 1), position_ids=pos).logits.float()
+        joined = model(**model_inputs(torch.cat([a, b], 1), None, pos)).logits.float()
         gap = float((joined - torch.cat(apart, 1)).abs().max())
     except Exception as e:  # a forward that rejects position_ids, a cache it insists on, ...
         raise ConfigError(

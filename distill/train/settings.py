@@ -257,6 +257,7 @@ class TrainSettings:
     target_dtype: str = "auto"
     loss_chunk_size: int | None = 256
     group_by_length: int = 0  # micro-batches whose rows are sorted by length together (0: off)
+    pack_sequences: bool = False  # a micro-batch's sequences end to end in rows (train/packing.py)
     drafting: str = "autoregressive"  # autoregressive | parallel
     parallel: ParallelSettings | None = None  # drafting=parallel only
     masked_head: bool = True
@@ -320,6 +321,7 @@ class TrainSettings:
             target_dtype=str(setting(cfg, cls, "target_dtype")),
             loss_chunk_size=_int_or_none(setting(cfg, cls, "loss_chunk_size")),
             group_by_length=int(setting(cfg, cls, "group_by_length")),
+            pack_sequences=_pack_sequences(setting(cfg, cls, "pack_sequences"), drafting),
             drafting=str(drafting),
             parallel=par,
             masked_head=bool(setting(cfg, cls, "masked_head")),
@@ -412,6 +414,19 @@ def _check_scalars(cfg: DictConfig) -> None:
         )
     if cfg.mixed_precision not in ("auto", "no", "bf16", "fp16"):
         raise ConfigError(f"mixed_precision={cfg.mixed_precision!r}: use auto, no, bf16 or fp16")
+
+
+def _pack_sequences(value: Any, drafting: str) -> bool:
+    """`pack_sequences`, checked: a bool, and not for a parallel drafter (its batches carry
+    mask chains laid out by distill/parallel.py)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"pack_sequences={value!r}: use true or false")
+    if value and drafting == "parallel":
+        raise ConfigError(
+            "pack_sequences=true with drafting=parallel: a parallel drafter's batches carry "
+            "mask chains laid out per row (distill/parallel.py); set pack_sequences=false"
+        )
+    return value
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -18,6 +18,7 @@ from specdistill.distill import parallel
 from specdistill.distill.train import zero
 from specdistill.distill.train.batch_loss import shared_vocab_loss
 from specdistill.distill.train.data import collate, is_onpolicy, micro_seed, sample_onpolicy
+from specdistill.distill.train.packing import collate_packed
 
 if TYPE_CHECKING:
     from specdistill.distill.train.trainer import Trainer
@@ -47,7 +48,9 @@ def micro_batches(tr: Trainer, step: int, lmbda: float) -> list[tuple[dict, bool
                 synced_gpus=zero3,
             )
             exs = sampled if onp else exs
-        batch = collate(exs, tr.tok.pad_token_id, s.max_seq_len)
+        # drafter samples are collated padded; Seq-KD rows packed when asked (train/packing.py)
+        pack = s.pack_sequences and not onp
+        batch = (collate_packed if pack else collate)(exs, tr.tok.pad_token_id, s.max_seq_len)
         if tr.mask_token_id is not None:  # mask chains appended, anchors drawn per micro-batch
             batch["packed"] = parallel.pack_batch(batch, s.parallel, tr.mask_token_id, seed, g)
         window.append((batch, onp))

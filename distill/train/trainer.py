@@ -21,7 +21,7 @@ from specdistill.data.models.pairs import load_role, load_tokenizer, resolve_pai
 from specdistill.data.sampling import Sampling
 from specdistill.distill import parallel
 from specdistill.distill.intersection import Intersection
-from specdistill.distill.train import mapped, setup
+from specdistill.distill.train import mapped, packing, setup
 from specdistill.distill.train.data import (
     Example,
     StreamSpec,
@@ -142,6 +142,10 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
             target = setup.load_target(spec, s, device, drafter, tok)
         else:
             target = mapped.load_mapped_target(spec, s, device, mp)
+    if s.pack_sequences:  # before training: a model that mixes packed sequences is refused
+        packing.check_isolation(drafter, "drafter", str(spec.drafter), len(tok))
+        if target is not None:
+            packing.check_isolation(target, "target", str(spec.target), len(tok))
     model, opt, sched, frozen = _prepare_training(s, cfg, drafter, accelerator)
     return Trainer(
         cfg=cfg,
