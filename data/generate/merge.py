@@ -122,7 +122,9 @@ def _chunk_files(out: Path, config: Mapping[str, Any], records: Sequence[Mapping
 def _bucket_edges(planned: np.ndarray, files: Sequence[Path], budget: int) -> np.ndarray:
     """The first prompt index of each bucket: consecutive planned prompts, as many as fit
     `budget` bytes at the Arrow bytes per prompt of the first chunk."""
-    if not len(planned) or not files:
+    if not len(planned):
+        return np.zeros(1, np.int64)  # one bucket, so unplanned rows still reach the check
+    if not files:
         return planned[:1]
     probe = pq.read_table(files[0])
     per_prompt = max(1, probe.nbytes // max(1, len(np.unique(probe.column("prompt_index")))))
@@ -177,7 +179,9 @@ def _scatter(files: Sequence[Path], schema: pa.Schema, edges: np.ndarray, dest: 
     try:
         for f in files:
             table = as_storage(pq.read_table(f), schema)
-            bucket = np.searchsorted(edges, table.column("prompt_index").to_numpy(), "right") - 1
+            index = table.column("prompt_index").to_numpy()
+            # below the first edge (a prompt not planned): bucket 0, where the check names it
+            bucket = np.maximum(np.searchsorted(edges, index, "right") - 1, 0)
             for b in np.unique(bucket):
                 if b not in sinks:
                     sinks[int(b)] = pa.ipc.new_stream(str(dest / f"{b:05d}.arrow"), schema)

@@ -258,6 +258,7 @@ class TrainSettings:
     loss_chunk_size: int | None = 256
     group_by_length: int = 0  # micro-batches whose rows are sorted by length together (0: off)
     pack_sequences: bool = False  # a micro-batch's sequences end to end in rows (train/packing.py)
+    gradient_checkpointing: bool = False  # the drafter's layers recompute activations in backward
     drafting: str = "autoregressive"  # autoregressive | parallel
     parallel: ParallelSettings | None = None  # drafting=parallel only
     masked_head: bool = True
@@ -322,6 +323,7 @@ class TrainSettings:
             loss_chunk_size=_int_or_none(setting(cfg, cls, "loss_chunk_size")),
             group_by_length=int(setting(cfg, cls, "group_by_length")),
             pack_sequences=_pack_sequences(setting(cfg, cls, "pack_sequences"), drafting),
+            gradient_checkpointing=_bool(cfg, cls, "gradient_checkpointing"),
             drafting=str(drafting),
             parallel=par,
             masked_head=bool(setting(cfg, cls, "masked_head")),
@@ -414,6 +416,13 @@ def _check_scalars(cfg: DictConfig) -> None:
         )
     if cfg.mixed_precision not in ("auto", "no", "bf16", "fp16"):
         raise ConfigError(f"mixed_precision={cfg.mixed_precision!r}: use auto, no, bf16 or fp16")
+
+
+def _bool(cfg: Any, cls: type, key: str) -> bool:
+    value = setting(cfg, cls, key)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: use true or false")
+    return value
 
 
 def _pack_sequences(value: Any, drafting: str) -> bool:

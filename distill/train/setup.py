@@ -101,6 +101,22 @@ def set_draft_vocab(
     return len(ids)
 
 
+def checkpoint_layers(model) -> None:
+    """`gradient_checkpointing`: each decoder layer's activations recomputed in backward, not
+    kept. Non-reentrant: with frozen embeddings the first layer's input needs no gradient, and
+    a reentrant checkpoint would then return none for the layers either."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(
+            f"gradient_checkpointing=true: {type(model).__name__} has no gradient checkpointing "
+            "in transformers; set gradient_checkpointing=false"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def freeze_embeddings(s: TrainSettings, pair: Any, model) -> int:
     """Freeze the drafter's input embeddings and LM head (`freeze_embeddings`); the number of
     parameters frozen.

@@ -198,6 +198,8 @@ def _prepare_training(
     with its embeddings frozen where set, the optimizer over what still trains, both prepared
     by accelerate, and the tracker started."""
     drafter.train()
+    if s.gradient_checkpointing:
+        setup.checkpoint_layers(drafter)
     frozen = setup.freeze_embeddings(s, cfg.pair, drafter)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     opt = hydra.utils.instantiate(cfg.optim.optimizer)(trainable)

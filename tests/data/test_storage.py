@@ -166,6 +166,18 @@ def test_a_missing_chunk_is_named(tmp_path):
     assert not list(run.glob(".merge-tmp-*"))  # the temp folder is removed
 
 
+def test_a_row_outside_the_plan_is_named(tmp_path):
+    """A chunk holding a prompt no shard planned (index below every planned one) is caught."""
+    run = _synthetic(tmp_path, "stray")
+    victim = sorted((run / "chunks").rglob("chunk-*.parquet"))[0]
+    table = pq.read_table(victim)
+    index = table.column_names.index("prompt_index")
+    stray = pa.array([-5, *table.column(index).to_pylist()[1:]], pa.int64())
+    pq.write_table(table.set_column(index, "prompt_index", stray), victim)
+    with pytest.raises(RuntimeError, match=r"rows do not match the plan for prompts \[-5"):
+        merge_shards(run, budget_bytes=1_000)
+
+
 def test_a_killed_merge_is_redone_from_the_chunks(tmp_path, monkeypatch):
     from specdistill.data.generate import merge
 
