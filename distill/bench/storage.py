@@ -40,6 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specdistill.data.generate.shards import CONFIG_FILE
+from specdistill.data.generate.storage import topk_bytes
 from specdistill.data.generate.synthetic import LAYOUTS, synthetic_run
 from specdistill.data.io import atomic_write_json
 
@@ -139,11 +140,9 @@ def _entry_bytes(folder: Path, layout: str) -> dict[str, float]:
     for f in sorted(data.glob("data-*.arrow")):
         with pa.memory_map(str(f)) as src:
             table = pa.ipc.open_stream(src).read_all()
-        total += table.nbytes
-        topk += table.column("topk_ids").nbytes + table.column("topk_logprobs").nbytes
-        ids = table.column("topk_ids")
-        entries += sum(len(c.flatten().flatten()) for c in ids.chunks)
-        positions += sum(len(c.flatten()) for c in ids.chunks)
+        size, count = topk_bytes(table)
+        total, topk, entries = total + table.nbytes, topk + size, entries + count
+        positions += sum(len(c.flatten()) for c in table.column("topk_ids").chunks)
     return {"bytes_per_entry": topk / entries, "bytes_per_position": total / positions}
 
 

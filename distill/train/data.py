@@ -86,20 +86,38 @@ def collated_lengths(examples: Sequence[Example], max_seq_len: int) -> tuple[int
     return tuple(np.minimum(prompt + completion, max_seq_len).tolist())
 
 
+def cut_sequence(ex: Example, max_seq_len: int) -> tuple[list[int], int, tuple | None]:
+    """(prompt + completion within `max_seq_len`, the prompt's length, the completion's stored
+    (top-k ids, log-probs) or None): how every collation cuts a row."""
+    comp = list(ex.completion_ids[: max_seq_len - 1])
+    prompt = fit_prompt(ex.prompt_ids, max_seq_len - len(comp), ex.prompt_head)
+    if not prompt:  # the first completion token needs a context position to predict it
+        raise ConfigError("an example has an empty prompt; every row needs prompt_ids")
+    top = None
+    if ex.topk_ids is not None:
+        top = (ex.topk_ids[: len(comp)], ex.topk_logprobs[: len(comp)])
+    return [*prompt, *comp], len(prompt), top
+
+
+def padding_topk(rows: int, width: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, width, K] top-k ids and log-probs for positions no row fills: a valid (K+1)-way
+    distribution (uniform), so masked positions stay finite."""
+    ids = torch.arange(k).expand(rows, width, k).clone()
+    lp = torch.full((rows, width, k), -torch.log(torch.tensor(k + 1.0)).item())
+    return ids, lp
+
+
+def put_topk(ids: torch.Tensor, lp: torch.Tensor, row: int, at: int, top: tuple) -> None:
+    """One sequence's stored top-k written from position `at` of `row`."""
+    ti, tl = top
+    ids[row, at : at + len(ti)] = torch.tensor(ti, dtype=torch.long)
+    lp[row, at : at + len(tl)] = torch.tensor(tl, dtype=torch.float32)
+
+
 def collate(examples: list[Example], pad_id: int, max_seq_len: int) -> dict[str, torch.Tensor]:
     """Right-padded batch; `loss_mask[b, t]` marks logits positions whose *next* token is a
     completion token, so logits[:, t] is compared with the target's distribution at t."""
-    seqs, starts, tk_ids, tk_lp = [], [], [], []
-    for ex in examples:
-        comp = ex.completion_ids[: max_seq_len - 1]
-        prompt = fit_prompt(ex.prompt_ids, max_seq_len - len(comp), ex.prompt_head)
-        if not prompt:  # the first completion token needs a context position to predict it
-            raise ConfigError("an example has an empty prompt; every row needs prompt_ids")
-        seqs.append(prompt + comp)
-        starts.append(len(prompt))
-        if ex.topk_ids is not None:
-            tk_ids.append(ex.topk_ids[: len(comp)])
-            tk_lp.append(ex.topk_logprobs[: len(comp)])  # type: ignore[index]
+    seqs, starts, tops = zip(*(cut_sequence(ex, max_seq_len) for ex in examples))
     n = max(len(s) for s in seqs)
     b = len(seqs)
     input_ids = torch.full((b, n), pad_id, dtype=torch.long)
@@ -110,14 +128,10 @@ def collate(examples: list[Example], pad_id: int, max_seq_len: int) -> dict[str,
         attention[i, : len(s)] = 1
         loss_mask[i, st - 1 : len(s) - 1] = True
     batch = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
-    if tk_ids and len(tk_ids) == b:
-        k = len(tk_ids[0][0])
-        # Padding rows: a valid (K+1)-way distribution (uniform) so masked positions stay finite.
-        ids = torch.arange(k).expand(b, n, k).clone()
-        lp = torch.full((b, n, k), -torch.log(torch.tensor(k + 1.0)).item())
-        for i, (st, ti, tl) in enumerate(zip(starts, tk_ids, tk_lp)):
-            ids[i, st - 1 : st - 1 + len(ti)] = torch.tensor(ti, dtype=torch.long)
-            lp[i, st - 1 : st - 1 + len(tl)] = torch.tensor(tl, dtype=torch.float32)
+    if all(t is not None for t in tops):
+        ids, lp = padding_topk(b, n, len(tops[0][0][0]))
+        for i, (st, top) in enumerate(zip(starts, tops)):
+            put_topk(ids, lp, i, st - 1, top)
         batch["topk_ids"], batch["topk_lp"] = ids, lp
     return batch
 

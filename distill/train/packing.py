@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from specdistill.data.runtime import ConfigError
-from specdistill.distill.train.data import Example, fit_prompt
+from specdistill.distill.train.data import Example, cut_sequence, padding_topk, put_topk
 from specdistill.distill.train.logits import model_inputs
 
 
@@ -51,27 +51,16 @@ def collate_packed(examples: list[Example], pad_id: int, max_seq_len: int) -> di
     """`data.collate`'s batch with the sequences packed: `input_ids`, `position_ids`,
     `loss_mask` (and the stored top-k at the same positions) of [rows, longest row], no
     `attention_mask`. Each sequence is cut exactly as `collate` cuts it."""
-    seqs, starts, tops = [], [], []
-    for ex in examples:
-        comp = list(ex.completion_ids[: max_seq_len - 1])
-        prompt = fit_prompt(ex.prompt_ids, max_seq_len - len(comp), ex.prompt_head)
-        if not prompt:
-            raise ConfigError("an example has an empty prompt; every row needs prompt_ids")
-        seqs.append([*prompt, *comp])
-        starts.append(len(prompt))
-        if ex.topk_ids is not None:
-            tops.append((ex.topk_ids[: len(comp)], ex.topk_logprobs[: len(comp)]))
+    seqs, starts, tops = zip(*(cut_sequence(ex, max_seq_len) for ex in examples))
     plan = pack_rows([len(s) for s in seqs], max_seq_len)
     width = max(sum(len(seqs[i]) for i in row) for row in plan)
     b = len(plan)
     input_ids = torch.full((b, width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((b, width), dtype=torch.long)
     loss_mask = torch.zeros((b, width), dtype=torch.bool)
-    with_topk = bool(tops) and len(tops) == len(seqs)
+    with_topk = all(t is not None for t in tops)
     if with_topk:
-        k = len(tops[0][0][0])
-        topk_ids = torch.arange(k).expand(b, width, k).clone()
-        topk_lp = torch.full((b, width, k), -torch.log(torch.tensor(k + 1.0)).item())
+        topk_ids, topk_lp = padding_topk(b, width, len(tops[0][0][0]))
     for r, row in enumerate(plan):
         at = 0
         for i in row:
@@ -80,13 +69,7 @@ def collate_packed(examples: list[Example], pad_id: int, max_seq_len: int) -> di
             position_ids[r, at : at + len(s)] = torch.arange(len(s))
             loss_mask[r, at + st - 1 : at + len(s) - 1] = True
             if with_topk:
-                ids, lps = tops[i]
-                topk_ids[r, at + st - 1 : at + st - 1 + len(ids)] = torch.tensor(
-                    ids, dtype=torch.long
-                )
-                topk_lp[r, at + st - 1 : at + st - 1 + len(lps)] = torch.tensor(
-                    lps, dtype=torch.float32
-                )
+                put_topk(topk_ids, topk_lp, r, at + st - 1, tops[i])
             at += len(s)
         position_ids[r, at:] = torch.arange(width - at)  # padding: a sequence of its own
     batch: dict[str, Any] = {

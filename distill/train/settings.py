@@ -322,7 +322,7 @@ class TrainSettings:
             target_dtype=str(setting(cfg, cls, "target_dtype")),
             loss_chunk_size=_int_or_none(setting(cfg, cls, "loss_chunk_size")),
             group_by_length=int(setting(cfg, cls, "group_by_length")),
-            pack_sequences=_pack_sequences(setting(cfg, cls, "pack_sequences"), drafting),
+            pack_sequences=_pack_sequences(_bool(cfg, cls, "pack_sequences"), drafting),
             gradient_checkpointing=_bool(cfg, cls, "gradient_checkpointing"),
             drafting=str(drafting),
             parallel=par,
@@ -425,11 +425,9 @@ def _bool(cfg: Any, cls: type, key: str) -> bool:
     return value
 
 
-def _pack_sequences(value: Any, drafting: str) -> bool:
-    """`pack_sequences`, checked: a bool, and not for a parallel drafter (its batches carry
-    mask chains laid out by distill/parallel.py)."""
-    if not isinstance(value, bool):
-        raise ConfigError(f"pack_sequences={value!r}: use true or false")
+def _pack_sequences(value: bool, drafting: str) -> bool:
+    """`pack_sequences`, checked: not for a parallel drafter (its batches carry mask chains
+    laid out by distill/parallel.py)."""
     if value and drafting == "parallel":
         raise ConfigError(
             "pack_sequences=true with drafting=parallel: a parallel drafter's batches carry "
