@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.decode.config import DEFAULT_GAMMA
+from specdistill.distill.export.gguf_files import gguf_section
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
@@ -379,6 +380,7 @@ def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, An
         "",
         *vllm_section(result.vllm),
         *engine_section(engines),
+        *gguf_section(getattr(result, "gguf", None), result.output_dir),
         *_serving(target, result.output_dir, gamma),
         *parallel_section(result, target, gamma),
         *self_check_section(result.check),

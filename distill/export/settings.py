@@ -10,13 +10,14 @@ types the first, and in_vllm.py builds the validate stage's config from the seco
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from specdistill.data.runtime import ConfigError, parse_dtype, setting
+from specdistill.distill.export.gguf_files import GGUFSettings
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class ExportSettings:
     max_shard_size: str = "5GB"
     overwrite: bool = False
     min_positions: int | str = "auto"  # auto: the validated context (or none)
+    gguf: GGUFSettings = field(
+        default_factory=GGUFSettings
+    )  # llama.cpp: the drafter as GGUF files (gguf_files.py)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> ExportSettings:
@@ -75,6 +79,7 @@ class ExportSettings:
             max_shard_size=str(setting(cfg, cls, "max_shard_size")),
             overwrite=bool(setting(cfg, cls, "overwrite")),
             min_positions=min_pos,
+            gguf=GGUFSettings.from_node(cfg.get("gguf")),
         )
 
     @property

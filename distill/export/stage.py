@@ -49,6 +49,7 @@ from specdistill.distill.export.align import (
     target_generation,
 )
 from specdistill.distill.export.card import engine_settings, model_card, usage_command
+from specdistill.distill.export.gguf_files import check_gguf_export, write_ggufs
 from specdistill.distill.export.head import pad_head_rows, write_token_map
 from specdistill.distill.export.in_vllm import check_vllm_settings, validate_exported
 from specdistill.distill.export.settings import ExportSettings
@@ -82,6 +83,7 @@ class ExportResult:
     mapped: dict[str, Any] | None = None  # its own tokenizer: how to serve it (export/mapped.py)
     # the K to serve with and each engine's flag for it (card.engine_settings)
     engine_settings: dict[str, Any] | None = None
+    gguf: dict[str, Any] | None = None  # gguf.enabled: the GGUF files for llama.cpp (gguf_files.py)
 
 
 def check_destination(out: Path, overwrite: bool) -> None:
@@ -307,6 +309,7 @@ def run(cfg: DictConfig) -> ExportResult:
     check_dtype = parse_dtype(settings.check.dtype, device)
     spec, source = resolve_sources(settings, cfg.pair)
     check_report(settings, source, report)
+    check_gguf_export(settings.gguf, spec.vocab, _local_config(source))
 
     tok = AutoTokenizer.from_pretrained(
         spec.tokenizer, revision=spec.revision, trust_remote_code=spec.trust_remote_code
@@ -326,6 +329,11 @@ def run(cfg: DictConfig) -> ExportResult:
             )
             prepared.tokenizer.save_pretrained(tmp)
             prepared.extra_files(tmp)
+            gguf_record = (
+                write_ggufs(model, tmp, settings.gguf, spec.target, engine_settings(report)["k"])
+                if settings.gguf.enabled
+                else None
+            )
         check = prepared.self_check(
             tmp,
             prompts=list(settings.check.prompts),
@@ -351,6 +359,7 @@ def run(cfg: DictConfig) -> ExportResult:
             report=settings.report if report else None,
             vllm=vllm_figures,
             engine_settings=engine_settings(report),
+            gguf=gguf_record,
             **prepared.fields,
         )
         (tmp / "README.md").write_text(
@@ -364,6 +373,15 @@ def run(cfg: DictConfig) -> ExportResult:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("exported %s%s -> %s (%s)", source, prepared.kind, out, check)
     return result
+
+
+def _local_config(model: str) -> dict[str, Any]:
+    """A local checkpoint's config.json (a hub id: {}; its weights load later)."""
+    p = Path(model).expanduser() / "config.json"
+    try:
+        return read_json(p) if p.is_file() else {}
+    except ValueError:
+        return {}
 
 
 def _distill_result(drafter: str) -> dict[str, Any] | None:

@@ -1,0 +1,157 @@
+"""`export.gguf`: the drafter as GGUF files beside the checkpoint, for llama.cpp.
+
+llama.cpp's server takes a draft model as a GGUF file (`llama-server -m TARGET.gguf -md
+DRAFT.gguf --spec-type draft-simple --spec-draft-n-max K`) and pairs it with the target only if
+their vocabularies pass its rule (data/models/gguf_vocab.py). The export writes the aligned
+drafter (rows padded to the target's, head as exported) once per requested type, the
+vocabulary copied from the target's GGUF file, and checks each file against the target's GGUF
+before the folder is published. A drafter with its own tokenizer is refused up front: llama.cpp
+has no vocabulary mapping.
+
+Types: `f16`, `q8_0`, ... (data/models/gguf_writer.QUANT_TYPES) for every matrix, or `target`:
+the target file's own recipe tensor role by role (SmolLM2's Q4_1 layers and Q8_0 embeddings).
+A drafter step in llama.cpp streams its weights once per token, so a drafter quantised like the
+target costs the target's bytes per parameter and no more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdistill.data.runtime import ConfigError, setting
+
+TARGET_RECIPE = "target"
+
+
+@dataclass(frozen=True)
+class GGUFSettings:
+    """`gguf.*` of conf/export.yaml."""
+
+    enabled: bool = False
+    types: tuple[str, ...] = ("f16", "q8_0", TARGET_RECIPE)
+    target: str | None = None  # the target's GGUF; None: the pair's own file, or one written
+
+    @classmethod
+    def from_node(cls, node: Any) -> GGUFSettings:
+        """The node checked and typed; a ConfigError names the field."""
+        from specdistill.data.models.gguf_writer import QUANT_TYPES
+
+        if node is None:
+            return cls()
+        enabled = setting(node, cls, "enabled")
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"gguf.enabled={enabled!r} must be true or false")
+        types = tuple(str(t).lower() for t in setting(node, cls, "types") or ())
+        allowed = (*QUANT_TYPES, TARGET_RECIPE)
+        bad = [t for t in types if t not in allowed]
+        if enabled and (bad or not types):
+            raise ConfigError(
+                f"gguf.types={list(types)!r}: "
+                + (f"{bad} unknown" if bad else "empty")
+                + f"; choose from {list(allowed)}"
+            )
+        target = setting(node, cls, "target")
+        if enabled and target and not Path(str(target)).expanduser().is_file():
+            raise ConfigError(
+                f"gguf.target={target!r} does not exist: point it at the target's .gguf"
+            )
+        return cls(enabled, tuple(dict.fromkeys(types)), str(target) if target else None)
+
+
+def check_gguf_export(settings: GGUFSettings, vocab: str, drafter_config: dict) -> None:
+    """Before any weights load: llama.cpp pairs models of one vocabulary only, and the writer
+    writes the Llama architecture (data/models/gguf_writer.py)."""
+    if not settings.enabled:
+        return
+    if vocab == "mapped":
+        raise ConfigError(
+            "gguf.enabled=true with a drafter of its own tokenizer: llama.cpp has no vocabulary "
+            "mapping (its drafter must share the target's tokens), so no GGUF drafter can serve "
+            "this pair; set gguf.enabled=false"
+        )
+    kind = drafter_config.get("model_type")  # None: a hub id, checked once its weights load
+    if kind is not None and kind != "llama":
+        raise ConfigError(
+            f"gguf.enabled=true: the drafter is {kind!r} and specdistill writes Llama-architecture "
+            "GGUF files only; convert the exported folder with llama.cpp's convert_hf_to_gguf.py "
+            "(or set gguf.enabled=false)"
+        )
+
+
+def drafter_file(kind: str) -> str:
+    return f"drafter-{kind}.gguf"
+
+
+def llama_server_line(target_gguf: str, drafter: str, k: int) -> str:
+    """The command that serves the pair in llama.cpp at K drafts a round."""
+    return (
+        f"llama-server -m {target_gguf} -md {drafter} --spec-type draft-simple "
+        f"--spec-draft-n-max {k}"
+    )
+
+
+def write_ggufs(model, folder: Path, settings: GGUFSettings, target: str, k: int) -> dict[str, Any]:
+    """Write drafter-<type>.gguf for each type into `folder`, each checked against the target's
+    GGUF vocabulary; returns export.json's `gguf` record."""
+    from specdistill.data.models.gguf_vocab import compatibility_problems, read_gguf_vocab
+    from specdistill.data.models.gguf_writer import reference_types, write_llama_gguf
+    from specdistill.data.models.target_gguf import target_gguf
+
+    target_file = Path(settings.target).expanduser() if settings.target else target_gguf(target)
+    target_vocab = read_gguf_vocab(target_file)
+    files: dict[str, Any] = {}
+    for kind in settings.types:
+        types = reference_types(target_file) if kind == TARGET_RECIPE else kind
+        out = folder / drafter_file(kind)
+        written = write_llama_gguf(
+            model, out, types=types, tokenizer_gguf=target_file, name=f"{folder.name}-{kind}"
+        )
+        problems = compatibility_problems(target_vocab, read_gguf_vocab(out))
+        if problems:
+            raise ConfigError(
+                f"gguf: {out.name} would be refused by llama.cpp as a drafter of "
+                f"{target_file}: {problems[0]}"
+            )
+        files[kind] = {
+            "file": out.name,
+            "bytes": written.bytes,
+            "file_type": written.file_type,
+            "tensor_types": written.tensor_types,
+        }
+    first = files[settings.types[0]]["file"]
+    return {
+        "target": str(target_file),
+        "files": files,
+        "compatible": True,
+        "k": k,
+        "llama_server": llama_server_line(str(target_file), f"DRAFTER/{first}", k),
+    }
+
+
+def gguf_section(record: dict[str, Any] | None, folder: str) -> list[str]:
+    """The card's llama.cpp section: the files, the compatibility check, the command."""
+    if not record:
+        return []
+    rows = [
+        f"| `{f['file']}` | {kind} | {f['file_type']} | {f['bytes'] / 1e6:.1f} MB |"
+        for kind, f in record["files"].items()
+    ]
+    first = next(iter(record["files"].values()))["file"]
+    return [
+        "## llama.cpp",
+        "",
+        "The drafter as GGUF, its vocabulary copied from the target's GGUF file and checked "
+        "against llama.cpp's drafter rule (vocabulary type, BOS/EOS flags and ids, size, every "
+        f"token's text) before export: compatible with `{record['target']}`.",
+        "",
+        "| file | requested | GGUF file type | size |",
+        "| --- | --- | --- | --- |",
+        *rows,
+        "",
+        "```bash",
+        llama_server_line(record["target"], f"{folder}/{first}", record["k"]),
+        "```",
+        "",
+    ]

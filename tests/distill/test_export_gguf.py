@@ -1,0 +1,72 @@
+"""`export gguf.enabled=true`: the drafter as GGUF files llama.cpp pairs with the target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from specdistill.data.models.gguf_vocab import compatibility_problems, read_gguf_vocab
+from specdistill.data.runtime import ConfigError
+from specdistill.distill.export import stage as export
+from specdistill.distill.export.gguf_files import GGUFSettings, check_gguf_export
+from tests.distill.test_export import _cfg
+
+PROMPT = "def add(a, b):\n    return"
+
+
+def test_gguf_files_pass_llama_cpps_rule_and_keep_the_logits(tmp_path, toy_tiny):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "drafter"
+    result = export.run(_cfg(out, "gguf.enabled=true", "gguf.types=[f16,q8_0,target]"))
+    record = json.loads((out / "export.json").read_text())["gguf"]
+    assert record == result.gguf and record["compatible"] is True
+    assert set(record["files"]) == {"f16", "q8_0", "target"}
+    target_file = record["target"]  # the toy target written once as f16 GGUF
+    assert target_file.endswith(".gguf") and "gguf_written" in target_file
+    target_vocab = read_gguf_vocab(target_file)
+    for _kind, f in record["files"].items():
+        assert (out / f["file"]).is_file()
+        assert compatibility_problems(target_vocab, read_gguf_vocab(out / f["file"])) == []
+    assert record["files"]["q8_0"]["tensor_types"]["attn_q"] == "Q8_0"
+    assert record["files"]["target"]["file_type"] == "MOSTLY_F16"  # the toy target's recipe
+    card = (out / "README.md").read_text()
+    assert "## llama.cpp" in card and f"-m {target_file} -md {out}/drafter-f16.gguf" in card
+    assert f"--spec-draft-n-max {record['k']}" in card
+    # The f16 file is the exported checkpoint: transformers reads it back to the same logits.
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = torch.tensor([tok(PROMPT).input_ids])
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    back = AutoModelForCausalLM.from_pretrained(out, gguf_file="drafter-f16.gguf").eval()
+    with torch.no_grad():
+        a, b = exported(ids).logits, back(ids).logits
+    assert (a - b).abs().max().item() < 2e-2 and torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["gguf.types=[f16,q3_k]"], "gguf.types=['f16', 'q3_k']: ['q3_k'] unknown"),
+        (["gguf.types=[]"], "gguf.types=[]: empty"),
+        (["gguf.target=/nonexistent/t.gguf"], "gguf.target='/nonexistent/t.gguf' does not exist"),
+        (["gguf.enabled=yes"], "gguf.enabled='yes' must be true or false"),
+    ],
+)
+def test_bad_gguf_settings_fail_before_loading(tmp_path, overrides, words):
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        export.run(_cfg(tmp_path / "d", "gguf.enabled=true", *overrides))
+    assert not (tmp_path / "d").exists()
+
+
+def test_mapped_and_non_llama_drafters_are_refused_up_front():
+    on = GGUFSettings(enabled=True)
+    with pytest.raises(ConfigError, match="llama.cpp has no vocabulary mapping"):
+        check_gguf_export(on, "mapped", {"model_type": "llama"})
+    with pytest.raises(ConfigError, match="the drafter is 'qwen2'"):
+        check_gguf_export(on, "shared", {"model_type": "qwen2"})
+    check_gguf_export(on, "shared", {})  # a hub id: checked when its weights load
+    check_gguf_export(GGUFSettings(), "mapped", {"model_type": "qwen2"})  # not asked: no check
