@@ -8,7 +8,7 @@ element is a string). A caller that wants a BOS puts it in the list.
 
 Flags (as named in this build's `common/arg.cpp`): `-m`, `-c`, `-t`, `-np 1` (one slot: one
 request at a time, the slot holding the whole `-c`), `--no-ui`, `--host 127.0.0.1`,
-`--port`; with a drafter `-md DRAFT --spec-type draft-simple --spec-draft-n-max K
+`--port`, `--poll 0` (no spinning workers; `poll=None` keeps llama.cpp's 50); with a drafter `-md DRAFT --spec-type draft-simple --spec-draft-n-max K
 --spec-draft-n-min N --spec-draft-p-min P` and, optionally, `--spec-draft-sampling
 {greedy,probabilistic}`. Greedy (the default) drafts q's argmax and the target checks by
 sample-and-match: at temperature > 0 it emits the plain run's tokens seed for seed, but accepts
@@ -137,6 +137,7 @@ class LlamaServer:
         draft_sampling: str | None = None,
         ctx: int = 2048,
         threads: int = 2,
+        poll: int | None = 0,
         startup_timeout: float = 120.0,
         log_path: str | Path | None = None,
         extra_args: tuple[str, ...] = (),
@@ -161,6 +162,7 @@ class LlamaServer:
         self.draft_max, self.draft_min, self.draft_p_min = draft_max, draft_min, draft_p_min
         self.draft_sampling, self.ctx, self.threads = draft_sampling, ctx, threads
         self.startup_timeout, self.extra_args = startup_timeout, tuple(extra_args)
+        self.poll = poll
         self._log_given = Path(log_path) if log_path is not None else None
         self.log_path: Path | None = None
         self.port: int | None = None
@@ -180,6 +182,14 @@ class LlamaServer:
             cmd += ["--spec-draft-p-min", repr(float(self.draft_p_min))]
             if self.draft_sampling is not None:
                 cmd += ["--spec-draft-sampling", self.draft_sampling]
+        if self.poll is not None:
+            # llama.cpp's worker threads spin (--poll 50) between graph runs; with a drafter, the
+            # draft and target contexts' spinning pools starve each other when they hold every
+            # core: 4x slower speculative decoding on 2 cores, plain decoding unchanged
+            # (decode/RESULTS.md). None keeps llama.cpp's default.
+            cmd += ["--poll", str(self.poll)]
+            if self.draft is not None:
+                cmd += ["--spec-draft-poll", str(self.poll)]
         return cmd + list(self.extra_args)
 
     @property

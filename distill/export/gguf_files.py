@@ -154,4 +154,8 @@ def gguf_section(record: dict[str, Any] | None, folder: str) -> list[str]:
         llama_server_line(record["target"], f"{folder}/{first}", record["k"]),
         "```",
         "",
+        "Where the server's threads take every core, add `--poll 0`: llama.cpp's worker threads "
+        "otherwise spin between graph runs and the draft and target contexts starve each other "
+        "(speculative decoding ran 4x slower on 2 cores; specdistill's measurements pass it).",
+        "",
     ]

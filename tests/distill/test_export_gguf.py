@@ -70,3 +70,61 @@ def test_mapped_and_non_llama_drafters_are_refused_up_front():
         check_gguf_export(on, "shared", {"model_type": "qwen2"})
     check_gguf_export(on, "shared", {})  # a hub id: checked when its weights load
     check_gguf_export(GGUFSettings(), "mapped", {"model_type": "qwen2"})  # not asked: no check
+
+
+@pytest.mark.llamacpp
+def test_llama_server_serves_the_exported_drafter_and_refuses_a_changed_vocabulary(
+    tmp_path, toy_tiny
+):
+    """The toy pair end to end in llama.cpp: the exported q8_0 drafter drafts for the toy target
+    (written as GGUF) with greedy output identical to plain; a drafter whose token 10 was
+    renamed is refused by our check and by llama-server alike (which then serves the target
+    without it)."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from specdistill.decode.llamacpp import build
+    from specdistill.decode.llamacpp.measure import engine_figures
+    from specdistill.decode.llamacpp.server import LlamaServer
+
+    try:
+        binary = build.llama_server_binary()
+    except ConfigError as e:
+        pytest.skip(f"no llama-server binary: {e}")
+    out = tmp_path / "drafter"
+    record = export.run(_cfg(out, "gguf.enabled=true", "gguf.types=[q8_0]")).gguf
+    target, drafter = record["target"], out / "drafter-q8_0.gguf"
+    tok = AutoTokenizer.from_pretrained(out)
+    prompts = [tok(p).input_ids for p in (PROMPT, "class Stack:\n    def push(self, x):\n")]
+    runs = []
+    for draft in (None, drafter):
+        with LlamaServer(binary, target, draft=draft, draft_max=3, threads=1, ctx=512) as s:
+            runs.append([s.complete(ids, 24, ignore_eos=True) for ids in prompts])
+    fig = engine_figures(*runs)
+    assert fig.greedy_identical and fig.drafted > 0, fig
+
+    # token 10 renamed in an otherwise identical file
+    reader = gguf.GGUFReader(str(drafter))
+    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    tokens[10] = tokens[10] + "_renamed"
+    bad = tmp_path / "bad.gguf"
+    writer = gguf.GGUFWriter(str(bad), "llama")
+    for key, f in reader.fields.items():
+        if key.startswith(("GGUF.", "general.architecture")):
+            continue
+        value = tokens if key == "tokenizer.ggml.tokens" else f.contents()
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)  # bytes as they were
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    problems = compatibility_problems(read_gguf_vocab(target), read_gguf_vocab(bad))
+    assert problems and problems[0].startswith("token 10 differs")
+    # llama-server logs the refusal and serves the target without the drafter
+    log = tmp_path / "bad.log"
+    with LlamaServer(binary, target, draft=bad, draft_max=3, threads=1, ctx=512, log_path=log) as s:
+        assert s.complete(prompts[0], 8, ignore_eos=True).draft_n == 0
+    assert "the target and draft vocabs are not compatible" in log.read_text()
