@@ -94,7 +94,9 @@ def _serve(binary, target, prompts, args, *, draft=None, k=3, p_min=0.0, tempera
 
 
 def _ours(target_model, drafter_path: Path, prompts, k: int, max_new: int):
-    """(acceptance, tau) of our decoder, greedy, fixed K, full head, on the same prompt ids."""
+    """(accepted / drafted, tau) of our decoder, greedy, fixed K, full head, on the same prompt
+    ids: acceptance counted as llama.cpp counts it (every drafted token, not only the trials
+    up to the first rejection that our reports' alpha counts)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -109,12 +111,14 @@ def _ours(target_model, drafter_path: Path, prompts, k: int, max_new: int):
         gamma=k, max_new_tokens=max_new, draft_vocab="full", cache="dynamic", compile=False
     )
     decoder = SpeculativeDecoder(target_model, drafter, cfg)
-    accepted = trials = tokens = rounds = 0
+    accepted = drafted = tokens = rounds = 0
     for ids in prompts:
         out = decoder.generate(torch.tensor([ids]))
-        accepted, trials = accepted + out.accepted, trials + out.trials
+        # llama.cpp's draft_n counts every drafted token, those after a rejection too
+        accepted += out.accepted
+        drafted += sum(k * n for k, n in enumerate(out.draft_lengths))
         tokens, rounds = tokens + out.block_tokens, rounds + out.row_rounds
-    return accepted / max(trials, 1), tokens / max(rounds, 1)
+    return accepted / max(drafted, 1), tokens / max(rounds, 1)
 
 
 @dataclass
