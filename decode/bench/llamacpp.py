@@ -32,10 +32,6 @@ from pathlib import Path
 
 from specdistill.data.runtime import ConfigError
 
-# llama.cpp spins its worker threads between graph runs; a drafter context and a target context
-# both spinning on the same cores starve each other (decode/RESULTS.md, llama.cpp on 2 cores).
-DEFAULT_SERVER_ARGS: tuple[str, ...] = ()
-
 
 @dataclass
 class Row:
@@ -116,7 +112,7 @@ def _ours(target_model, drafter_path: Path, prompts, k: int, max_new: int):
         out = decoder.generate(torch.tensor([ids]))
         # llama.cpp's draft_n counts every drafted token, those after a rejection too
         accepted += out.accepted
-        drafted += sum(k * n for k, n in enumerate(out.draft_lengths))
+        drafted += sum(width * n for width, n in enumerate(out.draft_lengths))
         tokens, rounds = tokens + out.block_tokens, rounds + out.row_rounds
     return accepted / max(drafted, 1), tokens / max(rounds, 1)
 
@@ -272,7 +268,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ctx", type=int, default=2048)
-    p.add_argument("--server-arg", action="append", default=list(DEFAULT_SERVER_ARGS))
+    # LlamaServer already passes --poll 0 (spinning draft and target pools starve each other)
+    p.add_argument("--server-arg", action="append", default=[], help="one more server flag")
     p.add_argument("--ours", action="store_true", help="our decoder's acceptance beside")
     p.add_argument("--ours-k", type=int, nargs="+", default=[3], help="the K ours runs at")
     p.add_argument("--costs", action="store_true", help="measure c and the verify's batch cost")
