@@ -11,8 +11,6 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("gguf")
-
 from specdistill.data.models import gguf as gguf_mod
 from specdistill.data.models.drafter_from_target import main as builder_main
 from specdistill.data.models.gguf import (

@@ -7,8 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("gguf")
-
 from specdistill.data.models.gguf_vocab import compatibility_problems, read_gguf_vocab
 from specdistill.data.models.gguf_writer import (
     hf_to_rope_interleaved,

@@ -7,8 +7,6 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("gguf")
-
 from specdistill.data.models.gguf_vocab import compatibility_problems, read_gguf_vocab
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.export import stage as export
