@@ -55,9 +55,8 @@ class ExportSettings:
     max_shard_size: str = "5GB"
     overwrite: bool = False
     min_positions: int | str = "auto"  # auto: the validated context (or none)
-    gguf: GGUFSettings = field(
-        default_factory=GGUFSettings
-    )  # llama.cpp: the drafter as GGUF files (gguf_files.py)
+    # llama.cpp: the drafter as GGUF files (gguf_files.py)
+    gguf: GGUFSettings = field(default_factory=GGUFSettings)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> ExportSettings:
