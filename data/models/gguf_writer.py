@@ -98,12 +98,8 @@ def hf_to_rope_interleaved(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, out // n_heads // 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def _config_value(config, *names: str, default=None):
-    for n in names:
-        v = getattr(config, n, None)
-        if v is not None:
-            return v
-    return default
+def _kv_heads(config) -> int:
+    return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
 
 def _rope_theta(config) -> float:
@@ -119,15 +115,21 @@ def _rope_theta(config) -> float:
     return float(theta or getattr(config, "rope_theta", None) or 10000.0)
 
 
+def check_architecture(model_type: str | None) -> None:
+    """The one refusal of an architecture this writer cannot express (the export checks the
+    drafter's config.json with it before loading; `check_llama` the loaded model)."""
+    if model_type != "llama":
+        raise ConfigError(
+            f"gguf.enabled=true: the drafter is {model_type!r} and specdistill writes "
+            "Llama-architecture GGUF files only; convert the exported folder with llama.cpp's "
+            "convert_hf_to_gguf.py (or set gguf.enabled=false)"
+        )
+
+
 def check_llama(model) -> None:
     """Refuse, in one line, a model this writer cannot express."""
     config = model.config
-    if getattr(config, "model_type", None) != "llama":
-        raise ConfigError(
-            f"export.gguf: the drafter is {getattr(config, 'model_type', '?')!r}; specdistill "
-            "writes Llama-architecture GGUF files only: convert the exported checkpoint with "
-            "llama.cpp's convert_hf_to_gguf.py, or set export.gguf.enabled=false"
-        )
+    check_architecture(getattr(config, "model_type", None))
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         raise ConfigError("export.gguf: a Llama with attention or MLP biases is not written")
     _rope_theta(config)
@@ -137,8 +139,7 @@ def _tensors(model) -> list[tuple[str, str, np.ndarray]]:
     """(llama.cpp name, role, float32 array) for every weight, q/k permuted."""
     config = model.config
     sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
-    n_head = int(config.num_attention_heads)
-    n_kv = int(_config_value(config, "num_key_value_heads", default=n_head))
+    n_head, n_kv = int(config.num_attention_heads), _kv_heads(config)
     out = [("token_embd.weight", "token_embd", sd["model.embed_tokens.weight"])]
     for i in range(int(config.num_hidden_layers)):
         for hf, role in _LAYER_TENSORS.items():
@@ -265,7 +266,7 @@ def write_llama_gguf(
         raise ConfigError("export.gguf: no vocabulary source (a target GGUF or a tokenizer)")
     n_head = int(config.num_attention_heads)
     hidden = int(config.hidden_size)
-    head_dim = int(_config_value(config, "head_dim", default=hidden // n_head))
+    head_dim = int(getattr(config, "head_dim", None) or hidden // n_head)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -283,7 +284,7 @@ def write_llama_gguf(
     writer.add_block_count(int(config.num_hidden_layers))
     writer.add_feed_forward_length(int(config.intermediate_size))
     writer.add_head_count(n_head)
-    writer.add_head_count_kv(int(_config_value(config, "num_key_value_heads", default=n_head)))
+    writer.add_head_count_kv(_kv_heads(config))
     writer.add_rope_freq_base(_rope_theta(config))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(rows)

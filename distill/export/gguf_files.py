@@ -72,12 +72,10 @@ def check_gguf_export(settings: GGUFSettings, vocab: str, drafter_config: dict) 
             "this pair; set gguf.enabled=false"
         )
     kind = drafter_config.get("model_type")  # None: a hub id, checked once its weights load
-    if kind is not None and kind != "llama":
-        raise ConfigError(
-            f"gguf.enabled=true: the drafter is {kind!r} and specdistill writes Llama-architecture "
-            "GGUF files only; convert the exported folder with llama.cpp's convert_hf_to_gguf.py "
-            "(or set gguf.enabled=false)"
-        )
+    if kind is not None:
+        from specdistill.data.models.gguf_writer import check_architecture
+
+        check_architecture(kind)
 
 
 def drafter_file(kind: str) -> str:
