@@ -65,20 +65,25 @@ def _prompt_ids(tokenizer, source: str, n: int) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=False).input_ids for t in texts[:n]]
 
 
-def _serve(binary, target, prompts, args, *, draft=None, k=3, p_min=0.0, temperature=0.0):
+def _server(binary, model, args, **draft):
+    """A LlamaServer with the bench's threads, context and extra flags (`draft`: its drafter
+    settings)."""
     from specdistill.decode.llamacpp.server import LlamaServer
 
-    sampling = "probabilistic" if temperature > 0 and draft is not None else None
-    with LlamaServer(
+    return LlamaServer(
         binary,
-        target,
-        draft=draft,
-        draft_max=k,
-        draft_p_min=p_min,
-        draft_sampling=sampling,
+        model,
         threads=args.threads,
         ctx=args.ctx,
         extra_args=tuple(args.server_arg),
+        **draft,
+    )
+
+
+def _serve(binary, target, prompts, args, *, draft=None, k=3, p_min=0.0, temperature=0.0):
+    sampling = "probabilistic" if temperature > 0 and draft is not None else None
+    with _server(
+        binary, target, args, draft=draft, draft_max=k, draft_p_min=p_min, draft_sampling=sampling
     ) as server:
         server.complete(prompts[0], 4, temperature=temperature)  # warm-up, untimed
         return [
@@ -126,33 +131,32 @@ class Costs:
     target_tokens_per_s: float
     drafter_c: dict[str, float]  # name -> its decode step over the target's (each served alone)
     batch_cost: dict[int, float]  # n -> a forward over n tokens, in target decode steps
+    temperature: float = 0.0  # the decoding both step times were measured at
 
 
 def _batch_cost(binary, target, prompts, args, n: int, step_ms: float) -> float:
     """Median time of an n-token prompt's forward (n_predict 1) over one decode step."""
-    from specdistill.decode.llamacpp.server import LlamaServer
-
-    with LlamaServer(
-        binary, target, threads=args.threads, ctx=args.ctx, extra_args=tuple(args.server_arg)
-    ) as server:
+    with _server(binary, target, args) as server:
         server.complete(prompts[0][:n], 1)
         ms = [server.complete(ids[:n], 1).prompt_ms for ids in prompts if len(ids) >= n]
     return statistics.median(ms) / step_ms if ms else float("nan")
 
 
-def _costs(binary, target, drafters, prompts, args, plain_tps: float) -> Costs:
+def _costs(binary, target, drafters, prompts, args, plain_tps: float, temp: float) -> Costs:
+    """The costs against the target's plain tokens/s at `temp`, each drafter served alone at
+    the same temperature (sampling over the vocabulary costs a step too)."""
     from specdistill.decode.llamacpp.measure import tokens_per_second
 
     c = {}
     for name, path in drafters.items():
-        alone = tokens_per_second(_serve(binary, path, prompts, args))
+        alone = tokens_per_second(_serve(binary, path, prompts, args, temperature=temp))
         c[name] = round(plain_tps / alone, 3) if alone else float("nan")
     step_ms = 1000.0 / plain_tps
     batch = {
         n: round(_batch_cost(binary, target, prompts, args, n, step_ms), 2)
         for n in sorted({1, *(k + 1 for k in args.k)})
     }
-    return Costs(round(plain_tps, 1), c, batch)
+    return Costs(round(plain_tps, 1), c, batch, temp)
 
 
 def run(args) -> tuple[list[Row], Costs | None]:
@@ -197,7 +201,7 @@ def run(args) -> tuple[list[Row], Costs | None]:
         plain_runs.append(_serve(binary, target, prompts, args, temperature=temp))
         plain_tps = statistics.median(tokens_per_second(r) for r in plain_runs)
         if costs is None and args.costs:
-            costs = _costs(binary, target, drafters, prompts, args, plain_tps)
+            costs = _costs(binary, target, drafters, prompts, args, plain_tps, temp)
         for (name, k, p_min), spec in specs.items():
             fig = engine_figures(plain_runs[0], spec)
             ours = (
@@ -290,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         c = ", ".join(f"{k} {v}" for k, v in costs.drafter_c.items())
         b = ", ".join(f"{n} tokens {v}" for n, v in costs.batch_cost.items())
         print(
-            f"costs in target decode steps ({costs.target_tokens_per_s} tokens/s plain): "
+            f"costs in target decode steps ({costs.target_tokens_per_s} tokens/s plain at "
+            f"T={costs.temperature:g}): "
             f"a drafter step (c): {c}; one forward over n tokens: {b}"
         )
     machine = f"{platform.processor() or platform.machine()}, {args.threads} threads"
