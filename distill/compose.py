@@ -18,6 +18,7 @@ never imports the pipeline (DESIGN.md, "Layout and imports"; tests/test_import_c
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -143,7 +144,10 @@ def compose_stage(
         raise ConfigError(_one_line(stage, e)) from e
     OmegaConf.set_struct(stage_cfg, False)
     if overrides.values:
-        keep = {key: OmegaConf.select(stage_cfg, key) for key in _user_values(section)}
+        # copies: a merge updates a list or dict node in place, which would change a kept one
+        keep = {
+            key: copy.deepcopy(OmegaConf.select(stage_cfg, key)) for key in _user_values(section)
+        }
         for key, value in overrides.values.items():
             OmegaConf.update(stage_cfg, key, value, merge=True)
         for key, value in keep.items():  # the user's keys, as Hydra composed them, win

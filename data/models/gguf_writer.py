@@ -115,14 +115,17 @@ def _rope_theta(config) -> float:
     return float(theta or getattr(config, "rope_theta", None) or 10000.0)
 
 
-def check_architecture(model_type: str | None) -> None:
-    """The one refusal of an architecture this writer cannot express (the export checks the
-    drafter's config.json with it before loading; `check_llama` the loaded model)."""
+def check_architecture(
+    model_type: str | None, asked_by: str = "gguf.enabled=true", instead: str = "gguf.enabled=false"
+) -> None:
+    """The one refusal of an architecture this writer cannot express (the export and validate
+    check the drafter's config.json with it before loading; `check_llama` the loaded model).
+    `asked_by`: the setting that asked for a GGUF file; `instead`: the one that needs none."""
     if model_type != "llama":
         raise ConfigError(
-            f"gguf.enabled=true: the drafter is {model_type!r} and specdistill writes "
+            f"{asked_by}: the drafter is {model_type!r} and specdistill writes "
             "Llama-architecture GGUF files only; convert the exported folder with llama.cpp's "
-            "convert_hf_to_gguf.py (or set gguf.enabled=false)"
+            f"convert_hf_to_gguf.py (or set {instead})"
         )
 
 

@@ -196,6 +196,7 @@ def mode_figures(dec, base_rates, spec_rates, spec_out: DecodeOutput) -> dict[st
         # The raw counters, so another engine's acceptance can be put on the same footing.
         "accepted_at": list(spec_out.accepted_at),
         "trials_at": list(spec_out.trials_at),
+        "drafted": sum(k * n for k, n in enumerate(spec_out.draft_lengths)),  # every draft made
     }
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from specdistill.decode.validate.buckets import bucket_markdown
 from specdistill.decode.validate.categories import category_markdown
+from specdistill.decode.validate.llamacpp_engine import llamacpp_table
 from specdistill.decode.validate.modes import positions, speedup_text
 
 
@@ -77,6 +78,8 @@ class ValidateResult:
     # engines=[ours,vllm]: the same pair, prompts and modes in vLLM (decode/validate/two_engines)
     engines: list[str] = field(default_factory=lambda: ["ours"])
     vllm: dict[str, Any] | None = None
+    # engines=[ours,llamacpp]: the same prompts and modes in llama-server (llamacpp_engine.py)
+    llamacpp: dict[str, Any] | None = None
     # long_prompts policy, prompt budget and how many prompts were truncated or skipped
     prompt_fit: dict[str, Any] = field(default_factory=dict)
     vocab_mapping: dict[str, Any] | None = None  # mapped pairs: intersection, coverage, context
@@ -207,6 +210,8 @@ def report_markdown(r: ValidateResult) -> str:
     lines += category_markdown(r.categories)
     if r.vllm:
         lines += two_engine_table(r.vllm)
+    if r.llamacpp:
+        lines += llamacpp_table(r.llamacpp)
     lines += [f"- {n}" for n in r.notes]
     return "\n".join(lines) + "\n"
 

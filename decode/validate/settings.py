@@ -21,6 +21,7 @@ from specdistill.data.runtime import ConfigError, setting
 from specdistill.data.sampling import Sampling
 from specdistill.decode.config import MAX_DRAFT, DecoderSettings
 from specdistill.decode.draft_length import DraftCosts, costs_from_mapping
+from specdistill.decode.validate.llamacpp_engine import LlamaCppSettings
 from specdistill.decode.validate.modes import both_modes, other_decoder
 from specdistill.decode.validate.vllm_engine import draft_sample_method, parse_engines
 
@@ -66,6 +67,7 @@ class ValidateSettings:
     cost_model: tuple[CostModel, ...] = ()
     engines: tuple[str, ...] = ("ours",)
     vllm_draft_sample_method: str | None = None  # engines=[ours,vllm]: vllm.draft_sample_method
+    llamacpp: LlamaCppSettings | None = None  # engines=[ours,llamacpp]: llamacpp.*
     training_data: str | None = None  # a Seq-KD dataset: no prompt may be among its rows
 
     @property
@@ -119,6 +121,9 @@ class ValidateSettings:
             cost_model=cost_models(cfg.get("cost_model")),
             engines=engines,
             vllm_draft_sample_method=method,
+            llamacpp=(
+                LlamaCppSettings.from_node(cfg.get("llamacpp")) if "llamacpp" in engines else None
+            ),
             training_data=str(cfg.training_data) if cfg.get("training_data") else None,
         )
 

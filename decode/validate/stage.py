@@ -48,6 +48,7 @@ from specdistill.decode.speculative import SpeculativeDecoder
 from specdistill.decode.validate.buckets import measure_buckets, regroup
 from specdistill.decode.validate.categories import category_rows, check_batches, plot_by_category
 from specdistill.decode.validate.categories import labels as category_labels
+from specdistill.decode.validate.llamacpp_engine import preflight as llamacpp_preflight
 from specdistill.decode.validate.mapped import check_mapped_stage, load_mapped, mapping_figures
 from specdistill.decode.validate.modes import (
     measure_other_mode,
@@ -92,6 +93,7 @@ class Setup:
     warm: list[tuple[torch.Tensor, torch.Tensor]]
     engines: tuple[str, ...] = ("ours",)
     vllm_settings: Any = None  # EngineSettings when engines include vllm
+    llamacpp_binary: Any = None  # llama-server's path when engines include llamacpp
     # How prompts were fitted to the context: policy, budget, how many were long / truncated /
     # skipped (`fit_prompt_set`); and each kept prompt's context-length bucket (long sets, else None).
     prompt_fit: dict[str, Any] = field(default_factory=dict)
@@ -119,6 +121,7 @@ def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) 
     engines = vs.engines
     check_mapped_stage(cfg, spec, engines)
     vllm_settings = preflight(cfg, spec) if "vllm" in engines else None
+    binary = llamacpp_preflight(vs.llamacpp, spec) if vs.llamacpp is not None else None
     target, drafter, tok = load_pair(spec, device=device, dtype=dtype)
     mapped = load_mapped(cfg, spec, target, drafter, tok)
     prompts = load_prompts(cfg.dataset, tok, default_split="test")
@@ -154,7 +157,7 @@ def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) 
     warm = _batches(rows[:1], tok.pad_token_id, 1)
     return Setup(
         spec, target, drafter, tok, device, dtype, eos, texts, batches, warm, engines,
-        vllm_settings, prompt_fit=fit, buckets=[p.bucket for p in prompts], mapped=mapped,
+        vllm_settings, binary, prompt_fit=fit, buckets=[p.bucket for p in prompts], mapped=mapped,
         categories=category_labels(prompts, node_get(cfg.dataset, "label") or "dataset"),
     )  # fmt: skip
 
@@ -341,10 +344,13 @@ def side_measurements(
         )  # fmt: skip
         if hf.get("speedup"):
             hf["ours_over_hf"] = round(sv.figures["speedup"] / hf["speedup"], 3)
+    llamacpp_figures = None
+    if st.llamacpp_binary is not None:
+        llamacpp_figures = in_llamacpp(vs, st, dec, gamma, sv.modes, sv.base_out, notes)
     vllm_figures = None
     if st.vllm_settings is not None:  # last: vLLM takes over the process's threads
         vllm_figures = in_vllm(vs, st, dec, gamma, sv.modes, sv.base_out, notes)
-    return {"hf_assisted": hf, "vllm": vllm_figures}
+    return {"hf_assisted": hf, "vllm": vllm_figures, "llamacpp": llamacpp_figures}
 
 
 def recommendation(
@@ -461,6 +467,33 @@ def in_vllm(
         seed=vs.seed, dtype=st.dtype, eos=st.eos,
         draft_sample_method=vs.vllm_draft_sample_method,
         parallel_drafting=dec.cfg.drafting == "parallel", mapped=st.mapped,
+    )  # fmt: skip
+    notes.extend(more)
+    return figures
+
+
+def in_llamacpp(
+    vs: ValidateSettings, st: Setup, dec: SpeculativeDecoder, gamma: int, modes, base_out, notes
+):
+    """llama.cpp's side of the report: the same prompts and modes in llama-server, the target
+    plain and with q written as GGUF (decode/validate/llamacpp_engine.py)."""
+    from specdistill.decode.validate.llamacpp_engine import validate_in_llamacpp
+
+    log.info("validate: the pair in llama.cpp's llama-server on the same prompts")
+    samplings = {mode_name(s.temperature): s for s in vs.samplings}
+    if dec.cfg.draft_length != "fixed":
+        notes.append(
+            f"llama.cpp drafts up to a fixed K={gamma}; ours used draft_length={dec.cfg.draft_length}"
+        )
+    if dec.cfg.lossy:
+        notes.append(
+            "llama.cpp verifies losslessly; ours used a lossy lenience: acceptance differs"
+        )
+    figures, more = validate_in_llamacpp(
+        vs.llamacpp, st.llamacpp_binary, st, samplings, modes,
+        base_out.tokens if dec.cfg.sampling.greedy else None,
+        gamma=gamma, max_new_tokens=vs.max_new_tokens, repeats=vs.repeats, seed=vs.seed,
+        threads=torch.get_num_threads(), output_dir=vs.output_dir,
     )  # fmt: skip
     notes.extend(more)
     return figures

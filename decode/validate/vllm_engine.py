@@ -35,7 +35,7 @@ from specdistill.data.runtime import ConfigError, spread
 from specdistill.data.sampling import Sampling
 from specdistill.decode.validate.agreement import Acceptance
 
-ENGINES = ("ours", "vllm")
+ENGINES = ("ours", "vllm", "llamacpp")  # llama.cpp: decode/validate/llamacpp_engine.py
 ASKED_BY = "engines=[ours,vllm]"
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -50,14 +50,14 @@ DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
 def parse_engines(cfg: Any) -> tuple[str, ...]:
-    """`engines`: which engines validate runs; ours always (vLLM is reported beside it)."""
+    """`engines`: which engines validate runs; ours always (vLLM and llama.cpp beside it)."""
     raw = cfg.get("engines", ["ours"])
     names = [raw] if isinstance(raw, str) else list(raw or [])
     unknown = [n for n in names if n not in ENGINES]
     if unknown or "ours" not in names:
         raise ConfigError(
-            f"engines={names}: use [ours] or [ours,vllm] (vLLM's figures are reported beside "
-            "our decoder's, on the same prompts)"
+            f"engines={names}: use [ours], [ours,vllm] or [ours,llamacpp] (another engine's "
+            "figures are reported beside our decoder's, on the same prompts)"
         )
     return tuple(dict.fromkeys(names))
 

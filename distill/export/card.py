@@ -380,7 +380,9 @@ def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, An
         "",
         *vllm_section(result.vllm),
         *engine_section(engines),
-        *gguf_section(getattr(result, "gguf", None), result.output_dir),
+        *gguf_section(
+            getattr(result, "gguf", None), result.output_dir, (report or {}).get("llamacpp")
+        ),
         *_serving(target, result.output_dir, gamma),
         *parallel_section(result, target, gamma),
         *self_check_section(result.check),

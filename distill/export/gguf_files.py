@@ -128,10 +128,24 @@ def write_ggufs(model, folder: Path, settings: GGUFSettings, target: str, k: int
     }
 
 
-def gguf_section(record: dict[str, Any] | None, folder: str) -> list[str]:
-    """The card's llama.cpp section: the files, the compatibility check, the command."""
+def gguf_section(
+    record: dict[str, Any] | None, folder: str, measured: dict[str, Any] | None = None
+) -> list[str]:
+    """The card's llama.cpp section: the files, the compatibility check, the command, and
+    (`measured`: the validate report's `llamacpp` section) how llama.cpp served this drafter."""
     if not record:
         return []
+    from specdistill.decode.validate.llamacpp_engine import (
+        SUMMARY_HEAD,
+        summary_caption,
+        summary_rows,
+    )
+
+    served = (
+        ["", summary_caption(measured), "", *SUMMARY_HEAD, *summary_rows(measured, "this drafter")]
+        if measured
+        else []
+    )
     rows = [
         f"| `{f['file']}` | {kind} | {f['file_type']} | {f['bytes'] / 1e6:.1f} MB |"
         for kind, f in record["files"].items()
@@ -155,5 +169,6 @@ def gguf_section(record: dict[str, Any] | None, folder: str) -> list[str]:
         "Where the server's threads take every core, add `--poll 0`: llama.cpp's worker threads "
         "otherwise spin between graph runs and the draft and target contexts starve each other "
         "(speculative decoding ran 4x slower on 2 cores; specdistill's measurements pass it).",
+        *served,
         "",
     ]

@@ -14,6 +14,7 @@ import time
 from omegaconf import DictConfig
 
 from specdistill.data.generate.vllm_engine import require_vllm
+from specdistill.decode.llamacpp.build import llama_server_binary
 from specdistill.distill.pipeline.execute import PipelineResult, finish, main_process, run_step
 from specdistill.distill.pipeline.plan import build_plan, write_plan
 from specdistill.distill.pipeline.report import summary_markdown as _table
@@ -25,6 +26,8 @@ def run(cfg: DictConfig) -> PipelineResult:
     steps = build_plan(cfg)  # every config composed and checked before any step runs
     if cfg.get("vllm", False) and any(s.stage == "export" for s in steps):
         require_vllm("vllm=true")  # the export's vLLM check would fail only after every stage
+    if cfg.get("llamacpp", False) and any(s.stage == "validate" for s in steps):
+        llama_server_binary("llamacpp=true")  # validate's check would fail only after distill
     write_plan(steps)
     stages = {step.name: run_step(step) for step in steps[:-1]}
     if not main_process():  # under a launcher, rank 0 alone writes the run's report

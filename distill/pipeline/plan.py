@@ -135,6 +135,8 @@ class _Planner:
         folders, hand-offs; dotted keys spelled with `__`), the seed; `dataset` picks a set."""
         cfg = self.cfg
         typed = {k.replace("__", "."): v for k, v in values.items()} | {"seed": cfg.seed}
+        if stage == "validate" and cfg.get("llamacpp", False):  # the drafters in llama.cpp too
+            typed.setdefault("engines", ["ours", "llamacpp"])
         own_groups = (f"dataset={dataset}",) if dataset else ()
         extra = StageOverrides(own_groups, typed)
         stage_cfg = compose_stage(stage, cfg, self.overrides.get(stage, StageOverrides()) + extra)
@@ -235,6 +237,8 @@ class _Planner:
             values["report"] = str(Path(report.result_path))
         if self.cfg.get("vllm", False):  # validate the exported folder in vLLM before publishing
             values["vllm.enabled"] = True
+        if self.cfg.get("llamacpp", False):  # the drafter as GGUF files beside the checkpoint
+            values["gguf.enabled"] = True
         # no serving keys, no seed: a copy
         ecfg = compose_stage("export", self.cfg, StageOverrides(values=values))
         self.add("export", "export", out, ecfg, [*reads, report])

@@ -109,7 +109,9 @@ def test_two_engine_table_shows_both_engines_and_the_verdict():
 def test_engines_setting_is_checked():
     assert ve.parse_engines({"engines": ["ours", "vllm"]}) == ("ours", "vllm")
     for bad in (["vllm"], ["ours", "trt"]):
-        with pytest.raises(ConfigError, match=r"engines=.*use \[ours\] or \[ours,vllm\]"):
+        with pytest.raises(
+            ConfigError, match=r"engines=.*use \[ours\], \[ours,vllm\] or \[ours,llamacpp\]"
+        ):
             ve.parse_engines({"engines": bad})
 
 

@@ -264,6 +264,26 @@ def test_console_script_plan_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_llamacpp_true_without_a_binary_stops_before_any_step(cli, monkeypatch, tmp_path):
+    """`specdistill llamacpp=true` with no llama-server built: one error line naming the build
+    command, and no step has run (validate's own check would come after generate and distill)."""
+    from specdistill.decode.llamacpp import build
+
+    monkeypatch.setattr(build, "cache_dir", lambda: tmp_path / "no-build")
+    monkeypatch.delenv("SPECDISTILL_LLAMA_SERVER", raising=False)
+    code, _, err = cli(f"run_dir={tmp_path / 'run'}", "pair=toy-tiny", "llamacpp=true", plan=False)
+    assert code == 2
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: llamacpp=true: llama-server is not built"
+    )
+    assert not (tmp_path / "run" / "generate").exists()
+    code, runs, _ = cli(f"run_dir={tmp_path / 'run'}", "pair=toy-tiny", "llamacpp=true",
+                        "validate.engines=[ours]")  # fmt: skip
+    assert code == 0 and runs[0]["validate"]["config"]["engines"] == ["ours"]  # the user's key
+    assert runs[0]["validate_base"]["config"]["engines"] == ["ours"]
+
+
 def test_vllm_true_without_vllm_stops_before_any_step(cli, monkeypatch, tmp_path):
     """`specdistill vllm=true` where vLLM is missing: one error line, no step has run (the
     export's check would otherwise come after generate, distill and validate)."""

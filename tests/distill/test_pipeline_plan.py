@@ -185,3 +185,13 @@ def test_long_context_leg_without_distill_or_after_online(tmp_path):
     assert "validate_long_base" not in {
         s.name for s in build_plan(_cfg(run, LONG, "stages=[generate,distill]"))
     }
+
+
+def test_llamacpp_true_serves_every_validate_step_in_llama_cpp_and_exports_gguf(tmp_path):
+    steps = {s.name: s for s in build_plan(_cfg(tmp_path / "run", "llamacpp=true"))}
+    for name in ("validate_base", "validate"):
+        assert steps[name].config["engines"] == ["ours", "llamacpp"], name
+    assert steps["export"].config["gguf"]["enabled"] is True
+    plain = {s.name: s for s in build_plan(_cfg(tmp_path / "r3"))}
+    assert plain["validate"].config["engines"] == ["ours"]
+    assert plain["export"].config["gguf"]["enabled"] is False

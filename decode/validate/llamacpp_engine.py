@@ -1,0 +1,435 @@
+"""The validate stage inside llama.cpp (`engines=[ours,llamacpp]`): the CPU engine users deploy.
+
+On CPUs and laptops a drafter is served by `llama-server -m TARGET.gguf -md DRAFT.gguf`, and
+what it is worth there is llama.cpp's acceptance and speed, not our decoder's. So validate can
+serve the pair in llama.cpp on its own prompts (the same token ids, max_new_tokens, K, serving
+modes and seeds): the target alone and with the drafter, two servers side by side, each prompt
+asked of both in turn (`repeats` times) so drift in the machine's speed hits both alike. It
+reports llama.cpp's own counters (acceptance = accepted / drafted tokens, tau, tokens/s, the
+speedup over its plain decoding), whether greedy output with the drafter equals the plain
+output, and our decoder's figures beside them on llama.cpp's footing (`beside_ours`).
+
+The drafter is the very one validate loaded, written as GGUF into `output_dir/llamacpp/`
+(`llamacpp.drafter_type`: the target file's recipe by default, so its steps cost llama.cpp the
+target's bytes per parameter), or an exported `drafter-*.gguf` (`llamacpp.drafter`); the
+target is the pair's own GGUF file or one written once from a Llama checkpoint
+(data/models/target_gguf.py). Greedy drafts are q's argmax (llama.cpp's default); sampled runs
+use `--spec-draft-sampling probabilistic` (rejection sampling, as ours; `llamacpp.sampled_drafts`)
+with llama.cpp's q: the drafter's top 10 at the request's temperature, not its full softmax, so
+sampled acceptance is lower than ours by design wherever q's mass spreads past 10 tokens. What
+llama.cpp cannot serve (a drafter with its own tokenizer, a non-Llama drafter to write, a
+missing binary) is refused before weights load.
+Its speeds are this machine's; its acceptance is a function of models, prompts and seeds up to
+llama.cpp's own arithmetic (quantised activations).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdistill.data.runtime import ConfigError, setting, spread
+from specdistill.data.sampling import Sampling
+from specdistill.decode.llamacpp.server import DRAFT_SAMPLING
+from specdistill.decode.validate.agreement import Z_LIMIT, Acceptance
+from specdistill.decode.validate.modes import speedup_range
+
+ASKED_BY = "engines=[ours,llamacpp]"
+TARGET_RECIPE = "target"  # the target file's own tensor types, role by role
+
+
+@dataclass(frozen=True)
+class LlamaCppSettings:
+    """`llamacpp.*` of conf/validate.yaml."""
+
+    target: str | None = None  # the target's .gguf; None: the pair's own file, or one written
+    drafter: str | None = None  # the drafter's .gguf; None: written from pair.drafter
+    drafter_type: str = TARGET_RECIPE  # f16, q8_0, q4_0, ... or `target`
+    threads: int | None = None  # None: the stage's CPU threads (torch's, after `threads`)
+    p_min: float = 0.0  # --spec-draft-p-min: llama.cpp stops a round's drafting below it
+    # --spec-draft-sampling of the sampled mode: probabilistic (rejection sampling against q =
+    # the drafter's top 10) or greedy (q's argmax, accepted when the target samples it)
+    sampled_drafts: str = "probabilistic"
+
+    @classmethod
+    def from_node(cls, node: Any) -> LlamaCppSettings:
+        """The node checked and typed; a ConfigError names the field and the fix."""
+        from specdistill.data.models.gguf_writer import QUANT_TYPES
+
+        node = node or {}
+        out = {}
+        for key in ("target", "drafter"):
+            value = setting(node, cls, key)
+            if value is not None and not Path(str(value)).expanduser().is_file():
+                raise ConfigError(
+                    f"llamacpp.{key}={value!r} does not exist: point it at a .gguf file, or "
+                    "null for " + ("the pair's own" if key == "target" else "one written from it")
+                )
+            out[key] = str(Path(str(value)).expanduser()) if value is not None else None
+        kind = str(setting(node, cls, "drafter_type")).lower()
+        if kind not in (*QUANT_TYPES, TARGET_RECIPE):
+            raise ConfigError(
+                f"llamacpp.drafter_type={kind!r}: choose one of {[*QUANT_TYPES, TARGET_RECIPE]}"
+            )
+        threads = setting(node, cls, "threads")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                    or threads < 1):  # fmt: skip
+            raise ConfigError(f"llamacpp.threads={threads!r}: a positive integer, or null")
+        p_min = setting(node, cls, "p_min")
+        if isinstance(p_min, bool) or not isinstance(p_min, int | float) or not 0 <= p_min <= 1:
+            raise ConfigError(f"llamacpp.p_min={p_min!r} must lie in [0, 1] (0: off)")
+        drafts = setting(node, cls, "sampled_drafts")
+        if drafts not in DRAFT_SAMPLING:
+            raise ConfigError(
+                f"llamacpp.sampled_drafts={drafts!r}: choose one of {list(DRAFT_SAMPLING)}"
+            )
+        return cls(out["target"], out["drafter"], kind, threads, float(p_min), drafts)
+
+
+def preflight(settings: LlamaCppSettings, spec: Any) -> Path:
+    """Everything llama.cpp needs that can be checked before weights load; the binary's path."""
+    from specdistill.data.models.gguf_writer import check_architecture
+    from specdistill.data.models.target_gguf import gguf_source
+    from specdistill.decode.llamacpp.build import llama_server_binary
+
+    if spec.vocab == "mapped":
+        raise ConfigError(
+            f"{ASKED_BY} with a drafter of its own tokenizer: llama.cpp has no vocabulary "
+            "mapping (its drafter must share the target's tokens); use engines=[ours]"
+        )
+    binary = llama_server_binary(ASKED_BY)
+    if settings.target is None and gguf_source(spec.target) is None:
+        config = Path(str(spec.target)) / "config.json"
+        if not config.is_file():
+            raise ConfigError(
+                f"{ASKED_BY}: pair.target={spec.target!r} is neither a GGUF file nor a local "
+                "checkpoint; give its GGUF file as llamacpp.target"
+            )
+        _check_type(config, "llamacpp.target")
+    if settings.drafter is None:
+        config = Path(str(spec.drafter)) / "config.json"
+        if config.is_file():  # a hub id is checked once its weights load
+            import json
+
+            kind = json.loads(config.read_text()).get("model_type")
+            check_architecture(kind, ASKED_BY, "llamacpp.drafter to a .gguf file")
+    return binary
+
+
+def _check_type(config: Path, field: str) -> None:
+    import json
+
+    from specdistill.data.models.gguf_writer import check_architecture
+
+    check_architecture(json.loads(config.read_text()).get("model_type"), ASKED_BY, field)
+
+
+def drafter_gguf(settings: LlamaCppSettings, drafter: Any, target_file: Path, folder: Path):
+    """(the drafter's GGUF path, its record): the given file, or `drafter` written as
+    `llamacpp.drafter_type`; checked against the target's GGUF by llama.cpp's drafter rule."""
+    from specdistill.data.models.gguf_vocab import compatibility_problems, read_gguf_vocab
+    from specdistill.data.models.gguf_writer import reference_types, write_llama_gguf
+
+    record: dict[str, Any]
+    if settings.drafter is not None:
+        path = Path(settings.drafter)
+        record = {"file": str(path), "written": False, "bytes": path.stat().st_size}
+    else:
+        kind = settings.drafter_type
+        check_rows(drafter)
+        types = reference_types(target_file) if kind == TARGET_RECIPE else kind
+        path = folder / f"drafter-{kind}.gguf"
+        written = write_llama_gguf(drafter, path, types=types, tokenizer_gguf=target_file,
+                                   name=f"drafter-{kind}")  # fmt: skip
+        record = {"file": str(path), "written": True, "type": kind, "bytes": written.bytes,
+                  "file_type": written.file_type}  # fmt: skip
+    problems = compatibility_problems(read_gguf_vocab(target_file), read_gguf_vocab(path))
+    if problems:
+        raise ConfigError(
+            f"{ASKED_BY}: llama.cpp would refuse {path.name} as a drafter of {target_file.name}: "
+            f"{problems[0]}"
+        )
+    return path, record
+
+
+def check_rows(drafter: Any) -> None:
+    """A head of other rows than the embedding (a draft-vocabulary checkpoint) is not servable:
+    llama.cpp scores every token of the shared vocabulary."""
+    head = drafter.get_output_embeddings()
+    emb = drafter.get_input_embeddings()
+    if head is not None and head.weight.shape[0] != emb.weight.shape[0]:
+        raise ConfigError(
+            f"{ASKED_BY}: the drafter's head has {head.weight.shape[0]} rows and its embedding "
+            f"{emb.weight.shape[0]} (a draft-vocabulary checkpoint); export it (the export "
+            "restores the full head) and validate the exported folder"
+        )
+
+
+def flat_prompts(batches: Sequence[Any]) -> list[list[int]]:
+    """The stage's left-padded batches as one list of prompts' token ids, in order."""
+    return [ids[j, mask[j].bool()].tolist() for ids, mask in batches for j in range(ids.shape[0])]
+
+
+def interleaved(plain, spec, prompts, s: Sampling, max_new: int, seed: int, repeats: int):
+    """([plain completions per repeat], [speculative completions per repeat]): each prompt
+    asked of the plain server, then of the speculative one, with the same sampling and seed."""
+    plains, specs = [], []
+    for _ in range(repeats):
+        p_pass, s_pass = [], []
+        for i, ids in enumerate(prompts):
+            kw = dict(temperature=s.temperature, seed=seed + i, top_k=s.top_k, top_p=s.top_p)
+            p_pass.append(plain.complete(ids, max_new, **kw))
+            s_pass.append(spec.complete(ids, max_new, **kw))
+        plains.append(p_pass)
+        specs.append(s_pass)
+    return plains, specs
+
+
+def mode_row(plains: list, specs: list, greedy: bool) -> dict[str, Any]:
+    """One mode's llama.cpp figures from the repeats of `interleaved` (counters: first repeat)."""
+    from specdistill.decode.llamacpp.measure import engine_figures, tokens_per_second
+
+    fig = engine_figures(plains[0], specs[0])
+    plain_rates = [tokens_per_second(p) for p in plains]
+    spec_rates = [tokens_per_second(s) for s in specs]
+    base = statistics.median(plain_rates)
+    return {
+        "acceptance": round(fig.acceptance, 4),
+        "tau": round(fig.tau, 3),
+        "drafted": fig.drafted,
+        "accepted": fig.accepted,
+        "rounds": fig.rounds,
+        "requests": fig.requests,
+        "plain_tokens_per_s": spread(plain_rates),
+        "speculative_tokens_per_s": spread(spec_rates),
+        "speedup": round(statistics.median(spec_rates) / base, 3) if base else 0.0,
+        "speedup_range": speedup_range(plain_rates, spec_rates),
+        "identical_to_plain": fig.greedy_identical if greedy else None,
+        "mismatched_sequences": len(fig.mismatched),
+    }
+
+
+def tau_agreement(ours: Acceptance, accepted: int, rounds: int) -> dict[str, Any]:
+    """llama.cpp's mean acceptance length against ours, a two-sample z statistic.
+
+    llama.cpp reports totals only (accepted drafts, rounds), so the per-round spread is taken
+    from ours: under the hypothesis that both engines accept alike, both samples share it.
+    Rounds of one sequence are not independent, so the noise is a lower bound and |z| > 3 is
+    called a disagreement, as for vLLM (agreement.py)."""
+    theirs = accepted / rounds if rounds else 0.0
+    diff = theirs - ours.mean_accepted
+    if not ours.rounds or not rounds:
+        return {"ours": round(1 + ours.mean_accepted, 4), "llamacpp": round(1 + theirs, 4),
+                "difference": round(diff, 4), "noise": 0.0, "z": None, "beyond_noise": False}  # fmt: skip
+    se = math.sqrt(ours.variance * (1 / ours.rounds + 1 / rounds))
+    if se == 0.0:
+        z = 0.0 if diff == 0 else math.copysign(math.inf, diff)
+    else:
+        z = diff / se
+    return {
+        "ours": round(1 + ours.mean_accepted, 4),
+        "llamacpp": round(1 + theirs, 4),
+        "difference": round(diff, 4),
+        "noise": round(se, 4),
+        "z": round(z, 2) if math.isfinite(z) else z,
+        "beyond_noise": abs(z) > Z_LIMIT,
+    }
+
+
+def beside_ours(row: dict[str, Any], mine: dict[str, Any]) -> None:
+    """Our decoder's figures of the same mode on llama.cpp's footing, into `row["ours"]`, and
+    the tau comparison into `row["agreement"]`; nothing without our counters."""
+    if not mine.get("trials_at"):
+        return
+    acc = Acceptance.from_ours(mine["accepted_at"], mine["trials_at"])
+    drafted = mine.get("drafted")
+    row["ours"] = {
+        # llama.cpp counts every drafted token, those after a round's first rejection too
+        "acceptance": round(acc.accepted / drafted, 4) if drafted else None,
+        "tau": mine.get("tau"),
+        "alpha": mine.get("alpha"),
+        "speedup": mine.get("speedup"),
+        "target_only_tokens_per_s": mine.get("baseline_tokens_per_s"),
+        "speculative_tokens_per_s": mine.get("speculative_tokens_per_s"),
+    }
+    row["agreement"] = tau_agreement(acc, row["accepted"], row["rounds"])
+
+
+def _strip(tokens: list[int], eos: Sequence[int]) -> list[int]:
+    return tokens[:-1] if tokens and tokens[-1] in eos else tokens
+
+
+def same_outputs(theirs: Sequence[list[int]], ours: Sequence[list[int]], eos) -> str:
+    """`k/n`: prompts whose llama.cpp plain output equals our target-only output (EOS aside)."""
+    same = sum(_strip(list(a), eos) == _strip(list(b), eos) for a, b in zip(theirs, ours))
+    return f"{same}/{len(theirs)}"
+
+
+def validate_in_llamacpp(
+    settings: LlamaCppSettings,
+    binary: Path,
+    st: Any,
+    samplings: dict[str, Sampling],
+    ours: dict[str, dict[str, Any]],
+    ours_greedy_tokens: list[list[int]] | None,
+    *,
+    gamma: int,
+    max_new_tokens: int,
+    repeats: int,
+    seed: int,
+    threads: int,
+    output_dir: Path,
+) -> tuple[dict[str, Any], list[str]]:
+    """(report.json's `llamacpp` section, notes): the pair in llama-server in every mode."""
+    from specdistill.data.models.target_gguf import target_gguf
+    from specdistill.decode.llamacpp.server import LlamaServer, version
+
+    target_file = Path(settings.target) if settings.target else target_gguf(st.spec.target)
+    drafter_file, drafter = drafter_gguf(settings, st.drafter, target_file, output_dir / "llamacpp")
+    prompts = flat_prompts(st.batches)
+    need = max(len(p) for p in prompts) + max_new_tokens + gamma + 8
+    ctx = -(-need // 256) * 256
+    threads = settings.threads or threads
+    notes: list[str] = []
+    modes: dict[str, dict[str, Any]] = {}
+    for mode, s in samplings.items():
+        method = None if s.greedy else settings.sampled_drafts
+        common = dict(threads=threads, ctx=ctx)
+        with (
+            LlamaServer(binary, target_file, **common) as plain,
+            LlamaServer(binary, target_file, draft=drafter_file, draft_max=gamma,
+                        draft_p_min=settings.p_min, draft_sampling=method, **common) as spec,
+        ):  # fmt: skip
+            for server in (plain, spec):  # warm-up, untimed
+                server.complete(prompts[0], 4, temperature=s.temperature, seed=seed)
+            plains, specs = interleaved(plain, spec, prompts, s, max_new_tokens, seed, repeats)
+        row = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+               "draft_sampling": method or "greedy"} | mode_row(plains, specs, s.greedy)  # fmt: skip
+        beside_ours(row, ours.get(mode) or {})
+        if s.greedy and ours_greedy_tokens is not None:
+            row["plain_equals_ours_target_only"] = same_outputs(
+                [c.tokens for c in plains[0]], ours_greedy_tokens, st.eos
+            )
+        if s.greedy and not row["identical_to_plain"]:
+            notes.append(
+                f"llama.cpp greedy with the drafter differs from its plain greedy output in "
+                f"{row['mismatched_sequences']} sequences"
+            )
+        a = row.get("agreement")
+        if a and a["beyond_noise"]:
+            why = "" if s.greedy else f" (llama.cpp drafts {method}: q is the drafter's top 10)"
+            notes.append(
+                f"{mode}: llama.cpp's mean acceptance length {a['llamacpp']} differs from ours "
+                f"{a['ours']} by {a['difference']:+.3f} ({abs(a['z']):.1f} standard errors){why}"
+            )
+        modes[mode] = row
+    result = {
+        "version": version(binary),
+        "binary": str(binary),
+        "target": str(target_file),
+        "drafter": drafter,
+        "k": gamma,
+        "p_min": settings.p_min,
+        "sampled_drafts": settings.sampled_drafts,
+        "threads": threads,
+        "ctx": ctx,
+        "modes": modes,
+        "greedy_identical_to_plain": (modes.get("greedy") or {}).get("identical_to_plain"),
+    }
+    return result, notes
+
+
+def _pair(row: dict[str, Any], key: str, mine_key: str | None = None, fmt=str) -> str:
+    theirs = row.get(key)
+    mine = (row.get("ours") or {}).get(mine_key or key)
+    return f"{fmt(theirs)} / {'-' if mine is None else fmt(mine)}"
+
+
+def _rate(d: dict | None) -> str:
+    return "n/a" if not d else f"{d['median']} ({d['min']}-{d['max']})"
+
+
+def llamacpp_table(v: dict[str, Any]) -> list[str]:
+    """report.md's section: llama.cpp's figures, ours beside, one column per serving mode."""
+    modes = list(v["modes"])
+    rows: list[tuple[str, list[str]]] = []
+    m = v["modes"]
+    rows.append(("acceptance (accepted / drafted tokens), llama.cpp / ours",
+                 [_pair(m[x], "acceptance") for x in modes]))  # fmt: skip
+    rows.append(("tau (tokens per target round), llama.cpp / ours",
+                 [_pair(m[x], "tau") for x in modes]))  # fmt: skip
+    rows.append(("llama.cpp drafted / accepted / rounds",
+                 [f"{m[x]['drafted']} / {m[x]['accepted']} / {m[x]['rounds']}" for x in modes]))  # fmt: skip
+    rows.append(("llama.cpp plain tokens/s, median (min-max)",
+                 [_rate(m[x]["plain_tokens_per_s"]) for x in modes]))  # fmt: skip
+    rows.append(("llama.cpp with the drafter tokens/s",
+                 [_rate(m[x]["speculative_tokens_per_s"]) for x in modes]))  # fmt: skip
+    rows.append(("speedup over its own plain decoding, llama.cpp / ours",
+                 [_pair(m[x], "speedup", fmt=lambda y: f"{y}x") for x in modes]))  # fmt: skip
+    rows.append(("greedy output with the drafter = plain output",
+                 [str(m[x]["identical_to_plain"]) if m[x]["identical_to_plain"] is not None
+                  else "-" for x in modes]))  # fmt: skip
+    rows.append(("llama.cpp plain output = our target-only output",
+                 [m[x].get("plain_equals_ours_target_only", "-") for x in modes]))  # fmt: skip
+    cells = []
+    for x in modes:
+        a = m[x].get("agreement")
+        cells.append("n/a" if not a or a["z"] is None else (
+            f"{a['difference']:+.3f} +- {a['noise']:.3f} (z {a['z']}): "
+            + ("BEYOND noise" if a["beyond_noise"] else "within noise")))  # fmt: skip
+    rows.append(("llama.cpp - ours, mean acceptance length", cells))
+    d = v["drafter"]
+    what = f"{d.get('type')}, written here" if d.get("written") else "given"
+    return [
+        "",
+        f"## Two engines: our decoder and llama.cpp ({v['version'].removeprefix('version: ')}; "
+        f"K={v['k']}, p_min {v['p_min']}, {v['threads']} threads; drafter "
+        f"`{Path(d['file']).name}` ({what}, {d['bytes'] / 1e6:.1f} MB))",
+        "",
+        "| figure | " + " | ".join(modes) + " |",
+        "|---|" + "---|" * len(modes),
+        *[f"| {k} | {' | '.join(cells)} |" for k, cells in rows],
+        "",
+        "llama.cpp's tokens/s are this machine's; sampled runs draft with "
+        f"`--spec-draft-sampling {v.get('sampled_drafts', 'probabilistic')}` (q: the drafter's top "
+        "10; ours: its full softmax).",
+        "",
+    ]
+
+
+SUMMARY_HEAD = [
+    "| drafter | mode | acceptance (of drafted), llama.cpp / ours | tau, llama.cpp / ours | "
+    "tokens/s with the drafter / plain | speedup, llama.cpp / ours | greedy = plain |",
+    "| --- | --- | --- | --- | --- | --- | --- |",
+]
+
+
+def summary_rows(v: dict[str, Any] | None, label: str) -> list[str]:
+    """One row per serving mode of a report's `llamacpp` section (summary.md, the card)."""
+    if not v:
+        return []
+    out = []
+    for mode, m in v["modes"].items():
+        same = m.get("identical_to_plain")
+        out.append(
+            f"| {label} | {mode} | {_pair(m, 'acceptance')} | {_pair(m, 'tau')} | "
+            f"{m['speculative_tokens_per_s']['median']} / {m['plain_tokens_per_s']['median']} | "
+            f"{_pair(m, 'speedup', fmt=lambda y: f'{y}x')} | "
+            f"{'-' if same is None else ('yes' if same else 'NO')} |"
+        )
+    return out
+
+
+def summary_caption(v: dict[str, Any]) -> str:
+    """What the rows measured: build, K, the drafter file, threads."""
+    d = v["drafter"]
+    kind = d.get("type") or Path(d["file"]).name
+    return (
+        f"In llama.cpp ({v['version'].removeprefix('version: ')}, `llama-server -md`, K={v['k']}, "
+        f"p_min {v['p_min']}, drafter GGUF {kind} {d['bytes'] / 1e6:.1f} MB, {v['threads']} "
+        "threads; tokens/s and speedups are this machine's):"
+    )
