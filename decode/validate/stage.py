@@ -489,6 +489,8 @@ def in_llamacpp(
         notes.append(
             "llama.cpp verifies losslessly; ours used a lossy lenience: acceptance differs"
         )
+    if dec.cfg.lookup:
+        notes.append("llama.cpp drafts with the drafter alone; ours also by prompt lookup")
     figures, more = validate_in_llamacpp(
         vs.llamacpp, st.llamacpp_binary, st, samplings, modes,
         base_out.tokens if dec.cfg.sampling.greedy else None,
