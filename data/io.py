@@ -132,7 +132,7 @@ def describe_fault(exc: BaseException) -> str | None:
     )
     return (
         f"{IO_FAULTS[code]}{where}{detail}: {fix}, then rerun; finished work is kept "
-        "(generate resumes its chunks; distill and online resume with resume=true)"
+        "(generate resumes its chunks; distill and online continue their latest checkpoint)"
     )
 
 

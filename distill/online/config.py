@@ -41,6 +41,7 @@ TOPK_SAMPLING = 4096
 # Settings that do not change what a run computes: a resumed run may change them.
 _RUN_ONLY = (
     "resume", "output_dir", "logger", "device", "threads", "prefill_threads", "plot", "hydra",
+    "run_key",  # the pipeline's step fingerprint: compared on its own (util.saved_state)
 )  # fmt: skip
 
 
@@ -55,6 +56,15 @@ def _in_range_or_null(value, lo: float, hi: float) -> bool:
     if value is None:
         return True
     return not isinstance(value, bool) and isinstance(value, int | float) and lo <= value <= hi
+
+
+def _resume(value: Any) -> bool | str:
+    """`resume`: auto, true or false."""
+    if value not in (True, False, "auto"):
+        raise ConfigError(
+            f"resume={value!r}: use auto (continue this run's own state), true or false"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,7 @@ class OnlineSettings:
     loss_chunk_size: int = 256
     compare_frozen: bool = True
     seed: int = 0
-    resume: bool = False
+    resume: bool | str = "auto"  # auto: continue this run's own state (saved_state)
     device: str = "auto"
     dtype: str = "auto"
     threads: Any = "default"  # torch's own count: every core (conf/online.yaml)
@@ -122,7 +132,7 @@ class OnlineSettings:
             loss_chunk_size=int(setting(cfg, cls, "loss_chunk_size")),
             compare_frozen=bool(setting(cfg, cls, "compare_frozen")),
             seed=int(setting(cfg, cls, "seed")),
-            resume=bool(setting(cfg, cls, "resume")),
+            resume=_resume(setting(cfg, cls, "resume")),
             device=str(setting(cfg, cls, "device")),
             dtype=str(setting(cfg, cls, "dtype")),
             threads=setting(cfg, cls, "threads"),

@@ -12,8 +12,8 @@ the rejected ones) goes into a replay buffer with the target's top-k taken from 
 request decodes with the updated drafter. A frozen twin decodes the same requests with the same
 seeds for the baseline; a guard rolls back an update that lowers alpha on held-out recent
 traffic. Checkpoints (drafter, optimizer, buffer, stream position, metrics) are atomic and
-written every `save_every` updates and at exit, SIGINT and SIGTERM included; `resume=true`
-continues the stream. The adapted drafter (`output_dir/drafter`) is an ordinary checkpoint.
+written every `save_every` updates and at exit, SIGINT and SIGTERM included; the same command
+run again continues the stream (`resume=auto`). The adapted drafter (`output_dir/drafter`) is an ordinary checkpoint.
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ class OnlineRun:
             tok,
         )
         self.topk = topk
+        self.run_key = cfg.get("run_key")  # the pipeline step's fingerprint (util.saved_state)
         s = settings
         n = len(tok)
         self.dec = SpeculativeDecoder(target, drafter, dcfg, tokenizer_len=n)
@@ -252,6 +253,7 @@ class OnlineRun:
     def state_dict(self, fp: str) -> dict:
         return {
             "fingerprint": fp,
+            "run_key": self.run_key,
             "pos": self.pos,
             "updates": self.updates,
             "rollbacks": self.rollbacks,
@@ -291,7 +293,7 @@ class OnlineRun:
 
 def run(cfg: DictConfig) -> OnlineResult:
     """Serve the stream with the drafter learning from the target's verdicts; see the module
-    docstring. Resumes from OUT/online_state.pt with resume=true."""
+    docstring. Continues OUT/online_state.pt of the same config (resume=auto)."""
     t_start = time.perf_counter()
     s = check_config(cfg)
     out = s.output_dir
@@ -306,7 +308,7 @@ def run(cfg: DictConfig) -> OnlineResult:
         list(s.segments), {k: len(v) for k, v in sources.items()}, s.stream_blend, s.seed
     )
     fp = fingerprint(cfg, plan_fingerprint(plan))
-    state = saved_state(out / STATE_FILE, s.resume, fp)
+    state = saved_state(out / STATE_FILE, s.resume, fp, cfg.get("run_key"))
     # Prompts are tokenised once, cut to their last max_prompt_tokens tokens.
     keep = s.max_prompt_tokens
     prompts = {
@@ -374,7 +376,7 @@ def run(cfg: DictConfig) -> OnlineResult:
 
 def _serve(cfg: DictConfig, s: OnlineSettings, job: OnlineRun, plan, fp: str, device) -> None:
     """The serving loop: batches, updates every `update_every` requests, a metrics row per
-    window, checkpoints; SIGINT/SIGTERM save and exit (resume=true continues)."""
+    window, checkpoints; SIGINT/SIGTERM save and exit (the same command continues)."""
     tracker = wandb_tracker(cfg, device)
     update_every, window = s.update_every, s.window
     with StopOnSignal() as stop:
@@ -399,7 +401,9 @@ def _serve(cfg: DictConfig, s: OnlineSettings, job: OnlineRun, plan, fp: str, de
         job.save(fp)
         if stop.signum is not None:
             log.warning(
-                "stopped by signal %d at request %d; resume=true continues", stop.signum, job.pos
+                "stopped by signal %d at request %d; rerun the same command to continue",
+                stop.signum,
+                job.pos,
             )
             if tracker is not None:
                 tracker.end_training()

@@ -20,23 +20,34 @@ from specdistill.distill.train.setup import init_logger
 log = logging.getLogger("specdistill.online")
 
 
-def saved_state(state_path: Path, resume: bool, fp: str) -> dict | None:
-    """The checkpoint to resume from (resume=true and one exists), refused when another config
-    or stream wrote it (`fp`: the run's fingerprint)."""
-    if resume and state_path.exists():
-        check_saved_file(
-            "resume=true", state_path, "delete it (and drafter/) to start afresh, or resume=false"
+def saved_state(
+    state_path: Path, resume: bool | str, fp: str, run_key: str | None = None
+) -> dict | None:
+    """The checkpoint to resume from, refused when another config or stream wrote it (`fp`: the
+    run's fingerprint). `resume`: auto (the default) continues a state of the same run, so a
+    preempted job's rerun of the same command loses nothing; true insists on one; false starts
+    afresh over whatever is there. `run_key`: the pipeline step's fingerprint (its upstream
+    steps included): under auto a state another step wrote (a re-distilled drafter at the same
+    path) is started afresh over, as the pipeline reruns any changed step."""
+    if resume is False:
+        return None
+    if not state_path.exists():
+        if resume is True:
+            log.warning("resume=true but no %s: starting fresh", state_path)
+        return None
+    asked = f"resume={str(resume).lower()}"
+    check_saved_file(asked, state_path, "delete it (and drafter/) to start afresh, or resume=false")
+    state = torch.load(state_path, weights_only=False)
+    if resume == "auto" and state.get("run_key") != run_key:
+        log.info("%s is another pipeline step's: starting afresh", state_path)
+        return None
+    if state["fingerprint"] != fp:
+        raise ConfigError(
+            f"{asked} but {state_path} was written by a different config or stream: rerun with "
+            "the same settings to continue it, resume=false to start afresh over it, or use a "
+            "fresh output_dir"
         )
-        state = torch.load(state_path, weights_only=False)
-        if state["fingerprint"] != fp:
-            raise ConfigError(
-                f"resume=true but {state_path} was written by a different config or stream: "
-                "resume with the same settings, or use a fresh output_dir"
-            )
-        return state
-    if resume:
-        log.warning("resume=true but no %s: starting fresh", state_path)
-    return None
+    return state
 
 
 def export_atomic(drafter, tok, path: Path) -> None:

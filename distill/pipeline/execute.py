@@ -100,6 +100,8 @@ def run_step(step: Step, config: dict[str, Any] | None = None) -> dict:
     cfg = OmegaConf.create(config or step.config)
     if step.stage == "distill":
         distill_resume(cfg, step.fingerprint, step.out_dir)
+    elif step.stage == "online":  # its state of another step is started afresh over (util.py)
+        cfg.run_key = step.fingerprint
     with kept_threads():  # a stage's thread setting (generate threads=auto: 1) ends with it
         out = _stage_runner(step.stage)(cfg)
     if not main_process() or getattr(out, "merged", True) is False:

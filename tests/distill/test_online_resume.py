@@ -1,4 +1,5 @@
-"""Online adaptation never loses the drafter: SIGKILL/SIGTERM then resume=true equals one run."""
+"""Online adaptation never loses the drafter: SIGKILL/SIGTERM then the same command again equals
+one run (resume=auto, the default); another config's state is refused, resume=false starts over."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def test_killed_and_resumed_run_ends_with_the_same_drafter(tmp_path, toy_tiny, s
     _wait_then_signal(p, cut, sig, windows=2)
     assert p.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM)
     assert len(_windows(cut)) < 6, "the run finished before it was interrupted"
-    p = _cli(cut, "resume=true")
+    p = _cli(cut)  # the same command: resume=auto continues the stream
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err.decode()[-2000:]
 
@@ -94,3 +95,26 @@ def test_killed_and_resumed_run_ends_with_the_same_drafter(tmp_path, toy_tiny, s
     assert 0 < result["relaxed_updates"] < result["updates"]
     assert [r["relaxed_updates"] for r in rows_cut] == [r["relaxed_updates"] for r in rows_ref]
     assert result["relaxed_updates"] == ref_result["relaxed_updates"]
+
+
+def test_saved_state_by_resume_setting(tmp_path):
+    import torch
+
+    from specdistill.data.runtime import ConfigError
+    from specdistill.distill.online.config import _resume
+    from specdistill.distill.online.util import saved_state
+
+    path = tmp_path / "online_state.pt"
+    assert saved_state(path, "auto", "fp") is None  # nothing saved yet: a fresh start
+    torch.save({"fingerprint": "fp", "pos": 8}, path)
+    assert saved_state(path, "auto", "fp")["pos"] == 8
+    assert saved_state(path, True, "fp")["pos"] == 8
+    assert saved_state(path, False, "fp") is None
+    with pytest.raises(ConfigError, match="resume=auto but .* different config .* resume=false"):
+        saved_state(path, "auto", "other")
+    with pytest.raises(ConfigError, match="resume='yes': use auto"):
+        _resume("yes")
+    torch.save({"fingerprint": "fp", "run_key": "step-a", "pos": 8}, path)
+    assert saved_state(path, "auto", "fp", "step-a")["pos"] == 8
+    assert saved_state(path, "auto", "fp", "step-b") is None  # a changed pipeline step: afresh
+    assert saved_state(path, True, "fp", "step-b")["pos"] == 8  # true insists
