@@ -14,6 +14,7 @@ backend's (`vllm.*`); the two engines share the GPU, half of `gpu_memory_utiliza
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -47,6 +48,23 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 # q's argmax and, when sampling, accepts it with probability p(x) (q taken as one-hot);
 # 'probabilistic' samples drafts from q and accepts with min(1, p/q), as our decoder does.
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+
+
+# The oldest vLLM tested with what validate and the card use: speculative_config method
+# draft_model, use_heterogeneous_vocab (TLI) and parallel_drafting (pyproject's `vllm` extra).
+MIN_VERSION = (0, 32)
+
+
+def check_version(version: str) -> None:
+    """Refuse, in one line, a vLLM older than MIN_VERSION (a dev or local build of a newer
+    release passes; an unparsable version is let through to fail, if at all, in vLLM)."""
+    parts = re.match(r"(\d+)\.(\d+)", version or "")
+    if parts and (int(parts[1]), int(parts[2])) < MIN_VERSION:
+        need = ".".join(map(str, MIN_VERSION))
+        raise ConfigError(
+            f"{ASKED_BY} but vLLM {version} is older than {need}, the oldest release tested "
+            f"with draft-model speculation as validate runs it: pip install 'vllm>={need}'"
+        )
 
 
 def parse_engines(cfg: Any) -> tuple[str, ...]:
@@ -130,6 +148,7 @@ def preflight(cfg: Any, spec: PairSpec) -> EngineSettings:
     drafter = config(spec.drafter, spec.drafter_revision)
     check_configs(target, drafter, spec.drafter, mapped=spec.vocab == "mapped")
     vllm = require_vllm(ASKED_BY)
+    check_version(getattr(vllm, "__version__", ""))
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()

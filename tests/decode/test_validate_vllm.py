@@ -396,3 +396,12 @@ def test_vllm_unservable_pairs_fail_before_loading(served_pair, toy_tiny, tmp_pa
     if current_platform.is_cpu():
         with pytest.raises(ConfigError, match="head_dim 16"):
             validate.run(compose_validate(tmp_path / "b", "engines=[ours,vllm]"))
+
+
+def test_a_vllm_older_than_the_tested_release_is_refused():
+    ve.check_version("0.32.0")
+    ve.check_version("0.33.1.dev12+gabc")
+    ve.check_version("1.0.0")
+    ve.check_version("unknown")  # unparsable: let through
+    with pytest.raises(ConfigError, match=r"vLLM 0.31.2 is older than 0.32.*vllm>=0.32"):
+        ve.check_version("0.31.2")
