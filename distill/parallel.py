@@ -217,13 +217,17 @@ def packed_forward(model, packed: dict[str, torch.Tensor]) -> torch.Tensor:
 def packed_hidden(model, packed: dict[str, torch.Tensor]) -> torch.Tensor:
     """The drafter's final hidden states over a packed batch: `packed_forward` without the head,
     so the head can run on the labelled positions only (the masked head, `train/logits.py`).
-    `model` must pass `train.logits.has_plain_head`."""
+    `model` (or the model its DDP / DeepSpeed wrapper holds) must pass
+    `train.logits.has_plain_head`."""
+    from specdistill.distill.train.logits import final_hidden
+
     dtype = next(model.parameters()).dtype
-    return model.get_decoder()(
-        input_ids=packed["input_ids"],
-        attention_mask=additive_mask(packed["allowed"], dtype),
-        position_ids=packed["position_ids"],
-    ).last_hidden_state
+    inputs = {
+        "input_ids": packed["input_ids"],
+        "attention_mask": additive_mask(packed["allowed"], dtype),
+        "position_ids": packed["position_ids"],
+    }
+    return final_hidden(model, inputs)
 
 
 def acceptance_by_depth(

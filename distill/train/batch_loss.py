@@ -21,6 +21,7 @@ from specdistill.distill.head_loss import HeadInput, fused_distill_loss, positio
 from specdistill.distill.intersection import tli_loss
 from specdistill.distill.losses import distill_loss
 from specdistill.distill.train.logits import (
+    causal_lm,
     has_plain_head,
     masked_head_input,
     masked_logits,
@@ -102,7 +103,7 @@ def packed_logits_and_targets(
             logits = parallel.packed_forward(tr.model, packed)[..., : tr.vocab]
         else:
             hidden = parallel.packed_hidden(tr.model, packed)[keep]
-            head = tr.model.get_output_embeddings()
+            head = causal_lm(tr.model).get_output_embeddings()
             if tr.chunked:
                 bias = None if head.bias is None else head.bias[: tr.vocab]
                 logits = HeadInput(hidden, head.weight[: tr.vocab], bias)

@@ -25,10 +25,42 @@ from specdistill.distill.head_loss import HeadInput
 PLAIN_HEAD = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
+def causal_lm(model: Any) -> Any:
+    """The `*ForCausalLM` itself: `model`, or the one a DDP or DeepSpeed wrapper holds."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
 def has_plain_head(model: Any) -> bool:
-    """True when `masked_logits` may call the decoder and the head separately on `model`."""
+    """True when `masked_logits` may call the decoder and the head separately on `model` (or
+    on the causal LM its DDP / DeepSpeed wrapper holds)."""
+    model = causal_lm(model)
     config = getattr(model, "config", None)
     return getattr(config, "model_type", None) in PLAIN_HEAD and hasattr(model, "get_decoder")
+
+
+def final_hidden(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    """The decoder's last hidden state [b, n, H] (after the final norm), without the head.
+
+    A bare model runs its decoder alone. A DDP or DeepSpeed (ZeRO-1/2) wrapper must run its own
+    forward, where it prepares the gradients' all-reduce: it runs with the head on no position
+    (`logits_to_keep`: an empty index), and the decoder's output is taken by a forward hook.
+    The head then runs outside on the loss positions only; its weight is a full tensor under
+    DDP and ZeRO-1/2, so every parameter's gradient still reaches the wrapper's hooks (ZeRO-3
+    partitions it: the caller keeps the full forward there)."""
+    inner = causal_lm(model)
+    if inner is model:
+        return model.get_decoder()(**inputs).last_hidden_state
+    seen: list[torch.Tensor] = []
+    hook = inner.get_decoder().register_forward_hook(
+        lambda _m, _a, out: seen.append(out.last_hidden_state)
+    )
+    try:
+        none = torch.empty(0, dtype=torch.long, device=inputs["input_ids"].device)
+        model(**inputs, logits_to_keep=none)
+    finally:
+        hook.remove()
+    return seen[-1]
 
 
 def model_inputs(
@@ -58,9 +90,8 @@ def masked_logits(
     with `head_ids` [K], only those vocabulary rows, as [N, K] (the draft vocabulary: the head's
     matmul and its gradient shrink by V / K).
 
-    `model` is an unwrapped `*ForCausalLM` (a DDP/DeepSpeed wrapper must see its own forward;
-    the caller passes those through the full path). `position_ids` (and no attention mask): a
-    packed batch (train/packing.py).
+    `model` is a `*ForCausalLM` or its DDP / DeepSpeed ZeRO-1/2 wrapper (`final_hidden`).
+    `position_ids` (and no attention mask): a packed batch (train/packing.py).
     """
     mask = mask.bool()
     inputs = model_inputs(input_ids, attention_mask, position_ids)
@@ -68,8 +99,8 @@ def masked_logits(
         logits = model(**inputs).logits
         logits = logits[..., :vocab][mask]
         return logits if head_ids is None else logits.index_select(-1, head_ids)
-    hidden = model.get_decoder()(**inputs).last_hidden_state
-    head = model.get_output_embeddings()
+    hidden = final_hidden(model, inputs)
+    head = causal_lm(model).get_output_embeddings()
     if head_ids is None:
         return head(hidden[mask])[..., :vocab]
     bias = None if head.bias is None else head.bias.index_select(0, head_ids)
@@ -86,10 +117,9 @@ def masked_head_input(
 ) -> HeadInput:
     """The final hidden states of the positions where `mask` [b, n] is True ([N, H], row order)
     and the head cut to `vocab` rows, for `head_loss.fused_distill_loss`, which never
-    materialises the [N, vocab] logits. `model` must pass `has_plain_head`."""
-    hidden = model.get_decoder()(
-        **model_inputs(input_ids, attention_mask, position_ids)
-    ).last_hidden_state
-    head = model.get_output_embeddings()
+    materialises the [N, vocab] logits. `model` (or the model its wrapper holds) must pass
+    `has_plain_head`."""
+    hidden = final_hidden(model, model_inputs(input_ids, attention_mask, position_ids))
+    head = causal_lm(model).get_output_embeddings()
     bias = None if head.bias is None else head.bias[:vocab]
     return HeadInput(hidden[mask.bool()], head.weight[:vocab], bias)

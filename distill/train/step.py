@@ -75,9 +75,10 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
     # undo both so the gradient is exactly sum(token losses) / n_window.
     scale = world * (A if ds_on else 1)
     loss_sum = torch.zeros((), device=device)
-    # The head only at loss positions needs the bare model (a DDP/DeepSpeed wrapper must run
-    # its own forward to sync gradients): one plain process.
-    masked = s.masked_head and accelerator.unwrap_model(model) is model and not ds_on
+    # The head only at loss positions (so the chunked loss and the draft vocabulary's head):
+    # the bare model, or a DDP / ZeRO-1/2 wrapper running its own forward without the head
+    # (train/logits.final_hidden). ZeRO-3 partitions the head's weight: the full forward there.
+    masked = s.masked_head and s.zero_stage != 3
     for a, (batch, onp) in enumerate(window):
         packed = batch.pop("packed", None)
         batch = {k: v.to(device) for k, v in batch.items()}

@@ -91,8 +91,10 @@ def _assert_final_is_consolidated(out: Path) -> None:
 
 @pytest.mark.slow  # plain + ZeRO-2 torchrun launches on CPU: ~1.3 min on 2 shared cores
 def test_zero2_trains_step_for_step_like_the_plain_path(tmp_path, plain_run):
+    """ZeRO-2 with the masked head and the chunked loss through the engine's forward
+    (train/logits.final_hidden) against the plain path's masked logits."""
     out = tmp_path / "out"
-    _ok(_torchrun(tmp_path, out, "deepspeed=zero2"))
+    _ok(_torchrun(tmp_path, out, "deepspeed=zero2", "chunked_loss=true"))
     _assert_same_training(_result(plain_run), _result(out))
     _assert_same_weights(plain_run / "final", out / "final")
     _assert_final_is_consolidated(out)

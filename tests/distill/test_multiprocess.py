@@ -1,4 +1,6 @@
-"""2 processes x 1 micro-batch == 1 process x 2 micro-batches (same global window).
+"""2 processes x 1 micro-batch == 1 process x 2 micro-batches (same global window); the two
+processes take the masked head and the chunked loss through DDP's forward
+(train/logits.final_hidden), the one process its masked logits.
 
 accelerate 1.15's `accelerate launch --num_processes 2 --cpu` starts a single process unless an
 MPI hostfile is given (its CPU multi-process path is mpirun), so the two CPU processes are
@@ -34,7 +36,7 @@ def test_two_processes_match_one_process_with_twice_the_accumulation(tmp_path):
     )  # fmt: skip
     subprocess.run(
         ["torchrun", "--standalone", "--nproc_per_node", "2", "-m",
-         "specdistill.distill.train", *COMMON, "grad_accum=1",
+         "specdistill.distill.train", *COMMON, "grad_accum=1", "chunked_loss=true",
          f"output_dir={two}"], check=True, env=env, timeout=900,
     )  # fmt: skip
     r1 = json.loads((one / "result.json").read_text())
