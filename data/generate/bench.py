@@ -104,7 +104,9 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     rows_out = _bench_batched(model, tokenizer, prepared, g, b, baseline, reference)
     vllm_entry = None
     if b.engine is not None:
-        vllm_entry = _bench_vllm(spec, g, dtype, model, tokenizer, prepared, b.engine, b.repeats)
+        vllm_entry = _bench_vllm(
+            spec, g, dtype, model, tokenizer, prepared, b.engine, b.repeats, s.chunk_size
+        )
         _compare_vllm(vllm_entry, g, baseline, rows_out, reference)
     report = {
         "target": spec.target,
@@ -168,8 +170,12 @@ def _bench_vllm(
     prepared: list[PreparedPrompt],
     settings: vllm_backend.EngineSettings,
     repeats: int,
+    chunk_size: int,
 ) -> dict[str, Any]:
-    """The vLLM backend on the same prompts: engine start, warm-up, then best-of-N wall time."""
+    """The vLLM backend on the same prompts: engine start, warm-up, then best-of-N wall time,
+    all prompts submitted at once; then as the stage feeds it, chunks of `chunk_size` prompts
+    (the unit a killed run resumes from): one `generate` call per chunk (the stage before it
+    streamed) against the stream that keeps the engine full across chunks."""
     need = max(len(p.ids) for p in prepared) + s.max_new_tokens
     length = vllm_backend.check_target(
         settings,
@@ -188,6 +194,23 @@ def _bench_vllm(
     (rows, tokens), secs = _timed(
         lambda: vllm_backend.generate_rows_vllm(engine, tokenizer, prepared, s, 0, eos), repeats
     )
+    chunks = [
+        (k, prepared[i : i + chunk_size]) for k, i in enumerate(range(0, len(prepared), chunk_size))
+    ]
+
+    def per_chunk() -> tuple[None, int]:
+        done = [vllm_backend.generate_rows_vllm(engine, tokenizer, c, s, 0, eos) for _, c in chunks]
+        return None, sum(t for _, t in done)
+
+    def streamed() -> tuple[None, int]:
+        window = 2 * settings.max_num_seqs
+        got = vllm_backend.stream_rows_vllm(
+            engine.llm_engine, tokenizer, chunks, s, 0, eos, lambda r, t: None, window
+        )
+        return None, sum(len(r["completion_ids"]) for _, rows in got for r in rows)
+
+    (_, chunk_tokens), chunk_secs = _timed(per_chunk, repeats)
+    (_, stream_tokens), stream_secs = _timed(streamed, repeats)
     return {
         "engine_start_seconds": round(start_s, 1),
         "threads": torch.get_num_threads(),
@@ -195,6 +218,12 @@ def _bench_vllm(
         "tokens": tokens,
         "tokens_per_s": round(tokens / secs, 1),
         "rows": rows,
+        "chunk_size": chunk_size,
+        "per_chunk_tokens_per_s": round(chunk_tokens / chunk_secs, 1),
+        "streamed_tokens_per_s": round(stream_tokens / stream_secs, 1),
+        "streamed_over_per_chunk": round(
+            (stream_tokens / stream_secs) / (chunk_tokens / chunk_secs), 2
+        ),
     }
 
 
@@ -246,6 +275,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"vllm / best hf batched: {v['ratio_vs_best_hf_batched']:.2f}x "
             f"(engine start {v['engine_start_seconds']:.0f} s, not counted)"
+        )
+        lines.append(
+            f"vllm in chunks of {v['chunk_size']}: streamed {v['streamed_tokens_per_s']:.1f} "
+            f"tok/s vs one call per chunk {v['per_chunk_tokens_per_s']:.1f} "
+            f"({v['streamed_over_per_chunk']:.2f}x)"
         )
     return "\n".join(lines)
 

@@ -24,10 +24,11 @@ weights load (`prepare_shard`, `fitted_prompts.py`), then generates its shard (`
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -281,19 +282,32 @@ def generate_shard(s: GenerateSettings, shard: Shard, t0: float) -> GenerateResu
     )
 
 
-RowsFn = Callable[[Sequence[PreparedPrompt], Callable[[int, int], None]], list[dict[str, Any]]]
+ChunkRows = Iterator[tuple[int, list[dict[str, Any]]]]
+StreamFn = Callable[[vllm_backend.Chunks, vllm_backend.OnBatch], ChunkRows]
 
 
-def _engine_for(s: GenerateSettings, shard: Shard) -> RowsFn:
-    """Load p on the configured backend; return `rows(prompts, on_batch)` for one chunk."""
+def _engine_for(s: GenerateSettings, shard: Shard) -> StreamFn:
+    """Load p on the configured backend; return `stream(chunks, on_batch)`: (chunk index,
+    prompts) pairs in, each chunk's rows out when they are done. `hf` generates chunk by chunk
+    (its batches are `batch_size` prompts of one chunk, seeded per chunk); vLLM keeps its
+    scheduler full across chunks (`vllm_engine.stream_rows_vllm`)."""
     g, topk = s.generation, s.topk_logprobs
     if s.engine is None:
         model = load_role(shard.spec, "target", dtype=shard.dtype, device=shard.device)
-        return lambda prompts, on_batch: generate_rows(
-            model, shard.tokenizer, prompts, g, s.batch_size, topk, on_batch
-        )[0]
+
+        def stream(chunks: vllm_backend.Chunks, on_batch: vllm_backend.OnBatch) -> ChunkRows:
+            for k, prompts in chunks:
+                torch.manual_seed(chunk_seed(g.seed, shard.index, k))
+                yield (
+                    k,
+                    generate_rows(model, shard.tokenizer, prompts, g, s.batch_size, topk, on_batch)[
+                        0
+                    ],
+                )
+
+        return stream
     local = os.environ.get("LOCAL_RANK")
-    return vllm_backend.rows_fn(
+    return vllm_backend.stream_fn(
         shard.spec,
         str(shard.dtype).removeprefix("torch."),
         s.engine,
@@ -341,14 +355,15 @@ def _prompts_for(shard: Shard, sdir: Path, cuts: dict[str, int]) -> PromptsFn:
 
 def _generate_todo(
     s: GenerateSettings,
-    rows_for: RowsFn,
+    stream: StreamFn,
     todo: Sequence[tuple[int, int, list[int]]],
     prompts_for: PromptsFn,
     sdir: Path,
     index: int,
     count: int,
 ) -> tuple[int, float]:
-    """Generate the missing chunks, each written atomically as soon as it is done."""
+    """Generate the missing chunks, each written atomically as soon as it is done (in the
+    order they finish); a later turn's chunks start once every earlier turn's are on disk."""
     total = sum(len(c) for *_, c in todo) * s.generation.num_samples
     tokens, seconds = 0, 0.0
     with tqdm(
@@ -367,12 +382,11 @@ def _generate_todo(
             bar.update(rows)
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - tick):.0f} tok/s")
 
-        for k, turn, chunk in todo:
-            prompts = prompts_for(turn, chunk)
-            torch.manual_seed(chunk_seed(s.generation.seed, index, k))
-            rows = rows_for(prompts, on_batch)
-            chat = prompts[0].conversation is not None
-            write_chunk(chunk_path(sdir, k), rows, topk=s.topk_logprobs, chat=chat)
+        for turn, group in itertools.groupby(todo, key=lambda t: t[1]):
+            chunks = [(k, prompts_for(turn, chunk)) for k, _, chunk in group]
+            chat = {k: prompts[0].conversation is not None for k, prompts in chunks}
+            for k, rows in stream(chunks, on_batch):
+                write_chunk(chunk_path(sdir, k), rows, topk=s.topk_logprobs, chat=chat[k])
         seconds = time.perf_counter() - tick
     return tokens, seconds
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -330,7 +331,11 @@ def shutdown_engine() -> None:
         del engine
 
 
-def rows_fn(
+Chunks = Sequence[tuple[int, Sequence[PreparedPrompt]]]
+OnBatch = Callable[[int, int], None]
+
+
+def stream_fn(
     spec: PairSpec,
     dtype: str,
     settings: EngineSettings,
@@ -339,8 +344,10 @@ def rows_fn(
     tokenizer: Any,
     topk: int,
     local_rank: int | None = None,
-) -> Callable[[Sequence[PreparedPrompt], Callable[[int, int], None]], list[dict[str, Any]]]:
-    """Build the engine; return `rows(prompts, on_batch)`, the stage's per-chunk call."""
+) -> Callable[[Chunks, OnBatch], Iterator[tuple[int, list[dict[str, Any]]]]]:
+    """Build the engine; return `stream(chunks, on_batch)`, the stage's call: each (chunk
+    index, prompts) in, each chunk's rows out as soon as all of them finished
+    (`stream_rows_vllm`), `2 x max_num_seqs` requests kept in flight."""
     engine = build_engine(spec, dtype, settings, max_model_len, topk, s.seed, local_rank)
     from transformers import GenerationConfig
 
@@ -349,9 +356,99 @@ def rows_fn(
     except OSError:
         gen_config = None
     eos = eos_ids(gen_config, tokenizer)
-    return lambda prompts, on_batch: generate_rows_vllm(
-        engine, tokenizer, prompts, s, topk, eos, on_batch
-    )[0]
+    window = 2 * settings.max_num_seqs
+    return lambda chunks, on_batch: stream_rows_vllm(
+        engine.llm_engine, tokenizer, chunks, s, topk, eos, on_batch, window
+    )
+
+
+def _requests(
+    prompts: Sequence[PreparedPrompt], s: GenerationSettings, topk: int, eos: Sequence[int]
+) -> tuple[list[tuple[PreparedPrompt, int]], list[Any]]:
+    """One request per (prompt, sample), prompt-major, each sampled row with its own seed."""
+    pairs = [(p, j) for p in prompts for j in range(s.num_samples)]
+    greedy = s.greedy_part()  # a mixed set's greedy prompts
+    params = [
+        sampling_params(s, eos, topk, row_seed(s.seed, p.index, j))
+        if s.samples(p.index)
+        else sampling_params(greedy, eos, topk, None)
+        for p, j in pairs
+    ]
+    return pairs, params
+
+
+def _rows(
+    tokenizer: Any, pairs: Sequence[tuple[PreparedPrompt, int]], outputs: Sequence[Any],
+    topk: int, eos: Sequence[int],
+) -> tuple[list[dict[str, Any]], int]:  # fmt: skip
+    """The stage's rows from the finished requests of `pairs`, in their order."""
+    rows, tokens = [], 0
+    for (p, j), request in zip(pairs, outputs, strict=True):
+        out = request.outputs[0]
+        completion, reason = completion_of(out, eos)
+        top = topk_from_vllm(out.logprobs[: len(completion)], topk) if topk else None
+        if top is not None and len(top[0]) != len(completion):
+            raise RuntimeError(
+                f"vLLM returned log-probs for {len(top[0])} of {len(completion)} tokens "
+                f"(prompt {p.index}): cannot store topk_logprobs"
+            )
+        rows.append(completion_row(tokenizer, p, j, completion, reason, top))
+        tokens += len(completion)
+    return rows, tokens
+
+
+def stream_rows_vllm(
+    core: Any,
+    tokenizer: Any,
+    chunks: Chunks,
+    s: GenerationSettings,
+    topk: int,
+    eos: Sequence[int],
+    on_batch: OnBatch,
+    window: int,
+) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+    """Each chunk's rows as soon as its last request finishes, the engine kept full across
+    chunks: the next chunks' requests join while earlier ones run (up to `window` requests in
+    flight), so no chunk waits for its own longest reply with the engine half idle, and the
+    chunk (written atomically by the caller) stays the unit of resume. `core`: the engine's
+    `LLMEngine` (`add_request` / `step`); rows are the same as `generate_rows_vllm`'s."""
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    waiting = deque(chunks)
+    open_chunks: dict[int, list[Any]] = {}  # k -> [pairs, outputs, requests left]
+    owner: dict[str, tuple[int, int]] = {}  # the engine's request id -> (chunk, request)
+    in_flight = 0
+    try:
+        while waiting or open_chunks:
+            while waiting and (in_flight < window or not open_chunks):
+                k, prompts = waiting.popleft()
+                pairs, params = _requests(prompts, s, topk, eos)
+                for n, ((p, _), sp) in enumerate(zip(pairs, params)):
+                    sp.output_kind = RequestOutputKind.FINAL_ONLY
+                    # outputs and aborts name a request by the id given here (vLLM keeps
+                    # its own internal id, which add_request returns, to itself)
+                    rid = f"c{k}-{n}"
+                    core.add_request(rid, TokensPrompt(prompt_token_ids=list(p.ids)), sp)
+                    owner[rid] = (k, n)
+                open_chunks[k] = [pairs, [None] * len(pairs), len(pairs)]
+                in_flight += len(pairs)
+            for out in core.step():
+                if not out.finished or out.request_id not in owner:
+                    continue  # a partial output, or a request this call did not add
+                k, n = owner.pop(out.request_id)
+                entry = open_chunks[k]
+                entry[1][n] = out
+                entry[2] -= 1
+                in_flight -= 1
+                if entry[2] == 0:
+                    del open_chunks[k]
+                    rows, tokens = _rows(tokenizer, entry[0], entry[1], topk, eos)
+                    on_batch(len(rows), tokens)
+                    yield k, rows
+    finally:  # stopped early (an error, a kill in the caller): nothing left running
+        if owner and hasattr(core, "abort_request"):
+            core.abort_request(list(owner))
 
 
 def generate_rows_vllm(
@@ -370,28 +467,10 @@ def generate_rows_vllm(
     """
     from vllm.inputs import TokensPrompt
 
-    pairs = [(p, j) for p in prompts for j in range(s.num_samples)]
-    greedy = s.greedy_part()  # a mixed set's greedy prompts
-    params = [
-        sampling_params(s, eos, topk, row_seed(s.seed, p.index, j))
-        if s.samples(p.index)
-        else sampling_params(greedy, eos, topk, None)
-        for p, j in pairs
-    ]
+    pairs, params = _requests(prompts, s, topk, eos)
     outputs = engine.generate(
         [TokensPrompt(prompt_token_ids=list(p.ids)) for p, _ in pairs], params, use_tqdm=False
     )
-    rows, tokens = [], 0
-    for (p, j), request in zip(pairs, outputs):
-        out = request.outputs[0]
-        completion, reason = completion_of(out, eos)
-        top = topk_from_vllm(out.logprobs[: len(completion)], topk) if topk else None
-        if top is not None and len(top[0]) != len(completion):
-            raise RuntimeError(
-                f"vLLM returned log-probs for {len(top[0])} of {len(completion)} tokens "
-                f"(prompt {p.index}): cannot store topk_logprobs"
-            )
-        rows.append(completion_row(tokenizer, p, j, completion, reason, top))
-        tokens += len(completion)
+    rows, tokens = _rows(tokenizer, pairs, outputs, topk, eos)
     on_batch(len(rows), tokens)
     return rows, tokens
