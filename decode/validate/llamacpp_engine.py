@@ -25,6 +25,7 @@ llama.cpp's own arithmetic (quantised activations).
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -109,29 +110,39 @@ def preflight(settings: LlamaCppSettings, spec: Any) -> Path:
                 f"{ASKED_BY}: pair.target={spec.target!r} is neither a GGUF file nor a local "
                 "checkpoint; give its GGUF file as llamacpp.target"
             )
-        _check_type(config, "llamacpp.target")
+        kind = json.loads(config.read_text()).get("model_type")
+        if kind != "llama":
+            raise ConfigError(
+                f"{ASKED_BY}: pair.target is {kind!r} and specdistill writes Llama GGUF files "
+                "only; convert the target with llama.cpp's convert_hf_to_gguf.py and give the "
+                "file as llamacpp.target"
+            )
     if settings.drafter is None:
         config = Path(str(spec.drafter)) / "config.json"
         if config.is_file():  # a hub id is checked once its weights load
-            import json
-
             kind = json.loads(config.read_text()).get("model_type")
             check_architecture(kind, ASKED_BY, "llamacpp.drafter to a .gguf file")
+    target = settings.target or gguf_source(spec.target)
+    if settings.drafter is not None and target is not None:  # both files exist: pair them now
+        check_pairing(Path(target), Path(settings.drafter))
     return binary
 
 
-def _check_type(config: Path, field: str) -> None:
-    import json
+def check_pairing(target: Path, drafter: Path) -> None:
+    """llama.cpp's drafter rule on the two files (data/models/gguf_vocab.py), one line."""
+    from specdistill.data.models.gguf_vocab import compatibility_problems, read_gguf_vocab
 
-    from specdistill.data.models.gguf_writer import check_architecture
-
-    check_architecture(json.loads(config.read_text()).get("model_type"), ASKED_BY, field)
+    problems = compatibility_problems(read_gguf_vocab(target), read_gguf_vocab(drafter))
+    if problems:
+        raise ConfigError(
+            f"{ASKED_BY}: llama.cpp would refuse {drafter.name} as a drafter of {target.name}: "
+            f"{problems[0]}"
+        )
 
 
 def drafter_gguf(settings: LlamaCppSettings, drafter: Any, target_file: Path, folder: Path):
     """(the drafter's GGUF path, its record): the given file, or `drafter` written as
     `llamacpp.drafter_type`; checked against the target's GGUF by llama.cpp's drafter rule."""
-    from specdistill.data.models.gguf_vocab import compatibility_problems, read_gguf_vocab
     from specdistill.data.models.gguf_writer import reference_types, write_llama_gguf
 
     record: dict[str, Any]
@@ -147,12 +158,7 @@ def drafter_gguf(settings: LlamaCppSettings, drafter: Any, target_file: Path, fo
                                    name=f"drafter-{kind}")  # fmt: skip
         record = {"file": str(path), "written": True, "type": kind, "bytes": written.bytes,
                   "file_type": written.file_type}  # fmt: skip
-    problems = compatibility_problems(read_gguf_vocab(target_file), read_gguf_vocab(path))
-    if problems:
-        raise ConfigError(
-            f"{ASKED_BY}: llama.cpp would refuse {path.name} as a drafter of {target_file.name}: "
-            f"{problems[0]}"
-        )
+    check_pairing(target_file, path)
     return path, record
 
 

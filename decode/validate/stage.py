@@ -491,6 +491,8 @@ def in_llamacpp(
         )
     if dec.cfg.lookup:
         notes.append("llama.cpp drafts with the drafter alone; ours also by prompt lookup")
+    if dec.parallel:
+        notes.append("llama.cpp runs the parallel drafter autoregressively (one token a forward)")
     figures, more = validate_in_llamacpp(
         vs.llamacpp, st.llamacpp_binary, st, samplings, modes,
         base_out.tokens if dec.cfg.sampling.greedy else None,

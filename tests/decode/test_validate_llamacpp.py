@@ -86,12 +86,16 @@ def test_what_llama_cpp_cannot_serve_is_refused_up_front(tmp_path, monkeypatch):
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ConfigError, match=r"engines=\[ours,llamacpp\]: the drafter is 'gpt2'"):
+    with pytest.raises(ConfigError, match=r"engines=\[ours,llamacpp\]: pair.target is 'gpt2'"):
         le.preflight(settings, SimpleNamespace(vocab="shared", target=str(gpt2), drafter=str(gpt2)))
-    with pytest.raises(ConfigError, match="give its GGUF file as llamacpp.target"):
-        le.preflight(settings, SimpleNamespace(vocab="shared", target="org/hub-id", drafter="d"))
     target = tmp_path / "t.gguf"
     target.write_bytes(b"GGUF")
+    with pytest.raises(ConfigError, match=r"engines=\[ours,llamacpp\]: the drafter is 'gpt2'"):
+        le.preflight(
+            settings, SimpleNamespace(vocab="shared", target=str(target), drafter=str(gpt2))
+        )
+    with pytest.raises(ConfigError, match="give its GGUF file as llamacpp.target"):
+        le.preflight(settings, SimpleNamespace(vocab="shared", target="org/hub-id", drafter="d"))
     ok = SimpleNamespace(vocab="shared", target=str(target), drafter="org/hub-drafter")
     assert le.preflight(settings, ok) == fake
 
@@ -241,3 +245,27 @@ def test_summary_and_card_carry_llama_cpp_figures():
     card = "\n".join(gguf_section(record, "/out", _section(0.34, 1.98)))
     assert "| this drafter | greedy | 0.34 / 0.4 | 1.98 / 2.0 |" in card
     assert "| this drafter |" not in "\n".join(gguf_section(record, "/out"))
+
+
+def test_a_given_drafter_gguf_llama_cpp_would_refuse_is_refused_before_loading(
+    tmp_path, monkeypatch, toy_tiny
+):
+    """llamacpp.drafter and a GGUF target: llama.cpp's pairing rule runs in the preflight."""
+    pytest.importorskip("gguf")
+    from tests.data.gguf_models import tiny_bpe, tiny_llama, write_llama_gguf
+
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("SPECDISTILL_LLAMA_SERVER", str(fake))
+    from transformers import AutoTokenizer
+
+    small = tiny_bpe(320)
+    toy = AutoTokenizer.from_pretrained(str(toy_tiny.target_dir))  # other texts, other size
+    target = write_llama_gguf(tmp_path / "t.gguf", tiny_llama(len(small)), small)
+    other = write_llama_gguf(tmp_path / "d.gguf", tiny_llama(len(toy)), toy)
+    same = write_llama_gguf(tmp_path / "s.gguf", tiny_llama(len(small), layers=1), small)
+    spec = SimpleNamespace(vocab="shared", target=str(target), drafter="org/any")
+    with pytest.raises(ConfigError, match=r"llama.cpp would refuse d.gguf as a drafter of t.gguf"):
+        le.preflight(le.LlamaCppSettings(drafter=str(other)), spec)
+    assert le.preflight(le.LlamaCppSettings(drafter=str(same)), spec) == fake

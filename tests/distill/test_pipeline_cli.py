@@ -26,6 +26,7 @@ DOCS = [
     "README.md",
     "conf/README.md",
     "distill/README.md",
+    "distill/DESIGN.md",
     "slurm/README.md",
     "conf/pipeline.yaml",
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "conf" / "experiment").glob("*.yaml")),
