@@ -219,6 +219,24 @@ def mode_row(plains: list, specs: list, greedy: bool) -> dict[str, Any]:
     }
 
 
+def category_rows(keys: Sequence[tuple[str, str]], plains: list, specs: list) -> list[dict]:
+    """llama.cpp's figures by benchmark set and category (`categories.groups`: each category,
+    each set's `all`, the overall `all`), from the first repeat; prompt i is request i."""
+    from specdistill.decode.llamacpp.measure import acceptance, tau, tokens_per_second
+    from specdistill.decode.validate.categories import groups
+
+    out = []
+    for name, category, idx in groups(keys):
+        plain, spec = [plains[0][i] for i in idx], [specs[0][i] for i in idx]
+        base = tokens_per_second(plain)
+        out.append({
+            "set": name, "category": category, "requests": len(idx),
+            "acceptance": round(acceptance(spec), 4), "tau": round(tau(spec), 3),
+            "speedup": round(tokens_per_second(spec) / base, 3) if base else 0.0,
+        })  # fmt: skip
+    return out
+
+
 def tau_agreement(ours: Acceptance, accepted: int, rounds: int) -> dict[str, Any]:
     """llama.cpp's mean acceptance length against ours, a two-sample z statistic.
 
@@ -316,6 +334,8 @@ def validate_in_llamacpp(
         row = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
                "draft_sampling": method or "greedy"} | mode_row(plains, specs, s.greedy)  # fmt: skip
         beside_ours(row, ours.get(mode) or {})
+        if st.categories:
+            row["categories"] = category_rows(st.categories, plains, specs)
         if s.greedy and ours_greedy_tokens is not None:
             row["plain_equals_ours_target_only"] = same_outputs(
                 [c.tokens for c in plains[0]], ours_greedy_tokens, st.eos
@@ -400,9 +420,33 @@ def llamacpp_table(v: dict[str, Any]) -> list[str]:
         "|---|" + "---|" * len(modes),
         *[f"| {k} | {' | '.join(cells)} |" for k, cells in rows],
         "",
+        *_category_lines(v),
         "llama.cpp's tokens/s are this machine's; sampled runs draft with "
         f"`--spec-draft-sampling {v.get('sampled_drafts', 'probabilistic')}` (q: the drafter's top "
         "10; ours: its full softmax).",
+        "",
+    ]
+
+
+def _category_lines(v: dict[str, Any]) -> list[str]:
+    """llama.cpp's tau, acceptance and speedup by set and category, a column pair per mode."""
+    modes = [m for m in v["modes"] if v["modes"][m].get("categories")]
+    if not modes:
+        return []
+    head = " | ".join(f"{m}: tau, acceptance, speedup" for m in modes)
+    rows = []
+    for i, r in enumerate(v["modes"][modes[0]]["categories"]):
+        cells = []
+        for m in modes:
+            c = v["modes"][m]["categories"][i]
+            cells.append(f"{c['tau']}, {c['acceptance']}, {c['speedup']}x")
+        rows.append(f"| {r['set']} | {r['category']} | {r['requests']} | {' | '.join(cells)} |")
+    return [
+        "llama.cpp by benchmark set and category (ours: the category table above):",
+        "",
+        f"| set | category | prompts | {head} |",
+        "|---|---|---|" + "---|" * len(modes),
+        *rows,
         "",
     ]
 

@@ -269,3 +269,31 @@ def test_a_given_drafter_gguf_llama_cpp_would_refuse_is_refused_before_loading(
     with pytest.raises(ConfigError, match=r"llama.cpp would refuse d.gguf as a drafter of t.gguf"):
         le.preflight(le.LlamaCppSettings(drafter=str(other)), spec)
     assert le.preflight(le.LlamaCppSettings(drafter=str(same)), spec) == fake
+
+
+def test_llama_cpp_figures_by_benchmark_category():
+    def c(n, acc, drafted, ms):
+        return Completion(list(range(n)), n, ms, 0.0, 0, 0.0, draft_n=drafted, draft_n_accepted=acc)
+
+    keys = [("mt_bench", "writing"), ("mt_bench", "math"), ("gsm8k", "all")]
+    plains = [[c(9, 0, 0, 80.0), c(9, 0, 0, 80.0), c(5, 0, 0, 40.0)]]
+    specs = [[c(9, 4, 6, 40.0), c(9, 0, 8, 160.0), c(5, 2, 3, 20.0)]]
+    rows = {(r["set"], r["category"]): r for r in le.category_rows(keys, plains, specs)}
+    assert list(rows) == [("mt_bench", "writing"), ("mt_bench", "math"), ("mt_bench", "all"),
+                          ("gsm8k", "all"), ("all", "all")]  # fmt: skip
+    w = rows[("mt_bench", "writing")]  # 8 decode tokens, 4 accepted: 4 rounds
+    assert (w["tau"], w["acceptance"], w["speedup"], w["requests"]) == (
+        2.0,
+        round(4 / 6, 4),
+        2.0,
+        1,
+    )
+    assert rows[("mt_bench", "math")]["tau"] == 1.0 and rows[("mt_bench", "math")]["speedup"] == 0.5
+    both = rows[("all", "all")]  # (8 + 8 + 4) decode tokens over (4 + 8 + 2) rounds
+    assert both["tau"] == round(20 / 14, 3) and both["requests"] == 3
+    section = _section(0.3, 2.0)
+    section["modes"]["greedy"]["categories"] = list(rows.values())
+    text = "\n".join(le.llamacpp_table(section | {"modes": {"greedy": {
+        **section["modes"]["greedy"], "drafted": 17, "accepted": 6, "rounds": 14,
+        "identical_to_plain": True}}}))  # fmt: skip
+    assert "| mt_bench | writing | 1 | 2.0, 0.6667, 2.0x |" in text
