@@ -122,6 +122,8 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
         atomic_write_json(out / "result.json", result)
         if s.sweep_dir:
             write_summary(Path(s.sweep_dir))
+    if tr.rollouts is not None:  # before the process group ends (train/rollouts.py)
+        tr.rollouts.close()
     tr.accelerator.end_training()
     return result
 

@@ -187,11 +187,17 @@ class OnpolicySettings:
 
     max_new_tokens: int = 64
     sampling: Sampling = field(default_factory=lambda: Sampling(temperature=1.0))
+    engine: str = "auto"  # transformers | vllm | auto (train/rollouts.py)
 
     @classmethod
     def from_node(cls, node: Any) -> OnpolicySettings:
+        from specdistill.distill.train.rollouts import ENGINES
+
         sampling = Sampling.from_parent(node, "onpolicy.sampling")
-        return cls(int(setting(node, cls, "max_new_tokens")), sampling)
+        engine = str(setting(node, cls, "engine"))
+        if engine not in ENGINES:
+            raise ConfigError(f"onpolicy.engine={engine!r}: choose one of {list(ENGINES)}")
+        return cls(int(setting(node, cls, "max_new_tokens")), sampling, engine)
 
 
 @dataclass(frozen=True)

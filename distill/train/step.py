@@ -36,7 +36,18 @@ def micro_batches(tr: Trainer, step: int, lmbda: float) -> list[tuple[dict, bool
         onp = is_onpolicy(seed, g, lmbda)
         # ZeRO-3: a forward gathers shards from every rank, so when any rank of this slot
         # is on-policy all of them generate together (and the others drop their samples).
-        if onp or (zero3 and zero.any_rank_onpolicy(tr.stream, step, a, seed, lmbda)):
+        if onp and tr.rollouts is not None:  # the drafter in vLLM (train/rollouts.py)
+            exs = tr.rollouts.sample(
+                tr.accelerator.unwrap_model(tr.model),
+                step,
+                exs,
+                pad_id=tr.tok.pad_token_id,
+                eos_id=tr.tok.eos_token_id,
+                max_new_tokens=s.onpolicy.max_new_tokens,
+                sampling=tr.onpolicy_sampling,
+                seed=micro_seed(seed, g),
+            )
+        elif onp or (zero3 and zero.any_rank_onpolicy(tr.stream, step, a, seed, lmbda)):
             sampled = sample_onpolicy(
                 tr.accelerator.unwrap_model(tr.model),
                 exs,

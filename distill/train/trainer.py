@@ -21,7 +21,7 @@ from specdistill.data.models.pairs import load_role, load_tokenizer, resolve_pai
 from specdistill.data.sampling import Sampling
 from specdistill.distill import parallel
 from specdistill.distill.intersection import Intersection
-from specdistill.distill.train import mapped, packing, setup
+from specdistill.distill.train import mapped, packing, rollouts, setup
 from specdistill.distill.train.data import (
     Example,
     StreamSpec,
@@ -61,6 +61,7 @@ class Trainer:
     head_inter: Intersection | None = None
     chunked: bool = False  # the loss from hidden states + head (distill/head_loss.py)
     mapped: mapped.MappedPair | None = None  # a drafter with its own tokenizer (train/mapped.py)
+    rollouts: Any = None  # onpolicy.engine=vllm: the drafter in a vLLM engine (train/rollouts.py)
 
     @property
     def eval_sampling(self) -> Sampling:
@@ -121,6 +122,12 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
     torch.manual_seed(s.seed)
 
     spec = resolve_pair(cfg.pair, stage="distill", mapped_ok=True)
+    cuda = device.type == "cuda"
+    engine = rollouts.resolve_engine(
+        s.onpolicy.engine, s.most_onpolicy > 0, cuda, accelerator.num_processes
+    )
+    if engine == "vllm":  # before any weights load
+        rollouts.check_rollouts(s.zero_stage, spec.vocab == "mapped", s.parallel is not None)
     tok = load_tokenizer(spec)
     drafter = load_role(spec, "drafter", device=device)
     mp = None if spec.vocab != "mapped" else mapped.prepare_mapped(s, spec, tok, drafter, device)
@@ -146,6 +153,12 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
         packing.check_isolation(drafter, "drafter", str(spec.drafter), len(tok))
         if target is not None:
             packing.check_isolation(target, "target", str(spec.target), len(tok))
+    vllm_rollouts = None
+    if engine == "vllm":
+        context = min(int(getattr(drafter.config, "max_position_embeddings", 8192)), 8192)
+        vllm_rollouts = rollouts.VLLMRollouts.build(
+            spec, "bfloat16" if cuda else "float32", context, s.micro_batch_size, s.seed
+        )
     model, opt, sched, frozen = _prepare_training(s, cfg, drafter, accelerator)
     return Trainer(
         cfg=cfg,
@@ -179,6 +192,7 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
         head_inter=head_inter,
         chunked=s.use_chunked_loss(len(tok)),
         mapped=mp,
+        rollouts=vllm_rollouts,
     )
 
 

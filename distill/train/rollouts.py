@@ -1,0 +1,173 @@
+"""On-policy rollouts (`lmbda > 0`) through vLLM: the drafter's own completions from an engine
+that holds the drafter's current weights, instead of `transformers.generate`.
+
+On-policy distillation samples from the drafter every on-policy micro-batch, and at scale that
+sampling is the step's cost: `generate` decodes a micro-batch row by row at its longest reply,
+while vLLM batches continuously (TRL's GKD trainers use it the same way). The engine is built
+once per process from the drafter's folder (its config and tokenizer; the weights are replaced
+before the first use), and before the first rollout of each optimizer step the trained weights
+are loaded into it in place (the worker's `reload_weights`: no restart, ~20 ms for a small
+drafter on CPU). Each row is sampled with its own seed from (micro-batch seed, row), so a
+resumed run draws the rollouts an uninterrupted one would. Greedy rollouts equal the drafter's
+`generate` output on the same weights (tested); sampled ones follow vLLM's sampler, so they are
+a different draw than `transformers` gives for the same seed.
+
+`onpolicy.engine`: `auto` takes vLLM on CUDA where it is installed and `transformers` otherwise;
+`vllm` insists. One training process for now: vLLM's in-process engine sets up a
+torch.distributed group of its own, which several ranks' process group already holds (TRL's
+colocated mode runs vLLM under the trainer's launcher instead; not built here). Refused up
+front: several processes, ZeRO-3 (the weights are sharded), a drafter with its own tokenizer or
+a parallel drafter (their rollouts are not plain autoregressive ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from specdistill.data.runtime import ConfigError
+from specdistill.data.sampling import Sampling
+from specdistill.distill.train.example import Example
+
+ENGINES = ("auto", "transformers", "vllm")
+ASKED_BY = "onpolicy.engine=vllm"
+
+
+def resolve_engine(engine: str, lmbda_used: bool, cuda: bool, processes: int = 1) -> str:
+    """`transformers` or `vllm`: what `onpolicy.engine` means on this machine. `auto` takes vLLM
+    on CUDA when it imports, in one process; nothing needs an engine when no batch is
+    on-policy. Several training processes are refused for now: vLLM's in-process engine sets
+    up torch.distributed for itself, which the trainer's process group already holds."""
+    if engine not in ENGINES:
+        raise ConfigError(f"onpolicy.engine={engine!r}: choose one of {list(ENGINES)}")
+    if not lmbda_used or engine == "transformers":
+        return "transformers"
+    if engine == "vllm" and processes > 1:
+        raise ConfigError(
+            f"{ASKED_BY} with {processes} training processes: vLLM rollouts run in one process "
+            "for now (its engine would join the trainer's process group); set "
+            "onpolicy.engine=transformers"
+        )
+    if engine == "auto":
+        if not cuda or processes > 1:
+            return "transformers"
+        try:
+            import vllm  # noqa: F401
+        except Exception:  # not installed, or a broken install: generate as before
+            return "transformers"
+        return "vllm"
+    from specdistill.data.generate.vllm_engine import require_vllm
+
+    require_vllm(ASKED_BY)
+    return "vllm"
+
+
+def check_rollouts(zero_stage: int, mapped: bool, parallel: bool) -> None:
+    """What vLLM rollouts cannot serve, one line each, before anything loads."""
+    why = (
+        "ZeRO-3 shards the drafter's weights" if zero_stage == 3
+        else "a drafter with its own tokenizer samples through the vocabulary mapping" if mapped
+        else "a parallel drafter's rollouts are not plain autoregressive ones" if parallel
+        else None
+    )  # fmt: skip
+    if why:
+        raise ConfigError(f"{ASKED_BY}: {why}; set onpolicy.engine=transformers")
+
+
+@dataclass
+class VLLMRollouts:
+    """The drafter in a vLLM engine, its weights refreshed once per optimizer step."""
+
+    engine: Any
+    synced_step: int = -1
+
+    @classmethod
+    def build(cls, spec: Any, dtype: str, max_model_len: int, max_num_seqs: int, seed: int):
+        """An engine on the drafter's folder (the generate backend's engine settings)."""
+        from omegaconf import OmegaConf
+
+        from specdistill.data.generate.vllm_engine import build_engine, check_engine_settings
+
+        node = {
+            "tensor_parallel_size": 1,
+            "gpu_memory_utilization": 0.3,  # beside the training process's own memory
+            "max_num_seqs": max_num_seqs,
+            "max_model_len": max_model_len,
+            "enforce_eager": True,
+            "cpu_kvcache_gib": 1,
+            "in_process": None,
+        }
+        settings = check_engine_settings(OmegaConf.create(node))
+        # the drafter's folder as the engine's model; the tokenizer is the pair's (shared ids)
+        drafter = SimpleNamespace(
+            target=str(spec.drafter),
+            revision=spec.drafter_revision,
+            tokenizer=spec.tokenizer or str(spec.target),
+            trust_remote_code=spec.trust_remote_code,
+        )
+        return cls(build_engine(drafter, dtype, settings, max_model_len, 0, seed))
+
+    def close(self) -> None:
+        """Shut the engine down before the trainer ends its process group (the engine's
+        in-process worker holds a torch.distributed group of its own)."""
+        from specdistill.data.generate.vllm_engine import shutdown_engine
+
+        shutdown_engine()
+
+    def sync(self, model: Any, step: int) -> None:
+        """Load `model`'s current weights into the engine, once per optimizer step."""
+        if self.synced_step == step:
+            return
+        weights = [(k, v.detach()) for k, v in model.state_dict().items()]
+        self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.synced_step = step
+
+    def sample(
+        self,
+        model: Any,
+        step: int,
+        examples: list[Example],
+        *,
+        pad_id: int,
+        eos_id: int | None,
+        max_new_tokens: int,
+        sampling: Sampling,
+        seed: int,
+    ) -> list[Example]:
+        """`data.sample_onpolicy`'s result, sampled by the engine (row i seeded from seed, i)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from specdistill.data.generate.vllm_engine import completion_of
+
+        self.sync(model, step)
+        kw: dict[str, Any] = {"temperature": 0.0}
+        params = []
+        for i in range(len(examples)):
+            if not sampling.greedy:
+                kw = {**sampling.as_dict(), "seed": (seed * 1_000_003 + i) % (2**31 - 1)}
+            params.append(
+                SamplingParams(
+                    n=1,
+                    max_tokens=max_new_tokens,
+                    # the one EOS `generate` is given (eos_token_id), not the model's others
+                    stop_token_ids=[] if eos_id is None else [eos_id],
+                    ignore_eos=True,
+                    detokenize=False,
+                    **kw,
+                )
+            )
+        outs = self.engine.generate(
+            [TokensPrompt(prompt_token_ids=list(e.prompt_ids)) for e in examples],
+            params,
+            use_tqdm=False,
+        )
+        eos = [] if eos_id is None else [eos_id]
+        result = []
+        for e, o in zip(examples, outs, strict=True):
+            comp, _ = completion_of(o.outputs[0], eos)  # cut after EOS, kept (as generate does)
+            if pad_id in comp and pad_id != eos_id:  # generate's rows end at a pad token too
+                comp = comp[: comp.index(pad_id)]
+            result.append(Example(prompt_ids=e.prompt_ids, completion_ids=comp or [pad_id]))
+        return result
