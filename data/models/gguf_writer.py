@@ -91,6 +91,16 @@ def reference_types(path: str | Path) -> dict[str, str]:
     return types
 
 
+# `types` naming the target file's own recipe, tensor role by tensor role (`reference_types`)
+TARGET_RECIPE = "target"
+
+
+def types_for(kind: str, target_file: str | Path) -> str | dict[str, str]:
+    """What `write_llama_gguf` takes for a requested type: a quantisation name as it is, or
+    `target`: the target file's recipe role by role."""
+    return reference_types(target_file) if kind == TARGET_RECIPE else kind
+
+
 def hf_to_rope_interleaved(w: np.ndarray, n_heads: int) -> np.ndarray:
     """q/k projection rows from the HF layout (per head: the first halves of the rotary pairs,
     then the second halves) to llama.cpp's (the pairs adjacent)."""

@@ -112,3 +112,21 @@ def agreement_note(mode: str, a: Agreement) -> str | None:
         f"{mode}: vLLM's mean acceptance length {a.vllm:.3f} differs from ours {a.ours:.3f} by "
         f"{a.difference:+.3f} ({abs(a.z or 0):.1f} standard errors, beyond sampling noise)"
     )
+
+
+def token_lists(batches: Sequence[Any]) -> list[list[list[int]]]:
+    """The stage's left-padded (ids, mask) batches as each prompt's token ids, batch by batch
+    (padding dropped): what another engine is asked, the same prompts as ours."""
+    return [[ids[j, mask[j].bool()].tolist() for j in range(ids.shape[0])] for ids, mask in batches]
+
+
+def strip_eos(tokens: Sequence[int], eos: Sequence[int]) -> list[int]:
+    """A completion without its final EOS (engines differ in whether they return it)."""
+    tokens = list(tokens)
+    return tokens[:-1] if tokens and tokens[-1] in eos else tokens
+
+
+def same_outputs(theirs: Sequence[Sequence[int]], ours: Sequence[Sequence[int]], eos) -> str:
+    """`k/n`: prompts whose completion from the other engine equals ours (EOS aside)."""
+    same = sum(strip_eos(a, eos) == strip_eos(b, eos) for a, b in zip(theirs, ours))
+    return f"{same}/{len(theirs)}"

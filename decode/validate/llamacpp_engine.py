@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specdistill.data.models.gguf_writer import TARGET_RECIPE
 from specdistill.data.runtime import ConfigError, setting, spread
 from specdistill.data.sampling import Sampling
 from specdistill.decode.llamacpp.server import DRAFT_SAMPLING
-from specdistill.decode.validate.agreement import Z_LIMIT, Acceptance
-from specdistill.decode.validate.modes import speedup_range
+from specdistill.decode.validate.agreement import Z_LIMIT, Acceptance, same_outputs, token_lists
+from specdistill.decode.validate.modes import rate_text, speedup_range
 
 ASKED_BY = "engines=[ours,llamacpp]"
-TARGET_RECIPE = "target"  # the target file's own tensor types, role by role
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def check_pairing(target: Path, drafter: Path) -> None:
 def drafter_gguf(settings: LlamaCppSettings, drafter: Any, target_file: Path, folder: Path):
     """(the drafter's GGUF path, its record): the given file, or `drafter` written as
     `llamacpp.drafter_type`; checked against the target's GGUF by llama.cpp's drafter rule."""
-    from specdistill.data.models.gguf_writer import reference_types, write_llama_gguf
+    from specdistill.data.models.gguf_writer import types_for, write_llama_gguf
 
     record: dict[str, Any]
     if settings.drafter is not None:
@@ -152,9 +152,9 @@ def drafter_gguf(settings: LlamaCppSettings, drafter: Any, target_file: Path, fo
     else:
         kind = settings.drafter_type
         check_rows(drafter)
-        types = reference_types(target_file) if kind == TARGET_RECIPE else kind
         path = folder / f"drafter-{kind}.gguf"
-        written = write_llama_gguf(drafter, path, types=types, tokenizer_gguf=target_file,
+        written = write_llama_gguf(drafter, path, types=types_for(kind, target_file),
+                                   tokenizer_gguf=target_file,
                                    name=f"drafter-{kind}")  # fmt: skip
         record = {"file": str(path), "written": True, "type": kind, "bytes": written.bytes,
                   "file_type": written.file_type}  # fmt: skip
@@ -173,11 +173,6 @@ def check_rows(drafter: Any) -> None:
             f"{emb.weight.shape[0]} (a draft-vocabulary checkpoint); export it (the export "
             "restores the full head) and validate the exported folder"
         )
-
-
-def flat_prompts(batches: Sequence[Any]) -> list[list[int]]:
-    """The stage's left-padded batches as one list of prompts' token ids, in order."""
-    return [ids[j, mask[j].bool()].tolist() for ids, mask in batches for j in range(ids.shape[0])]
 
 
 def interleaved(plain, spec, prompts, s: Sampling, max_new: int, seed: int, repeats: int):
@@ -283,16 +278,6 @@ def beside_ours(row: dict[str, Any], mine: dict[str, Any]) -> None:
     row["agreement"] = tau_agreement(acc, row["accepted"], row["rounds"])
 
 
-def _strip(tokens: list[int], eos: Sequence[int]) -> list[int]:
-    return tokens[:-1] if tokens and tokens[-1] in eos else tokens
-
-
-def same_outputs(theirs: Sequence[list[int]], ours: Sequence[list[int]], eos) -> str:
-    """`k/n`: prompts whose llama.cpp plain output equals our target-only output (EOS aside)."""
-    same = sum(_strip(list(a), eos) == _strip(list(b), eos) for a, b in zip(theirs, ours))
-    return f"{same}/{len(theirs)}"
-
-
 def validate_in_llamacpp(
     settings: LlamaCppSettings,
     binary: Path,
@@ -314,7 +299,7 @@ def validate_in_llamacpp(
 
     target_file = Path(settings.target) if settings.target else target_gguf(st.spec.target)
     drafter_file, drafter = drafter_gguf(settings, st.drafter, target_file, output_dir / "llamacpp")
-    prompts = flat_prompts(st.batches)
+    prompts = [p for batch in token_lists(st.batches) for p in batch]
     need = max(len(p) for p in prompts) + max_new_tokens + gamma + 8
     ctx = -(-need // 256) * 256
     threads = settings.threads or threads
@@ -375,10 +360,6 @@ def _pair(row: dict[str, Any], key: str, mine_key: str | None = None, fmt=str) -
     return f"{fmt(theirs)} / {'-' if mine is None else fmt(mine)}"
 
 
-def _rate(d: dict | None) -> str:
-    return "n/a" if not d else f"{d['median']} ({d['min']}-{d['max']})"
-
-
 def llamacpp_table(v: dict[str, Any]) -> list[str]:
     """report.md's section: llama.cpp's figures, ours beside, one column per serving mode."""
     modes = list(v["modes"])
@@ -391,9 +372,9 @@ def llamacpp_table(v: dict[str, Any]) -> list[str]:
     rows.append(("llama.cpp drafted / accepted / rounds",
                  [f"{m[x]['drafted']} / {m[x]['accepted']} / {m[x]['rounds']}" for x in modes]))  # fmt: skip
     rows.append(("llama.cpp plain tokens/s, median (min-max)",
-                 [_rate(m[x]["plain_tokens_per_s"]) for x in modes]))  # fmt: skip
+                 [rate_text(m[x]["plain_tokens_per_s"]) for x in modes]))  # fmt: skip
     rows.append(("llama.cpp with the drafter tokens/s",
-                 [_rate(m[x]["speculative_tokens_per_s"]) for x in modes]))  # fmt: skip
+                 [rate_text(m[x]["speculative_tokens_per_s"]) for x in modes]))  # fmt: skip
     rows.append(("speedup over its own plain decoding, llama.cpp / ours",
                  [_pair(m[x], "speedup", fmt=lambda y: f"{y}x") for x in modes]))  # fmt: skip
     rows.append(("greedy output with the drafter = plain output",

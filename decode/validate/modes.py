@@ -167,6 +167,11 @@ def has_range(low_high: list[float] | None) -> bool:
     return bool(low_high) and len(low_high) >= 2 and low_high[0] != low_high[1]
 
 
+def rate_text(d: dict | None) -> str:
+    """A `spread` (median, min, max) as `median (min-max)`; `n/a` where none was measured."""
+    return "n/a" if not d else f"{d['median']} ({d['min']}-{d['max']})"
+
+
 def speedup_text(speedup: float, low_high: list[float] | None) -> str:
     """`1.09x (1.05-1.12)`: a median speedup and its per-repeat range (`speedup_range`), so a
     figure near 1.0 reads as noise or not; the median alone where `has_range` says no."""

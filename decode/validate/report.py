@@ -11,7 +11,7 @@ from typing import Any
 from specdistill.decode.validate.buckets import bucket_markdown
 from specdistill.decode.validate.categories import category_markdown
 from specdistill.decode.validate.llamacpp_engine import llamacpp_table
-from specdistill.decode.validate.modes import positions, speedup_text
+from specdistill.decode.validate.modes import positions, rate_text, speedup_text
 
 
 @dataclass
@@ -216,10 +216,6 @@ def report_markdown(r: ValidateResult) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _rate(d: dict | None) -> str:
-    return "n/a" if not d else f"{d['median']} ({d['min']}-{d['max']})"
-
-
 def two_engine_table(v: dict[str, Any]) -> list[str]:
     """Our decoder and vLLM side by side, one column pair per serving mode."""
     modes = list(v["modes"])
@@ -238,11 +234,11 @@ def two_engine_table(v: dict[str, Any]) -> list[str]:
     add("accepted by draft position (share of rounds)", "accepted_by_position", "accepted_by_position")  # fmt: skip
     add("rounds with drafts / accepted (of drafted)", "rounds_accepted", "counters",
         lambda x: x if not isinstance(x, dict) else f"{x['drafts']} / {x['accepted_tokens']} (of {x['draft_tokens']})")  # fmt: skip
-    add("target-only tokens/s, median (min-max)", "target_only_tokens_per_s", "plain_tokens_per_s", _rate)  # fmt: skip
-    add("speculative tokens/s, median (min-max)", "speculative_tokens_per_s", "speculative_tokens_per_s", _rate)  # fmt: skip
+    add("target-only tokens/s, median (min-max)", "target_only_tokens_per_s", "plain_tokens_per_s", rate_text)  # fmt: skip
+    add("speculative tokens/s, median (min-max)", "speculative_tokens_per_s", "speculative_tokens_per_s", rate_text)  # fmt: skip
     add("speedup (measured)", "speedup", "speedup", lambda x: f"{x}x")
-    add("latency per call, target-only ms", None, "plain_latency_ms", _rate)
-    add("latency per call, speculative ms", None, "speculative_latency_ms", _rate)
+    add("latency per call, target-only ms", None, "plain_latency_ms", rate_text)
+    add("latency per call, speculative ms", None, "speculative_latency_ms", rate_text)
     add("speculative greedy output = plain greedy output", None, "identical_to_plain",
         lambda x: "" if x is None else str(x))  # fmt: skip
     cells = []

@@ -17,7 +17,13 @@ import torch
 from specdistill.data.generate.vllm_engine import EngineSettings
 from specdistill.data.models.pairs import PairSpec
 from specdistill.data.sampling import Sampling
-from specdistill.decode.validate.agreement import Acceptance, agreement, agreement_note
+from specdistill.decode.validate.agreement import (
+    Acceptance,
+    agreement,
+    agreement_note,
+    same_outputs,
+    token_lists,
+)
 from specdistill.decode.validate.mapped import vllm_mapping_figures
 from specdistill.decode.validate.vllm_engine import (
     engine_kwargs,
@@ -26,15 +32,6 @@ from specdistill.decode.validate.vllm_engine import (
     model_len,
     sampled_speculation_defect,
 )
-
-
-def token_batches(batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list[list[int]]]:
-    """The stage's left-padded batches as the token ids of each prompt (padding dropped)."""
-    return [[ids[j, mask[j].bool()].tolist() for j in range(ids.shape[0])] for ids, mask in batches]
-
-
-def _strip(tokens: list[int], eos: Sequence[int]) -> list[int]:
-    return tokens[:-1] if tokens and tokens[-1] in eos else tokens
 
 
 def _beside_ours(row: dict[str, Any], mine: dict[str, Any], mode: str) -> str | None:
@@ -83,7 +80,7 @@ def validate_in_vllm(
     `mapped`: our decoder's `MappedVocab` when the drafter has its own tokenizer (TLI)."""
     import vllm
 
-    prompts = token_batches(batches)
+    prompts = token_lists(batches)
     need = max(len(p) for b in prompts for p in b) + max_new_tokens + gamma + 1
     kwargs = engine_kwargs(
         spec, settings, str(dtype).removeprefix("torch."), model_len(settings, target_config, need), seed
@@ -105,11 +102,9 @@ def validate_in_vllm(
             if note:
                 notes.append(note)
             if s.greedy and ours_greedy_tokens is not None:
-                same = sum(
-                    _strip(a, eos) == _strip(b, eos)
-                    for a, b in zip(plain_tokens, ours_greedy_tokens)
+                row["plain_equals_ours_target_only"] = same_outputs(
+                    plain_tokens, ours_greedy_tokens, eos
                 )
-                row["plain_equals_ours_target_only"] = f"{same}/{len(plain_tokens)}"
             if s.greedy and not row["identical_to_plain"]:
                 notes.append(
                     f"vLLM greedy with the drafter differs from its plain greedy output in "

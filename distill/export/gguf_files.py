@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specdistill.data.models.gguf_writer import TARGET_RECIPE
 from specdistill.data.runtime import ConfigError, setting
-
-TARGET_RECIPE = "target"
 
 
 @dataclass(frozen=True)
@@ -94,17 +93,20 @@ def write_ggufs(model, folder: Path, settings: GGUFSettings, target: str, k: int
     """Write drafter-<type>.gguf for each type into `folder`, each checked against the target's
     GGUF vocabulary; returns export.json's `gguf` record."""
     from specdistill.data.models.gguf_vocab import compatibility_problems, read_gguf_vocab
-    from specdistill.data.models.gguf_writer import reference_types, write_llama_gguf
+    from specdistill.data.models.gguf_writer import types_for, write_llama_gguf
     from specdistill.data.models.target_gguf import target_gguf
 
     target_file = Path(settings.target).expanduser() if settings.target else target_gguf(target)
     target_vocab = read_gguf_vocab(target_file)
     files: dict[str, Any] = {}
     for kind in settings.types:
-        types = reference_types(target_file) if kind == TARGET_RECIPE else kind
         out = folder / drafter_file(kind)
         written = write_llama_gguf(
-            model, out, types=types, tokenizer_gguf=target_file, name=f"{folder.name}-{kind}"
+            model,
+            out,
+            types=types_for(kind, target_file),
+            tokenizer_gguf=target_file,
+            name=f"{folder.name}-{kind}",
         )
         problems = compatibility_problems(target_vocab, read_gguf_vocab(out))
         if problems:

@@ -283,12 +283,17 @@ def sample_onpolicy(
             synced_gpus=synced_gpus,
         )
     model.train(was_training)
-    result = []
-    for i, e in enumerate(examples):
-        comp = out[i, n:].tolist()
-        if eos_id is not None and eos_id in comp:
-            comp = comp[: comp.index(eos_id) + 1]
-        elif pad_id in comp and pad_id != eos_id:
-            comp = comp[: comp.index(pad_id)]
-        result.append(Example(prompt_ids=e.prompt_ids, completion_ids=comp or [pad_id]))
-    return result
+    return [
+        Example(e.prompt_ids, end_completion(out[i, n:].tolist(), pad_id, eos_id))
+        for i, e in enumerate(examples)
+    ]
+
+
+def end_completion(comp: list[int], pad_id: int, eos_id: int | None) -> list[int]:
+    """A sampled completion cut where it ended: after its first EOS (kept), else before the
+    first pad token (generate pads finished rows with it); never empty (one pad then)."""
+    if eos_id is not None and eos_id in comp:
+        comp = comp[: comp.index(eos_id) + 1]
+    elif pad_id in comp and pad_id != eos_id:
+        comp = comp[: comp.index(pad_id)]
+    return comp or [pad_id]

@@ -28,6 +28,7 @@ from typing import Any
 
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
+from specdistill.distill.train.data import end_completion
 from specdistill.distill.train.example import Example
 
 ENGINES = ("auto", "transformers", "vllm")
@@ -164,10 +165,10 @@ class VLLMRollouts:
             use_tqdm=False,
         )
         eos = [] if eos_id is None else [eos_id]
-        result = []
-        for e, o in zip(examples, outs, strict=True):
-            comp, _ = completion_of(o.outputs[0], eos)  # cut after EOS, kept (as generate does)
-            if pad_id in comp and pad_id != eos_id:  # generate's rows end at a pad token too
-                comp = comp[: comp.index(pad_id)]
-            result.append(Example(prompt_ids=e.prompt_ids, completion_ids=comp or [pad_id]))
-        return result
+        return [
+            # the stop token vLLM leaves out put back, then generate's own cut (data.py)
+            Example(
+                e.prompt_ids, end_completion(completion_of(o.outputs[0], eos)[0], pad_id, eos_id)
+            )
+            for e, o in zip(examples, outs, strict=True)
+        ]

@@ -34,30 +34,20 @@ def micro_batches(tr: Trainer, step: int, lmbda: float) -> list[tuple[dict, bool
         g = tr.stream.global_micro_index(step, a, rank)
         exs = [tr.train_examples[i] for i in tr.stream.indices(g)]
         onp = is_onpolicy(seed, g, lmbda)
+        how = dict(
+            pad_id=tr.tok.pad_token_id,
+            eos_id=tr.tok.eos_token_id,
+            max_new_tokens=s.onpolicy.max_new_tokens,
+            sampling=tr.onpolicy_sampling,
+            seed=micro_seed(seed, g),
+        )
+        drafter = tr.accelerator.unwrap_model(tr.model)
         # ZeRO-3: a forward gathers shards from every rank, so when any rank of this slot
         # is on-policy all of them generate together (and the others drop their samples).
         if onp and tr.rollouts is not None:  # the drafter in vLLM (train/rollouts.py)
-            exs = tr.rollouts.sample(
-                tr.accelerator.unwrap_model(tr.model),
-                step,
-                exs,
-                pad_id=tr.tok.pad_token_id,
-                eos_id=tr.tok.eos_token_id,
-                max_new_tokens=s.onpolicy.max_new_tokens,
-                sampling=tr.onpolicy_sampling,
-                seed=micro_seed(seed, g),
-            )
+            exs = tr.rollouts.sample(drafter, step, exs, **how)
         elif onp or (zero3 and zero.any_rank_onpolicy(tr.stream, step, a, seed, lmbda)):
-            sampled = sample_onpolicy(
-                tr.accelerator.unwrap_model(tr.model),
-                exs,
-                pad_id=tr.tok.pad_token_id,
-                eos_id=tr.tok.eos_token_id,
-                max_new_tokens=s.onpolicy.max_new_tokens,
-                sampling=tr.onpolicy_sampling,
-                seed=micro_seed(seed, g),
-                synced_gpus=zero3,
-            )
+            sampled = sample_onpolicy(drafter, exs, **how, synced_gpus=zero3)
             exs = sampled if onp else exs
         # drafter samples are collated padded; Seq-KD rows packed when asked (train/packing.py)
         pack = s.pack_sequences and not onp

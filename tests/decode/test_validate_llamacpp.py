@@ -186,7 +186,9 @@ def test_ours_on_llama_cpp_footing_and_the_table():
 
 
 def test_same_outputs_ignores_a_trailing_eos():
-    assert le.same_outputs([[1, 2, 0], [3]], [[1, 2], [4]], eos=(0,)) == "1/2"
+    from specdistill.decode.validate.agreement import same_outputs
+
+    assert same_outputs([[1, 2, 0], [3]], [[1, 2], [4]], eos=(0,)) == "1/2"
 
 
 # ---------------------------------------------------------------- for real (-m llamacpp)
