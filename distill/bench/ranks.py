@@ -1,13 +1,14 @@
 """Benchmark: a multi-process distill step's memory per rank with a large vocabulary, by
-strategy (DDP, DeepSpeed ZeRO-2 / ZeRO-3) and loss path, side by side in one run.
+strategy (DDP, DeepSpeed ZeRO-2 / ZeRO-3, FSDP2) and loss path, side by side in one run.
 
-    python -m specdistill.distill.bench.ranks --vocab 151936 --strategies ddp zero2 zero3
+    python -m specdistill.distill.bench.ranks --vocab 151936 --strategies ddp zero2 zero3 fsdp2
 
 An 8B target's vocabulary (Qwen's 151,936) makes the drafter's logits the memory of a distill
 step: [positions, V] in fp32 for the logits, their log-softmax and their gradient. Under a
-wrapper (DDP, DeepSpeed) the stage now keeps the head at the loss positions only and the chunked
-loss (`train/logits.final_hidden`), as one process does; `full` is the path multi-process runs
-took before (`masked_head=false chunked_loss=false`: the whole [b, n, V] grid).
+wrapper (DDP, DeepSpeed ZeRO-1/2) or sharded (FSDP2, distill/train/fsdp.py) the stage keeps the
+head at the loss positions only and the chunked loss (`train/logits.final_hidden`), as one
+process does; `full` is the path multi-process runs took before (`masked_head=false
+chunked_loss=false`: the whole [b, n, V] grid).
 
 The run builds, at run time, a tiny random Llama drafter with that vocabulary (untied head, as
 large targets have), a word-level tokenizer of as many tokens and a synthetic Seq-KD set with
@@ -15,8 +16,9 @@ stored top-k (`data/generate/synthetic.py`, so no target is loaded). Each (strat
 the distill stage's own `prepare` + `train_step` under `torchrun --nproc_per_node N` (gloo on
 CPU), one warm-up step and `--steps` steps; every rank records its peak RSS (`ru_maxrss`) and
 the steps' losses. It prints per-rank peak RSS (the larger rank), its ratio to the same
-strategy's `full` path, and the largest relative loss difference between the paths (the same
-window, so the same loss up to float summation order). RSS and timings are this machine's.
+strategy's `full` path and to DDP's (what every multi-process run paid before), and the
+largest relative loss difference between the paths (the same window, so the same loss up to
+float summation order). RSS and timings are this machine's.
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ PATHS = {
     "full": ["masked_head=false", "chunked_loss=false"],
     "masked+chunked": ["masked_head=true", "chunked_loss=true"],
 }
-STRATEGIES = {"ddp": "deepspeed=none", "zero2": "deepspeed=zero2", "zero3": "deepspeed=zero3"}
+STRATEGIES = {
+    "ddp": "deepspeed=none",
+    "zero2": "deepspeed=zero2",
+    "zero3": "deepspeed=zero3",
+    "fsdp2": "fsdp=true",
+}
 
 
 def build_world(root: Path, vocab: int, rows: int, prompt_len: int, completion_len: int) -> Path:
@@ -148,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     shared = [f"micro_batch_size={args.micro_batch}", "grad_accum=1",
               f"max_seq_len={args.prompt_len + args.completion_len + 16}", *args.overrides]  # fmt: skip
     rows: list[dict[str, Any]] = []
+    ddp_full = None  # what a multi-process run cost before: DDP over the full logits
     for strategy in args.strategies:
         by_path = {}
         for path, own in PATHS.items():
@@ -156,22 +164,26 @@ def main(argv: list[str] | None = None) -> None:
             by_path[path] = ranks
             print(json.dumps({"strategy": strategy, "path": path, "ranks": ranks}), flush=True)
         full = max(r["peak_rss_mb"] for r in by_path["full"])
+        ddp_full = full if strategy == "ddp" else ddp_full
         for path, ranks in by_path.items():
             peak = max(r["peak_rss_mb"] for r in ranks)
             rows.append({
                 "strategy": strategy, "path": path, "peak_rss_mb_per_rank": peak,
                 "ratio_to_full": round(peak / full, 2),
+                "ratio_to_ddp_full": None if ddp_full is None else round(peak / ddp_full, 2),
                 "loss_rel_diff_to_full": rel_diff(ranks[0]["losses"], by_path["full"][0]["losses"]),
                 "seconds": max(r["seconds"] for r in ranks),
             })  # fmt: skip
     print(f"\n{args.nproc} processes (gloo), vocabulary {args.vocab}, micro-batch "
           f"{args.micro_batch} x {args.prompt_len}+{args.completion_len} tokens, {args.steps} "
           "steps after one warm-up:")  # fmt: skip
-    print("| strategy | loss path | peak RSS per rank, MB | x full | loss rel. diff to full | s |")
-    print("|---|---|---|---|---|---|")
+    print("| strategy | loss path | peak RSS per rank, MB | x full | x DDP full | "
+          "loss rel. diff to full | s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['strategy']} | {r['path']} | {r['peak_rss_mb_per_rank']} | "
-              f"{r['ratio_to_full']} | {r['loss_rel_diff_to_full']:.1e} | {r['seconds']} |")  # fmt: skip
+              f"{r['ratio_to_full']} | {r['ratio_to_ddp_full'] or '-'} | "
+              f"{r['loss_rel_diff_to_full']:.1e} | {r['seconds']} |")  # fmt: skip
     print(f"RSS and seconds are this machine's; {time.perf_counter() - t0:.0f} s in all")
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=2) + "\n")

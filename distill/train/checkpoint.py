@@ -1,7 +1,8 @@
 """Atomic training checkpoints and `save_pretrained` exports for the distill stage.
 
 A checkpoint is accelerate's `save_state` (model, optimizer, scheduler and every process's RNG
-states; DeepSpeed shards under ZeRO) plus `trainer_state.json` (step, data position, best alpha,
+states; DeepSpeed shards under ZeRO, and under FSDP2 each process's shards of the model and
+optimizer in `fsdp/`, train/fsdp.py) plus `trainer_state.json` (step, data position, best alpha,
 history). It is written to a temp folder and renamed into place, and `latest` names the newest
 complete one, so a run killed mid-save resumes from the previous checkpoint, never half of one.
 """
@@ -21,13 +22,21 @@ from specdistill.data.io import (
     replace_dir,
 )
 from specdistill.data.models.checkpoints import check_checkpoint_files
-from specdistill.distill.train import mask_row
+from specdistill.distill.train import fsdp, mask_row
 
 STATE_FILE = "trainer_state.json"
 
 
-def save_checkpoint(accelerator, root: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Collective: every process calls it. Returns the checkpoint folder."""
+def save_checkpoint(
+    accelerator,
+    root: Path,
+    step: int,
+    state: dict[str, Any],
+    keep: int,
+    sharded: tuple[Any, Any] | None = None,
+) -> Path:
+    """Collective: every process calls it. `sharded`: (model, optimizer) of an FSDP2 run, which
+    accelerate does not hold (train/fsdp.py). Returns the checkpoint folder."""
     root = Path(root)
     final = root / f"step-{step:08d}"
     tmp = root / f".step-{step:08d}.tmp"
@@ -37,6 +46,8 @@ def save_checkpoint(accelerator, root: Path, step: int, state: dict[str, Any], k
     accelerator.wait_for_everyone()
     with guard_write(final, cleanup=(tmp,)):  # a failed save leaves no half folder behind
         accelerator.save_state(str(tmp))
+        if sharded is not None:
+            fsdp.save_sharded(*sharded, tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with guard_write(final, cleanup=(tmp,)):
@@ -71,21 +82,29 @@ def read_state(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / STATE_FILE).read_text())
 
 
-def load_checkpoint(accelerator, path: Path) -> dict[str, Any]:
-    """Restore model/optimizer/scheduler/RNG in place; return the trainer state."""
+def load_checkpoint(
+    accelerator, path: Path, sharded: tuple[Any, Any] | None = None
+) -> dict[str, Any]:
+    """Restore model/optimizer/scheduler/RNG in place (`sharded`: an FSDP2 run's model and
+    optimizer, read from their shards); return the trainer state."""
     fix = "delete that folder and rerun (the run then starts afresh)"
     check_checkpoint_files("resume checkpoint", path, fix)
     accelerator.load_state(str(path))
+    if sharded is not None:
+        fsdp.load_sharded(*sharded, path)
     return read_state(path)
 
 
 def export_pretrained(accelerator, model, tokenizer, path: Path) -> Path:
     """`save_pretrained` (+ tokenizer) into `path`, atomically replacing what was there.
 
-    Collective: under ZeRO-3 the full state dict is gathered from every process.
+    Collective: under ZeRO-3 and FSDP2 the full state dict is gathered from every process.
     """
     path = Path(path)
-    state = accelerator.get_state_dict(model)
+    if fsdp.is_sharded(model):
+        state = fsdp.full_state_dict(model)
+    else:
+        state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         # a parallel drafter's trainable mask row is written into its plain embedding
         state = mask_row.plain_state_dict(accelerator.unwrap_model(model), state)

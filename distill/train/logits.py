@@ -43,13 +43,17 @@ def final_hidden(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
     """The decoder's last hidden state [b, n, H] (after the final norm), without the head.
 
     A bare model runs its decoder alone. A DDP or DeepSpeed (ZeRO-1/2) wrapper must run its own
-    forward, where it prepares the gradients' all-reduce: it runs with the head on no position
-    (`logits_to_keep`: an empty index), and the decoder's output is taken by a forward hook.
-    The head then runs outside on the loss positions only; its weight is a full tensor under
-    DDP and ZeRO-1/2, so every parameter's gradient still reaches the wrapper's hooks (ZeRO-3
-    partitions it: the caller keeps the full forward there)."""
+    forward, where it prepares the gradients' all-reduce, and so must an FSDP2 model, whose
+    root forward gathers the root group (embeddings, head: train/fsdp.py): it runs with the head
+    on no position (`logits_to_keep`: an empty index), and the decoder's output is taken by a
+    forward hook. The head then runs outside on the loss positions only; its weight is a full
+    tensor under DDP, ZeRO-1/2 and FSDP2 (the root group stays whole until the backward), so
+    every parameter's gradient still reaches the wrapper's hooks (ZeRO-3 partitions it: the
+    caller keeps the full forward there)."""
+    from specdistill.distill.train.fsdp import is_sharded
+
     inner = causal_lm(model)
-    if inner is model:
+    if inner is model and not is_sharded(model):
         return model.get_decoder()(**inputs).last_hidden_state
     seen: list[torch.Tensor] = []
     hook = inner.get_decoder().register_forward_hook(

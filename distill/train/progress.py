@@ -85,7 +85,7 @@ def start_or_resume(tr: Trainer, latest: Any, config: dict[str, Any]) -> dict[st
     its checkpoints record."""
     accelerator = tr.accelerator
     if latest is not None:
-        state = ckpt.load_checkpoint(accelerator, latest)
+        state = ckpt.load_checkpoint(accelerator, latest, tr.sharded)
         if state["stream"] != tr.stream.layout:
             raise ConfigError(
                 f"resume={str(tr.s.resume).lower()} but the data layout changed since {latest} "
@@ -149,5 +149,5 @@ def evaluate_and_save(
         state["train_seconds"] += time.perf_counter() - t_train
         t_train = time.perf_counter()
         root = tr.out / "checkpoints"
-        ckpt.save_checkpoint(tr.accelerator, root, step, state, s.keep_checkpoints)
+        ckpt.save_checkpoint(tr.accelerator, root, step, state, s.keep_checkpoints, tr.sharded)
     return t_train

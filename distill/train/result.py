@@ -60,7 +60,7 @@ def peak_memory(device: torch.device) -> tuple[float, str]:
 
 def _best_drafter(tr: Trainer, state: dict[str, Any], step: int):
     """best/ as a model: the one in memory when the last step was the best, else from disk."""
-    if state["best_step"] == step and tr.s.zero_stage != 3:  # ZeRO-3: params sharded
+    if state["best_step"] == step and tr.s.zero_stage != 3 and not tr.s.fsdp:  # not sharded
         return tr.accelerator.unwrap_model(tr.model)
     from transformers import AutoModelForCausalLM
 

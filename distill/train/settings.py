@@ -28,6 +28,7 @@ from specdistill.decode.draft_vocab import draft_vocab_size
 from specdistill.distill.head_loss import AUTO_MIN_VOCAB
 from specdistill.distill.losses import DIVERGENCES
 from specdistill.distill.parallel import check_parallel_config
+from specdistill.distill.train.fsdp import check_fsdp
 from specdistill.distill.train.zero import zero_stage
 
 _POSITIVE = ("max_steps", "micro_batch_size", "grad_accum", "eval_every", "save_every")
@@ -279,6 +280,7 @@ class TrainSettings:
     freeze_embeddings: bool | str = "auto"
     deepspeed: bool = False
     zero_stage: int = 0  # 0 without DeepSpeed
+    fsdp: bool = False  # FSDP2: the drafter sharded with torch's fully_shard (train/fsdp.py)
     sweep_dir: str | None = None  # a loss sweep's folder: its summary is rewritten after each run
 
     @classmethod
@@ -309,6 +311,12 @@ class TrainSettings:
         draft_vocab = setting(cfg, cls, "draft_vocab")
         draft_vocab_size(draft_vocab, 1 << 30)  # the setting's form only
         sweep_dir = OmegaConf.select(cfg, "sweep_dir")
+        sharded = _bool(cfg, cls, "fsdp")
+        check_fsdp(sharded, bool(cfg.deepspeed.enabled), False, drafting == "parallel", False)
+        if sharded and cfg.mixed_precision == "fp16":
+            raise ConfigError(
+                "fsdp=true with mixed_precision=fp16 (no loss scaler): use bf16 or no"
+            )
         return cls(
             output_dir=Path(str(cfg.output_dir)),
             loss=LossSettings(
@@ -340,6 +348,7 @@ class TrainSettings:
             freeze_embeddings=setting(cfg, cls, "freeze_embeddings"),
             deepspeed=bool(cfg.deepspeed.enabled),
             zero_stage=zero_stage(cfg),
+            fsdp=sharded,
             sweep_dir=None if not sweep_dir else str(sweep_dir),
         )
 

@@ -1,7 +1,7 @@
 """The distill stage: train the drafter q towards the frozen target p (DistillSpec / GKD).
 
     python -m specdistill.distill.train pair=toy-tiny output_dir=DIR max_steps=50
-    torchrun --nproc_per_node 2 -m specdistill.distill.train ... [deepspeed=zero2|zero3]
+    torchrun --nproc_per_node 2 -m specdistill.distill.train ... [deepspeed=zero2|zero3 | fsdp=true]
 
 Data sources mix (Seq-KD rows, reference completions, on-policy drafter samples with
 probability `lmbda` per micro-batch); the target runs on the fly (frozen, no grad) unless the

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specdistill.distill import parallel
-from specdistill.distill.train import zero
+from specdistill.distill.train import fsdp, zero
 from specdistill.distill.train.batch_loss import shared_vocab_loss
 from specdistill.distill.train.data import collate, is_onpolicy, micro_seed, sample_onpolicy
 from specdistill.distill.train.packing import collate_packed
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 def micro_batches(tr: Trainer, step: int, lmbda: float) -> list[tuple[dict, bool]]:
     """This process's micro-batches of one optimizer step, each flagged on-policy or not."""
     s, seed = tr.s, tr.s.seed
-    zero3 = s.zero_stage == 3
+    # ZeRO-3 and FSDP2: a forward gathers shards from every rank (so generation is in lockstep)
+    lockstep = s.zero_stage == 3 or s.fsdp
     rank = tr.accelerator.process_index
     window = []
     for a in range(s.grad_accum):
@@ -42,12 +43,12 @@ def micro_batches(tr: Trainer, step: int, lmbda: float) -> list[tuple[dict, bool
             seed=micro_seed(seed, g),
         )
         drafter = tr.accelerator.unwrap_model(tr.model)
-        # ZeRO-3: a forward gathers shards from every rank, so when any rank of this slot
+        # ZeRO-3 / FSDP2: a forward gathers shards from every rank, so when any rank of this slot
         # is on-policy all of them generate together (and the others drop their samples).
         if onp and tr.rollouts is not None:  # the drafter in vLLM (train/rollouts.py)
             exs = tr.rollouts.sample(drafter, step, exs, **how)
-        elif onp or (zero3 and zero.any_rank_onpolicy(tr.stream, step, a, seed, lmbda)):
-            sampled = sample_onpolicy(drafter, exs, **how, synced_gpus=zero3)
+        elif onp or (lockstep and zero.any_rank_onpolicy(tr.stream, step, a, seed, lmbda)):
+            sampled = sample_onpolicy(drafter, exs, **how, synced_gpus=lockstep)
             exs = sampled if onp else exs
         # drafter samples are collated padded; Seq-KD rows packed when asked (train/packing.py)
         pack = s.pack_sequences and not onp
@@ -72,13 +73,14 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
         n_window = float(accelerator.reduce(torch.tensor(w_local, device=device), "sum"))
         c_local = sum(parallel.chain_count(b["packed"]) for b, _ in window)
         n_chains = float(accelerator.reduce(torch.tensor(c_local, device=device), "sum"))
-    # DDP averages gradients over processes and DeepSpeed divides by its accumulation steps:
-    # undo both so the gradient is exactly sum(token losses) / n_window.
+    # DDP (and FSDP2's reduce-scatter) average gradients over processes and DeepSpeed divides
+    # by its accumulation steps: undo both so the gradient is exactly sum(token losses) / n_window.
     scale = world * (A if ds_on else 1)
     loss_sum = torch.zeros((), device=device)
     # The head only at loss positions (so the chunked loss and the draft vocabulary's head):
     # the bare model, or a DDP / ZeRO-1/2 wrapper running its own forward without the head
-    # (train/logits.final_hidden). ZeRO-3 partitions the head's weight: the full forward there.
+    # (train/logits.final_hidden), or FSDP2, whose root group (the head) stays whole from the
+    # forward to the backward. ZeRO-3 partitions the head's weight: the full forward there.
     masked = s.masked_head and s.zero_stage != 3
     for a, (batch, onp) in enumerate(window):
         packed = batch.pop("packed", None)
@@ -87,6 +89,8 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
             packed = {k: v.to(device) for k, v in packed.items()}
         if ds_on:  # the engine's accumulation boundary comes from accelerate's counter
             boundary = accelerator.accumulate(model)
+        elif s.fsdp:  # reduce-scattered every micro-batch: each rank keeps a shard (fsdp.py)
+            boundary = contextlib.nullcontext()
         else:
             sync = a == A - 1
             boundary = contextlib.nullcontext() if sync else accelerator.no_sync(model)
@@ -106,7 +110,9 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
         loss_sum += loss.detach()
     grad_norm = None
     max_norm = tr.cfg.optim.max_grad_norm  # the optim group stays a node
-    if max_norm is not None and not ds_on:
+    if max_norm is not None and s.fsdp:
+        grad_norm = fsdp.clip_grad_norm(model.parameters(), max_norm)
+    elif max_norm is not None and not ds_on:
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
     elif ds_on:  # the engine clipped (and stepped) at the boundary; its pre-clip norm
         grad_norm = accelerator.deepspeed_engine_wrapped.get_global_grad_norm()

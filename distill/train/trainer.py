@@ -21,7 +21,7 @@ from specdistill.data.models.pairs import load_role, load_tokenizer, resolve_pai
 from specdistill.data.sampling import Sampling
 from specdistill.distill import parallel
 from specdistill.distill.intersection import Intersection
-from specdistill.distill.train import mapped, packing, rollouts, setup
+from specdistill.distill.train import fsdp, mapped, packing, rollouts, setup
 from specdistill.distill.train.data import (
     Example,
     StreamSpec,
@@ -79,6 +79,11 @@ class Trainer:
         return self.tok if self.mapped is None else self.mapped.draft_tok
 
     @property
+    def sharded(self) -> tuple[Any, Any] | None:
+        """(model, optimizer) when FSDP2 shards them: their checkpoints are train/fsdp.py's."""
+        return (self.model, self.opt) if self.s.fsdp else None
+
+    @property
     def device(self) -> torch.device:
         return self.accelerator.device
 
@@ -123,11 +128,16 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
 
     spec = resolve_pair(cfg.pair, stage="distill", mapped_ok=True)
     cuda = device.type == "cuda"
-    engine = rollouts.resolve_engine(
-        s.onpolicy.engine, s.most_onpolicy > 0, cuda, accelerator.num_processes
-    )
+    # FSDP2 keeps rollouts in transformers unless vLLM is asked for by name (then refused below)
+    asked = "transformers" if s.fsdp and s.onpolicy.engine == "auto" else s.onpolicy.engine
+    engine = rollouts.resolve_engine(asked, s.most_onpolicy > 0, cuda, accelerator.num_processes)
     if engine == "vllm":  # before any weights load
         rollouts.check_rollouts(s.zero_stage, spec.vocab == "mapped", s.parallel is not None)
+    fsdp.check_fsdp(
+        s.fsdp, s.deepspeed, spec.vocab == "mapped", s.parallel is not None, engine == "vllm"
+    )
+    if s.fsdp:
+        fsdp.ensure_process_group(cuda)
     tok = load_tokenizer(spec)
     drafter = load_role(spec, "drafter", device=device)
     mp = None if spec.vocab != "mapped" else mapped.prepare_mapped(s, spec, tok, drafter, device)
@@ -215,12 +225,18 @@ def _prepare_training(
     if s.gradient_checkpointing:
         setup.checkpoint_layers(drafter)
     frozen = setup.freeze_embeddings(s, cfg.pair, drafter)
+    if s.fsdp:  # sharded in place before the optimizer sees its parameters (train/fsdp.py)
+        fsdp.shard_model(drafter, accelerator.mixed_precision, accelerator.device)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     opt = hydra.utils.instantiate(cfg.optim.optimizer)(trainable)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(cfg.optim, s.max_steps))
     # The scheduler is not prepared: accelerate would step it once per process per step (for
     # split data), so 2 processes would decay the LR twice as fast as 1 with 2x accumulation.
-    model, opt = accelerator.prepare(drafter, opt)
+    # A sharded model and its optimizer are not prepared either: accelerate would wrap DDP
+    # around them; their checkpoints are train/fsdp.py's.
+    model = drafter
+    if not s.fsdp:
+        model, opt = accelerator.prepare(drafter, opt)
     accelerator.register_for_checkpointing(sched)
     setup.init_logger(accelerator, cfg)
     return model, opt, sched, frozen
