@@ -5,11 +5,16 @@ Chat rows mix 30-token and 900-token turns; right padding to the longest row of 
 makes the decoder run over padding (1.55x the real positions on the chat pair's rows). Packed,
 a row holds several sequences back to back (first-fit decreasing into rows of `max_seq_len`),
 `position_ids` restart at 0 for each, and the batch carries no attention mask (and the forward
-no cache: `logits.model_inputs`): `transformers` then builds a mask from the position restarts that lets a token attend only within its own
-sequence (masking_utils.find_packed_sequence_indices; sdpa and eager on CPU, and
-flash-attention's variable-length path on GPU read the same position ids). Each sequence sees
-exactly the context and positions it has unpacked, so the loss is the unpacked loss up to
-floating-point summation order (tested to 1e-5).
+no cache: `logits.model_inputs`): `transformers` then builds a mask from the position restarts
+that lets a token attend only within its own sequence (masking_utils.find_packed_sequence_indices
+for sdpa and eager; flash-attention's variable-length path reads the same position ids). Each
+sequence sees exactly the context and positions it has unpacked, so the loss is the unpacked
+loss up to floating-point summation order (tested to 1e-5).
+
+A dense block mask computes every masked score of a row, so with sdpa or eager the models are
+set to attend span by span instead (train/segment_attention.py, where `supports` holds: the
+plain-head architectures), and then the whole micro-batch is one row (`one_row`): no padding
+at all, and no score outside a sequence's own causal triangle.
 
 Not every architecture reads packed positions that way (a recurrent state does not reset), so
 `check_isolation` runs the model once on two short sequences packed and apart before training
@@ -47,12 +52,19 @@ def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def collate_packed(examples: list[Example], pad_id: int, max_seq_len: int) -> dict[str, Any]:
+def collate_packed(
+    examples: list[Example], pad_id: int, max_seq_len: int, one_row: bool = False
+) -> dict[str, Any]:
     """`data.collate`'s batch with the sequences packed: `input_ids`, `position_ids`,
     `loss_mask` (and the stored top-k at the same positions) of [rows, longest row], no
-    `attention_mask`. Each sequence is cut exactly as `collate` cuts it."""
+    `attention_mask`. Each sequence is cut exactly as `collate` cuts it. `one_row`: every
+    sequence in one row, no padding at all (for models attending span by span,
+    train/segment_attention.py, where a long row costs no masked scores)."""
     seqs, starts, tops = zip(*(cut_sequence(ex, max_seq_len) for ex in examples))
-    plan = pack_rows([len(s) for s in seqs], max_seq_len)
+    if one_row:
+        plan = [list(range(len(seqs)))]
+    else:
+        plan = pack_rows([len(s) for s in seqs], max_seq_len)
     width = max(sum(len(seqs[i]) for i in row) for row in plan)
     b = len(plan)
     input_ids = torch.full((b, width), pad_id, dtype=torch.long)

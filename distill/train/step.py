@@ -51,8 +51,10 @@ def micro_batches(tr: Trainer, step: int, lmbda: float) -> list[tuple[dict, bool
             sampled = sample_onpolicy(drafter, exs, **how, synced_gpus=lockstep)
             exs = sampled if onp else exs
         # drafter samples are collated padded; Seq-KD rows packed when asked (train/packing.py)
-        pack = s.pack_sequences and not onp
-        batch = (collate_packed if pack else collate)(exs, tr.tok.pad_token_id, s.max_seq_len)
+        if s.pack_sequences and not onp:
+            batch = collate_packed(exs, tr.tok.pad_token_id, s.max_seq_len, tr.pack_one_row)
+        else:
+            batch = collate(exs, tr.tok.pad_token_id, s.max_seq_len)
         if tr.mask_token_id is not None:  # mask chains appended, anchors drawn per micro-batch
             batch["packed"] = parallel.pack_batch(batch, s.parallel, tr.mask_token_id, seed, g)
         window.append((batch, onp))

@@ -21,7 +21,7 @@ from specdistill.data.models.pairs import load_role, load_tokenizer, resolve_pai
 from specdistill.data.sampling import Sampling
 from specdistill.distill import parallel
 from specdistill.distill.intersection import Intersection
-from specdistill.distill.train import fsdp, mapped, packing, rollouts, setup
+from specdistill.distill.train import fsdp, mapped, packing, rollouts, segment_attention, setup
 from specdistill.distill.train.data import (
     Example,
     StreamSpec,
@@ -62,6 +62,9 @@ class Trainer:
     chunked: bool = False  # the loss from hidden states + head (distill/head_loss.py)
     mapped: mapped.MappedPair | None = None  # a drafter with its own tokenizer (train/mapped.py)
     rollouts: Any = None  # onpolicy.engine=vllm: the drafter in a vLLM engine (train/rollouts.py)
+    # pack_sequences: the micro-batch in one row, the models attending span by span
+    # (train/segment_attention.py); else rows of max_seq_len under a block mask
+    pack_one_row: bool = False
 
     @property
     def eval_sampling(self) -> Sampling:
@@ -159,7 +162,13 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
             target = setup.load_target(spec, s, device, drafter, tok)
         else:
             target = mapped.load_mapped_target(spec, s, device, mp)
+    pack_one_row = False
     if s.pack_sequences:  # before training: a model that mixes packed sequences is refused
+        models = [m for m in (drafter, target) if m is not None]
+        if all(segment_attention.supports(m) for m in models):  # span by span, one row
+            for m in models:
+                segment_attention.use_segments(m)
+            pack_one_row = True
         packing.check_isolation(drafter, "drafter", str(spec.drafter), len(tok))
         if target is not None:
             packing.check_isolation(target, "target", str(spec.target), len(tok))
@@ -203,6 +212,7 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
         chunked=s.use_chunked_loss(len(tok)),
         mapped=mp,
         rollouts=vllm_rollouts,
+        pack_one_row=pack_one_row,
     )
 
 

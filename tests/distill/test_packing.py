@@ -13,6 +13,12 @@ from specdistill.data.runtime import ConfigError
 from specdistill.distill.train import packing
 from specdistill.distill.train.batch_loss import shared_vocab_loss
 from specdistill.distill.train.data import Example, collate
+from specdistill.distill.train.segment_attention import (
+    ATTENTION,
+    segments_attention,
+    segments_mask,
+    spans,
+)
 from specdistill.distill.train.settings import TrainSettings
 
 
@@ -74,20 +80,30 @@ def _trainer(distill_cfg, tmp_path, data, *overrides):
 
 @pytest.mark.parametrize("stored", [True, False])
 @pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("layout", ["one_row", "rows", "rows_block_mask"])
 def test_packed_loss_and_gradients_equal_the_padded_ones(
-    distill_cfg, tmp_path, seqkd_dir, seqkd_topk_dir, stored, masked
+    distill_cfg, tmp_path, seqkd_dir, seqkd_topk_dir, stored, masked, layout
 ):
-    """Stored top-k or the live target, the masked head or the full logits: one micro-batch's
-    loss packed equals it right-padded to 1e-5, and so do the drafter's gradients."""
+    """Stored top-k or the live target, the masked head or the full logits, and each packed
+    layout: the micro-batch in one row or in rows of max_seq_len, attended span by span
+    (train/segment_attention.py, what the stage sets for these models) or under sdpa's block
+    mask. One micro-batch's loss packed equals it right-padded to 1e-5, and so do the
+    drafter's gradients."""
     data = seqkd_topk_dir if stored else seqkd_dir
     tr = _trainer(distill_cfg, tmp_path, data, "pack_sequences=true")
     assert tr.topk == stored and (tr.target is None) == stored
+    assert tr.pack_one_row and tr.model.config._attn_implementation == ATTENTION
+    if layout == "rows_block_mask":
+        for m in (tr.model, tr.target):
+            if m is not None:
+                m.set_attn_implementation("sdpa")
     rows = [tr.train_examples[i] for i in range(6)]  # prompts cut to mixed lengths
     exs = [Example(e.prompt_ids[7 * i :], e.completion_ids, e.topk_ids, e.topk_logprobs)
            for i, e in enumerate(rows)]  # fmt: skip
+    packed = packing.collate_packed(exs, tr.tok.pad_token_id, 200, layout == "one_row")
+    assert packed["input_ids"].shape[0] == 1 or layout != "one_row"
     results = []
-    for batch in (collate(exs, tr.tok.pad_token_id, 200),
-                  packing.collate_packed(exs, tr.tok.pad_token_id, 200)):  # fmt: skip
+    for batch in (collate(exs, tr.tok.pad_token_id, 200), packed):
         tr.model.zero_grad(set_to_none=True)
         n = int(batch["loss_mask"].sum())
         loss = shared_vocab_loss(tr, batch, None, False, masked, "fkl", 0.5, n, 1.0)
@@ -99,6 +115,41 @@ def test_packed_loss_and_gradients_equal_the_padded_ones(
     assert abs(l0 - l1) <= 1e-5 * max(1.0, abs(l0))
     for a, b in zip(g0, g1):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_spans_start_wherever_positions_do_not_follow_on():
+    assert spans([0, 1, 2, 0, 1, 0, 0, 1]) == [(0, 3), (3, 5), (5, 6), (6, 8)]
+    assert spans([4, 5, 6]) == [(0, 3)]
+    assert spans([0, 1, 5, 6]) == [(0, 2), (2, 4)]
+
+
+def test_span_attention_equals_a_dense_block_diagonal_causal_softmax():
+    """Brute force: scores over the whole row, every pair outside a sequence's own causal
+    triangle set to -inf, softmax, times V (grouped-query heads repeated); and a call with a
+    padding mask or a cache offset is sdpa's own."""
+    gen = torch.Generator().manual_seed(0)
+    b, h, h_kv, n, d = 2, 4, 2, 11, 8
+    q = torch.randn(b, h, n, d, generator=gen)
+    k = torch.randn(b, h_kv, n, d, generator=gen)
+    v = torch.randn(b, h_kv, n, d, generator=gen)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3]])
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = h // h_kv, True, False
+    out, _ = segments_attention(module, q, k, v, None, scaling=0.3, position_ids=positions)
+    kk, vv = k.repeat_interleave(h // h_kv, 1), v.repeat_interleave(h // h_kv, 1)
+    scores = (q @ kk.transpose(-1, -2)) * 0.3
+    seq = torch.stack([torch.tensor([a for a, (s, e) in enumerate(spans(row)) for _ in range(e - s)])
+                       for row in positions.tolist()])  # fmt: skip
+    same = seq[:, :, None] == seq[:, None, :]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~(same & causal)[:, None], float("-inf"))
+    want = (scores.softmax(-1) @ vv).transpose(1, 2)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    assert segments_mask(b, n, n) is None  # no padding, no offset: the spans decide
+    padded = torch.ones(b, n, dtype=torch.bool)
+    padded[1, -2:] = False
+    mask = segments_mask(b, n, n, attention_mask=padded)
+    assert mask is not None and mask.shape == (b, 1, n, n)
 
 
 def test_a_model_that_mixes_packed_sequences_is_refused():
@@ -129,3 +180,21 @@ def test_a_model_that_mixes_packed_sequences_is_refused():
 def test_settings_packing_cannot_run_are_one_line(distill_cfg, tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):
         TrainSettings.from_cfg(distill_cfg(tmp_path, "pack_sequences=true", *overrides))
+
+
+def test_a_packed_run_trains_step_for_step_like_the_padded_one(
+    distill_cfg, tmp_path, seqkd_topk_dir
+):
+    """The stage end to end: each step's loss packed (one row, span by span) equals the padded
+    run's, and the drafter it writes loads with the stock attention (the span attention is a
+    training-time setting, never saved)."""
+    from specdistill.distill.train import stage
+
+    common = (f"data.path={seqkd_topk_dir}", "max_steps=3", "eval_every=3", "micro_batch_size=6")
+    padded = stage.run(distill_cfg(tmp_path / "padded", *common))
+    packed = stage.run(distill_cfg(tmp_path / "packed", *common, "pack_sequences=true"))
+    assert [h["tokens"] for h in packed.history] == [h["tokens"] for h in padded.history]
+    for a, b in zip(padded.history, packed.history, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    config = (tmp_path / "packed" / "best" / "config.json").read_text()
+    assert ATTENTION not in config
