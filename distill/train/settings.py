@@ -312,7 +312,7 @@ class TrainSettings:
         draft_vocab_size(draft_vocab, 1 << 30)  # the setting's form only
         sweep_dir = OmegaConf.select(cfg, "sweep_dir")
         sharded = _bool(cfg, cls, "fsdp")
-        check_fsdp(sharded, bool(cfg.deepspeed.enabled), False, drafting == "parallel", False)
+        check_fsdp(sharded, bool(cfg.deepspeed.enabled), False, drafting == "parallel")
         if sharded and cfg.mixed_precision == "fp16":
             raise ConfigError(
                 "fsdp=true with mixed_precision=fp16 (no loss scaler): use bf16 or no"

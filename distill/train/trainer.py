@@ -131,14 +131,13 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
 
     spec = resolve_pair(cfg.pair, stage="distill", mapped_ok=True)
     cuda = device.type == "cuda"
-    # FSDP2 keeps rollouts in transformers unless vLLM is asked for by name (then refused below)
+    # FSDP2 keeps rollouts in transformers unless vLLM is asked for by name (refused below)
     asked = "transformers" if s.fsdp and s.onpolicy.engine == "auto" else s.onpolicy.engine
-    engine = rollouts.resolve_engine(asked, s.most_onpolicy > 0, cuda, accelerator.num_processes)
+    engine = rollouts.resolve_engine(asked, s.most_onpolicy > 0, cuda)
     if engine == "vllm":  # before any weights load
-        rollouts.check_rollouts(s.zero_stage, spec.vocab == "mapped", s.parallel is not None)
-    fsdp.check_fsdp(
-        s.fsdp, s.deepspeed, spec.vocab == "mapped", s.parallel is not None, engine == "vllm"
-    )
+        mapped_pair, par = spec.vocab == "mapped", s.parallel is not None
+        rollouts.check_rollouts(s.zero_stage, mapped_pair, par, s.fsdp)
+    fsdp.check_fsdp(s.fsdp, s.deepspeed, spec.vocab == "mapped", s.parallel is not None)
     if s.fsdp:
         fsdp.ensure_process_group(cuda)
     tok = load_tokenizer(spec)
@@ -175,8 +174,9 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
     vllm_rollouts = None
     if engine == "vllm":
         context = min(int(getattr(drafter.config, "max_position_embeddings", 8192)), 8192)
+        dtype = "bfloat16" if cuda else "float32"
         vllm_rollouts = rollouts.VLLMRollouts.build(
-            spec, "bfloat16" if cuda else "float32", context, s.micro_batch_size, s.seed
+            spec, dtype, context, s.micro_batch_size, s.seed, accelerator.num_processes
         )
     model, opt, sched, frozen = _prepare_training(s, cfg, drafter, accelerator)
     return Trainer(

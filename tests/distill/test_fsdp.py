@@ -14,6 +14,7 @@ import time
 import pytest
 
 from specdistill.data.runtime import ConfigError
+from specdistill.distill.train import rollouts
 from specdistill.distill.train.fsdp import check_fsdp
 from specdistill.distill.train.settings import TrainSettings
 from tests.distill.test_deepspeed import (
@@ -107,11 +108,12 @@ def test_fsdp_refuses_in_one_line(distill_cfg, tmp_path, overrides, field):
 
 
 def test_fsdp_refuses_what_prepare_learns_from_the_pair_and_the_engine():
-    """A drafter with its own tokenizer and vLLM rollouts (known once the pair and the engine
-    are resolved, still before any weights load); off, nothing is checked."""
-    off = dict(fsdp=True, deepspeed=False, mapped=False, parallel=False, vllm=False)
-    for key, text in (("mapped", "own tokenizer"), ("vllm", "vLLM rollouts run in one process")):
-        with pytest.raises(ConfigError, match=rf"^fsdp=true: .*{text}"):
-            check_fsdp(**{**off, key: True})
-    check_fsdp(**off)
-    check_fsdp(False, True, True, True, True)
+    """A drafter with its own tokenizer (known once the pair is resolved) and vLLM rollouts
+    asked for by name (which read whole weights), still before any weights load; off, nothing
+    is checked."""
+    with pytest.raises(ConfigError, match=r"^fsdp=true: a drafter with its own tokenizer"):
+        check_fsdp(fsdp=True, deepspeed=False, mapped=True, parallel=False)
+    check_fsdp(True, False, False, False)
+    check_fsdp(False, True, True, True)
+    with pytest.raises(ConfigError, match=r"^onpolicy.engine=vllm: FSDP2 shards"):
+        rollouts.check_rollouts(zero_stage=0, mapped=False, parallel=False, fsdp=True)

@@ -24,13 +24,10 @@ def test_which_engine_onpolicy_engine_means(monkeypatch):
     assert rollouts.resolve_engine("auto", True, cuda=False) == "transformers"
     monkeypatch.setitem(sys.modules, "vllm", None)  # not installed
     assert rollouts.resolve_engine("auto", True, cuda=True) == "transformers"
-    assert rollouts.resolve_engine("auto", True, cuda=True, processes=2) == "transformers"
     with pytest.raises(ConfigError, match=r"onpolicy.engine=vllm but vLLM cannot be imported"):
         rollouts.resolve_engine("vllm", True, cuda=False)
     with pytest.raises(ConfigError, match=r"onpolicy.engine='sglang': choose one of"):
         rollouts.resolve_engine("sglang", True, True)
-    with pytest.raises(ConfigError, match=r"onpolicy.engine=vllm with 2 training processes"):
-        rollouts.resolve_engine("vllm", True, cuda=True, processes=2)
 
 
 def test_what_vllm_rollouts_cannot_serve_is_refused():
@@ -116,3 +113,34 @@ def test_the_distill_stage_with_vllm_rollouts_trains_as_with_generate(
     losses = {e: [h["loss"] for h in r.history] for e, r in runs.items()}
     assert losses["vllm"] == pytest.approx(losses["transformers"], rel=1e-5, abs=1e-7)
     assert losses["vllm"][-1] > 0  # the drafter moved off the target it started as
+
+
+@pytest.mark.vllm
+def test_two_processes_with_vllm_rollouts_train_as_with_generate(vllm_model, tmp_path):  # noqa: F811
+    """2 ranks under torchrun (gloo), each with its own engine built under the launcher
+    (`external_launcher`), greedy on-policy batches only: the losses step for step are those
+    of the same 2-process run with `generate`'s rollouts, and both ranks end cleanly."""
+    import json
+    import os
+    import subprocess
+
+    path = str(vllm_model)
+    common = ["pair.toy=null", f"pair.target={path}", f"pair.drafter={path}", "lmbda=1.0",
+              "onpolicy.sampling.temperature=0", "onpolicy.max_new_tokens=12",
+              "data.seq_kd=false", "data.reference=true", "data.limit=16", "max_steps=3",
+              "eval.limit=4", "freeze_embeddings=false", "micro_batch_size=2", "logger=none",
+              "device=cpu"]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    losses = {}
+    for engine in ("transformers", "vllm"):
+        out = tmp_path / engine
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", "-m", "specdistill.distill.train", *common,
+               f"onpolicy.engine={engine}", f"output_dir={out}"]  # fmt: skip
+        done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=900)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-4000:]
+        result = json.loads((out / "result.json").read_text())
+        assert result["world_size"] == 2
+        losses[engine] = [h["loss"] for h in result["history"]]
+    assert losses["vllm"] == pytest.approx(losses["transformers"], rel=1e-5, abs=1e-7)
