@@ -89,6 +89,23 @@ def test_fsdp_sigterm_saves_the_agreed_step_and_the_rerun_ends_like_the_plain_ru
     _assert_same_weights(plain_run / "final", out / "final")
 
 
+@pytest.mark.slow  # 2 torchrun launches on CPU: ~30 s on 2 shared cores
+def test_fsdp_with_frozen_embeddings_checkpointing_and_packing_trains_like_the_plain_path(
+    tmp_path,
+):
+    """Frozen embeddings and head in the root group beside a trainable final norm, each layer
+    recomputed in backward, packed rows attended span by span: the same steps as the plain
+    2-process path with the same levers."""
+    levers = ("freeze_embeddings=true", "gradient_checkpointing=true", "pack_sequences=true",
+              "lmbda=0")  # fmt: skip
+    plain, sharded = tmp_path / "plain", tmp_path / "fsdp"
+    _ok(_torchrun(tmp_path, plain, *levers))
+    _ok(_torchrun(tmp_path, sharded, *levers, FSDP))
+    assert _result(sharded)["data"]["frozen_params"] == _result(plain)["data"]["frozen_params"] > 0
+    _assert_same_training(_result(plain), _result(sharded))
+    _assert_same_weights(plain / "final", sharded / "final")
+
+
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
