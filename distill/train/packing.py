@@ -11,10 +11,10 @@ for sdpa and eager; flash-attention's variable-length path reads the same positi
 sequence sees exactly the context and positions it has unpacked, so the loss is the unpacked
 loss up to floating-point summation order (tested to 1e-5).
 
-A dense block mask computes every masked score of a row, so with sdpa or eager the models are
-set to attend span by span instead (train/segment_attention.py, where `supports` holds: the
-plain-head architectures), and then the whole micro-batch is one row (`one_row`): no padding
-at all, and no score outside a sequence's own causal triangle.
+A dense block mask computes every masked score of a row, so on CPU with sdpa or eager the
+models are set to attend span by span instead (train/segment_attention.py, where `supports`
+holds: the plain-head architectures), and then the whole micro-batch is one row (`one_row`): no
+padding at all, and no score outside a sequence's own causal triangle.
 
 Not every architecture reads packed positions that way (a recurrent state does not reset), so
 `check_isolation` runs the model once on two short sequences packed and apart before training

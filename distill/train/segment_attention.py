@@ -14,7 +14,9 @@ that carries an attention mask (padded batches, the held-out evaluation, generat
 cache offset goes to `sdpa` unchanged, and a row without restarts is one span, so a model set
 to it computes what `sdpa` computes everywhere; `packing.check_isolation` still runs before
 training. Only for the plain-head architectures (`logits.PLAIN_HEAD`) without a sliding
-window (`supports`): a window would cut a span's attention further.
+window (`supports`): a window would cut a span's attention further. On CPU only: a GPU keeps
+`transformers`' own packed path (flash-attention's variable-length kernel where the model runs
+it), since a Python loop of small kernels per span and layer is a CPU's trade, not a GPU's.
 """
 
 from __future__ import annotations
@@ -110,8 +112,11 @@ def register() -> str:
 
 
 def supports(model: Any) -> bool:
-    """Whether `model` may attend packed rows span by span: a plain-head architecture running
-    `sdpa` or `eager`, with no sliding window in any attention module."""
+    """Whether `model` may attend packed rows span by span: a plain-head architecture on CPU
+    running `sdpa` or `eager`, with no sliding window in any attention module."""
+    params = next(iter(model.parameters()), None)
+    if params is None or params.device.type != "cpu":
+        return False
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in PLAIN_HEAD:
         return False

@@ -5,6 +5,7 @@ other is refused in one line."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from specdistill.distill.train.segment_attention import (
     segments_attention,
     segments_mask,
     spans,
+    supports,
 )
 from specdistill.distill.train.settings import TrainSettings
 
@@ -150,6 +152,26 @@ def test_span_attention_equals_a_dense_block_diagonal_causal_softmax():
     padded[1, -2:] = False
     mask = segments_mask(b, n, n, attention_mask=padded)
     assert mask is not None and mask.shape == (b, 1, n, n)
+
+
+def test_span_attention_is_set_only_where_it_computes_what_sdpa_does():
+    """A plain-head model on CPU with sdpa: yes. Another device (a GPU keeps transformers' own
+    packed path), a sliding window or an architecture outside PLAIN_HEAD: no."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    llama = LlamaForCausalLM(LlamaConfig(**small, attn_implementation="sdpa"))
+    assert supports(llama)
+    with torch.device("meta"):
+        assert not supports(LlamaForCausalLM(LlamaConfig(**small, attn_implementation="sdpa")))
+    windowed = Qwen2Config(**small, use_sliding_window=True, sliding_window=8, max_window_layers=0,
+                           attn_implementation="sdpa")  # fmt: skip
+    assert not supports(Qwen2ForCausalLM(windowed))
+    assert supports(Qwen2ForCausalLM(Qwen2Config(**small, attn_implementation="sdpa")))
+    other = torch.nn.Linear(2, 2)
+    other.config = SimpleNamespace(model_type="gpt2", _attn_implementation="sdpa")
+    assert not supports(other)
 
 
 def test_a_model_that_mixes_packed_sequences_is_refused():
