@@ -2,8 +2,9 @@
 state sharded over the processes with torch's `fully_shard`, on GPUs (NCCL) and on CPU (gloo).
 
 Why the stage shards the model itself rather than through accelerate's FSDP plugin: accelerate
-1.15 builds FSDP only on an accelerator device (on CPU it ignores the plugin and wraps DDP),
-and a distill run must behave the same on a laptop, in CI and on a node. accelerate still owns
+(1.16) builds FSDP only for accelerator devices (its FSDP branch covers the multi-GPU/XPU/...
+types, not multi-CPU: on CPU it ignores the plugin and wraps DDP), and a distill run must
+behave the same on a laptop, in CI and on a node. accelerate still owns
 devices, processes, the RNG states of a checkpoint and logging; the model and its optimizer
 are never passed through `accelerator.prepare`.
 
