@@ -1,5 +1,5 @@
 """Attention over packed sequences one sequence at a time: the variable-length path of
-flash-attention, for any device `torch.nn.functional.scaled_dot_product_attention` runs on.
+flash-attention, built from `torch.nn.functional.scaled_dot_product_attention` (used on CPU).
 
 A packed row (train/packing.py) holds several sequences whose `position_ids` restart at 0.
 Through `sdpa` or `eager`, `transformers` makes that row's mask a dense [n, n] block-diagonal
@@ -7,7 +7,7 @@ causal grid and computes every score of it, the masked ones too: packing then on
 sequences are short against the row, and rows must stay at `max_seq_len` so the grid stays
 small. Here each sequence is attended alone (`is_causal` over its own span), which is exactly
 the block-diagonal mask's result with none of the masked scores, so the whole micro-batch can
-be one row with no padding at all (`packing.ONE_ROW`).
+be one row with no padding at all (`packing.collate_packed(one_row=True)`).
 
 Registered with `transformers` as `ATTENTION` (its attention and mask interfaces). Every call
 that carries an attention mask (padded batches, the held-out evaluation, generation) or a
