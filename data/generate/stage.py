@@ -298,12 +298,10 @@ def _engine_for(s: GenerateSettings, shard: Shard) -> StreamFn:
         def stream(chunks: vllm_backend.Chunks, on_batch: vllm_backend.OnBatch) -> ChunkRows:
             for k, prompts in chunks:
                 torch.manual_seed(chunk_seed(g.seed, shard.index, k))
-                yield (
-                    k,
-                    generate_rows(model, shard.tokenizer, prompts, g, s.batch_size, topk, on_batch)[
-                        0
-                    ],
+                rows, _ = generate_rows(
+                    model, shard.tokenizer, prompts, g, s.batch_size, topk, on_batch
                 )
+                yield k, rows
 
         return stream
     local = os.environ.get("LOCAL_RANK")
