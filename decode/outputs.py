@@ -6,7 +6,7 @@ tau = tokens emitted per target forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -84,6 +84,41 @@ class DecodeOutput:
     lookup_trials: int = 0
     lookup_accepted_at: list[int] = field(default_factory=list)
     lookup_trials_at: list[int] = field(default_factory=list)
+    # each row's own counters (tokens left empty), kept by the decoder: a batch's figures by
+    # prompt, so validate can report benchmark categories from batched decodes
+    by_row: list[DecodeOutput] = field(default_factory=list)
+
+    @classmethod
+    def counting(cls, rows: int, kmax: int) -> DecodeOutput:
+        """An empty output for `rows` rows and at most `kmax` drafts a round, per-row counters
+        included."""
+
+        def blank() -> DecodeOutput:
+            return cls(
+                tokens=[],
+                accepted_at=[0] * kmax,
+                trials_at=[0] * kmax,
+                lookup_accepted_at=[0] * kmax,
+                lookup_trials_at=[0] * kmax,
+                draft_lengths=[0] * (kmax + 1),
+            )
+
+        out = blank()
+        out.tokens = [[] for _ in range(rows)]
+        out.by_row = [blank() for _ in range(rows)]
+        return out
+
+    def rows(self) -> list[DecodeOutput]:
+        """One output per row (its tokens and its own counters), in row order. An output of one
+        row is its own row; a batch needs the counters its decoder kept per row."""
+        if len(self.by_row) == len(self.tokens):
+            return [replace(r, tokens=[t], by_row=[]) for r, t in zip(self.by_row, self.tokens)]
+        if len(self.tokens) == 1:
+            return [self]
+        raise ValueError(
+            f"an output of {len(self.tokens)} rows kept no per-row counters "
+            f"({len(self.by_row)} kept): decode it with SpeculativeDecoder.generate"
+        )
 
     @property
     def mean_draft_length(self) -> float:
@@ -146,6 +181,9 @@ class DecodeOutput:
     ) -> None:
         """Add one verified round's counters over the rows still decoding (trials stop at the
         first reject; row r verified lengths[r] drafts); lookup: also into the lookup_* ones."""
+        if len(self.by_row) == len(rows):
+            for r, own in enumerate(self.by_row):
+                own.count_round(rows[r : r + 1], active[r : r + 1], lengths[r : r + 1], lookup)
         for row, a, kr in zip(rows, active, lengths):
             if not a:
                 continue

@@ -261,14 +261,7 @@ class SpeculativeDecoder:
         mask[:, :plen] = mask0
         self.drafting.start(ids, mask0, mask, dense, slots, self.drafter_cut(plen))
         t, pos = prefill_prompt([tgt], ids, mask0, dense)
-        out = DecodeOutput(
-            tokens=[[] for _ in range(b)],
-            accepted_at=[0] * kmax,
-            trials_at=[0] * kmax,
-            lookup_accepted_at=[0] * kmax,
-            lookup_trials_at=[0] * kmax,
-            draft_lengths=[0] * (kmax + 1),
-        )
+        out = DecodeOutput.counting(b, kmax)
         steps = torch.arange(self.verify_widths[-1], device=self.device)
         self.policy.start(b)
         lookup = PromptLookup(ids[0, mask0[0]].tolist()) if self.cfg.lookup and dense else None

@@ -58,11 +58,14 @@ class TimedPass(NamedTuple):
 
 def merge(outs: list[DecodeOutput]) -> DecodeOutput:
     """Batches' outputs as one: tokens and rounds concatenated, every counter summed (the
-    per-position and per-length lists element by element)."""
+    per-position and per-length lists element by element); the rows' own counters kept in row
+    order where every batch has them."""
     total = DecodeOutput(tokens=[])
     for o in outs:
         for f in dataclasses.fields(DecodeOutput):
             mine, theirs = getattr(total, f.name), getattr(o, f.name)
+            if f.name == "by_row":
+                continue
             if f.name in ("tokens", "rounds"):
                 mine.extend(theirs)
             elif isinstance(theirs, list):
@@ -71,6 +74,8 @@ def merge(outs: list[DecodeOutput]) -> DecodeOutput:
                     setattr(total, f.name, summed)
             else:
                 setattr(total, f.name, mine + theirs)
+    if all(len(o.by_row) == len(o.tokens) or len(o.tokens) == 1 for o in outs):
+        total.by_row = [dataclasses.replace(r, tokens=[]) for o in outs for r in o.rows()]
     return total
 
 

@@ -46,7 +46,7 @@ from specdistill.decode.config import DecoderSettings
 from specdistill.decode.draft_length import DraftCosts, recommend_k, speedup_table
 from specdistill.decode.speculative import SpeculativeDecoder
 from specdistill.decode.validate.buckets import measure_buckets, regroup
-from specdistill.decode.validate.categories import category_rows, check_batches, plot_by_category
+from specdistill.decode.validate.categories import category_rows, plot_by_category
 from specdistill.decode.validate.categories import labels as category_labels
 from specdistill.decode.validate.llamacpp_engine import preflight as llamacpp_preflight
 from specdistill.decode.validate.mapped import check_mapped_stage, load_mapped, mapping_figures
@@ -128,8 +128,6 @@ def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) 
     if vs.num_prompts:
         prompts = prompts[: vs.num_prompts]
     check_disjoint(prompts, vs.training_data)
-    keys = category_labels(prompts, node_get(cfg.dataset, "label") or "dataset")
-    check_batches(keys, vs.batch_size)
     eos = tuple(sorted({i for i in [tok.eos_token_id] if i is not None}))
     context = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
     room = context - vs.max_new_tokens - gamma_room - 2

@@ -90,6 +90,31 @@ def test_greedy_batch4_uneven_prompts(pair, gamma, cache):
     assert out.accepted_at[0] != out.trials_at[0] or out.accepted < out.trials
 
 
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_batched_rows_keep_their_own_counters(pair, mode):
+    """Each row of a batch keeps its own counters, and the rows' counters sum to the batch's
+    (the rounds a batch plans differ from a row's alone near the budget: no equality there)."""
+    target, drafter = pair
+    sampling = Sampling(temperature=1.0) if mode == "sampled" else Sampling()
+    dec = SpeculativeDecoder(
+        target, drafter, DecoderConfig(gamma=3, max_new_tokens=16, sampling=sampling)
+    )
+    rows = prompts(4, 64, seed=21)
+    ids, mask = left_pad(rows)
+    out = dec.generate(ids, mask, generator=torch.Generator().manual_seed(0))
+    own = out.rows()
+    assert [r.tokens for r in own] == [[t] for t in out.tokens]
+    for f in ("block_tokens", "row_rounds", "accepted", "trials"):
+        assert sum(getattr(r, f) for r in own) == getattr(out, f)
+    for f in ("accepted_at", "trials_at", "draft_lengths"):
+        assert [sum(v) for v in zip(*(getattr(r, f) for r in own))] == getattr(out, f)
+    assert sum(r.alpha_sum for r in own) == pytest.approx(out.alpha_sum)
+    # each row was counted in the rounds it was still decoding: at least one round per
+    # `gamma + 1` tokens it emitted, and every round emitted something
+    for r in own:
+        assert len(r.tokens[0]) <= r.block_tokens and r.row_rounds * 4 >= len(r.tokens[0])
+
+
 @pytest.mark.parametrize("gamma", [3, 5])
 def test_eos_inside_an_accepted_block_stops_there(pair, gamma):
     target, drafter = pair
