@@ -7,6 +7,8 @@ training and held-out conversations, rendered with the target's chat template.
     dataset.chat_template_kwargs: {enable_thinking: false} (every place a template is applied)
     dataset.source: mixture, dataset.mixture: [{label, weight, <a dataset node>}, ...]
     dataset.per_category: N                              (N conversations of each category)
+    dataset.source: self, count: N                       (queries sampled from the target,
+                                                          data/self_queries.py)
 
 Each prompt opens a conversation (turn 1); generate and validate render its later turns after
 the target's own answers (`later_turn`). `limit` draws conversations in a seeded hash order (a
@@ -28,6 +30,7 @@ from specdistill.data.conversations import (
     read_conversations,
     render,
     split_holdout,
+    template_kwargs,
 )
 from specdistill.data.dataset_rows import file_rows, hub_rows, node_get
 from specdistill.data.prompt_record import Prompt
@@ -44,35 +47,21 @@ def is_conversation_set(cfg: Any) -> bool:
         bool(_get(cfg, "format"))
         or bool(_get(cfg, "chat", False))
         or (_get(cfg, "field") == "messages")
+        or _get(cfg, "source") == "self"
     )
 
 
-def template_kwargs(cfg: Any) -> dict[str, Any]:
-    """`dataset.chat_template_kwargs` as a plain dict (checked: a mapping of names)."""
-    raw = _get(cfg, "chat_template_kwargs") or {}
-    if hasattr(raw, "items"):
-        raw = dict(raw.items())
-    else:
-        raise ConfigError(
-            f"dataset.chat_template_kwargs={raw!r} must be a mapping, e.g. {{enable_thinking: false}}"
-        )
-    try:  # an OmegaConf node inside: plain values, so the record and the template see the same
-        from omegaconf import OmegaConf
-
-        raw = {
-            k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in raw.items()
-        }
-    except ImportError:  # pragma: no cover - omegaconf ships with hydra
-        pass
-    return raw
-
-
-def chat_prompts(cfg: Any, tokenizer: Any, split: str) -> list[Prompt]:
-    """The set's turn-1 prompts, rendered; each carries its conversation for later turns."""
+def chat_prompts(
+    cfg: Any, tokenizer: Any, split: str, *, target: str | None = None
+) -> list[Prompt]:
+    """The set's turn-1 prompts, rendered; each carries its conversation for later turns.
+    `target`: the stage's resolved target path (`source: self` samples its queries from it)."""
     if _get(cfg, "source") == "mixture":
-        convs = mixture_conversations(cfg, split)
+        convs = mixture_conversations(cfg, split, target=target, tokenizer=tokenizer)
     else:
-        convs = source_conversations(cfg, split, label=_get(cfg, "label"))
+        convs = source_conversations(
+            cfg, split, label=_get(cfg, "label"), target=target, tokenizer=tokenizer
+        )
         convs = _limited(convs, _get(cfg, "limit"), int(_get(cfg, "seed") or 0), "dataset.limit")
         convs = [replace(c, index=i) for i, c in enumerate(convs)]
     if not convs:
@@ -132,12 +121,27 @@ def later_turn(tokenizer: Any, prompt: Prompt, turn: int, answers: Sequence[str]
     )
 
 
-def source_conversations(cfg: Any, split: str, *, label: str | None) -> list[Conversation]:
-    """One source's conversations of `split`, its held-out split applied."""
+def source_conversations(
+    cfg: Any,
+    split: str,
+    *,
+    label: str | None,
+    target: str | None = None,
+    tokenizer: Any = None,
+    field: str = "dataset",
+) -> list[Conversation]:
+    """One source's conversations of `split`, its held-out split applied. `target` and
+    `tokenizer` (the stage's) are what `source: self` samples with; `field` names the node."""
     holdout = _get(cfg, "holdout")
     read_split = (_get(holdout, "from_split") or "train") if holdout else split
-    rows = _rows(cfg, read_split)
-    convs, _skipped = read_conversations(rows, cfg, source=label)
+    if _get(cfg, "source") == "self":  # the same queries for every split: `holdout` splits them
+        from specdistill.data.self_queries import self_query_rows
+
+        rows = self_query_rows(cfg, target, tokenizer, field=field)
+        reader: Any = {"format": "messages", "field": "messages"}  # the rows' own form
+    else:
+        rows, reader = _rows(cfg, read_split), cfg
+    convs, _skipped = read_conversations(rows, reader, source=label)
     if label and not _get(cfg, "category_field"):
         convs = [replace(c, category=label, source=label) for c in convs]
     convs = split_holdout(convs, cfg, split)
@@ -166,21 +170,55 @@ def _rows(cfg: Any, split: str) -> list[dict]:
         return toy_prompts(_get(cfg, "toy") or "toy-tiny", split)
     raise ConfigError(
         f"dataset.source={source!r} cannot hold conversations; use hub, jsonl, json, parquet, "
-        "csv, toy or mixture"
+        "csv, toy, self or mixture"
     )
 
 
-def mixture_conversations(cfg: Any, split: str) -> list[Conversation]:
-    """A weighted mixture of sources, interleaved evenly: `limit` conversations in all (null:
-    as many as the scarcest source allows at its weight), shared by `weight`."""
+def member_nodes(cfg: Any) -> list[dict[str, Any]]:
+    """A mixture's members as dataset nodes: each member's keys over those it inherits."""
     members = _get(cfg, "mixture")
     if not members:
         raise ConfigError("dataset.source=mixture needs dataset.mixture: a list of sources")
-    seed = int(_get(cfg, "seed") or 0)
-    parts, weights, labels = [], [], []
-    for k, member in enumerate(members):
+    nodes = []
+    for member in members:
         node = {**{key: _get(cfg, key) for key in _INHERITED if _get(cfg, key) is not None}}
         node.update({key: member[key] for key in member})
+        if node.get("source") == "self" and node.get("seed") is None:  # the mixture's seed
+            node["seed"] = _get(cfg, "seed")
+        nodes.append(node)
+    return nodes
+
+
+def self_sources(cfg: Any) -> list[tuple[str, Any]]:
+    """(field, node) of each `source: self` node of a dataset: itself or its mixture members."""
+    if _get(cfg, "source") == "self":
+        return [("dataset", cfg)]
+    if _get(cfg, "source") != "mixture":
+        return []
+    nodes = enumerate(member_nodes(cfg))
+    return [(f"dataset.mixture[{k}]", n) for k, n in nodes if n.get("source") == "self"]
+
+
+def prefetch_self_queries(cfg: Any, target: str | None, tokenizer: Any) -> int:
+    """Sample (or find cached) every `source: self` node's queries now, in this process: the
+    generate stage does it once with every core before its one-thread shard processes start,
+    so they only read the cached file. How many nodes there were."""
+    from specdistill.data.self_queries import self_query_rows
+
+    found = self_sources(cfg)
+    for field, node in found:
+        self_query_rows(node, target, tokenizer, field=field)
+    return len(found)
+
+
+def mixture_conversations(
+    cfg: Any, split: str, *, target: str | None = None, tokenizer: Any = None
+) -> list[Conversation]:
+    """A weighted mixture of sources, interleaved evenly: `limit` conversations in all (null:
+    as many as the scarcest source allows at its weight), shared by `weight`."""
+    seed = int(_get(cfg, "seed") or 0)
+    parts, weights, labels = [], [], []
+    for k, node in enumerate(member_nodes(cfg)):
         label = node.get("label") or f"source{k}"
         if label in labels:
             raise ConfigError(f"dataset.mixture[{k}].label={label!r} is used twice")
@@ -188,7 +226,14 @@ def mixture_conversations(cfg: Any, split: str) -> list[Conversation]:
         if not isinstance(weight, (int, float)) or weight < 0:
             raise ConfigError(f"dataset.mixture[{k}].weight={weight!r} must be a number >= 0")
         member_split = node.get("split") or split
-        convs = source_conversations(node, member_split, label=label)
+        convs = source_conversations(
+            node,
+            member_split,
+            label=label,
+            target=target,
+            tokenizer=tokenizer,
+            field=f"dataset.mixture[{k}]",
+        )
         parts.append(_limited(convs, node.get("limit"), seed, f"dataset.mixture[{k}].limit"))
         weights.append(float(weight))
         labels.append(label)

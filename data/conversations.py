@@ -239,6 +239,26 @@ def messages_for(
     return msgs
 
 
+def template_kwargs(cfg: Any) -> dict[str, Any]:
+    """`dataset.chat_template_kwargs` as a plain dict (checked: a mapping of names)."""
+    raw = _get(cfg, "chat_template_kwargs") or {}
+    if hasattr(raw, "items"):
+        raw = dict(raw.items())
+    else:
+        raise ConfigError(
+            f"dataset.chat_template_kwargs={raw!r} must be a mapping, e.g. {{enable_thinking: false}}"
+        )
+    try:  # an OmegaConf node inside: plain values, so the record and the template see the same
+        from omegaconf import OmegaConf
+
+        raw = {
+            k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in raw.items()
+        }
+    except ImportError:  # pragma: no cover - omegaconf ships with hydra
+        pass
+    return raw
+
+
 def render(tokenizer: Any, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> str:
     """The chat template applied for a reply (generation prompt on), with the user's
     `chat_template_kwargs` (e.g. Qwen3's enable_thinking)."""

@@ -1,5 +1,6 @@
-"""Prompt sources: a hub dataset, a local jsonl/parquet file, the toy world's code prompts, or
-long-context prompts bucketed by length (`source: long`, `specdistill.data.long_documents`).
+"""Prompt sources: a hub dataset, a local jsonl/parquet file, the toy world's code prompts,
+long-context prompts bucketed by length (`source: long`, `specdistill.data.long_documents`), or
+chat queries sampled from the target itself (`source: self`, `specdistill.data.self_queries`).
 
 Every stage that needs prompts (generate, distill's on-policy and eval data, validate) reads
 them through `load_prompts(cfg.dataset, tokenizer)`, so a source works everywhere once it works
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdistill.data.chat_prompts import chat_prompts, is_conversation_set
+from specdistill.data.chat_prompts import chat_prompts, is_conversation_set, self_sources
 from specdistill.data.dataset_rows import file_rows, hub_rows, node_get
 from specdistill.data.prompt_record import Prompt
 from specdistill.data.runtime import ConfigError
@@ -21,12 +22,15 @@ __all__ = ["Prompt", "check_prompt_settings", "fit_prompt_set", "fit_to_context"
 _get = node_get
 
 
-def load_prompts(cfg: Any, tokenizer=None, *, default_split: str = "train") -> list[Prompt]:
-    """Read prompts per the `dataset` config node; a stage passes its usual split as default."""
+def load_prompts(
+    cfg: Any, tokenizer=None, *, default_split: str = "train", target: str | None = None
+) -> list[Prompt]:
+    """Read prompts per the `dataset` config node; a stage passes its usual split as default
+    and its resolved target path (`pair.target`; `source: self` samples its queries from it)."""
     source = _get(cfg, "source", "toy")
     split = _get(cfg, "split") or default_split
     if source == "mixture" or is_conversation_set(cfg):
-        return chat_prompts(cfg, tokenizer, split)
+        return chat_prompts(cfg, tokenizer, split, target=target)
     field = _get(cfg, "field", "prompt")
     ref_field = _get(cfg, "reference_field")
     if source == "toy":
@@ -79,12 +83,18 @@ def load_prompts(cfg: Any, tokenizer=None, *, default_split: str = "train") -> l
 
 
 def check_prompt_settings(cfg: Any) -> None:
-    """Settings a source can check before any model loads (long sets' buckets and policy), so
-    a bad `dataset.bucket` is one error line, not one after a 30-second weight load."""
+    """Settings a source can check before any model loads (long sets' buckets and policy, self
+    sources' count and sampling, in a mixture too), so a bad `dataset.bucket` is one error
+    line, not one after a 30-second weight load."""
     if _get(cfg, "source") == "long":
         from specdistill.data.long_documents import long_settings
 
         long_settings(cfg)
+    if _get(cfg, "source") in ("self", "mixture"):
+        from specdistill.data.self_queries import SelfSettings
+
+        for field, node in self_sources(cfg):
+            SelfSettings.from_node(node, field)
 
 
 def _toy_rows(name: str, split: str) -> list[dict]:

@@ -87,7 +87,9 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     budget = prompt_budget(
         context_length(model.config, tokenizer), g.max_new_tokens, s.max_prompt_tokens
     )
-    prepared, _, _ = load_prepared_prompts(cfg.dataset, tokenizer, budget, s.split, s.long_prompts)
+    prepared, _, _ = load_prepared_prompts(
+        cfg.dataset, tokenizer, budget, s.split, s.long_prompts, target=spec.target
+    )
     prepared = prepared[: b.num_prompts]
 
     torch.manual_seed(g.seed)

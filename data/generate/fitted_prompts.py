@@ -130,12 +130,18 @@ def no_prompts_message(stats: dict[str, int], dataset_cfg: Any) -> str:
 
 
 def load_prepared_prompts(
-    dataset_cfg: Any, tokenizer: Any, budget: int, split: str, policy: str
+    dataset_cfg: Any,
+    tokenizer: Any,
+    budget: int,
+    split: str,
+    policy: str,
+    *,
+    target: str | None = None,
 ) -> tuple[list[PreparedPrompt], dict[str, int], ChatSet | None]:
     """The stage's prompts (`dataset`, `split` when dataset.split is null), tokenised and fitted
     to `budget` under `long_prompts=policy` (the benchmark uses the same), and the chat set
-    their later turns come from (None for plain prompts)."""
-    prompts = load_prompts(dataset_cfg, tokenizer, default_split=split)
+    their later turns come from (None for plain prompts). `target`: the resolved target path."""
+    prompts = load_prompts(dataset_cfg, tokenizer, default_split=split, target=target)
     prepared, stats = prepare_prompts(
         prompts, tokenizer, budget, policy, add_special_tokens=not is_chat(dataset_cfg)
     )

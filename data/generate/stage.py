@@ -38,6 +38,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from specdistill.data.chat_prompts import prefetch_self_queries, self_sources
 from specdistill.data.generate import vllm_engine as vllm_backend
 from specdistill.data.generate.batched import PreparedPrompt, generate_rows
 from specdistill.data.generate.fitted_prompts import (
@@ -70,6 +71,7 @@ from specdistill.data.generate.shards import (
 )
 from specdistill.data.generate.turns import read_answers, turn_plan, turn_prompts
 from specdistill.data.models.pairs import PairSpec, load_role, load_tokenizer, resolve_pair
+from specdistill.data.prompts import check_prompt_settings
 from specdistill.data.runtime import ConfigError, parse_dtype, run_or_exit, set_threads
 
 log = logging.getLogger(__name__)
@@ -142,8 +144,12 @@ def run(cfg: DictConfig) -> GenerateResult:
         out = Path(str(cfg.output_dir)).expanduser().absolute()
         return merged_result(out, merge_shards(out, wall_seconds=None), time.perf_counter() - t0)
     s = GenerateSettings.from_cfg(cfg)  # bad settings fail once, here, before any process starts
+    check_prompt_settings(cfg.dataset)
     n = local_processes(s)
     if n > 1:
+        if self_sources(cfg.dataset):  # sampled once here with every core; shards read the file
+            spec = resolve_pair(cfg.pair, mapped_ok=True)
+            prefetch_self_queries(cfg.dataset, spec.target, load_tokenizer(spec))
         return run_local_processes(cfg, n, run)
     shard = prepare_shard(cfg, s)
     return generate_shard(s, shard, t0)
@@ -172,7 +178,7 @@ def prepare_shard(cfg: DictConfig, s: GenerateSettings) -> Shard:
     if s.topk_logprobs > vocab:
         raise ConfigError(f"topk_logprobs={s.topk_logprobs} exceeds the vocabulary ({vocab})")
     prepared, stats, chat = load_prepared_prompts(
-        cfg.dataset, tokenizer, budget, s.split, s.long_prompts
+        cfg.dataset, tokenizer, budget, s.split, s.long_prompts, target=spec.target
     )
     if not prepared:
         raise ConfigError(no_prompts_message(stats, cfg.dataset))

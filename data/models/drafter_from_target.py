@@ -148,8 +148,9 @@ def target_num_layers(target: str, revision: str | None = None, field: str = "pa
     return n
 
 
-def _target_key(target: str, revision: str | None) -> str:
-    """Changes when the target's weights change (local) or its name/revision does (hub)."""
+def target_key(target: str, revision: str | None) -> str:
+    """Changes when the target's weights change (local: path, files' sizes and mtimes) or its
+    name/revision does (hub). Keys built drafters and `source: self` queries."""
     p = Path(target).expanduser()
     parts: list[str] = [str(p.resolve()) if p.exists() else target, str(revision)]
     if p.is_dir():
@@ -167,7 +168,7 @@ def drafter_dir(target: str, layers: list[int], revision: str | None = None) -> 
         if len(layers) <= 12
         else hashlib.sha1(str(layers).encode()).hexdigest()[:10]
     )
-    root = specdistill_home() / "drafters" / f"{name}-{_target_key(target, revision)}"
+    root = specdistill_home() / "drafters" / f"{name}-{target_key(target, revision)}"
     return root / f"layers-{spec}-v{BUILD_VERSION}"
 
 

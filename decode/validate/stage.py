@@ -124,7 +124,7 @@ def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) 
     binary = llamacpp_preflight(vs.llamacpp, spec) if vs.llamacpp is not None else None
     target, drafter, tok = load_pair(spec, device=device, dtype=dtype)
     mapped = load_mapped(cfg, spec, target, drafter, tok)
-    prompts = load_prompts(cfg.dataset, tok, default_split="test")
+    prompts = load_prompts(cfg.dataset, tok, default_split="test", target=spec.target)
     if vs.num_prompts:
         prompts = prompts[: vs.num_prompts]
     check_disjoint(prompts, vs.training_data)

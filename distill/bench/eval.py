@@ -73,7 +73,9 @@ def run(val_dir: Path, runs_dir: Path, pair: str, limit: int, work: Path) -> dic
         tok = load_tokenizer(spec)
         batches = {}
         for name, cfg in cfgs.items():
-            ex = setup.build_eval_examples(TrainSettings.from_cfg(cfg), cfg, tok, acc)
+            ex = setup.build_eval_examples(
+                TrainSettings.from_cfg(cfg), cfg, tok, acc, target=spec.target
+            )
             batches[name] = [
                 collate(ex[i : i + 16], tok.pad_token_id, 256) for i in range(0, len(ex), 16)
             ]

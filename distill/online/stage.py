@@ -303,7 +303,7 @@ def run(cfg: DictConfig) -> OnlineResult:
     spec = resolve_pair(cfg.pair, stage="online")
     tok = load_tokenizer(spec)
     topk = check_topk(s, len(tok))
-    sources = load_sources(list(s.segments), spec.toy, tok)
+    sources = load_sources(list(s.segments), spec.toy, tok, target=spec.target)
     plan = plan_requests(
         list(s.segments), {k: len(v) for k, v in sources.items()}, s.stream_blend, s.seed
     )

@@ -44,6 +44,10 @@ class Request:
     prompt: int  # index into the source's prompt list
 
 
+# `load_prompts` sources a stream segment may name (self: queries sampled from the target)
+DATASET_SOURCES = ("toy", "hub", "jsonl", "json", "parquet", "csv", "self")
+
+
 def parse_stream(stream: Any) -> list[Segment]:
     """Check the `stream` list (names, counts) without reading any prompts."""
     if isinstance(stream, DictConfig) or hasattr(stream, "_content"):
@@ -66,10 +70,10 @@ def parse_stream(stream: Any) -> list[Segment]:
                 )
             label = ds
         elif isinstance(ds, dict):
-            if ds.get("source", "toy") not in ("toy", "hub", "jsonl", "json", "parquet", "csv"):
+            if ds.get("source", "toy") not in DATASET_SOURCES:
                 raise ConfigError(
                     f"stream[{i}].dataset.source={ds.get('source')!r} is not known; use toy, hub, "
-                    "jsonl or parquet"
+                    "jsonl, parquet or self"
                 )
             label = str(ds.get("name") or ds.get("path") or ds.get("source", "toy"))
             label = f"{label}:{ds.get('split') or 'train'}"
@@ -79,8 +83,12 @@ def parse_stream(stream: Any) -> list[Segment]:
     return segments
 
 
-def load_sources(segments: list[Segment], toy: str | None, tokenizer) -> dict[str, list[Prompt]]:
-    """Each distinct source's prompts (no model involved); an empty source is an error."""
+def load_sources(
+    segments: list[Segment], toy: str | None, tokenizer, *, target: str | None = None
+) -> dict[str, list[Prompt]]:
+    """Each distinct source's prompts (no model involved, except `source: self`, which samples
+    its queries from `target`, the resolved target path, once and caches them); an empty
+    source is an error."""
     out: dict[str, list[Prompt]] = {}
     for i, seg in enumerate(segments):
         if seg.label in out:
@@ -97,7 +105,7 @@ def load_sources(segments: list[Segment], toy: str | None, tokenizer) -> dict[st
             rows = group_prompts(ds)
             prompts = [Prompt(j, r["prompt"], r["completion"]) for j, r in enumerate(rows)]
         else:
-            prompts = load_prompts(ds, tokenizer, default_split="train")
+            prompts = load_prompts(ds, tokenizer, default_split="train", target=target)
         if not prompts:
             hint = ""
             if isinstance(ds, str) and ds.startswith("stdlib-"):

@@ -24,7 +24,7 @@ from specdistill.data.models.pairs import (
     load_role,
     vocab_size,
 )
-from specdistill.data.prompts import load_prompts
+from specdistill.data.prompts import check_prompt_settings, load_prompts
 from specdistill.data.runtime import ConfigError, parse_dtype
 from specdistill.decode.draft_vocab import (
     CONFIG_KEY,
@@ -52,6 +52,8 @@ def check_config(cfg: DictConfig, s: TrainSettings | None = None) -> TrainSettin
     CPU: train/zero.py)."""
     s = s or TrainSettings.from_cfg(cfg)
     zero.check_deepspeed(cfg, use_cuda(s))
+    if cfg.get("dataset") is not None:
+        check_prompt_settings(cfg.dataset)
     return s
 
 
@@ -258,10 +260,11 @@ def run_generate(
 
 
 def build_train_examples(
-    s: TrainSettings, cfg: DictConfig, tokenizer, accelerator
+    s: TrainSettings, cfg: DictConfig, tokenizer, accelerator, *, target: str | None = None
 ) -> tuple[Sequence[Example], bool]:
     """(examples, top-k mode). Sources mix: Seq-KD rows (read lazily) + reference completions;
-    with lmbda = 1 and neither, the dataset's prompts alone (every batch is drafter-generated)."""
+    with lmbda = 1 and neither, the dataset's prompts alone (every batch is drafter-generated).
+    `target`: the resolved target path (`source: self` samples its queries from it)."""
     parts: list[Sequence[Example]] = []
     data = s.data
     path = data.path
@@ -271,11 +274,15 @@ def build_train_examples(
     if path is not None:
         parts.append(load_seqkd(path, limit=data.limit, use_topk=use_topk in ("auto", True)))
     if data.reference:
-        prompts = load_prompts(_dataset_cfg(cfg, None), tokenizer, default_split="train")
+        prompts = load_prompts(
+            _dataset_cfg(cfg, None), tokenizer, default_split="train", target=target
+        )
         parts.append(reference_examples(prompts[: data.limit or None], tokenizer))
     examples = chain(parts)
     if not examples and s.lmbda >= 1.0:
-        prompts = load_prompts(_dataset_cfg(cfg, None), tokenizer, default_split="train")
+        prompts = load_prompts(
+            _dataset_cfg(cfg, None), tokenizer, default_split="train", target=target
+        )
         ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
         examples = [Example(prompt_ids=i, completion_ids=[]) for i in ids]
     if not examples:
@@ -318,7 +325,13 @@ def eval_topk(s: TrainSettings, train_examples: Sequence[Example], train_topk: b
 
 
 def build_eval_examples(
-    s: TrainSettings, cfg: DictConfig, tokenizer, accelerator, topk: int = 0
+    s: TrainSettings,
+    cfg: DictConfig,
+    tokenizer,
+    accelerator,
+    topk: int = 0,
+    *,
+    target: str | None = None,
 ) -> list[Example]:
     """Held-out rows: reference completions, a given generate run, or (`target`) the target's
     own continuations in the serving mode (greedy, or sampled at eval.sampling), with the
@@ -337,5 +350,7 @@ def build_eval_examples(
         if ev.path is None:
             raise ConfigError("eval.source=path needs eval.path (a generate-stage dataset)")
         return load_seqkd(ev.path, limit=ev.limit)
-    prompts = load_prompts(_dataset_cfg(cfg, ev.split), tokenizer, default_split="test")
+    prompts = load_prompts(
+        _dataset_cfg(cfg, ev.split), tokenizer, default_split="test", target=target
+    )
     return reference_examples(prompts[: ev.limit or None], tokenizer)

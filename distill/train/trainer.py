@@ -143,9 +143,9 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
     tok = load_tokenizer(spec)
     drafter = load_role(spec, "drafter", device=device)
     mp = None if spec.vocab != "mapped" else mapped.prepare_mapped(s, spec, tok, drafter, device)
-    train_examples, topk = setup.build_train_examples(s, cfg, tok, accelerator)
+    train_examples, topk = setup.build_train_examples(s, cfg, tok, accelerator, target=spec.target)
     eval_k = setup.eval_topk(s, train_examples, topk)
-    eval_examples = setup.build_eval_examples(s, cfg, tok, accelerator, eval_k)
+    eval_examples = setup.build_eval_examples(s, cfg, tok, accelerator, eval_k, target=spec.target)
     eval_has_topk = has_topk(eval_examples)
     mask_id = None
     if s.parallel is not None:
