@@ -12,6 +12,23 @@ from specdistill.data.prompts import load_prompts
 from tests.data.chat_fixtures import chat_tokenizer
 
 
+@pytest.fixture(scope="module", autouse=True)
+def scripted_self_queries():
+    """chat_mix's `source: self` member without a chat model: `count` distinct scripted queries
+    in its rows' form (data/self_queries.py samples them from the target; tested there)."""
+
+    def rows(node, target, tokenizer, *, field="dataset"):
+        n = int(node["count"])
+        return [
+            {"id": f"self-{i}", "messages": [{"role": "user", "content": f"Help me plan trip {i}"}]}
+            for i in range(n)
+        ]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("specdistill.data.self_queries.self_query_rows", rows)
+        yield
+
+
 @pytest.fixture(scope="module")
 def tok(toy_tiny, tmp_path_factory):
     return chat_tokenizer(toy_tiny, tmp_path_factory.mktemp("chat-tok"))
@@ -33,7 +50,11 @@ def training(tok):
 
 def test_chat_mix_keeps_its_weights(training):
     assert len(training) == 1024
-    assert Counter(p.source for p in training) == {"instructions": 512, "gsm8k": 256, "code": 256}
+    weights = {"chat": 2, "instructions": 1, "gsm8k": 1, "code": 1}
+    counts = Counter(p.source for p in training)
+    assert set(counts) == set(weights)
+    for label, w in weights.items():  # 1024 shared 2 : 1 : 1 : 1, rounding one either way
+        assert abs(counts[label] - 1024 * w / 5) <= 1
 
 
 @pytest.mark.parametrize(
