@@ -32,6 +32,7 @@ from specdistill.data.io import atomic_write_text
 from specdistill.data.models.drafter_from_target import target_key
 from specdistill.data.models.pairs import load_model
 from specdistill.data.runtime import ConfigError, resolve_device, specdistill_home
+from specdistill.data.sampling import KEYS, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +45,20 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+# How queries are drawn unless the node's `sampling` says otherwise: the target's own distribution
+SAMPLING = Sampling(temperature=1.0)
 
 
 @dataclass(frozen=True)
 class SelfSettings:
-    """A `source: self` node's settings, checked before any weights load (errors name the field)."""
+    """A `source: self` node's settings, checked before any weights load (errors name the field).
+    `sampling` is the one sampling spec (`data/sampling.py`), at temperature > 0."""
 
     count: int
     seed: int = 0
     system: str | None = None
     max_query_tokens: int = 48
-    temperature: float = 1.0
-    top_p: float = 1.0
+    sampling: Sampling = SAMPLING
     batch_size: int = 64
     model: str | None = None
 
@@ -69,15 +70,20 @@ class SelfSettings:
             if not _is_int(v[key]) or (key != "seed" and v[key] < least):
                 need = "an integer" if key == "seed" else f"an integer >= {least}"
                 raise ConfigError(f"{field}.{key}={v[key]!r} must be {need} (source self)")
-        t, p = v["temperature"], v["top_p"]
-        if not _is_number(t) or not t > 0:
-            raise ConfigError(f"{field}.temperature={t!r} must be > 0 (queries are sampled)")
-        if not _is_number(p) or not 0 < p <= 1:
-            raise ConfigError(f"{field}.top_p={p!r} must be in (0, 1]")
+        # the per-key spelling beside `sampling` is refused by name, as on every stage
+        parent = {
+            k: node_get(node, k) for k in (*KEYS, "do_sample") if node_get(node, k) is not None
+        }
+        parent["sampling"] = node_get(node, "sampling") or SAMPLING.as_dict()
+        v["sampling"] = Sampling.from_parent(parent, f"{field}.sampling")
+        if v["sampling"].greedy:
+            raise ConfigError(
+                f"{field}.sampling.temperature=0 is greedy: queries are sampled (> 0, e.g. 1.0)"
+            )
         for key in ("system", "model"):
             if v[key] is not None and (not isinstance(v[key], str) or not v[key].strip()):
                 raise ConfigError(f"{field}.{key}={v[key]!r} must be a non-empty string or null")
-        return cls(**(v | {"temperature": float(t), "top_p": float(p)}))
+        return cls(**v)
 
 
 def keep_queries(
@@ -198,9 +204,9 @@ def model_sampler(
 
     config = GenerationConfig(  # every setting explicit: none comes from the checkpoint
         do_sample=True,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=0,
+        temperature=s.sampling.temperature,
+        top_p=s.sampling.top_p,
+        top_k=s.sampling.top_k,
         max_new_tokens=s.max_query_tokens,
         eos_token_id=sorted(stops),
         pad_token_id=pad_id,

@@ -89,9 +89,10 @@ def test_collect_queries_stops_when_enough_and_refuses_too_few():
     [
         ({"count": 0}, "dataset.count=0"),
         ({"count": None}, "dataset.count=None"),
-        ({"top_p": 1.5}, "dataset.top_p=1.5"),
-        ({"top_p": 0}, "dataset.top_p=0"),
-        ({"temperature": 0}, "dataset.temperature=0"),
+        ({"sampling": {"temperature": 1.0, "top_p": 1.5}}, "dataset.sampling.top_p=1.5"),
+        ({"sampling": {"temperature": 1.0, "top_p": 0}}, "dataset.sampling.top_p=0"),
+        ({"sampling": {"temperature": 0}}, "dataset.sampling.temperature=0"),
+        ({"temperature": 0.7}, "dataset.temperature was replaced by the one sampling spec"),
         ({"max_query_tokens": 0}, "dataset.max_query_tokens=0"),
     ],
 )
@@ -102,8 +103,10 @@ def test_bad_settings_are_one_line_before_any_model(bad, field):
 
 
 def test_a_mixture_member_is_checked_by_its_own_field():
-    cfg = {"source": "mixture", "mixture": [{"source": "jsonl"}, node(top_p=2)]}
-    with pytest.raises(ConfigError, match=r"^dataset\.mixture\[1\]\.top_p=2 must be in"):
+    cfg = {"source": "mixture", "mixture": [{"source": "jsonl"}, node(sampling={"top_p": 2})]}
+    with pytest.raises(
+        ConfigError, match=r"^dataset\.mixture\[1\]\.sampling\.top_p=2\.0 must lie in"
+    ):
         check_prompt_settings(cfg)
 
 
