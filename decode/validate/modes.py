@@ -21,6 +21,11 @@ from specdistill.data.sampling import Sampling
 from specdistill.decode.config import DecoderSettings
 from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.speculative import DecodeOutput
+from specdistill.decode.validate.target_only import (
+    BaselinePass,
+    SharedBaseline,
+    TargetOnlyCache,
+)
 
 
 def run_all(fn: Callable, batches, seed: int) -> tuple[float, list[DecodeOutput]]:
@@ -106,7 +111,7 @@ def other_decoder(decoder: DecoderSettings, other_sampling: Any) -> DecoderSetti
 
 def timed_repeats(
     dec, batches, seed: int, repeats: int, passes: list[TimedPass] | None = None,
-    progress: str | None = None,
+    progress: str | None = None, shared: SharedBaseline | None = None,
 ):  # fmt: skip
     """Interleaved target-only / speculative passes (load drifts hit both alike).
 
@@ -117,20 +122,28 @@ def timed_repeats(
     Returns (baseline tokens/s per repeat, speculative tokens/s per repeat, first baseline and
     speculative outputs merged over batches). `passes` receives every repeat batch by batch (the
     per-bucket figures); `progress` labels a bar that moves between timed calls, never inside.
+    `shared` (decode/validate/target_only.py): the run's target-only passes, reused when another
+    validate step timed them (no target-only decode runs here), else written there once timed.
     """
     base_rates, spec_rates = [], []
     base_out = spec_out = None
     bar = repeats_bar(repeats, batches, progress)
     tok_b = tok_s = 0  # the bar's running totals over the repeats so far: target-only, ours
     sec_b = sec_s = 0.0
+    timed: list[BaselinePass] = []
     for rep in range(repeats):
         gens = [torch.Generator(device="cpu").manual_seed(seed + rep) for _ in range(2)]
         tbs: list[float] = []
         tss: list[float] = []
         bo: list[DecodeOutput] = []
         so: list[DecodeOutput] = []
-        for ids, mask in batches:
-            _timed_call(dec.baseline, ids, mask, gens[0], tbs, bo)
+        reused = shared.reused[rep] if shared and shared.reused else None
+        for b, (ids, mask) in enumerate(batches):
+            if reused is None:
+                _timed_call(dec.baseline, ids, mask, gens[0], tbs, bo)
+            else:
+                tbs.append(reused.seconds[b])
+                bo.append(reused.outs[b])
             _timed_call(dec.generate, ids, mask, gens[1], tss, so)
             tok_b, sec_b = tok_b + emitted_tokens(bo[-1:]), sec_b + tbs[-1]
             tok_s, sec_s = tok_s + emitted_tokens(so[-1:]), sec_s + tss[-1]
@@ -139,11 +152,14 @@ def timed_repeats(
         tb, ts = sum(tbs), sum(tss)
         if passes is not None:
             passes.append(TimedPass(tbs, bo, tss, so))
+        timed.append(BaselinePass(tbs, bo))
         base_rates.append(emitted_tokens(bo) / tb)
         spec_rates.append(emitted_tokens(so) / ts)
         if rep == 0:
             base_out, spec_out = merge(bo), merge(so)
     bar.close()
+    if shared is not None:
+        shared.save(timed)
     assert base_out is not None and spec_out is not None
     return base_rates, spec_rates, base_out, spec_out
 
@@ -185,8 +201,11 @@ def speedup_text(speedup: float, low_high: list[float] | None) -> str:
     return f"{speedup}x ({low_high[0]}-{low_high[1]})"
 
 
-def mode_figures(dec, base_rates, spec_rates, spec_out: DecodeOutput) -> dict[str, Any]:
-    """One mode's row of report.json's `modes`: alpha, tau and the measured speedup."""
+def mode_figures(
+    dec, base_rates, spec_rates, spec_out: DecodeOutput, shared: SharedBaseline | None = None
+) -> dict[str, Any]:
+    """One mode's row of report.json's `modes`: alpha, tau and the measured speedup (its
+    target-only side timed by another validate step of the run where `shared` reused it)."""
     s = dec.cfg.sampling
     return {
         "temperature": s.temperature,
@@ -207,23 +226,27 @@ def mode_figures(dec, base_rates, spec_rates, spec_out: DecodeOutput) -> dict[st
         "accepted_at": list(spec_out.accepted_at),
         "trials_at": list(spec_out.trials_at),
         "drafted": sum(k * n for k, n in enumerate(spec_out.draft_lengths)),  # every draft made
+        "baseline_reused": bool(shared and shared.reused),
     }
 
 
 def measure_other_mode(
     make: Callable[[DecoderSettings], Any], other: DecoderSettings, batches, warm, seed: int,
     repeats: int, passes: list[TimedPass] | None = None, progress: bool = False,
+    cache: TargetOnlyCache | None = None,
 ):  # fmt: skip
     """Decode the other serving mode with a fresh decoder (same gamma), warmed up untimed;
-    `passes` receives its repeats batch by batch, `progress` shows them (see `timed_repeats`)."""
+    `passes` receives its repeats batch by batch, `progress` shows them, `cache` shares its
+    target-only passes with the run's other validate steps (see `timed_repeats`)."""
     dec = make(other)
     run_all(dec.baseline, warm, seed)
     run_all(dec.generate, warm, seed)
     name = mode_name(dec.cfg.sampling.temperature)
+    shared = SharedBaseline.open(cache, dec, batches, seed, repeats)
     base_rates, spec_rates, _, spec_out = timed_repeats(
-        dec, batches, seed, repeats, passes, f"validate {name}" if progress else None
+        dec, batches, seed, repeats, passes, f"validate {name}" if progress else None, shared
     )
-    return name, mode_figures(dec, base_rates, spec_rates, spec_out)
+    return name, mode_figures(dec, base_rates, spec_rates, spec_out, shared)
 
 
 def positions(values: list[float] | None, tested: list[int] | None = None) -> str:

@@ -69,6 +69,8 @@ class ValidateSettings:
     vllm_draft_sample_method: str | None = None  # engines=[ours,vllm]: vllm.draft_sample_method
     llamacpp: LlamaCppSettings | None = None  # engines=[ours,llamacpp]: llamacpp.*
     training_data: str | None = None  # a Seq-KD dataset: no prompt may be among its rows
+    # a folder the run's validate steps share their target-only side through (target_only.py)
+    target_only_cache: Path | None = None
 
     @property
     def both_modes(self) -> bool:
@@ -125,6 +127,11 @@ class ValidateSettings:
                 LlamaCppSettings.from_node(cfg.get("llamacpp")) if "llamacpp" in engines else None
             ),
             training_data=str(cfg.training_data) if cfg.get("training_data") else None,
+            target_only_cache=(
+                Path(str(cfg.target_only_cache)).expanduser().absolute()
+                if cfg.get("target_only_cache")
+                else None
+            ),
         )
 
     @property

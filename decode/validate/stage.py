@@ -61,6 +61,11 @@ from specdistill.decode.validate.modes import merge as _merge
 from specdistill.decode.validate.modes import run_all as _run_all
 from specdistill.decode.validate.report import ValidateResult, plot_acceptance, report_markdown
 from specdistill.decode.validate.settings import CostModel, ValidateSettings
+from specdistill.decode.validate.target_only import (
+    SharedBaseline,
+    TargetOnlyCache,
+    shared_answers,
+)
 from specdistill.decode.validate.timing import (
     hf_assisted_speed,
     machine_name,
@@ -70,6 +75,14 @@ from specdistill.decode.validate.turns import expand_turns, greedy_answers, merg
 from specdistill.decode.validate.vllm_engine import preflight
 
 log = logging.getLogger(__name__)
+
+
+def by_length(prompts: list, rows: list[list[int]]) -> tuple[list, list[list[int]]]:
+    """Prompts and their ids in order of length (ties keep the set's order), so a batch holds
+    prompts of similar length: a left-padded batch runs every row at its longest prompt's
+    length (prefill included), and a speculative batch runs until its slowest row is done."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    return [prompts[i] for i in order], [rows[i] for i in order]
 
 
 def _batches(rows: list[list[int]], pad_id: int, batch_size: int):
@@ -101,6 +114,8 @@ class Setup:
     mapped: Any = None  # MappedVocab: the drafter has its own tokenizer (decode/validate/mapped.py)
     # chat benchmarks: each prompt's (set, category) (decode/validate/categories.py), else None
     categories: list[tuple[str, str]] | None = None
+    # the run's shared target-only side (decode/validate/target_only.py), else None
+    target_only: TargetOnlyCache | None = None
 
 
 def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) -> Setup:
@@ -143,20 +158,32 @@ def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) 
         return fit_prompt_set(ps, tok, vs.long_prompts, max_prompt, where)
 
     prompts, rows, fit = fit_set(prompts)
+    cache = None
+    if vs.target_only_cache is not None:
+        cache = TargetOnlyCache.create(
+            vs.target_only_cache, spec.target, spec.revision, device, dtype, machine_name(device)
+        )
     # a multi-turn question's later turns, after the target's own greedy answers
-    answer = greedy_answers(target, tok, device, vs.max_new_tokens, eos)
+    answer = shared_answers(
+        cache,
+        greedy_answers(target, tok, device, vs.max_new_tokens, eos),
+        {"max_new_tokens": vs.max_new_tokens, "eos": list(eos)},
+    )
     prompts, rows, turns = expand_turns(prompts, rows, tok, answer, fit_set)
     fit = merge_fit(fit, turns["later_fit"])
     if len(turns["turns"]) > 1:
         fit["turns"] = turns["turns"]
     fit["context"] = context
+    warm = _batches(rows[:1], tok.pad_token_id, 1)  # the set's first prompt, however batched
+    if vs.batch_size > 1:
+        prompts, rows = by_length(prompts, rows)
     texts = [p.text for p in prompts]
     batches = _batches(rows, tok.pad_token_id, vs.batch_size)
-    warm = _batches(rows[:1], tok.pad_token_id, 1)
     return Setup(
         spec, target, drafter, tok, device, dtype, eos, texts, batches, warm, engines,
         vllm_settings, binary, prompt_fit=fit, buckets=[p.bucket for p in prompts], mapped=mapped,
         categories=category_labels(prompts, node_get(cfg.dataset, "label") or "dataset"),
+        target_only=cache,
     )  # fmt: skip
 
 
@@ -293,6 +320,7 @@ def measure_serving(
     warm_up(dec, st.batches, st.warm, vs.seed)
     warmup_seconds = time.perf_counter() - t_warm
     mode = mode_name(dec.cfg.sampling.temperature)
+    shared = SharedBaseline.open(st.target_only, dec, st.batches, vs.seed, vs.repeats)
     base_rates, spec_rates, base_out, spec_out = timed_repeats(
         dec,
         st.batches,
@@ -300,6 +328,7 @@ def measure_serving(
         vs.repeats,
         None if passes is None else passes.setdefault(mode, []),
         f"validate {mode}" if vs.progress else None,
+        shared,
     )
     lossless, mismatched = lossless_check(dec, base_out, spec_out, st.dtype, notes)
     # this machine's step costs at the warm-up prompt: the report's speed figures only
@@ -307,7 +336,7 @@ def measure_serving(
     if dec.parallel:
         notes.append(f"parallel drafting: c = one drafter forward of {gamma + 1} tokens")
     figures = headline(spec_out, base_rates, spec_rates, c, verify, costs)
-    modes = {mode: mode_figures(dec, base_rates, spec_rates, spec_out)}
+    modes = {mode: mode_figures(dec, base_rates, spec_rates, spec_out, shared)}
     return ServingMeasurement(
         dec, gamma, figures, modes, base_out, spec_out, lossless, mismatched, warmup_seconds, costs
     )
@@ -328,7 +357,7 @@ def side_measurements(
         other_passes: list = []
         name, other = measure_other_mode(
             lambda ds: make(gamma, ds), vs.other, st.batches, st.warm, seed, repeats,
-            None if passes is None else other_passes, vs.progress,
+            None if passes is None else other_passes, vs.progress, st.target_only,
         )  # fmt: skip
         sv.modes[name] = other
         if passes is not None:
@@ -405,6 +434,12 @@ def run(cfg: DictConfig) -> ValidateResult:
     sv = measure_serving(vs, st, make, notes, passes)
     side = side_measurements(vs, st, make, sv, notes, passes)
     dec, modes = sv.dec, sv.modes
+    reused = [m for m, f in modes.items() if f.get("baseline_reused")]
+    if reused and st.target_only is not None:
+        notes.append(
+            f"{' and '.join(reused)}: target-only tokens and timing from another validate step "
+            f"of this run, same prompts and machine ({st.target_only.folder})"
+        )
     by_bucket = None
     if plan:  # per bucket: both modes' figures, c and verify cost timed at its length, KV
         log.info("validate: step costs at each context-length bucket's median prompt")

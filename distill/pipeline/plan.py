@@ -152,8 +152,11 @@ class _Planner:
         """validate_base (the undistilled drafter), validate and one validate_<set> per
         `validate_sets`; returns the validate step (its report goes into the export's card).
         With the run's own Seq-KD rows (`data`), each checks its prompts are none of them
-        (validate.training_data) and so waits for generate."""
+        (validate.training_data) and so waits for generate. All share one target-only side
+        (validate.target_only_cache): the first to run decodes it, the others reuse it."""
         held: dict[str, Any] = {"training_data": data.out_dir} if data else {}
+        # one target-only side for every drafter validated here (decode/validate/target_only.py)
+        held["target_only_cache"] = str(run_dir / "target_only")
         if drafter_path and self.cfg.get("validate_base", True):
             out = run_dir / "validate_base"
             # an autoregressive base drafter: validated as one, whatever `drafting` is
@@ -220,6 +223,7 @@ class _Planner:
         for step_name, path, reads in drafters:
             out = run_dir / step_name
             own = {} if path else {"decoder__drafting": "autoregressive"}  # as validate_base
+            own["target_only_cache"] = str(run_dir / "target_only")  # as validate_steps
             vcfg = self.compose_long("validate", name, output_dir=str(out), **own)
             if path:
                 vcfg.pair.drafter = path

@@ -105,6 +105,15 @@ def test_batched_decodes_give_the_category_figures_of_their_rows():
     assert "| - |" in "\n".join(category_markdown(together))
 
 
+def test_batches_hold_prompts_of_similar_length():
+    from specdistill.decode.validate.stage import by_length
+
+    rows = [[1] * n for n in (5, 1, 3, 1, 4, 2)]
+    prompts, ordered = by_length(list("abcdef"), rows)
+    assert [len(r) for r in ordered] == [1, 1, 2, 3, 4, 5]
+    assert prompts == ["b", "d", "f", "c", "e", "a"]  # ties in the set's order
+
+
 def test_labels_and_groups():
     plain = [Prompt(0, "a"), Prompt(1, "b")]
     assert labels(plain, "dataset") is None
