@@ -171,3 +171,11 @@ def setting(node: Any, settings_type: type, key: str) -> Any:
         return node[key]
     field = settings_type.__dataclass_fields__[key]
     return field.default_factory() if callable(field.default_factory) else field.default
+
+
+def cache_argument(model: Any) -> str:
+    """The keyword `model.forward` takes its KV cache by: `cache` in newer `transformers`,
+    `past_key_values` in older forwards and remote code."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -31,12 +31,13 @@ from specdistill.data.dataset_rows import node_get
 from specdistill.data.io import atomic_write_text
 from specdistill.data.models.drafter_from_target import target_key
 from specdistill.data.models.pairs import load_model
+from specdistill.data.query_stream import sampling_draw, stream_samples, supported
 from specdistill.data.runtime import ConfigError, resolve_device, specdistill_home
 from specdistill.data.sampling import KEYS, Sampling
 
 log = logging.getLogger(__name__)
 
-VERSION = 1  # bump when sampling or filtering changes, so older caches are not reused
+VERSION = 2  # bump when sampling or filtering changes, so older caches are not reused
 SPLIT = "\x00SPLIT\x00"  # a user message no template rewrites: the header is the text before it
 Sampler = Callable[[int], list[list[int]]]  # batch index -> sampled token rows
 
@@ -196,6 +197,27 @@ def batch_seed(seed: int, batch: int) -> int:
 
 
 def model_sampler(
+    model: Any, header_ids: list[int], s: SelfSettings, stops: Collection[int], pad_id: int
+) -> Sampler:
+    """`sample(0), sample(1), ...` (called in that order): the next `batch_size` samples of a
+    batch of `batch_size` rows that restart as each sample ends (`data/query_stream.py`), drawn
+    from one generator seeded by `seed` (the caller's random state is left as it was); a model
+    whose cache cannot be rewritten row by row samples fixed batches (`fixed_batch_sampler`)."""
+    if not supported(model):
+        return fixed_batch_sampler(model, header_ids, s, stops, pad_id)
+    generator = torch.Generator(device=model.device).manual_seed(batch_seed(s.seed, 0))
+    stream = stream_samples(
+        model, header_ids, s.max_query_tokens, stops, s.batch_size,
+        sampling_draw(s.sampling, generator),
+    )  # fmt: skip
+
+    def sample(batch: int) -> list[list[int]]:
+        return [next(stream).ids for _ in range(s.batch_size)]
+
+    return sample
+
+
+def fixed_batch_sampler(
     model: Any, header_ids: list[int], s: SelfSettings, stops: Collection[int], pad_id: int
 ) -> Sampler:
     """Batches of `batch_size` identical headers (no padding) sampled by `generate`, each batch

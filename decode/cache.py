@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from specdistill.data.runtime import ConfigError, padded_positions
+from specdistill.data.runtime import ConfigError, cache_argument, padded_positions
 from specdistill.decode.cache_layers import cache_layer_types, slot_layer
 from specdistill.decode.draft_vocab import SubsetHead, swapped_head
 
@@ -81,12 +81,6 @@ def rollback_cache(config, *, static: bool, capacity: int):
         for t in types
     ]
     return Cache(layers=layers)
-
-
-def cache_argument(model) -> str:
-    """The keyword `model.forward` takes its KV cache by: `cache` in newer `transformers`,
-    `past_key_values` in older forwards and remote code."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class ModelRunner:

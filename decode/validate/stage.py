@@ -137,6 +137,11 @@ def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) 
     check_mapped_stage(cfg, spec, engines)
     vllm_settings = preflight(cfg, spec) if "vllm" in engines else None
     binary = llamacpp_preflight(vs.llamacpp, spec) if vs.llamacpp is not None else None
+    cache = None
+    if vs.target_only_cache is not None:  # a folder it cannot write fails here, not after decoding
+        cache = TargetOnlyCache.create(
+            vs.target_only_cache, spec.target, spec.revision, device, dtype, machine_name(device)
+        )
     target, drafter, tok = load_pair(spec, device=device, dtype=dtype)
     mapped = load_mapped(cfg, spec, target, drafter, tok)
     prompts = load_prompts(cfg.dataset, tok, default_split="test", target=spec.target)
@@ -158,11 +163,6 @@ def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) 
         return fit_prompt_set(ps, tok, vs.long_prompts, max_prompt, where)
 
     prompts, rows, fit = fit_set(prompts)
-    cache = None
-    if vs.target_only_cache is not None:
-        cache = TargetOnlyCache.create(
-            vs.target_only_cache, spec.target, spec.revision, device, dtype, machine_name(device)
-        )
     # a multi-turn question's later turns, after the target's own greedy answers
     answer = shared_answers(
         cache,

@@ -31,6 +31,7 @@ import torch
 
 from specdistill.data.io import atomic_write_json
 from specdistill.data.models.drafter_from_target import target_key
+from specdistill.data.runtime import ConfigError
 from specdistill.decode.outputs import DecodeOutput
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,14 @@ class TargetOnlyCache:
         cls, folder: str | Path, target: str, revision: str | None, device: torch.device,
         dtype: torch.dtype, machine: str,
     ) -> TargetOnlyCache:  # fmt: skip
+        folder = Path(folder).expanduser().absolute()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"target_only_cache={str(folder)!r}: the folder cannot be created ({e.strerror}); "
+                "point it at a writable folder, or null"
+            ) from e
         base = {
             "version": VERSION,
             "target": target_key(target, revision),
@@ -94,7 +103,7 @@ class TargetOnlyCache:
             "dtype": str(dtype),
             "machine": machine,  # the CPU or GPU, cores and torch threads
         }
-        return cls(Path(folder).expanduser().absolute(), base)
+        return cls(folder, base)
 
     def _path(self, kind: str, key: dict[str, Any]) -> Path:
         blob = json.dumps(self.base | key, sort_keys=True, default=str).encode()

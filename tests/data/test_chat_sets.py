@@ -50,11 +50,11 @@ def training(tok):
 
 def test_chat_mix_keeps_its_weights(training):
     assert len(training) == 1024
-    weights = {"chat": 2, "instructions": 1, "gsm8k": 1, "code": 1}
+    weights = {"chat": 3, "instructions": 1, "gsm8k": 1, "code": 1}
     counts = Counter(p.source for p in training)
     assert set(counts) == set(weights)
-    for label, w in weights.items():  # 1024 shared 2 : 1 : 1 : 1, rounding one either way
-        assert abs(counts[label] - 1024 * w / 5) <= 1
+    for label, w in weights.items():  # 1024 shared 3 : 1 : 1 : 1, rounding one either way
+        assert abs(counts[label] - 1024 * w / 6) <= 1
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,7 @@ from specdistill.data.models.drafter_from_target import (
     ensure_drafter,
     parse_layers,
 )
-from specdistill.data.runtime import ConfigError
-from specdistill.decode.cache import cache_argument
+from specdistill.data.runtime import ConfigError, cache_argument
 from tests.data.gguf_models import tiny_bpe, tiny_llama
 
 

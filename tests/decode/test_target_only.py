@@ -65,6 +65,16 @@ def test_passes_are_keyed_by_everything_that_decides_them(tmp_path):
     assert cache.load_passes(key, 1) is None
 
 
+def test_a_folder_that_cannot_be_made_is_one_error(tmp_path):
+    from specdistill.data.runtime import ConfigError
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"target_only_cache=.*file/shared.*writable folder"):
+        TargetOnlyCache.create(
+            tmp_path / "file" / "shared", "m", None, torch.device("cpu"), torch.float32, "x"
+        )
+
+
 def test_answers_are_asked_once_per_rows_and_settings(tmp_path):
     asked: list[list[int]] = []
 
