@@ -22,7 +22,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -33,6 +33,7 @@ from specdistill.data.io import atomic_write_json
 from specdistill.data.models.drafter_from_target import target_key
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.outputs import DecodeOutput
+from specdistill.decode.validate.turns import Answer
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +141,6 @@ class TargetOnlyCache:
             {"seconds": list(p.seconds), "outs": [output_record(o) for o in p.outs]} for p in passes
         ]
         atomic_write_json(self._path("passes", key), {"key": key, "value": value})
-
-
-Answer = Callable[[list[list[int]]], list[str]]  # decode/validate/turns.py's
 
 
 def shared_answers(cache: TargetOnlyCache | None, answer: Answer, settings: dict) -> Answer:

@@ -155,8 +155,7 @@ class _Planner:
         (validate.training_data) and so waits for generate. All share one target-only side
         (validate.target_only_cache): the first to run decodes it, the others reuse it."""
         held: dict[str, Any] = {"training_data": data.out_dir} if data else {}
-        # one target-only side for every drafter validated here (decode/validate/target_only.py)
-        held["target_only_cache"] = str(run_dir / "target_only")
+        held["target_only_cache"] = _target_only(run_dir)
         if drafter_path and self.cfg.get("validate_base", True):
             out = run_dir / "validate_base"
             # an autoregressive base drafter: validated as one, whatever `drafting` is
@@ -223,7 +222,7 @@ class _Planner:
         for step_name, path, reads in drafters:
             out = run_dir / step_name
             own = {} if path else {"decoder__drafting": "autoregressive"}  # as validate_base
-            own["target_only_cache"] = str(run_dir / "target_only")  # as validate_steps
+            own["target_only_cache"] = _target_only(run_dir)
             vcfg = self.compose_long("validate", name, output_dir=str(out), **own)
             if path:
                 vcfg.pair.drafter = path
@@ -246,6 +245,12 @@ class _Planner:
         # no serving keys, no seed: a copy
         ecfg = compose_stage("export", self.cfg, StageOverrides(values=values))
         self.add("export", "export", out, ecfg, [*reads, report])
+
+
+def _target_only(run_dir: Path) -> str:
+    """The folder every validate step of a run shares its target-only side through
+    (decode/validate/target_only.py): one target, one set of target-only decodes."""
+    return str(run_dir / "target_only")
 
 
 def _written_eval(step: Step | None) -> str | None:
