@@ -28,12 +28,22 @@ class ConfigError(ValueError):
     """Bad user input, reported with the config field at fault and how to fix it."""
 
 
+class CheckFailed(RuntimeError):
+    """A stage's own check of what it produced failed (the message says what differs and what
+    was, or was not, written): one `error:` line with exit status 1, since nothing about the
+    settings is at fault and a traceback would only point into the check."""
+
+
+CHECK_FAILED_EXIT = 1
+
+
 def run_or_exit(run: Callable[[Any], T], cfg: Any) -> T:
     """Run a stage for a CLI: a ConfigError becomes one `error: ...` line and exit status 2.
 
     Hydra would print it with a traceback; bad input deserves the field and the fix, alone.
     A write the environment refuses (disk full, quota, read-only, permission; see
-    `specdistill.data.io.describe_fault`) is one `error:` line too, with exit status 3.
+    `specdistill.data.io.describe_fault`) is one `error:` line too, with exit status 3, and a
+    failed check of the stage's own output (`CheckFailed`) one with exit status 1.
     """
     from specdistill.data.io import IO_FAULT_EXIT, describe_fault
 
@@ -41,6 +51,8 @@ def run_or_exit(run: Callable[[Any], T], cfg: Any) -> T:
         return run(cfg)
     except ConfigError as e:
         message, status = str(e), 2
+    except CheckFailed as e:
+        message, status = str(e), CHECK_FAILED_EXIT
     except (OSError, RuntimeError) as e:
         message, status = describe_fault(e), IO_FAULT_EXIT
         if message is None:

@@ -19,6 +19,7 @@ from specdistill.data.runtime import spread
 from specdistill.decode.cache import prefill_prompt, sync
 from specdistill.decode.draft_length import DraftCosts, costs_from_steps
 from specdistill.decode.speculative import DecodeOutput, DecoderConfig, SpeculativeDecoder
+from specdistill.decode.universal_assisted import transformers_version, upstream_fault
 
 
 @torch.inference_mode()
@@ -161,13 +162,14 @@ def hf_assisted_speed(
         # figure is its one error line, not a failed validate
         if assistant_tokenizer is None:
             raise
-        import transformers
-
+        fault = upstream_fault(e)
         word = "failed" if isinstance(e, RuntimeError) else "refused"
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         return {
             "speedup": None,
-            "error": f"transformers {transformers.__version__} {word}: {first}",
+            "error": fault.line()
+            if fault
+            else f"transformers {transformers_version()} {word}: {first}",
         }
     med = statistics.median(assisted) / statistics.median(plain)
     return {

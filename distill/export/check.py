@@ -12,9 +12,10 @@ from typing import Any
 import torch
 
 from specdistill.data.models.pairs import PairSpec, load_role
+from specdistill.data.runtime import CheckFailed
 
 
-class ExportCheckError(RuntimeError):
+class ExportCheckError(CheckFailed):
     """The written checkpoint does not behave like the drafter it was exported from."""
 
 
@@ -54,7 +55,7 @@ def check_tokenizer(folder: Path, target_tok) -> None:
         _fail("the exported tokenizer's chat template differs from the target's")
 
 
-def _greedy(target, ids: torch.Tensor, max_new_tokens: int, pad_id: int | None, **kw) -> list[int]:
+def greedy(target, ids: torch.Tensor, max_new_tokens: int, pad_id: int | None, **kw) -> list[int]:
     out = target.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
@@ -120,8 +121,8 @@ def assisted_equals_greedy(
     pad = pad_id(target_tok)
     ids = torch.tensor([target_tok(text, add_special_tokens=False).input_ids], device=device)
     with torch.no_grad():
-        plain = _greedy(target, ids, max_new_tokens, pad)
-        assisted = _greedy(target, ids, max_new_tokens, pad, **assist)
+        plain = greedy(target, ids, max_new_tokens, pad)
+        assisted = greedy(target, ids, max_new_tokens, pad, **assist)
     if plain != assisted:
         _fail(
             f"{call} gave {assisted[:12]}... but the target alone {plain[:12]}... on prompt "
@@ -200,7 +201,7 @@ def check_draft_vocab(
     for text in prompts:
         ids = torch.tensor([target_tok(text, add_special_tokens=False).input_ids])
         ids = ids.to(next(target.parameters()).device)
-        plain = _greedy(target, ids, max_new_tokens, target_tok.pad_token_id)
+        plain = greedy(target, ids, max_new_tokens, target_tok.pad_token_id)
         if dec.generate(ids).tokens[0] != plain:
             _fail(f"decoding with the draft vocabulary diverged from the target on {text[:40]!r}")
     return {
@@ -249,7 +250,7 @@ def greedy_alpha_equal_to_target(
         ids = torch.tensor([target_tok(text, add_special_tokens=False).input_ids])
         ids = ids.to(next(target.parameters()).device)
         out = dec.generate(ids)
-        plain = _greedy(target, ids, max_new_tokens, target_tok.pad_token_id)
+        plain = greedy(target, ids, max_new_tokens, target_tok.pad_token_id)
         if out.tokens[0] != plain:
             _fail(failure(text, out.tokens[0], plain))
         accepted += out.accepted

@@ -28,6 +28,7 @@ import torch
 from specdistill.data.models.pairs import PairSpec, load_role
 from specdistill.data.models.vocab_mapping import load_source, read_source, vocab_mapping
 from specdistill.data.runtime import ConfigError
+from specdistill.decode.universal_assisted import UpstreamFault, upstream_fault
 from specdistill.distill.export.card import (
     front_matter,
     provenance,
@@ -37,11 +38,14 @@ from specdistill.distill.export.card import (
     vllm_usage,
 )
 from specdistill.distill.export.check import (
+    ExportCheckError,
     _fail,
     assisted_equals_greedy,
     check_config,
+    greedy,
     greedy_alpha_equal_to_target,
     logit_drift,
+    pad_id,
 )
 from specdistill.distill.intersection import Intersection, served_argmax
 from specdistill.distill.train.mapped import draft_unk_id, map_ids, read_ids
@@ -137,13 +141,11 @@ def self_check(
         target_rows,
     ).to(device)
     reads = read_ids(mapping, draft_unk_id(saved_tok), target_rows).to(device)
-    same_tokens, agree = 0, 0
+    same_tokens, agree, fault = 0, 0, None
     for text in prompts:
-        ids, plain = assisted_equals_greedy(
-            target, target_tok, text, max_new_tokens, device,
-            "generate(assistant_model=drafter, assistant_tokenizer=...)",
-            assistant_model=drafter, tokenizer=target_tok, assistant_tokenizer=saved_tok,
-        )  # fmt: skip
+        ids, plain, fault = universal_equals_greedy(
+            target, drafter, target_tok, saved_tok, text, max_new_tokens, device, fault
+        )
         with torch.no_grad():
             full = torch.cat([ids, torch.tensor([plain], device=device)], 1)
             z = drafter(map_ids(full, reads)).logits[0, ids.shape[1] - 1 : -1].float()
@@ -154,7 +156,7 @@ def self_check(
         "tokenizer_is_the_drafters_own": True,
         "vocab": "mapped",
         "intersection": inter.size,
-        "universal_assisted_equals_target_greedy": f"{len(prompts)} prompts, {same_tokens} tokens",
+        **universal_finding(fault, len(prompts), same_tokens),
         "tli_greedy_agreement": round(agree / max(same_tokens, 1), 4),
         "max_logit_drift": drift,
         "max_position_embeddings": int(getattr(drafter.config, "max_position_embeddings", 0)),
@@ -165,6 +167,50 @@ def self_check(
         target, drafter, mapping, target_tok, saved_tok, prompts, max_new_tokens
     )
     return found
+
+
+def universal_equals_greedy(
+    target,
+    drafter,
+    target_tok,
+    draft_tok,
+    text: str,
+    max_new_tokens: int,
+    device: torch.device,
+    fault: UpstreamFault | None,
+) -> tuple[torch.Tensor, list[int], UpstreamFault | None]:
+    """(prompt ids, the target's greedy output, transformers' own fault if any) on `text`:
+    universal assisted generation must reproduce the target, unless it fails inside
+    `transformers` (decode/universal_assisted.py). Then the target's plain output is taken, the
+    fault is returned for export.json and the card, and `our_decoder_check` is what proves the
+    drafter. Once it has failed, later prompts do not call it again."""
+    if fault is None:
+        try:
+            ids, plain = assisted_equals_greedy(
+                target, target_tok, text, max_new_tokens, device,
+                "generate(assistant_model=drafter, assistant_tokenizer=...)",
+                assistant_model=drafter, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+            )  # fmt: skip
+            return ids, plain, None
+        except ExportCheckError:
+            raise
+        except Exception as e:
+            fault = upstream_fault(e)
+            if fault is None:
+                raise
+            log.warning("export self-check: %s", fault.line())
+    ids = torch.tensor([target_tok(text, add_special_tokens=False).input_ids], device=device)
+    with torch.no_grad():
+        plain = greedy(target, ids, max_new_tokens, pad_id(target_tok))
+    return ids, plain, fault
+
+
+def universal_finding(fault: UpstreamFault | None, prompts: int, tokens: int) -> dict[str, Any]:
+    """export.json's record of the universal assisted check: equal on every prompt, or the
+    installed `transformers`' own fault in one line."""
+    if fault is None:
+        return {"universal_assisted_equals_target_greedy": f"{prompts} prompts, {tokens} tokens"}
+    return {"universal_assisted_fault": fault.line(), "transformers": fault.version}
 
 
 def our_decoder_check(
@@ -229,6 +275,11 @@ def mapped_card(result: Any, distill: dict[str, Any] | None, gamma: int) -> str:
         "",
         *transformers_usage(target, out, own_tokenizer=True),
         "",
+        *(
+            [f"Not with every release: {result.check['universal_assisted_fault']}.", ""]
+            if result.check.get("universal_assisted_fault")
+            else []
+        ),
         *self_check_section(result.check),
         *vllm_section(result.vllm),  # vllm.enabled: this folder served by vLLM as TLI
     ]

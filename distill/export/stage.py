@@ -334,17 +334,22 @@ def run(cfg: DictConfig) -> ExportResult:
                 if settings.gguf.enabled
                 else None
             )
-        check = prepared.self_check(
-            tmp,
-            prompts=list(settings.check.prompts),
-            max_new_tokens=settings.check.max_new_tokens,
-            device=device,
-            target_dtype=check_dtype,
-            expect_dtype=model.dtype,
-            min_positions=needed,
-            reference_logits=prepared.reference[1],
-            probe=prepared.reference[0],
-        )
+        try:
+            check = prepared.self_check(
+                tmp,
+                prompts=list(settings.check.prompts),
+                max_new_tokens=settings.check.max_new_tokens,
+                device=device,
+                target_dtype=check_dtype,
+                expect_dtype=model.dtype,
+                min_positions=needed,
+                reference_logits=prepared.reference[1],
+                probe=prepared.reference[0],
+            )
+        except export_check.ExportCheckError as e:
+            raise export_check.ExportCheckError(
+                f"{e}; nothing was published ({out} is as it was)"
+            ) from e
         # The folder about to be published, in the engine users deploy (both engines' report).
         vllm_figures = validate_exported(cfg, report, tmp) if use_vllm else None
         result = ExportResult(

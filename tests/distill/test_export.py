@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, run_or_exit
 from specdistill.distill.export import check as export_check
 from specdistill.distill.export import stage as export
 
@@ -130,7 +130,7 @@ def test_unmappable_vocabulary_is_a_config_error(tmp_path, toy_tiny):
 
 
 def test_existing_destination_needs_overwrite_and_publish_is_atomic(
-    tmp_path, toy_tiny, monkeypatch
+    tmp_path, toy_tiny, monkeypatch, capsys
 ):
     out = tmp_path / "dest"
     out.mkdir()
@@ -143,9 +143,17 @@ def test_existing_destination_needs_overwrite_and_publish_is_atomic(
         raise export_check.ExportCheckError("export self-check failed: simulated")
 
     monkeypatch.setattr(export_check, "self_check", failing_check)
-    with pytest.raises(export_check.ExportCheckError):
+    with pytest.raises(export_check.ExportCheckError, match="nothing was published"):
         export.run(_cfg(out, "overwrite=true"))
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # untouched by the failure
+    # the stage's command: one `error:` line saying what failed and that nothing was published
+    with pytest.raises(SystemExit) as stop:
+        run_or_exit(export.run, _cfg(out, "overwrite=true"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 1 and err[-1] == (
+        f"error: export self-check failed: simulated; nothing was published ({out} is as it was)"
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["dest"]  # the temp folder is gone
     monkeypatch.undo()
     export.run(_cfg(out, "overwrite=true"))
