@@ -32,6 +32,7 @@ from specdistill.decode.draft_length import (
     DraftCosts,
     costs_from_mapping,
     costs_from_steps,
+    make_policy,
 )
 
 if TYPE_CHECKING:
@@ -127,35 +128,39 @@ def replay(
     costs: DraftCosts,
 ) -> Rounds:
     """One greedy decode of len(agree) tokens along a row's agreement string (agree[t]: q's
-    argmax at position t is p's; conf[t]: q's probability of it), with the decoder's rounds:
+    argmax at position t is p's; conf[t]: q's probability of it), its rounds chosen by the
+    decoder's own policy object (decode/draft_length/policies.py), asked as the decoder asks it:
 
-    - a round may verify at most `most` drafts (max_draft for heuristic, else gamma), and no
-      more than the tokens left minus one (at least 1), as the decoder's draft width;
-    - fixed: gamma drafts; heuristic: k starts at gamma, +2 (at most max_draft) after a round
-      that accepted every draft it verified, else -1 (at least 1); confidence: up to gamma, cut
-      before the first draft whose conf < p_min (that draft's drafter step is paid, c; 0
-      verified drafts is a plain target step);
+    - a round plans at most the tokens left minus one drafts (at least 1);
+    - a policy that reads q drafts one at a time and stops once it says so (`keep_drafting`;
+      the draft it stopped at is paid, c), then verifies the drafts `lengths` keeps (0 is a
+      plain target step); the others verify every draft planned;
     - k verified drafts cost costs.round_cost(k); n accepted emit n + 1 tokens (fewer at the
-      string's end) and the next round starts n + 1 positions on."""
+      string's end), the policy observes (k, n), and the next round starts n + 1 positions on."""
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r}: use {', '.join(POLICIES)}")
     n_pos = len(agree)
     if conf is not None and len(conf) != n_pos:
         raise ValueError(f"conf has {len(conf)} positions, agree {n_pos}")
-    if policy == "confidence" and conf is None:
-        raise ValueError("the confidence policy reads q's confidences: pass conf")
+    rule = make_policy(policy, gamma, max_draft, p_min)
+    if rule.reads_q and conf is None:
+        raise ValueError(f"the {policy} policy reads q's confidences: pass conf")
     most = max_draft if policy == "heuristic" else gamma
     out = Rounds(trials=[0] * most, accepts=[0] * most)
-    state, pos = gamma, 0
+    rule.start(1)
+    pos = 0
     while pos < n_pos:
-        k = max(1, min(state, most, n_pos - pos - 1))
-        verified, probe = k, 0.0
-        if policy == "confidence":
+        k = rule.plan(max(1, n_pos - pos - 1))
+        drafted, tops = k, None
+        if rule.reads_q:
             assert conf is not None
-            verified = 0
-            while verified < k and conf[pos + verified] >= p_min:
-                verified += 1
-            probe = costs.c if verified < k else 0.0  # the draft it stopped at was drafted
+            tops, drafted = [[]], 0
+            while drafted < k:
+                tops[0].append(conf[pos + drafted])
+                drafted += 1
+                if not rule.keep_drafting([conf[pos + drafted - 1]], [True]):
+                    break
+        (verified,) = rule.lengths(tops, drafted, 1)
         n = 0
         while n < verified and agree[pos + n]:
             n += 1
@@ -166,9 +171,8 @@ def replay(
         out.drafts += verified
         out.target_steps += verified == 0
         out.tokens += min(n + 1, n_pos - pos)
-        out.cost += costs.round_cost(verified) + probe
-        if policy == "heuristic":
-            state = min(state + 2, max_draft) if n >= verified else max(1, state - 1)
+        out.cost += costs.round_cost(verified) + costs.c * (drafted - verified)
+        rule.observe([verified], [n], [True])
         pos += n + 1
     return out
 
