@@ -2,7 +2,7 @@
 keeping its own attention and positions.
 
 Chat rows mix 30-token and 900-token turns; right padding to the longest row of a micro-batch
-makes the decoder run over padding (1.55x the real positions on the chat pair's rows). Packed,
+makes the decoder run over padding (a large share of the positions on the chat pair's rows). Packed,
 a row holds several sequences back to back (first-fit decreasing into rows of `max_seq_len`),
 `position_ids` restart at 0 for each, and the batch carries no attention mask (and the forward
 no cache: `logits.model_inputs`): `transformers` then builds a mask from the position restarts
