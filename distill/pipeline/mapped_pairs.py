@@ -29,8 +29,8 @@ def check_mapped_plan(pair: Any, steps: list[Any]) -> None:
         if step.stage == "online":
             raise ConfigError(
                 "stages include online, but online adaptation of a drafter with its own "
-                "tokenizer (pair.vocab=mapped) is not supported yet (its batches are drafted in "
-                "the drafter's tokens, which the target cannot score): drop online from stages"
+                "tokenizer (pair.vocab=mapped) is not supported yet (online updates have no "
+                "vocabulary-mapped path): drop online from stages"
             )
         if step.stage == "distill":
             # lmbda, drafting, draft_vocab_train: distill's own lines, on distill's own settings
