@@ -4,8 +4,8 @@ Given only its template's header up to the user turn (system prompt, then e.g.
 "<|im_start|>user\n"), an aligned chat model writes a plausible user query: open-ended chat
 traffic (writing, advice, roleplay) in the target's own distribution, which the offline sets
 here (T0 prompts, GSM8K, code) lack. A sample counts only if it ends with the template's
-end-of-turn token (or EOS) within `max_query_tokens` (SmolLM2-135M-Instruct: ~1 in 4 runs on
-past 64 tokens), is not empty and is no exact duplicate. Rows are `{"id": "self-<i>",
+end-of-turn token (or EOS) within `max_query_tokens` (a small model's query can run
+past it without ending), is not empty and is no exact duplicate. Rows are `{"id": "self-<i>",
 "messages": [system?, user]}`, read like a `format: messages` set, so `holdout`, `limit` and
 mixtures treat them as any source. Sampling costs minutes on a CPU and every stage and shard
 must read the same set: cached under `$SPECDISTILL_HOME/self_queries/<key>.jsonl`, the key a

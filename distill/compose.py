@@ -11,8 +11,9 @@ Hydra's override grammar as before (`format_override`), which also names an unkn
 
 Shared by the pipeline's plan (distill/pipeline/plan.py), its serving-mode overrides
 (pipeline/serving.py) and the export's vLLM check (export/in_vllm.py, which composes a validate
-config for the exported folder). It lives beside the stages, not in the pipeline, because a stage
-never imports the pipeline (DESIGN.md, "Layout and imports"; tests/test_import_contract.py).
+config for the exported folder). It lives beside the stages, not in the pipeline, because a
+stage never imports the pipeline (the root DESIGN.md, "Layout and imports";
+tests/test_import_contract.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The distill loss from the drafter's hidden states and LM head, never the full logits.
 
-Target p, drafter q (GKD conventions, DESIGN.md; the divergences are `losses.py`'s). A drafter
-of a 262k-token target spends most of a distill step on its head: [N, V] logits, their fp32
-log-softmax, the (K+1)-way gather/scatter of stored top-k targets and the backward of each,
+Target p, drafter q (the root DESIGN.md, "GKD naming"; the divergences are `losses.py`'s). A
+drafter of a 262k-token target spends most of a distill step on its head: [N, V] logits, their
+fp32 log-softmax, the (K+1)-way gather/scatter of stored top-k targets and the backward of each,
 several [N, V] fp32 tensors alive at once (8 rows x 2048 positions x 262k rows is 17 GB each).
 `fused_distill_loss` takes the final hidden states h [N, H] at the loss positions and the head
 W [V, H] (+ bias), walks the positions in chunks of P, and per chunk computes the logits, the
@@ -33,7 +33,7 @@ What each divergence needs over every vocabulary row (why chunks of positions, n
   backward and holds autograd's intermediates of that chunk (several [P, V] tensors) while it
   does; here a top-k chunk holds one buffer and nothing is recomputed (reasoned, not measured).
 
-Library check (2026-11-26): Liger-Kernel 0.8.5 (PyPI) needs Triton for its fused linear cross
+Why not a library: Liger-Kernel (0.8.5, PyPI) needs Triton for its fused linear cross
 entropy and fused linear JSD kernels (no CPU); its pure-torch `chunked_loss.LigerFusedLinearJSDLoss`
 imports and runs on CPU but takes only a full teacher (hidden + head), computes GKD's
 un-normalised JSD mixed with a hard CE term and has no stored-top-k target and no TVD: it fits
@@ -57,7 +57,7 @@ from specdistill.distill.losses import (
 # Elements of one chunk's [P, V] fp32 logits (64 MiB): bigger chunks matmul a little better
 # (distill/RESULTS.md), and 2^24 bounds a chunk at 64 MiB on a GPU too.
 CHUNK_ELEMENTS = 1 << 24
-# `distill.chunked_loss: auto` turns the fused loss on for heads this large (RESULTS.md).
+# `distill.chunked_loss: auto` turns the fused loss on for heads this large (distill/RESULTS.md).
 AUTO_MIN_VOCAB = 32768
 
 

@@ -1,9 +1,10 @@
 """Token-level divergences between the target p and the drafter q, as pure functions.
 
-Conventions (GKD, see DESIGN.md): p = target (teacher), q = drafter (student, the one trained);
-`beta` picks the generalised JSD (0 = forward KL(p||q), 1 = reverse KL(q||p)); positions whose
-mask is False (labels -100) contribute nothing. Every divergence is computed in fp32 (float64
-stays float64, for tests) from log-probabilities, whatever dtype the logits arrive in.
+Conventions (GKD; the root DESIGN.md, "GKD naming"): p = target (teacher), q = drafter
+(student, the one trained); `beta` picks the generalised JSD (0 = forward KL(p||q), 1 = reverse
+KL(q||p)); positions whose mask is False (labels -100) contribute nothing. Every divergence is
+computed in fp32 (float64 stays float64, for tests) from log-probabilities, whatever dtype the
+logits arrive in.
 
 The loss is a *sum* over unmasked tokens divided by `num_tokens`, the number of tokens in the
 whole gradient-accumulation window (across ranks), which the trainer passes in: normalising

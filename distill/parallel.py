@@ -369,7 +369,8 @@ def after_miss_factors(
     the bonus token no draft proposed), so the drafts a round keeps are made in contexts that
     end in a token the drafter did not predict; a uniform draw of anchors puts only the
     drafter's miss rate of chains there, and its masks agree with the target far less after a
-    miss than after a hit (issue 34's probe). drafter_top, target_top (B, N): the drafter's and
+    miss than after a hit (distill/RESULTS.md, "Parallel drafter at the toy pair's equal
+    budget"). drafter_top, target_top (B, N): the drafter's and
     the target's argmax at each packed position (the prediction of its label); the greedy
     disagreement marks a miss in either serving mode. Real position i is after a miss when
     position i - 1 missed (i = 0 never is); a chain slot when its anchor is."""

@@ -11,7 +11,7 @@ import torch
 
 # Under pytest-xdist (`-n`) each worker is its own process on its own core: one intra-op thread
 # each, so the workers share the cores instead of oversubscribing them (2 threads on a loaded
-# 2-core box run 10-50x slower, `one_thread` below)
+# 2-core box run many times slower, `one_thread` below)
 torch.set_num_threads(
     1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads())
 )
@@ -56,7 +56,7 @@ def free_port() -> int:
 
 @pytest.fixture
 def one_thread():
-    """One intra-op thread: on the shared 2-core CI box, 2 threads under load run 10-50x slower."""
+    """One intra-op thread: on the shared 2-core CI box, 2 threads under load run many times slower."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

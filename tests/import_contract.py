@@ -1,4 +1,4 @@
-"""The import contract (DESIGN.md, "Layout and imports"), checked over every import with `ast`.
+"""The import contract (the root DESIGN.md, "Layout and imports"), checked over every import with `ast`.
 
 Dependency-free on purpose: no import-linter, nothing imported from the package (a module that
 fails to import, or only imports vLLM inside a function, is read all the same). Every `import`

@@ -119,7 +119,7 @@ CASES = [
         ("pair.drafter={fx}/foreign-tok", "pair.vocab=shared"),
         OTHER_TOK,
     ),
-    # validate and distill run mapped pairs now (issue 33); the online stage still refuses them
+    # validate and distill run mapped pairs now; the online stage still refuses them
     Case("other-tokenizer-auto", "online", ("pair.drafter={fx}/foreign-tok",), OTHER_AUTO),
     Case(
         "low-coverage",
@@ -131,7 +131,7 @@ CASES = [
     Case(
         "mapped-distill",
         "distill",
-        # distill trains mapped pairs (issue 33); on-policy batches are what it still refuses
+        # distill trains mapped pairs; on-policy batches are what it still refuses
         ("pair.drafter={fx}/foreign-tok", "pair.min_vocab_coverage=0", "logger=none", "lmbda=0.5"),
         ("lmbda=0.5: on-policy batches are not supported for a drafter with its own tokenizer",),
     ),

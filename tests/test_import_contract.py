@@ -1,4 +1,4 @@
-"""The import contract of DESIGN.md ("Layout and imports"), over every import of the package.
+"""The import contract of the root DESIGN.md ("Layout and imports"), over every import of the package.
 
 Three floors, imports flowing down only: `distill/` may import `decode/` and `data/`, `decode/`
 may import `data/`, `data/` imports neither. No stage (nor anything else outside it) imports the

@@ -77,8 +77,8 @@ def _shard_process(run: RunFn, config: dict[str, Any], results: Any) -> None:
 def run_local_processes(cfg: DictConfig, n: int, run: RunFn) -> GenerateResult:
     """Shards 1..n-1 in spawned processes, shard 0 here, each through `run` (the stage's own,
     passed in: this module is below the stage), one thread each by default: on a CPU, n
-    single-threaded generate loops outrun one n-threaded loop (figures: data/RESULTS.md, "the
-    generate stage on SmolLM2") and never spin-wait on a core another job holds. Each shard
+    single-threaded generate loops outrun one n-threaded loop (figures: data/RESULTS.md,
+    "Generate throughput") and never spin-wait on a core another job holds. Each shard
     writes its chunks atomically and the last to finish merges, so a killed run resumes with
     the same command."""
     t0 = time.perf_counter()

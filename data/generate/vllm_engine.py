@@ -305,8 +305,9 @@ def build_engine(
     from vllm.platforms import current_platform
 
     # On CPU, spawning the engine core and its worker (each re-importing vLLM) is most of the
-    # start-up (data/RESULTS.md, "vLLM engine start-up on CPU"); on GPU the separate engine core
-    # overlaps scheduling with the forward passes, so it stays the default there.
+    # start-up (data/RESULTS.md, "GGUF conversion, drafter build, vLLM start-up"); on GPU the
+    # separate engine core overlaps scheduling with the forward passes, so it stays the default
+    # there.
     in_process = current_platform.is_cpu() if settings.in_process is None else settings.in_process
     if external_launcher:
         kwargs["distributed_executor_backend"] = "external_launcher"

@@ -6,7 +6,7 @@ tokens already in the context: identifiers and arguments the target repeats. Cop
 induction heads (attend to the token after an earlier occurrence of the current one), which sit
 deep in the target (SmolLM2: layers 17 and 18) and read a previous-token head below them (layer
 16), so `first:K` drafters have none. Distilled on the same budget, keeping that pair beat
-`first:4` at the same cost (figures: data/RESULTS.md, "keeping the copying circuit").
+`first:4` at the same cost (figures: data/RESULTS.md, "Layer choice after distillation").
 
 The choice is measured, not guessed: a random token run repeated twice is fed to candidate
 layer stacks (the target's own weights, untrained); a layer's induction score is its best
@@ -18,7 +18,7 @@ then adds layers one at a time, each the one that lifts the score most, up to K.
 takes seconds, so it runs once per target and is cached. On SmolLM2 it picks [0, 1, 16, 17] for
 K=4 and [0, 1, 16, 17, 18] for K=5, the best of the stacks distilled; the stack's score is a sum
 because scoring the last layer alone picked a stack that distilled worse (data/RESULTS.md,
-"keeping the copying circuit").
+"Layer choice after distillation").
 """
 
 from __future__ import annotations

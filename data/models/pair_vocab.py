@@ -160,7 +160,8 @@ def mapped_unsupported(stage: str, drafter: str, vocab: PairVocab) -> ConfigErro
     return ConfigError(
         f"pair.drafter={drafter!r} has its own tokenizer (pair.vocab resolved to mapped: "
         f"{vocab.intersection} shared tokens, coverage {vocab.coverage:.1%}), but the "
-        f"mapped-vocabulary drafter is not supported by the {stage} stage yet (issue 33): "
+        f"mapped-vocabulary drafter is not supported by the {stage} stage yet (it has no "
+        "vocabulary-mapped path): "
         "choose a drafter that uses the target's tokenizer"
     )
 

@@ -39,7 +39,7 @@ class ToySpec:
 SPECS: dict[str, ToySpec] = {
     # The default run: a target that has really learned the corpus and a drafter given ~1/10 of
     # its budget, so distillation has something to show. 150 steps of 4096 tokens keep the
-    # build to minutes on a 2-core CPU (build times: RESULTS.md, data/RESULTS.md).
+    # build to minutes on a 2-core CPU (build times: the root RESULTS.md, data/RESULTS.md).
     "toy": ToySpec(
         name="toy",
         vocab_size=4096,

@@ -7,7 +7,7 @@ source lie outside that corpus:
 - code groups (`stdlib-tests`: CPython's regression suite `test/`; `stdlib-gui`: the tkinter
   applications `idlelib/` and `turtledemo/`): whole skipped packages, prompts extracted with
   the toy world's own `extract_prompts` (signature + docstring). They are still Python, much
-  like the training code: the frozen distilled drafter lost only ~0.03 alpha on them.
+  like the training code, so a frozen distilled drafter loses little on them (distill/RESULTS.md).
 - text groups (`stdlib-mail`, `stdlib-numeric`, `stdlib-certs`, `stdlib-prose`,
   `stdlib-markup`): the non-`.py` files the stdlib ships (e-mail test messages; decimal and
   math test tables; PEM certificates; release notes and READMEs; XML/HTML). No model ever

@@ -134,7 +134,7 @@ def toy_prompts(name: str, split: str) -> list[dict]:
 
 def toy_tokenizer_dir(name: str) -> Path:
     """The toy world `name`'s tokenizer folder without building its models: the built world's,
-    else trained alone exactly as its build would (same texts, same settings; ~10 s for `toy`)
+    else trained alone exactly as its build would (same texts, same settings; cheap: no model is trained)
     and cached beside it. The vocabulary mapping of the toy drafter against another target needs
     only this."""
     if name not in SPECS:

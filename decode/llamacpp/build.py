@@ -13,7 +13,7 @@ in pip's isolated build environment, to read the package's metadata; nothing of 
 
 How: `cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF
 -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=OFF` then
-`cmake --build B --target llama-server -j N` (about 15 minutes on 2 cores). Only
+`cmake --build B --target llama-server -j N` (a long C++ build on a small CPU). Only
 `bin/llama-server` (static in llama.cpp's own libraries) and `build.json` stay in
 `$SPECDISTILL_HOME/llamacpp/b11434/`; the build tree is deleted. Extra flags come from
 `SPECDISTILL_LLAMA_CMAKE_ARGS`, e.g. `-DGGML_CUDA=ON` (NVIDIA; needs the CUDA toolkit's nvcc,
@@ -95,7 +95,7 @@ def llama_server_binary(field: str = "llamacpp.binary") -> Path:
     path = cache_dir() / "bin" / "llama-server"
     if not (cache_dir() / MARKER).is_file() or not path.is_file():
         raise ConfigError(
-            f"{field}: llama-server is not built; build it once (~15 min on 2 cores, needs cmake "
+            f"{field}: llama-server is not built; build it once (a long C++ build: needs cmake "
             f"and a C++ compiler): {BUILD_COMMAND}, or set {BINARY_ENV} to a llama-server binary"
         )
     missing = sorted(set(_built_isa(cache_dir() / MARKER)) - set(cpu_isa()))
@@ -167,7 +167,7 @@ def fetch_source(dest: Path) -> Path:
         return src
     download = dest / "sdist"
     # `--no-binary` names our package only: with `:all:` pip also builds the sdist's build
-    # dependencies from source (CMake itself: 9 minutes, then a failure, on 2026-12-06).
+    # dependencies from source, CMake itself among them, which can take long and then fail.
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST_NAME]
     cmd += [SDIST, "-d", str(download)]
     print(f"downloading llama.cpp's source ({SDIST} sdist, 37 MB) with pip", file=sys.stderr)
@@ -283,7 +283,7 @@ def build(jobs: int | None = None, *, rebuild: bool = False) -> Path:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text("", encoding="utf-8")
         print(
-            f"building llama-server {VERSION} (CPU backend; ~15 min on 2 cores) with {jobs} "
+            f"building llama-server {VERSION} (CPU backend; a long C++ build) with {jobs} "
             f"jobs into {root}; log: {log}",
             file=sys.stderr,
             flush=True,

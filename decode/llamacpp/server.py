@@ -185,8 +185,8 @@ class LlamaServer:
         if self.poll is not None:
             # llama.cpp's worker threads spin (--poll 50) between graph runs; with a drafter, the
             # draft and target contexts' spinning pools starve each other when they hold every
-            # core: 4x slower speculative decoding on 2 cores, plain decoding unchanged
-            # (decode/RESULTS.md). None keeps llama.cpp's default.
+            # core: speculative decoding slows down many times on a small CPU, plain decoding not
+            # (figures: decode/RESULTS.md). None keeps llama.cpp's default.
             cmd += ["--poll", str(self.poll)]
             if self.draft is not None:
                 cmd += ["--spec-draft-poll", str(self.poll)]

@@ -1,6 +1,6 @@
 """Benchmark: distill-step throughput and peak RSS by vocabulary size, before/after the fused loss.
 
-    python -m specdistill.distill.bench.vocab                       # 49k / 128k / 262k, ~3 min
+    python -m specdistill.distill.bench.vocab                       # 49k / 128k / 262k heads
     python -m specdistill.distill.bench.vocab --vocab 262144 --draft 4096 --steps 3
 
 A drafter of a big-vocabulary target is a small body under a big tied head; its weights do not

@@ -170,7 +170,7 @@ def gguf_section(
         "",
         "Where the server's threads take every core, add `--poll 0`: llama.cpp's worker threads "
         "otherwise spin between graph runs and the draft and target contexts starve each other "
-        "(speculative decoding ran 4x slower on 2 cores; specdistill's measurements pass it).",
+        "(speculative decoding then slows down many times; specdistill's measurements pass it).",
         *served,
         "",
     ]

@@ -3,8 +3,8 @@ vocabulary (`distill.draft_vocab_train`); and SGLang's token map beside it.
 
 The drafter q was trained over the N rows of `draft_vocab_ids` only; its other rows were never
 trained down, so an engine that scores every row (vLLM's `draft_model` path, which has no
-draft-to-target id map; `transformers`) drafted outside the subset at 45% of held-out positions
-(distill/README.md). Those rows must never win, and a Llama head has no bias to set to -inf.
+draft-to-target id map; `transformers`) drafted outside the subset at many held-out positions.
+Those rows must never win, and a Llama head has no bias to set to -inf.
 Without a bias no row can lose for every hidden state h except by being a convex combination of
 the kept rows: each row outside is set to the kept rows' centroid, so its logit is
 mean_{s in S} z_s(h) <= max_{s in S} z_s(h), with equality only when all N kept logits are

@@ -33,8 +33,9 @@ _POSITIVE = (
 # `topk: auto` per serving mode. Greedy acceptance only asks whether q's argmax is p's, which
 # a few top tokens decide. Sampled acceptance is sum_x min(p, q) = 1 - TV(p, q): all of p
 # counts, and a small top-k leaves most of a high-entropy p in one rest bucket whose shape the
-# (K+1)-way loss cannot see (toy pair at T=1: top-32 holds 44% of p's mass, top-4096 all of it;
-# with K=32 online updates lowered sampled alpha, with K=V they raised it). 4096 kept positions
+# (K+1)-way loss cannot see (on the toy pair at T=1 a top-32 leaves much of p's mass in that
+# bucket, a top-4096 none of it, and the small K's updates lowered sampled alpha where the full
+# one's raised it: distill/RESULTS.md, "Online adaptation"). 4096 kept positions
 # at K=4096 take 128 MB (int32 id + fp32 log-prob per entry).
 TOPK_GREEDY = 32
 TOPK_SAMPLING = 4096

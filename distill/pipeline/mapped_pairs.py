@@ -1,4 +1,4 @@
-"""What a pipeline over a mapped pair can run (a drafter q with its own tokenizer; issue 33).
+"""What a pipeline over a mapped pair can run (a drafter q with its own tokenizer).
 
 The stages resolve the pair themselves and refuse what they cannot run for a mapped pair, but
 generate runs first and costs minutes on the real pair: so the plan checks the same rules up
@@ -29,8 +29,8 @@ def check_mapped_plan(pair: Any, steps: list[Any]) -> None:
         if step.stage == "online":
             raise ConfigError(
                 "stages include online, but online adaptation of a drafter with its own "
-                "tokenizer (pair.vocab=mapped) is not supported yet (issue 33): drop online "
-                "from stages"
+                "tokenizer (pair.vocab=mapped) is not supported yet (online updates have no "
+                "vocabulary-mapped path): drop online from stages"
             )
         if step.stage == "distill":
             # lmbda, drafting, draft_vocab_train: distill's own lines, on distill's own settings

@@ -196,11 +196,12 @@ class _Planner:
     def long_context_steps(
         self, run_dir: Path, drafter_path: str | None, drafter: Step | None
     ) -> None:
-        """Issue 36's leg: Seq-KD rows after long prompts (generate_long), the run's drafter
-        fine-tuned on them (distill_long; its `final/` is the long drafter: `best/` is picked on
-        the short held-out rows, which a long fine-tune trades a little of), then the base,
-        short-trained and long-trained drafters validated by context-length bucket on held-out
-        long prompts, one validate step each (validate_long_base, _short, validate_long)."""
+        """The long-context leg (`long_context.enabled`): Seq-KD rows after long prompts
+        (generate_long), the run's drafter fine-tuned on them (distill_long; its `final/` is the
+        long drafter: `best/` is picked on the short held-out rows, which a long fine-tune trades a
+        little of), then the base, short-trained and long-trained drafters validated by
+        context-length bucket on held-out long prompts, one validate step each (validate_long_base,
+        _short, validate_long)."""
         lc = self.cfg.long_context
         name = str(lc.dataset)
         out = run_dir / "generate_long"

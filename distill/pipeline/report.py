@@ -214,7 +214,7 @@ def _bucket_cell(rows: dict[str, dict], name: str, mode: str, key: str) -> str:
 
 # (step, label) of the validate reports a per-bucket table sets side by side
 SHORT_SIDES = (("validate_base", "base"), ("validate", "distilled"))
-LONG_SIDES = (  # long_context.enabled (issue 36): held-out long prompts
+LONG_SIDES = (  # long_context.enabled: held-out long prompts
     ("validate_long_base", "base"),
     ("validate_long_short", "short-trained"),
     ("validate_long", "long-trained"),

@@ -1,11 +1,11 @@
 """Logits only where the loss reads them: the LM head applied to the masked positions.
 
 A distill batch is prompt + completion, right-padded to its longest row; the loss reads the
-logits of completion positions only. On SmolLM2 (vocabulary 49k, hidden 576) the head is most
-of a 4-layer drafter's arithmetic (its [positions, V] logits, their fp32 log-softmax and the
-gradient back through the head), and with toy prompts (mean 54 tokens, up to 156) plus 64
-completion tokens the padded [b, n] grid is ~3x the completion tokens. So the decoder body
-runs on the padded batch as before, and the head runs on the rows of `mask` only.
+logits of completion positions only. On SmolLM2 (vocabulary 49k, hidden 576) the head is most of a
+4-layer drafter's arithmetic (its [positions, V] logits, their fp32 log-softmax and the gradient
+back through the head), and with toy prompts (mean 54 tokens, up to 156) plus 64 completion tokens
+the padded [b, n] grid is several times the completion tokens. So the decoder body runs on the
+padded batch as before, and the head runs on the rows of `mask` only.
 
 Exact up to matmul blocking: each kept row is the same `lm_head(hidden)` product the full
 forward computes (tested against the full logits). Only for architectures whose causal-LM

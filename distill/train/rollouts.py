@@ -6,8 +6,8 @@ sampling is the step's cost: `generate` decodes a micro-batch row by row at its 
 while vLLM batches continuously (TRL's GKD trainers use it the same way). The engine is built
 once per process from the drafter's folder (its config and tokenizer; the weights are replaced
 before the first use), and before the first rollout of each optimizer step the trained weights
-are loaded into it in place (the worker's `reload_weights`: no restart, ~20 ms for a small
-drafter on CPU). Each row is sampled with its own seed from (micro-batch seed, row), so a
+are loaded into it in place (the worker's `reload_weights`: no restart, and a copy of a small
+drafter's weights). Each row is sampled with its own seed from (micro-batch seed, row), so a
 resumed run draws the rollouts an uninterrupted one would. Greedy rollouts equal the drafter's
 `generate` output on the same weights (tested); sampled ones follow vLLM's sampler, so they are
 a different draw than `transformers` gives for the same seed.

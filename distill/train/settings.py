@@ -411,7 +411,9 @@ def _check_scalars(cfg: DictConfig) -> None:
     for key in ("lmbda", "loss.beta"):
         value = OmegaConf.select(cfg, key)
         if value is None or not 0.0 <= float(value) <= 1.0:
-            raise ConfigError(f"{key}={value} must lie in [0, 1] (see DESIGN.md: GKD naming)")
+            raise ConfigError(
+                f"{key}={value} must lie in [0, 1] (see DESIGN.md at the root: GKD naming)"
+            )
     if cfg.loss.name not in DIVERGENCES:
         raise ConfigError(f"loss.name={cfg.loss.name!r} is not one of {', '.join(DIVERGENCES)}")
     if float(cfg.loss.temperature) <= 0:

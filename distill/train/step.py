@@ -2,9 +2,10 @@
 window, the loss normalised by the window's tokens across processes, backward, clip, step.
 
 The loss is summed over completion tokens and divided by the token count of the whole window
-across processes (DESIGN.md: GKD conventions), so 2 processes x 1 micro-batch train exactly like
-1 process x 2. Micro-batch g's rows and whether it is on-policy follow from (seed, g) alone
-(train/data.py `StreamSpec`), so a resumed run sees exactly the batches an uninterrupted one would.
+across processes (the root DESIGN.md, "GKD naming"), so 2 processes x 1 micro-batch train
+exactly like 1 process x 2. Micro-batch g's rows and whether it is on-policy follow from
+(seed, g) alone (train/data.py `StreamSpec`), so a resumed run sees exactly the batches an
+uninterrupted one would.
 """
 
 from __future__ import annotations

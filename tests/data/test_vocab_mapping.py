@@ -311,8 +311,8 @@ def test_mapped_bare_drafter_is_refused(toy_tiny, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_and_the_toy_drafter(tmp_path, monkeypatch):
-    """The real cross-tokenizer pair (~25 s: SmolLM2's tokenizer read from its GGUF file, the
-    toy tokenizer trained alone): figures of data/RESULTS.md (2026-11-26)."""
+    """The real cross-tokenizer pair (SmolLM2's tokenizer read from its GGUF file, the toy
+    tokenizer trained alone): figures of data/RESULTS.md, "Vocabulary mapping coverage"."""
     try:
         from specdistill.data.models.gguf import packaged_gguf
 

@@ -1,4 +1,4 @@
-"""Validate by context-length bucket, and the decoder's cost at long context (issue 36).
+"""Validate by context-length bucket, and the decoder's cost at long context.
 
 p = target, q = drafter. The aggregation is checked against hand-computed figures from fake
 per-batch outputs; the KV-memory formula against the real cache tensors; a validate run on

@@ -1,6 +1,6 @@
 """The figures of record are a function of models, prompts, config and seed: validate run twice
 under different thread counts decodes the same tokens and prints the same acceptance figures
-(issue 70: no timing, CPU feature or thread count may choose a kernel, a round or a length)."""
+(no timing, CPU feature or thread count may choose a kernel, a round or a length)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`decoder.drafter_context`: a drafter that reads only the end of the prompt (issue 36).
+"""`decoder.drafter_context`: a drafter that reads only the end of the prompt.
 
 p = target, q = drafter. The cut drops the prompt's first slots from q's cache only: q must then
 draft exactly what it drafts from a prompt that starts at the cut (rotary positions are

@@ -55,7 +55,8 @@ def _port_free(port: int) -> bool:
 
 
 # One thread: the tests share two cores with xdist workers and other jobs, where llama.cpp's
-# spinning thread pool at -t 2 ran 10-30x slower (2026-12-06); the tokens do not depend on it.
+# spinning thread pool at -t 2 starves for cores and runs many times slower; the tokens do not
+# depend on it.
 THREADS = 1
 
 

@@ -1,4 +1,4 @@
-"""Greedy token identity on a prompt longer than a sliding window (issue 36).
+"""Greedy token identity on a prompt longer than a sliding window.
 
 tests/decode/test_sliding_window.py crosses the window during decoding with prompts of at most
 2x the window; here the PROMPT alone is 4x the window (64 tokens, window 16), so the prefill

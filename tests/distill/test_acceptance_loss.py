@@ -250,7 +250,7 @@ def test_objective_config_errors_name_the_field():
             check_parallel_config(ok | {key: bad})
 
 
-@pytest.mark.slow  # ~1 min each on 2 shared CPU cores (Seq-KD set, training, per-depth evaluation)
+@pytest.mark.slow  # each: a Seq-KD set, training, per-depth evaluation
 @pytest.mark.parametrize(
     ("objective", "topk"), [("acceptance_length", False), ("cat", True)], ids=["al", "cat-topk"]
 )

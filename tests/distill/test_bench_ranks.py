@@ -17,7 +17,7 @@ def test_rel_diff_is_the_largest_relative_gap():
         ranks.rel_diff([1.0], [1.0, 2.0])
 
 
-@pytest.mark.slow  # two 2-process torchrun launches on CPU: ~1 min
+@pytest.mark.slow  # two 2-process torchrun launches on CPU
 def test_both_paths_run_under_ddp_with_the_same_loss(tmp_path, capsys):
     if shutil.which("torchrun") is None:
         pytest.fail("the `torchrun` CLI is not installed in this environment")

@@ -89,7 +89,7 @@ def _assert_final_is_consolidated(out: Path) -> None:
         torch.testing.assert_close(masters[k], v, rtol=0, atol=0, msg=k)
 
 
-@pytest.mark.slow  # plain + ZeRO-2 torchrun launches on CPU: ~1.3 min on 2 shared cores
+@pytest.mark.slow  # plain + ZeRO-2 torchrun launches on CPU
 def test_zero2_trains_step_for_step_like_the_plain_path(tmp_path, plain_run):
     """ZeRO-2 with the masked head and the chunked loss through the engine's forward
     (train/logits.final_hidden) against the plain path's masked logits."""
@@ -100,7 +100,7 @@ def test_zero2_trains_step_for_step_like_the_plain_path(tmp_path, plain_run):
     _assert_final_is_consolidated(out)
 
 
-@pytest.mark.slow  # 2 torchrun launches on CPU: ~1.5 min on 2 shared cores
+@pytest.mark.slow  # 2 torchrun launches on CPU
 def test_zero3_offload_killed_and_resumed_trains_like_the_plain_path(tmp_path, plain_run):
     """ZeRO-3 with parameters and optimizer offloaded to the CPU, on-policy batches generated
     by both ranks together, killed after step 3 and resumed from the step-2 ZeRO checkpoint:

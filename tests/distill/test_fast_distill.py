@@ -114,7 +114,7 @@ def test_parallel_masked_head_leaves_the_loss_curve_unchanged(
         torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
 
 
-@pytest.mark.slow  # ~1 min on 2 shared CPU cores: a K = V Seq-KD set and two short runs
+@pytest.mark.slow  # a K = V Seq-KD set and two short runs
 def test_stored_full_vocab_topk_trains_like_the_live_target(
     distill_cfg, tmp_path, toy_tiny_pair, seqkd_dir, one_thread
 ):

@@ -32,7 +32,7 @@ from tests.distill.test_preempt import MARKER_SCRIPT, _steps_done
 FSDP = "fsdp=true"
 
 
-@pytest.mark.slow  # 2 torchrun launches on CPU (plus the plain run): ~40 s on 2 shared cores
+@pytest.mark.slow  # 2 torchrun launches on CPU (plus the plain run)
 def test_fsdp_killed_and_resumed_trains_like_the_plain_path(tmp_path, plain_run):  # noqa: F811
     """The chunked loss reading the head outside the sharded model's forward, a hard kill after
     step 3, then the same command again (no resume flag): it continues from the step-2 shards,
@@ -59,7 +59,7 @@ def test_fsdp_killed_and_resumed_trains_like_the_plain_path(tmp_path, plain_run)
     assert config["architectures"] == ["LlamaForCausalLM"]  # not the sharded class's name
 
 
-@pytest.mark.slow  # 2 torchrun launches on CPU (plus the plain run): ~40 s on 2 shared cores
+@pytest.mark.slow  # 2 torchrun launches on CPU (plus the plain run)
 def test_fsdp_sigterm_saves_the_agreed_step_and_the_rerun_ends_like_the_plain_run(
     tmp_path,
     plain_run,  # noqa: F811
@@ -89,7 +89,7 @@ def test_fsdp_sigterm_saves_the_agreed_step_and_the_rerun_ends_like_the_plain_ru
     _assert_same_weights(plain_run / "final", out / "final")
 
 
-@pytest.mark.slow  # 2 torchrun launches on CPU: ~30 s on 2 shared cores
+@pytest.mark.slow  # 2 torchrun launches on CPU
 def test_fsdp_with_frozen_embeddings_checkpointing_and_packing_trains_like_the_plain_path(
     tmp_path,
 ):

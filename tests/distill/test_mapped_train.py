@@ -79,7 +79,7 @@ def test_mapped_distill_raises_heldout_tli_acceptance(
     assert json.loads((best / "tokenizer.json").read_text())["model"]["vocab"] == own
 
 
-@pytest.mark.slow  # ~35 s on 2 shared cores (the target in the loop)
+@pytest.mark.slow  # the target in the loop
 def test_mapped_distill_live_target_sampling(distill_cfg, tmp_path, own_drafter, seqkd_dir):
     """A live target (no stored top-k), TVD, sampled serving (T = 1): the loss is finite and
     the held-out TLI acceptance rises."""

@@ -170,7 +170,7 @@ def test_accepted_length_brute_force():
     assert accepted_length(a) == pytest.approx(want)
 
 
-@pytest.mark.slow  # ~1 min on 2 shared CPU cores (Seq-KD set, training, per-depth evaluation)
+@pytest.mark.slow  # Seq-KD set, training, per-depth evaluation
 def test_parallel_conversion_raises_acceptance_past_depth1(distill_cfg, tmp_path, seqkd_dir):
     """The distill stage with drafting=parallel: mask depths learn (held-out acceptance at
     depths >= 2 rises), best/ is picked by accepted length and carries its mask token."""

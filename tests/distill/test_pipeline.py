@@ -149,8 +149,8 @@ LONG_LEG = [
 
 
 def test_long_context_leg_end_to_end(tmp_path, monkeypatch):
-    """`long_context.enabled=true` on the tiny toy world (issue 36's leg, its buckets cut to the
-    toy target's context): long Seq-KD rows, the distilled drafter fine-tuned on them, three
+    """`long_context.enabled=true` on the tiny toy world (the long-context leg, its buckets cut to
+    the toy target's context): long Seq-KD rows, the distilled drafter fine-tuned on them, three
     drafters validated by bucket, each lossless; summary.md sets them side by side; a rerun
     runs nothing."""
     run_dir = tmp_path / "run"

@@ -109,7 +109,7 @@ def test_the_docs_show_the_forms_the_pipeline_promises():
 
 
 def _param(form: str):
-    """The recipe sweep as documented plans 24 runs (~1 min): slow-marked; the same sweep cut
+    """The recipe sweep as documented plans 24 runs (each composes every step): slow-marked; the same sweep cut
     to 2 runs is in test_multirun_sweeps_plan_each_run."""
     full_sweep = "recipe_sweep" in form and "-m" in form and "hydra/launcher" not in form
     return pytest.param(form, marks=pytest.mark.slow) if full_sweep else form

@@ -1,4 +1,4 @@
-"""The pipeline on a mapped pair (a drafter with its own tokenizer, issue 33): every stage runs
+"""The pipeline on a mapped pair (a drafter with its own tokenizer): every stage runs
 it end to end on toy-tiny, and what a mapped pair cannot run is one `error:` line from the plan,
 before generate spends its minutes."""
 

@@ -112,7 +112,7 @@ LONG = "long_context.enabled=true"
 
 
 def test_long_context_leg_fine_tunes_the_runs_drafter_and_validates_three_by_bucket(tmp_path):
-    """`long_context.enabled=true` (issue 36): Seq-KD rows after long train-split prompts, the
+    """`long_context.enabled=true`: Seq-KD rows after long train-split prompts, the
     distilled drafter fine-tuned on them (reading distill's short held-out rows, never the
     target), then base, short- and long-trained drafters validated on held-out long prompts;
     each long step takes its stage's section of the pipeline config under the leg's own keys,

@@ -117,7 +117,7 @@ def test_a_handler_installed_before_is_called_after_the_save():
         signal.signal(signal.SIGUSR2, before)
 
 
-@pytest.mark.slow  # three short toy-tiny runs in process: ~1 min on 2 shared cores
+@pytest.mark.slow  # three short toy-tiny runs in process
 def test_sigterm_saves_that_step_and_the_rerun_ends_like_an_uninterrupted_run(
     distill_cfg, tmp_path, seqkd_dir, monkeypatch
 ):
@@ -163,7 +163,7 @@ def _steps_done(step_file: Path) -> int:
     return int(text) if text else 0
 
 
-@pytest.mark.slow  # an uninterrupted 2-process run and up to four more: ~2 min on 2 cores
+@pytest.mark.slow  # an uninterrupted 2-process run and up to four more
 def test_two_processes_sigtermed_at_random_moments_end_with_the_uninterrupted_weights(tmp_path):
     """SIGTERM to torchrun (which passes it to both ranks) at a seeded random moment after each
     run has trained a new step, three times, each followed by the same command; the fourth run

