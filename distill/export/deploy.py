@@ -88,36 +88,29 @@ def _llama_cpp(
     drafter: str, k: int, vocab: str, gguf: GGUFFiles | None, drafter_on_hub: bool
 ) -> tuple[str | None, str | None, str | None]:
     """(fetch line, llama-server line, note)."""
+    flags = ["--spec-type", "draft-simple", "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0"]
     if vocab == "mapped":
-        return (
-            None,
-            None,
-            (
-                "llama.cpp pairs a drafter only with a target of the same vocabulary (it has no "
-                "vocabulary mapping): serve this drafter in vLLM or transformers"
-            ),
+        note = (
+            "llama.cpp pairs a drafter only with a target of the same vocabulary (it has no "
+            "vocabulary mapping): serve this drafter in vLLM or `transformers`"
         )
+        return None, None, note
     if gguf is None:
-        return (
-            None,
-            None,
-            (
-                "no GGUF files were exported: rerun the export with gguf.enabled=true "
-                "(pipeline: specdistill llamacpp=true) to write drafter-*.gguf checked against the "
-                "target's GGUF, then serve with llama-server -m TARGET.gguf -md DRAFTER.gguf "
-                f"--spec-type draft-simple --spec-draft-n-max {k} --spec-draft-n-min 0"
-            ),
+        note = (
+            "no GGUF files were exported: rerun the export with `gguf.enabled=true` (pipeline: "
+            "`specdistill llamacpp=true`) to write drafter-*.gguf checked against the target's "
+            "GGUF, then serve with `"
+            + shlex.join(["llama-server", "-m", "TARGET.gguf", "-md", "DRAFTER.gguf", *flags])
+            + "`"
         )
+        return None, None, note
     fetch = None
     drafter_gguf = f"{drafter}/{gguf.drafter_file}"
     if drafter_on_hub:  # llama-server reads a local file: fetch it into a folder named as the repo
         local = drafter.rsplit("/", 1)[-1]
         fetch = shlex.join(["hf", "download", drafter, gguf.drafter_file, "--local-dir", local])
         drafter_gguf = f"{local}/{gguf.drafter_file}"
-    server = shlex.join(
-        ["llama-server", "-m", gguf.target, "-md", drafter_gguf, "--spec-type", "draft-simple",
-         "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0"]
-    )  # fmt: skip
+    server = shlex.join(["llama-server", "-m", gguf.target, "-md", drafter_gguf, *flags])
     return fetch, server, None
 
 
