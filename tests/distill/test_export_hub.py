@@ -136,3 +136,14 @@ def test_no_token_is_one_error_before_loading(tmp_path, monkeypatch):
         export.run(_cfg(tmp_path / "out", f"push_to_hub={REPO}"))
     with pytest.raises(ConfigError, match=r"^hub_private='yes' must be true or false"):
         export.run(_cfg(tmp_path / "out", f"push_to_hub={REPO}", "hub_private=yes"))
+
+
+def test_pipeline_plan_refuses_a_bad_repo_id_before_any_step(tmp_path):
+    from specdistill.distill.pipeline.plan import build_plan
+    from tests.distill.test_pipeline_plan import _cfg as pipeline_cfg
+
+    with pytest.raises(ConfigError, match=r"^export\.push_to_hub='toy-drafter' is not a hub"):
+        build_plan(pipeline_cfg(tmp_path, "++export.push_to_hub=toy-drafter"))
+    steps = {s.name: s for s in build_plan(pipeline_cfg(tmp_path, f"++export.push_to_hub={REPO}"))}
+    assert steps["export"].config["push_to_hub"] == REPO
+    assert steps["export"].config["hub_private"] is True
