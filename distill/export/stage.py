@@ -12,7 +12,9 @@ target's tokenizer files and chat template are written beside the weights, with 
 
 Everything is written to a temporary sibling folder and checked there (reload, tokenizer,
 `generate(assistant_model=...)` reproduces the target's greedy output); only a checkpoint that
-passes is renamed into `output_dir`, so the destination never holds half an export.
+passes is renamed into `output_dir`, so the destination never holds half an export. The card
+and export.json carry every engine's deployment lines (deploy.py); with `push_to_hub=ORG/NAME`
+those lines name the hub repo and the published folder is uploaded there last (hub.py).
 """
 
 from __future__ import annotations
