@@ -69,10 +69,12 @@ def is_hub_id(name: str) -> bool:
 
 
 def export_inputs(cfg: Any, source: str, report: str | None) -> str:
-    """A fingerprint of what an export is made from: the stage's config (all but `overwrite`),
-    the drafter folder's files and the report file (name, size, modification time)."""
+    """A fingerprint of what an export is made from: the stage's config (all but the keys that
+    change nothing in the folder: `overwrite`, `hub_private`), the drafter folder's files and the
+    report file (name, size, modification time)."""
     config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
-    config.pop("overwrite", None)  # type: ignore[union-attr]
+    for key in ("overwrite", "hub_private"):
+        config.pop(key, None)  # type: ignore[union-attr]
     files = []
     for root in (source, report):
         p = Path(root).expanduser() if root else None

@@ -328,7 +328,7 @@ def run(cfg: DictConfig) -> ExportResult:
         saved = hub.published_export(out, repo, inputs, EXPORT_FILE)
         if saved is not None:  # a rerun after a failed upload: the upload only
             log.info("%s holds this export for %s already: uploading it only", out, repo)
-            return _uploaded(ExportResult(**saved), settings)
+            return _uploaded(ExportResult(**saved), repo, settings.hub_private)
         hub_record = {"repo_id": repo, "private": settings.hub_private, "inputs": inputs}
     check_destination(out, settings.overwrite)
     report = load_report(settings.report)
@@ -420,14 +420,13 @@ def run(cfg: DictConfig) -> ExportResult:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("exported %s%s -> %s (%s)", source, prepared.kind, out, check)
-    return _uploaded(result, settings) if repo else result
+    return _uploaded(result, repo, settings.hub_private) if repo else result
 
 
-def _uploaded(result: ExportResult, settings: ExportSettings) -> ExportResult:
-    """The published folder uploaded to `push_to_hub`; the commit's address added to the result
+def _uploaded(result: ExportResult, repo: str, private: bool) -> ExportResult:
+    """The published folder uploaded to `repo`; the commit's address added to the result
     (export.json keeps what was uploaded)."""
-    assert settings.push_to_hub
-    address = hub.upload(Path(result.output_dir), settings.push_to_hub, settings.hub_private)
+    address = hub.upload(Path(result.output_dir), repo, private)
     result.hub = {**(result.hub or {}), **address}
     return result
 

@@ -103,10 +103,10 @@ def test_a_failed_upload_is_retried_alone_on_rerun(tmp_path, toy_tiny, monkeypat
     first = (out / "README.md").read_text()
     # the rerun loads nothing (the pipeline's overwrite=true included): it uploads only
     monkeypatch.setattr(export, "load_model", _refuse)
-    res = export.run(_cfg(out, f"push_to_hub={REPO}", "hub_private=false", "overwrite=true"))
+    res = export.run(_cfg(out, f"push_to_hub={REPO}", "overwrite=true"))
     uploads = [kw for name, kw in fake.calls if name == "upload_folder"]
     assert len(uploads) == 2 and uploads[1]["folder_path"] == str(out)
-    assert [kw["private"] for name, kw in fake.calls if name == "create_repo"] == [False, False]
+    assert [kw["private"] for name, kw in fake.calls if name == "create_repo"] == [False, True]
     assert res.hub["commit_url"] and (out / "README.md").read_text() == first
     # another config is another export: not taken for this one
     with pytest.raises(ConfigError, match="output_dir=.*overwrite=true"):
