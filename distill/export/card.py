@@ -332,10 +332,10 @@ def _bash(*commands: str | None) -> list[str]:
 
 def use_section(deploy: Deployment, k_source: str) -> list[str]:
     """How to serve the pair in every engine (export/deploy.py builds every line)."""
-    lines = [
+    return [
         "## Use",
         "",
-        f"Every line drafts K = {deploy.k} tokens a round: {k_source}.",
+        f"vLLM, SGLang and llama.cpp draft K = {deploy.k} tokens a round: {k_source}.",
         "",
         "`transformers`:",
         "",
@@ -362,7 +362,6 @@ def use_section(deploy: Deployment, k_source: str) -> list[str]:
         *([f"- {deploy.notes['head']}"] if "head" in deploy.notes else []),
         "",
     ]
-    return lines
 
 
 def model_card(
