@@ -232,6 +232,12 @@ CASES = [
         ("drafter='{fx}/foreign-tok' uses a different tokenizer",),
     ),
     Case(
+        "export-bad-hub-repo",
+        "export",
+        ("push_to_hub=my-org/bad--name",),
+        ("push_to_hub='my-org/bad--name' is not a valid hub repo id", "write ORG/NAME"),
+    ),
+    Case(
         "pipeline-truncated",
         "pipeline",
         ("pair.drafter={fx}/truncated-drafter", "generate.dataset.limit=4"),

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.decode.config import DEFAULT_GAMMA
+from specdistill.distill.export.deploy import Deployment
 from specdistill.distill.export.gguf_files import gguf_section
+from specdistill.distill.export.hub import is_hub_id
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
@@ -22,24 +24,37 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
-def usage_command(drafter: str, target: str, *, own_tokenizer: bool = False) -> str:
-    """One line that serves the pair with `transformers` assisted generation (universal assisted
-    generation, with both tokenizers, for a drafter with its own tokenizer)."""
-    tokenizers = (
-        f", tokenizer=AutoTokenizer.from_pretrained({target!r}), "
-        f"assistant_tokenizer=AutoTokenizer.from_pretrained({drafter!r})"
-        if own_tokenizer
-        else ""
-    )
-    return (
-        f"AutoModelForCausalLM.from_pretrained({target!r}).generate(**inputs, "
-        f"assistant_model=AutoModelForCausalLM.from_pretrained({drafter!r}){tokenizers})"
-    )
+def card_metadata(
+    *,
+    target: str,
+    base_drafter: str,
+    k: int,
+    vocab: str,
+    license: str | None = None,
+    extra_tags: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """The Hub's model-card metadata (huggingface_hub's ModelCardData keys): `base_model` only
+    when the drafter's starting checkpoint is a hub id, `license` only when the pair config names
+    one (never guessed), and the target under `specdistill` (a drafter is not a fine-tune of its
+    target, so no `base_model_relation` names it)."""
+    meta: dict[str, Any] = {}
+    if is_hub_id(base_drafter):
+        meta["base_model"] = base_drafter
+    if license:
+        meta["license"] = str(license)
+    return meta | {
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": ["speculative-decoding", "draft-model", "specdistill", *extra_tags],
+        "specdistill": {"target": target, "num_speculative_tokens": k, "vocab": vocab},
+    }
 
 
-def front_matter(tags: str) -> list[str]:
-    """The card's YAML header, which the Hub reads for the library and the tags."""
-    return ["---", "library_name: transformers", f"tags: [{tags}]", "---", ""]
+def front_matter(meta: dict[str, Any]) -> list[str]:
+    """The card's YAML header, written by huggingface_hub as the Hub reads it."""
+    from huggingface_hub import ModelCardData
+
+    return ["---", ModelCardData(**meta).to_yaml(), "---", ""]
 
 
 def provenance(result: Any) -> list[str]:
@@ -50,23 +65,6 @@ def provenance(result: Any) -> list[str]:
         f"- target: `{result.target}`",
         f"- base drafter: `{result.base_drafter}`",
         f"- exported from: `{result.drafter}` ({result.parameters:,} parameters, {result.dtype})",
-    ]
-
-
-def _python(value: Any) -> str:
-    """A value as the card's Python writes it: strings double-quoted (as in the engines' docs,
-    unescaped, like the paths around them), True and numbers as Python spells them."""
-    return f'"{value}"' if isinstance(value, str) else repr(value)
-
-
-def vllm_usage(target: str, config: dict[str, Any], *, imports: bool = True) -> list[str]:
-    """A Python block that starts vLLM with this drafter (`config`: its speculative_config)."""
-    items = ", ".join(f'"{k}": {_python(v)}' for k, v in config.items())
-    return [
-        "```python",
-        *(["from vllm import LLM"] if imports else []),
-        f'llm = LLM(model="{target}", speculative_config={{{items}}})',
-        "```",
     ]
 
 
@@ -219,13 +217,12 @@ def vllm_section(v: dict[str, Any] | None) -> list[str]:
     return [*lines, ""]
 
 
-def parallel_section(result: Any, target: str, gamma: int) -> list[str]:
-    """How to serve a parallel (PARD) drafter, and its mask token; empty for other drafters."""
+def parallel_section(result: Any, gamma: int) -> list[str]:
+    """A parallel (PARD) drafter's mask token and the engines that draft in parallel with it;
+    empty for other drafters."""
     mask_id = (result.check or {}).get("mask_token_id")
     if mask_id is None:
         return []
-    vllm = {"model": result.output_dir, "method": "draft_model", "parallel_drafting": True}
-    vllm["num_speculative_tokens"] = gamma
     return [
         "## Parallel drafting (PARD)",
         "",
@@ -234,11 +231,8 @@ def parallel_section(result: Any, target: str, gamma: int) -> list[str]:
         "token, a reserved id: the vocabulary size is the target's) and predicts the next gamma "
         "tokens at once. config.json carries the id as `mask_token_id` and `pard_token`. Used "
         "as an ordinary `assistant_model` it drafts autoregressively and works as well (checked "
-        "at export).",
-        "",
-        "vLLM:",
-        "",
-        *vllm_usage(target, vllm, imports=False),
+        "at export). The vLLM lines above set `parallel_drafting`; without it vLLM drafts with "
+        "it autoregressively.",
         "",
         "TensorRT-LLM: `PARDDecodingConfig(speculative_model=..., max_draft_len="
         f"{gamma}, mask_token_id={mask_id})`.",
@@ -332,40 +326,63 @@ def _measured(report: dict[str, Any] | None) -> list[str]:
     ]
 
 
-def _serving(target: str, drafter: str, gamma: int) -> list[str]:
-    """How to serve the pair in `transformers`, vLLM and SGLang."""
+def _bash(*commands: str | None) -> list[str]:
+    return ["```bash", *[c for c in commands if c], "```"]
+
+
+def use_section(deploy: Deployment, k_source: str) -> list[str]:
+    """How to serve the pair in every engine (export/deploy.py builds every line)."""
     return [
         "## Use",
         "",
+        f"vLLM, SGLang and llama.cpp draft K = {deploy.k} tokens a round: {k_source}.",
+        "",
         "`transformers`:",
         "",
-        *transformers_usage(target, drafter),
+        *transformers_usage(deploy.target, deploy.drafter, own_tokenizer=deploy.vocab == "mapped"),
         "",
-        "vLLM (draft-model speculative decoding):",
+        "vLLM (draft-model speculative decoding), in Python or as an OpenAI-compatible server:",
         "",
-        *vllm_usage(
-            target,
-            {"model": drafter, "method": "draft_model", "num_speculative_tokens": gamma},
-        ),
+        "```python",
+        "from vllm import LLM",
+        deploy.vllm_python,
+        "```",
+        "",
+        *_bash(deploy.vllm_serve),
         "",
         "SGLang (standalone draft model):",
         "",
-        "```bash",
-        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE "
-        f"--speculative-draft-model-path {drafter} --speculative-num-steps {gamma} "
-        f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}",
-        "```",
+        *(_bash(deploy.sglang) if deploy.sglang else []),
+        *([f"- {deploy.notes['sglang']}"] if "sglang" in deploy.notes else []),
+        "",
+        "llama.cpp (GGUF):",
+        "",
+        *(_bash(deploy.llama_fetch, deploy.llama_server) if deploy.llama_server else []),
+        *([f"- {deploy.notes['llama_cpp']}"] if "llama_cpp" in deploy.notes else []),
+        *([f"- {deploy.notes['head']}"] if "head" in deploy.notes else []),
         "",
     ]
 
 
-def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, Any] | None) -> str:
-    """README.md for the exported folder (result: an ExportResult)."""
+def model_card(
+    result: Any,
+    report: dict[str, Any] | None,
+    distill: dict[str, Any] | None,
+    deploy: Deployment,
+    license: str | None = None,
+) -> str:
+    """README.md for the exported folder (result: an ExportResult; deploy: its lines)."""
     target = result.target
     engines = engine_settings(report)
-    gamma = engines["k"]
+    meta = card_metadata(
+        target=deploy.target,
+        base_drafter=result.base_drafter,
+        k=deploy.k,
+        vocab=deploy.vocab,
+        license=license,
+    )
     lines = [
-        *front_matter("speculative-decoding, draft-model, specdistill"),
+        *front_matter(meta),
         f"# {Path(result.output_dir).name}: a drafter aligned to {target}",
         "",
         f"A draft model for speculative decoding with **{target}** as the target. It shares the "
@@ -380,11 +397,9 @@ def model_card(result: Any, report: dict[str, Any] | None, distill: dict[str, An
         "",
         *vllm_section(result.vllm),
         *engine_section(engines),
-        *gguf_section(
-            getattr(result, "gguf", None), result.output_dir, (report or {}).get("llamacpp")
-        ),
-        *_serving(target, result.output_dir, gamma),
-        *parallel_section(result, target, gamma),
+        *gguf_section(getattr(result, "gguf", None), (report or {}).get("llamacpp")),
+        *use_section(deploy, engines["source"]),
+        *parallel_section(result, deploy.k),
         *self_check_section(result.check),
     ]
     return "\n".join(lines)

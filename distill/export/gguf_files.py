@@ -81,14 +81,6 @@ def drafter_file(kind: str) -> str:
     return f"drafter-{kind}.gguf"
 
 
-def llama_server_line(target_gguf: str, drafter: str, k: int) -> str:
-    """The command that serves the pair in llama.cpp at K drafts a round."""
-    return (
-        f"llama-server -m {target_gguf} -md {drafter} --spec-type draft-simple "
-        f"--spec-draft-n-max {k}"
-    )
-
-
 def write_ggufs(model, folder: Path, settings: GGUFSettings, target: str, k: int) -> dict[str, Any]:
     """Write drafter-<type>.gguf for each type into `folder`, each checked against the target's
     GGUF vocabulary; returns export.json's `gguf` record."""
@@ -120,21 +112,20 @@ def write_ggufs(model, folder: Path, settings: GGUFSettings, target: str, k: int
             "file_type": written.file_type,
             "tensor_types": written.tensor_types,
         }
-    first = files[settings.types[0]]["file"]
-    return {
-        "target": str(target_file),
-        "files": files,
-        "compatible": True,
-        "k": k,
-        "llama_server": llama_server_line(str(target_file), f"DRAFTER/{first}", k),
-    }
+    return {"target": str(target_file), "files": files, "compatible": True, "k": k}
+
+
+def served_file(record: dict[str, Any]) -> str:
+    """The GGUF file the card's llama-server line serves: the first type requested."""
+    return next(iter(record["files"].values()))["file"]
 
 
 def gguf_section(
-    record: dict[str, Any] | None, folder: str, measured: dict[str, Any] | None = None
+    record: dict[str, Any] | None, measured: dict[str, Any] | None = None
 ) -> list[str]:
-    """The card's llama.cpp section: the files, the compatibility check, the command, and
-    (`measured`: the validate report's `llamacpp` section) how llama.cpp served this drafter."""
+    """The card's llama.cpp section: the files, the compatibility check, and (`measured`: the
+    validate report's `llamacpp` section) how llama.cpp served this drafter; the command to
+    serve it is the Use section's (export/deploy.py)."""
     if not record:
         return []
     from specdistill.decode.validate.llamacpp_engine import (
@@ -152,7 +143,6 @@ def gguf_section(
         f"| `{f['file']}` | {kind} | {f['file_type']} | {f['bytes'] / 1e6:.1f} MB |"
         for kind, f in record["files"].items()
     ]
-    first = next(iter(record["files"].values()))["file"]
     return [
         "## llama.cpp",
         "",
@@ -164,11 +154,7 @@ def gguf_section(
         "| --- | --- | --- | --- |",
         *rows,
         "",
-        "```bash",
-        llama_server_line(record["target"], f"{folder}/{first}", record["k"]),
-        "```",
-        "",
-        "Where the server's threads take every core, add `--poll 0`: llama.cpp's worker threads "
+        "Serve it with the llama-server line under Use. Where the server's threads take every core, add `--poll 0`: llama.cpp's worker threads "
         "otherwise spin between graph runs and the draft and target contexts starve each other "
         "(speculative decoding then slows down many times; specdistill's measurements pass it).",
         *served,

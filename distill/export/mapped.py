@@ -30,12 +30,12 @@ from specdistill.data.models.vocab_mapping import load_source, read_source, voca
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.universal_assisted import UpstreamFault, upstream_fault
 from specdistill.distill.export.card import (
+    card_metadata,
     front_matter,
     provenance,
     self_check_section,
-    transformers_usage,
+    use_section,
     vllm_section,
-    vllm_usage,
 )
 from specdistill.distill.export.check import (
     ExportCheckError,
@@ -47,6 +47,7 @@ from specdistill.distill.export.check import (
     logit_drift,
     pad_id,
 )
+from specdistill.distill.export.deploy import Deployment
 from specdistill.distill.intersection import Intersection, served_argmax
 from specdistill.distill.train.mapped import draft_unk_id, map_ids, read_ids
 
@@ -66,22 +67,13 @@ def drafter_tokenizer_folder(source: str, spec: PairSpec) -> Path:
     )
 
 
-def vllm_config(output_dir: str, gamma: int) -> dict[str, Any]:
-    """vLLM's `speculative_config` for this drafter: TLI through the vocabulary intersection."""
-    return {
-        "method": "draft_model",
-        "model": output_dir,
-        "use_heterogeneous_vocab": True,
-        "num_speculative_tokens": gamma,
-    }
-
-
-def serving(output_dir: str, target: str, gamma: int, intersection: int) -> dict[str, Any]:
-    """export.json's `mapped` section: how engines serve this drafter."""
+def serving(deploy: Deployment, intersection: int) -> dict[str, Any]:
+    """export.json's `mapped` section: how engines serve this drafter (its vLLM config is the
+    deployment's: TLI through `use_heterogeneous_vocab`)."""
     return {
         "vocab": "mapped",
         "intersection": intersection,
-        "vllm_speculative_config": vllm_config(output_dir, gamma),
+        "vllm_speculative_config": deploy.vllm_speculative_config,
         "transformers": (
             "target.generate(**inputs, assistant_model=drafter, tokenizer=target_tokenizer, "
             "assistant_tokenizer=drafter_tokenizer)"
@@ -238,7 +230,13 @@ def our_decoder_check(
     }
 
 
-def mapped_card(result: Any, distill: dict[str, Any] | None, gamma: int) -> str:
+def mapped_card(
+    result: Any,
+    distill: dict[str, Any] | None,
+    deploy: Deployment,
+    k_source: str,
+    license: str | None = None,
+) -> str:
     """README.md for a mapped export: what it is, how to serve it, the self-check."""
     target, out = result.target, result.output_dir
     data = (distill or {}).get("data") or {}
@@ -251,30 +249,29 @@ def mapped_card(result: Any, distill: dict[str, Any] | None, gamma: int) -> str:
             f"{distill.get('alpha_before'):.3f} before distillation, "
             f"{distill.get('best_alpha'):.3f} best (step {distill.get('best_step')})"
         )
+    meta = card_metadata(
+        target=deploy.target,
+        base_drafter=result.base_drafter,
+        k=deploy.k,
+        vocab=deploy.vocab,
+        license=license,
+        extra_tags=("heterogeneous-vocabulary",),
+    )
     lines = [
-        *front_matter("speculative-decoding, draft-model, specdistill, heterogeneous-vocabulary"),
+        *front_matter(meta),
         f"# {Path(out).name}: a drafter with its own tokenizer, aligned to {target}",
         "",
         f"A draft model for speculative decoding with **{target}** as the target. It keeps its "
         f"own tokenizer ({result.source_vocab_size} rows): engines serve it through the "
         f"vocabulary intersection ({result.mapped['intersection']} tokens spelled the same), "
-        "TLI in vLLM or text re-tokenisation in `transformers`. Lossless either way: the target "
-        "verifies every drafted token.",
+        "TLI in vLLM (the drafter reads the target's tokens mapped to its ids, drafts over the "
+        "intersection; greedy drafts) or text re-tokenisation in `transformers` (universal "
+        "assisted generation). Lossless either way: the target verifies every drafted token.",
         "",
         *provenance(result),
         *([held] if held else []),
         "",
-        "## Use",
-        "",
-        "vLLM (TLI: the drafter reads the target's tokens mapped to its ids, drafts over the "
-        "intersection; greedy drafts):",
-        "",
-        *vllm_usage(target, vllm_config(out, gamma)),
-        "",
-        "`transformers` (universal assisted generation: text re-tokenised between the two):",
-        "",
-        *transformers_usage(target, out, own_tokenizer=True),
-        "",
+        *use_section(deploy, k_source),
         *(
             [f"Not with every release: {result.check['universal_assisted_fault']}.", ""]
             if result.check.get("universal_assisted_fault")

@@ -18,6 +18,7 @@ import torch
 
 from specdistill.data.runtime import ConfigError, parse_dtype, setting
 from specdistill.distill.export.gguf_files import GGUFSettings
+from specdistill.distill.export.hub import check_repo_id
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class ExportSettings:
     min_positions: int | str = "auto"  # auto: the validated context (or none)
     # llama.cpp: the drafter as GGUF files (gguf_files.py)
     gguf: GGUFSettings = field(default_factory=GGUFSettings)
+    push_to_hub: str | None = None  # ORG/NAME: the published folder uploaded there (hub.py)
+    hub_private: bool = True  # a repo push_to_hub creates is private
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> ExportSettings:
@@ -68,6 +71,9 @@ class ExportSettings:
         if min_pos != "auto" and (not isinstance(min_pos, int) or min_pos < 1):
             raise ConfigError(f"min_positions={min_pos!r} must be auto or a positive integer")
         check = CheckSettings.from_node(cfg.check)
+        private = setting(cfg, cls, "hub_private")
+        if not isinstance(private, bool):
+            raise ConfigError(f"hub_private={private!r} must be true or false")
         drafter, report = cfg.get("drafter"), cfg.get("report")
         return cls(
             output_dir=Path(str(cfg.output_dir)).expanduser().absolute(),
@@ -79,6 +85,8 @@ class ExportSettings:
             overwrite=bool(setting(cfg, cls, "overwrite")),
             min_positions=min_pos,
             gguf=GGUFSettings.from_node(cfg.get("gguf")),
+            push_to_hub=check_repo_id(setting(cfg, cls, "push_to_hub")),
+            hub_private=private,
         )
 
     @property

@@ -12,7 +12,9 @@ target's tokenizer files and chat template are written beside the weights, with 
 
 Everything is written to a temporary sibling folder and checked there (reload, tokenizer,
 `generate(assistant_model=...)` reproduces the target's greedy output); only a checkpoint that
-passes is renamed into `output_dir`, so the destination never holds half an export.
+passes is renamed into `output_dir`, so the destination never holds half an export. The card
+and export.json carry every engine's deployment lines (deploy.py); with `push_to_hub=ORG/NAME`
+those lines name the hub repo and the published folder is uploaded there last (hub.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from specdistill.data.models.pairs import (
 from specdistill.data.models.tokenizer_identity import check_drafter_tokenizer
 from specdistill.data.runtime import ConfigError, parse_dtype, resolve_device, run_or_exit
 from specdistill.distill.export import check as export_check
+from specdistill.distill.export import hub
 from specdistill.distill.export import mapped as export_mapped
 from specdistill.distill.export.align import (
     align_with_target,
@@ -48,8 +51,9 @@ from specdistill.distill.export.align import (
     resize_vocab_rows,
     target_generation,
 )
-from specdistill.distill.export.card import engine_settings, model_card, usage_command
-from specdistill.distill.export.gguf_files import check_gguf_export, write_ggufs
+from specdistill.distill.export.card import engine_settings, model_card
+from specdistill.distill.export.deploy import Deployment, GGUFFiles, deployment
+from specdistill.distill.export.gguf_files import check_gguf_export, served_file, write_ggufs
 from specdistill.distill.export.head import pad_head_rows, write_token_map
 from specdistill.distill.export.in_vllm import check_vllm_settings, validate_exported
 from specdistill.distill.export.settings import ExportSettings
@@ -84,6 +88,8 @@ class ExportResult:
     # the K to serve with and each engine's flag for it (card.engine_settings)
     engine_settings: dict[str, Any] | None = None
     gguf: dict[str, Any] | None = None  # gguf.enabled: the GGUF files for llama.cpp (gguf_files.py)
+    deployment: dict[str, Any] | None = None  # every engine's lines (deploy.py)
+    hub: dict[str, Any] | None = None  # push_to_hub: the repo and what the export was made from
 
 
 def check_destination(out: Path, overwrite: bool) -> None:
@@ -158,7 +164,12 @@ class Prepared:
     reference: tuple[torch.Tensor, torch.Tensor]
     self_check: Callable[..., dict[str, Any]]  # (folder, **the check's common arguments)
     fields: dict[str, Any]  # this kind's ExportResult fields
-    card: Callable[[ExportResult, dict[str, Any] | None], str]  # (result, distill's result.json)
+    # (result, distill's result.json, the deployment lines, the license): README.md
+    card: Callable[[ExportResult, dict[str, Any] | None, Deployment, str | None], str]
+    vocab: str = "shared"  # deploy.VOCAB_KINDS: what the engines' lines are for
+    drafting: str = "autoregressive"  # a parallel drafter: "parallel"
+    # this kind's ExportResult fields that name the deployment (the mapped kind's vLLM config)
+    deployed: Callable[[Deployment], dict[str, Any]] = lambda deploy: {}
     extra_files: Callable[[Path], object] = lambda folder: None
     kind: str = ""  # what the log line says of the kind
 
@@ -242,12 +253,15 @@ def prepare_shared(
         fields={
             "vocab_size": target_vocab,
             "source_vocab_size": source_vocab,
-            "usage": usage_command(str(settings.output_dir), spec.target),
             "notes": notes,
             "draft_vocab": len(ids or ()),
             "padded_head_rows": padded_rows,
         },
-        card=lambda result, distill: model_card(result, report, distill),
+        card=lambda result, distill, deploy, license: model_card(
+            result, report, distill, deploy, license
+        ),
+        vocab="draft_vocab" if ids else "shared",
+        drafting="autoregressive" if mask_id is None else "parallel",
         extra_files=lambda folder: write_token_map(folder, ids) if ids else None,
     )
 
@@ -264,8 +278,7 @@ def prepare_mapped(
     mapping = export_mapped.mapping_of(spec, folder)
     model = _load(settings, spec, source)
     rows = int(model.get_output_embeddings().weight.shape[0])
-    gamma = engine_settings(report)["k"]
-    out = str(settings.output_dir)
+    k_source = engine_settings(report)["source"]
     return Prepared(
         model,
         draft_tok,
@@ -276,11 +289,15 @@ def prepare_mapped(
         fields={
             "vocab_size": rows,
             "source_vocab_size": rows,
-            "usage": usage_command(out, spec.target, own_tokenizer=True),
             "notes": ["its own tokenizer: served through the vocabulary intersection (TLI)"],
-            "mapped": export_mapped.serving(out, spec.target, gamma, mapping.intersection_size),
         },
-        card=lambda result, distill: export_mapped.mapped_card(result, distill, gamma),
+        card=lambda result, distill, deploy, license: export_mapped.mapped_card(
+            result, distill, deploy, k_source, license
+        ),
+        vocab="mapped",
+        deployed=lambda deploy: {
+            "mapped": export_mapped.serving(deploy, mapping.intersection_size)
+        },
         kind=" (its own tokenizer)",
     )
 
@@ -295,13 +312,24 @@ def check_report(settings: ExportSettings, source: str, report: dict[str, Any] |
 
 
 def run(cfg: DictConfig) -> ExportResult:
-    """Export, self-check, publish; see the module docstring. One path for both kinds of
-    drafter: what differs (loading, row surgery, the check, the card) is `Prepared`'s."""
+    """Export, self-check, publish, then upload when asked; see the module docstring. One path
+    for both kinds of drafter: what differs (loading, row surgery, the check, the card) is
+    `Prepared`'s."""
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
     settings = ExportSettings.from_cfg(cfg)
-    out = settings.output_dir
+    out, repo = settings.output_dir, settings.push_to_hub
+    hub_record = None
+    if repo:
+        hub.check_token(repo)
+        _, source = resolve_sources(settings, cfg.pair)
+        inputs = hub.export_inputs(cfg, source, settings.report)
+        saved = hub.published_export(out, repo, inputs, EXPORT_FILE)
+        if saved is not None:  # a rerun after a failed upload: the upload only
+            log.info("%s holds this export for %s already: uploading it only", out, repo)
+            return _uploaded(ExportResult(**saved), repo, settings.hub_private)
+        hub_record = {"repo_id": repo, "private": settings.hub_private, "inputs": inputs}
     check_destination(out, settings.overwrite)
     report = load_report(settings.report)
     use_vllm = check_vllm_settings(cfg)
@@ -310,6 +338,7 @@ def run(cfg: DictConfig) -> ExportResult:
     spec, source = resolve_sources(settings, cfg.pair)
     check_report(settings, source, report)
     check_gguf_export(settings.gguf, spec.vocab, _local_config(source))
+    engines = engine_settings(report)
 
     tok = AutoTokenizer.from_pretrained(
         spec.tokenizer, revision=spec.revision, trust_remote_code=spec.trust_remote_code
@@ -330,7 +359,7 @@ def run(cfg: DictConfig) -> ExportResult:
             prepared.tokenizer.save_pretrained(tmp)
             prepared.extra_files(tmp)
             gguf_record = (
-                write_ggufs(model, tmp, settings.gguf, spec.target, engine_settings(report)["k"])
+                write_ggufs(model, tmp, settings.gguf, spec.target, engines["k"])
                 if settings.gguf.enabled
                 else None
             )
@@ -352,6 +381,20 @@ def run(cfg: DictConfig) -> ExportResult:
             ) from e
         # The folder about to be published, in the engine users deploy (both engines' report).
         vllm_figures = validate_exported(cfg, report, tmp) if use_vllm else None
+        # Pushed, the lines name the hub repo instead of the local folder.
+        deploy = deployment(
+            spec.target,
+            repo or str(out),
+            engines["k"],
+            drafting=prepared.drafting,
+            vocab=prepared.vocab,
+            gguf=GGUFFiles(gguf_record["target"], served_file(gguf_record))
+            if gguf_record
+            else None,
+            drafter_on_hub=bool(repo),
+        )
+        if gguf_record:
+            gguf_record["llama_server"] = deploy.llama_server
         result = ExportResult(
             output_dir=str(out),
             drafter=source,
@@ -362,13 +405,18 @@ def run(cfg: DictConfig) -> ExportResult:
             files=[],
             check=check,
             report=settings.report if report else None,
+            usage=deploy.transformers,
             vllm=vllm_figures,
-            engine_settings=engine_settings(report),
+            engine_settings=engines,
             gguf=gguf_record,
+            deployment=to_jsonable(deploy),
+            hub=hub_record,
             **prepared.fields,
+            **prepared.deployed(deploy),
         )
+        license = cfg.pair.get("license") if cfg.get("pair") else None
         (tmp / "README.md").write_text(
-            prepared.card(result, _distill_result(source)), encoding="utf-8"
+            prepared.card(result, _distill_result(source), deploy, license), encoding="utf-8"
         )
         result.files = [*sorted(p.name for p in tmp.iterdir()), EXPORT_FILE]
         result.wall_seconds = round(time.perf_counter() - t0, 1)
@@ -377,6 +425,14 @@ def run(cfg: DictConfig) -> ExportResult:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("exported %s%s -> %s (%s)", source, prepared.kind, out, check)
+    return _uploaded(result, repo, settings.hub_private) if repo else result
+
+
+def _uploaded(result: ExportResult, repo: str, private: bool) -> ExportResult:
+    """The published folder uploaded to `repo`; the commit's address added to the result
+    (export.json keeps what was uploaded)."""
+    address = hub.upload(Path(result.output_dir), repo, private)
+    result.hub = {**(result.hub or {}), **address}
     return result
 
 
@@ -405,6 +461,8 @@ def main(cfg: DictConfig) -> None:
     print(f"exported {r.drafter} -> {r.output_dir} (vocab {r.vocab_size}, {r.dtype})")
     print(f"self-check: {OmegaConf.to_yaml(OmegaConf.create(r.check)).strip()}")
     print(f"use it: {r.usage}")
+    if r.hub:
+        print(f"uploaded to {r.hub['repo_id']}: {r.hub.get('commit_url') or r.hub.get('url')}")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from specdistill.data.io import atomic_write_text
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.compose import StageOverrides, compose_stage, config_module
+from specdistill.distill.export.hub import check_repo_id
 from specdistill.distill.pipeline.category_report import COMPARED
 from specdistill.distill.pipeline.mapped_pairs import check_mapped_plan
 from specdistill.distill.pipeline.serving import (
@@ -245,6 +246,10 @@ class _Planner:
             values["gguf.enabled"] = True
         # no serving keys, no seed: a copy
         ecfg = compose_stage("export", self.cfg, StageOverrides(values=values))
+        try:  # a bad hub repo id is refused before generate, not after validate
+            check_repo_id(ecfg.get("push_to_hub"))
+        except ConfigError as e:
+            raise ConfigError(f"export.{e}") from e
         self.add("export", "export", out, ecfg, [*reads, report])
 
 

@@ -244,9 +244,9 @@ def test_summary_and_card_carry_llama_cpp_figures():
     assert llamacpp_lines({"validate": {"tau": 2.0}}) == []
     record = {"target": "/t.gguf", "k": 3, "files": {"target": {"file": "drafter-target.gguf",
               "file_type": "MOSTLY_Q4_1", "bytes": 4.3e7}}}  # fmt: skip
-    card = "\n".join(gguf_section(record, "/out", _section(0.34, 1.98)))
+    card = "\n".join(gguf_section(record, _section(0.34, 1.98)))
     assert "| this drafter | greedy | 0.34 / 0.4 | 1.98 / 2.0 |" in card
-    assert "| this drafter |" not in "\n".join(gguf_section(record, "/out"))
+    assert "| this drafter |" not in "\n".join(gguf_section(record))
 
 
 def test_a_given_drafter_gguf_llama_cpp_would_refuse_is_refused_before_loading(

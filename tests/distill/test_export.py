@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,8 @@ def test_export_loads_as_assistant_model_and_keeps_target_greedy_output(tmp_path
     card = (out / "README.md").read_text()
     assert "assistant_model" in card and '"method": "draft_model"' in card
     assert "--speculative-draft-model-path" in card
+    assert result.deployment["vllm_serve"] in card and result.deployment["sglang"] in card
+    assert "gguf.enabled=true" in card  # no GGUF exported: what to run to make the files
 
 
 @pytest.mark.parametrize(
@@ -377,6 +380,9 @@ def test_parallel_drafter_export_names_its_mask_token(tmp_path, toy_tiny):
     assert "assisted_equals_target_greedy" in result.check
     card = (out / "README.md").read_text()
     assert f"mask token **id {tok.pad_token_id}**" in card and '"parallel_drafting": True' in card
+    serve = shlex.split(result.deployment["vllm_serve"])
+    config = json.loads(serve[serve.index("--speculative-config") + 1])
+    assert config["parallel_drafting"] is True and config["model"] == str(out)
 
 
 def test_autoregressive_export_has_no_mask_token(tmp_path, toy_tiny):

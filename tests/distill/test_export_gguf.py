@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -35,6 +36,11 @@ def test_gguf_files_pass_llama_cpps_rule_and_keep_the_logits(tmp_path, toy_tiny)
     card = (out / "README.md").read_text()
     assert "## llama.cpp" in card and f"-m {target_file} -md {out}/drafter-f16.gguf" in card
     assert f"--spec-draft-n-max {record['k']}" in card
+    # the card's llama-server line is the deployment's, with the files export wrote
+    argv = shlex.split(record["llama_server"])
+    assert argv[argv.index("-md") + 1] == f"{out}/drafter-f16.gguf"
+    assert argv[argv.index("-m") + 1] == target_file and record["llama_server"] in card
+    assert result.deployment["llama_server"] == record["llama_server"]
     # The f16 file is the exported checkpoint: transformers reads it back to the same logits.
     tok = AutoTokenizer.from_pretrained(out)
     ids = torch.tensor([tok(PROMPT).input_ids])

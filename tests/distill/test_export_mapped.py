@@ -5,6 +5,7 @@ assisted generation), and the self-check passes through `transformers`."""
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -46,6 +47,10 @@ def test_mapped_export_keeps_its_tokenizer_and_says_how_to_serve(tmp_path, own_d
     assert "assistant_tokenizer" in res.usage
     card = (out / "README.md").read_text()
     assert '"use_heterogeneous_vocab": True' in card and "assistant_tokenizer=drafter_tok" in card
+    serve = shlex.split(res.deployment["vllm_serve"])
+    assert json.loads(serve[serve.index("--speculative-config") + 1]) == spec
+    assert res.deployment["vllm_serve"] in card
+    assert "sglang.launch_server" not in card and "no vocabulary mapping" in card
     check = meta["check"]
     assert check["universal_assisted_equals_target_greedy"].startswith("3 prompts")
     assert 0.0 <= check["tli_greedy_agreement"] <= 1.0 and check["vocab"] == "mapped"
