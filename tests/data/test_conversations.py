@@ -17,7 +17,7 @@ from specdistill.data.conversations import (
     mixture_counts,
     read_conversations,
 )
-from specdistill.data.local_data import resolve_path, local_data_dir
+from specdistill.data.local_data import local_data_dir, resolve_path
 from specdistill.data.prompts import load_prompts
 from specdistill.data.runtime import ConfigError
 from tests.data.chat_fixtures import chat_tokenizer, conversation, write_jsonl
