@@ -3,7 +3,9 @@ training and held-out conversations, rendered with the target's chat template.
 
     dataset.format: messages | sharegpt | turns | plain   (data/conversations.py)
     dataset.holdout: {share: 0.05} or {count: 64}, seed   (by conversation; train: the rest,
-                                                          any other split: the held-out ones)
+                     from_split                           any other split: the held-out ones)
+    dataset.splits: {train: train_sft, test: test_sft}   (the source's names for the roles;
+                                                          data/splits.py)
     dataset.chat_template_kwargs: {enable_thinking: false} (every place a template is applied)
     dataset.source: mixture, dataset.mixture: [{label, weight, <a dataset node>}, ...]
     dataset.per_category: N                              (N conversations of each category)
@@ -32,9 +34,10 @@ from specdistill.data.conversations import (
     split_holdout,
     template_kwargs,
 )
-from specdistill.data.dataset_rows import file_rows, hub_rows, node_get
+from specdistill.data.dataset_rows import file_rows, hub_rows
 from specdistill.data.prompt_record import Prompt
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, node_get
+from specdistill.data.splits import read_split
 
 _get = node_get
 # Keys a mixture member inherits from the mixture's node when it does not set them.
@@ -132,15 +135,14 @@ def source_conversations(
 ) -> list[Conversation]:
     """One source's conversations of `split`, its held-out split applied. `target` and
     `tokenizer` (the stage's) are what `source: self` samples with; `field` names the node."""
-    holdout = _get(cfg, "holdout")
-    read_split = (_get(holdout, "from_split") or "train") if holdout else split
+    read = read_split(cfg, split)  # data/splits.py: the one rule the plan checks too
     if _get(cfg, "source") == "self":  # the same queries for every split: `holdout` splits them
         from specdistill.data.self_queries import self_query_rows
 
         rows = self_query_rows(cfg, target, tokenizer, field=field)
         reader: Any = {"format": "messages", "field": "messages"}  # the rows' own form
     else:
-        rows, reader = _rows(cfg, read_split), cfg
+        rows, reader = _rows(cfg, read), cfg
     convs, _skipped = read_conversations(rows, reader, source=label)
     if label and not _get(cfg, "category_field"):
         convs = [replace(c, category=label, source=label) for c in convs]

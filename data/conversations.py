@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from specdistill.data.dataset_rows import node_get
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, node_get
+from specdistill.data.splits import holdout_side
 
 FORMATS = ("messages", "sharegpt", "turns", "plain")
 _SHAREGPT_ROLES = {
@@ -352,8 +352,9 @@ def split_holdout(convs: Sequence[Conversation], cfg: Any, role: str) -> list[Co
         None if count is None else int(count),
         seed,
     )
-    keep = (lambda c: c.key not in held) if role == "train" else (lambda c: c.key in held)
-    return [c for c in convs if keep(c)]
+    if holdout_side(role) == "train":
+        return [c for c in convs if c.key not in held]
+    return [c for c in convs if c.key in held]
 
 
 def mixture_counts(weights: Sequence[float], available: Sequence[int], total: int) -> list[int]:

@@ -7,22 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from specdistill.data.runtime import ConfigError
-
-
-def node_get(cfg: Any, key: str, default=None):
-    """`cfg[key]` for a DictConfig, a dict or an attribute object (None: the default)."""
-    if cfg is None:
-        return default
-    if hasattr(cfg, "get"):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
+from specdistill.data.runtime import ConfigError, node_get
+from specdistill.data.splits import source_split, split_path
 
 
 def hub_rows(cfg: Any, split: str) -> list[dict]:
-    """`datasets.load_dataset(dataset.name, dataset.config, split)` as a list of row dicts."""
+    """`datasets.load_dataset(dataset.name, dataset.config, split)` as a list of row dicts
+    (`split` by the source's own name, `dataset.splits`)."""
     import datasets
 
+    split = source_split(cfg, split)
     name = node_get(cfg, "name")
     if not name:
         raise ConfigError("dataset.source=hub needs dataset.name (a `datasets.load_dataset` name)")
@@ -36,12 +30,14 @@ def hub_rows(cfg: Any, split: str) -> list[dict]:
 
 
 def file_rows(cfg: Any, source: str, split: str) -> list[dict]:
-    """A jsonl/json/parquet/csv file at `dataset.path` as row dicts (an empty file: none)."""
+    """A jsonl/json/parquet/csv file at `dataset.path` (or its file for `split`) as row dicts
+    (an empty file: none)."""
     import datasets
 
     from specdistill.data.local_data import resolve_path
 
-    path = resolve_path(node_get(cfg, "path"))
+    path = resolve_path(split_path(cfg, split))
+    split = source_split(cfg, split)
     if not path or not Path(path).expanduser().exists():
         raise ConfigError(f"dataset.path={path!r} does not exist: point it at a {source} file")
     file = Path(path).expanduser()

@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from specdistill.data.chat_prompts import chat_prompts, is_conversation_set, self_sources
-from specdistill.data.dataset_rows import file_rows, hub_rows, node_get
+from specdistill.data.dataset_rows import file_rows, hub_rows
 from specdistill.data.prompt_record import Prompt
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, node_get
+from specdistill.data.splits import stage_role
 
 __all__ = ["Prompt", "check_prompt_settings", "fit_prompt_set", "fit_to_context", "load_prompts"]
 
@@ -28,7 +29,7 @@ def load_prompts(
     """Read prompts per the `dataset` config node; a stage passes its usual split as default
     and its resolved target path (`pair.target`; `source: self` samples its queries from it)."""
     source = _get(cfg, "source", "toy")
-    split = _get(cfg, "split") or default_split
+    split = stage_role(cfg, default_split)  # a role; the readers name the source's split
     if source == "mixture" or is_conversation_set(cfg):
         return chat_prompts(cfg, tokenizer, split, target=target)
     field = _get(cfg, "field", "prompt")

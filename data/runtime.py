@@ -37,6 +37,15 @@ class CheckFailed(RuntimeError):
 CHECK_FAILED_EXIT = 1
 
 
+def node_get(cfg: Any, key: str, default: Any = None) -> Any:
+    """`cfg[key]` for a DictConfig, a dict or an attribute object (None: the default)."""
+    if cfg is None:
+        return default
+    if hasattr(cfg, "get"):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
 def run_or_exit(run: Callable[[Any], T], cfg: Any) -> T:
     """Run a stage for a CLI: a ConfigError becomes one `error: ...` line and exit status 2.
 

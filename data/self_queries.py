@@ -27,12 +27,11 @@ from typing import Any
 import torch
 
 from specdistill.data.conversations import template_kwargs
-from specdistill.data.dataset_rows import node_get
 from specdistill.data.io import atomic_write_text
 from specdistill.data.models.drafter_from_target import target_key
 from specdistill.data.models.pairs import load_model
 from specdistill.data.query_stream import sampling_draw, stream_samples, supported
-from specdistill.data.runtime import ConfigError, resolve_device, specdistill_home
+from specdistill.data.runtime import ConfigError, node_get, resolve_device, specdistill_home
 from specdistill.data.sampling import KEYS, Sampling
 
 log = logging.getLogger(__name__)

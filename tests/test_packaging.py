@@ -34,3 +34,18 @@ def test_every_subpackage_is_listed_in_pyproject():
     on_disk = _packages_on_disk()
     assert on_disk - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
     assert listed - on_disk == set(), "listed in pyproject.toml but not a package folder"
+
+
+def test_the_data_copies_are_package_data():
+    """`local:` paths resolve into data/sets (data/local_data.py): a file there that the
+    package-data globs miss is in a clone but silently absent from an installed wheel."""
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["specdistill.data"]
+    shipped = {p for g in globs for p in (ROOT / "data").glob(g) if p.is_file()}
+    on_disk = {p for p in (ROOT / "data" / "sets").rglob("*") if p.is_file()}
+    assert on_disk, "data/sets holds no files"
+    assert on_disk - shipped == set(), (
+        "add these to [tool.setuptools.package-data] specdistill.data"
+    )
+    assert (ROOT / "data" / "sets" / "README.md") in shipped  # the licenses and sources

@@ -27,13 +27,13 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.dataset_rows import node_get
 from specdistill.data.heldout_check import check_disjoint
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.models.pairs import load_pair, resolve_pair
 from specdistill.data.prompts import check_prompt_settings, fit_prompt_set, load_prompts
 from specdistill.data.runtime import (
     ConfigError,
+    node_get,
     pad_rows,
     parse_dtype,
     resolve_device,
@@ -41,6 +41,7 @@ from specdistill.data.runtime import (
     set_threads,
     spread,
 )
+from specdistill.data.splits import EVAL
 from specdistill.decode.cache import check_rollback_config
 from specdistill.decode.config import DecoderSettings
 from specdistill.decode.draft_length import DraftCosts, recommend_k, speedup_table
@@ -144,7 +145,7 @@ def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) 
         )
     target, drafter, tok = load_pair(spec, device=device, dtype=dtype)
     mapped = load_mapped(cfg, spec, target, drafter, tok)
-    prompts = load_prompts(cfg.dataset, tok, default_split="test", target=spec.target)
+    prompts = load_prompts(cfg.dataset, tok, default_split=EVAL, target=spec.target)
     if vs.num_prompts:
         prompts = prompts[: vs.num_prompts]
     check_disjoint(prompts, vs.training_data)

@@ -33,6 +33,7 @@ from specdistill.data.runtime import ConfigError
 from specdistill.distill.compose import StageOverrides, compose_stage, config_module
 from specdistill.distill.export.hub import check_repo_id
 from specdistill.distill.pipeline.category_report import COMPARED
+from specdistill.distill.pipeline.heldout_plan import check_heldout_plan
 from specdistill.distill.pipeline.mapped_pairs import check_mapped_plan
 from specdistill.distill.pipeline.serving import (
     check_recipe,
@@ -143,8 +144,8 @@ class _Planner:
         stage_cfg = compose_stage(stage, cfg, self.overrides.get(stage, StageOverrides()) + extra)
         own = (cfg.get(stage) or {}).get("dataset")
         picked = isinstance(own, str) or dataset is not None
-        if cfg.get("dataset") is not None and stage in DATASET_STAGES and not picked:
-            stage_cfg.dataset = pipeline_dataset(cfg.dataset, own)
+        if cfg.get("dataset") is not None and stage in DATASET_STAGES:
+            stage_cfg.dataset = pipeline_dataset(cfg.dataset, stage_cfg.dataset, own, picked)
         return stage_cfg
 
     def validate_steps(
@@ -293,16 +294,30 @@ def compare_drafters(cfg: DictConfig) -> dict[str, str]:
     return out
 
 
-def pipeline_dataset(dataset: DictConfig, own: Any) -> DictConfig:
-    """The pipeline's prompt set (`dataset=ultrachat`), then the stage's own dataset keys
-    (`generate.dataset.limit`, a pair's sizing), for a stage that picked no set of its own.
+def pipeline_dataset(dataset: DictConfig, composed: Any, own: Any, picked: bool) -> DictConfig:
+    """A dataset stage's prompt set under the pipeline's `dataset` node, the stage's own keys
+    (`generate.dataset.limit`, a pair's sizing) always last:
+
+    - a whole set (the node names its `source`: `dataset=ultrachat`) replaces the set of a stage
+      that picked none of its own;
+    - keys without a source (`+dataset.chat_template_kwargs={...}`) go over the stage's set;
+    - a stage that picked its own set (`validate.dataset: chat_bench`, a `validate_sets` name)
+      keeps it, with the node's `chat_template_kwargs`: the target renders every prompt of a run
+      with the same template arguments.
 
     Merged outside struct mode: a key the set lacks (conf/sizing/smollm2.yaml's `toy: toy`
     under a hub set) is the stage's own like any other, not an OmegaConf error. Interpolations
     stay unresolved, so they resolve in the stage's config. No prompt is read here: the plan
     stays pure."""
-    base = OmegaConf.create(OmegaConf.to_container(dataset, resolve=False))
-    return OmegaConf.merge(base, own or {})  # type: ignore[return-value]
+    node: dict[str, Any] = OmegaConf.to_container(dataset, resolve=False)  # type: ignore[assignment]
+    if picked:
+        if node.get("chat_template_kwargs") is None:
+            return composed
+        node = {"chat_template_kwargs": node["chat_template_kwargs"]}
+    if picked or "source" not in node:
+        node = OmegaConf.merge(OmegaConf.to_container(composed, resolve=False), node)
+    own_keys = own if hasattr(own, "items") else {}  # a picked set's name is no key
+    return OmegaConf.merge(OmegaConf.create(node), own_keys)  # type: ignore[return-value]
 
 
 def _report_step(cfg: DictConfig, run_dir: Path, steps: list[Step]) -> Step:
@@ -356,6 +371,7 @@ def build_plan(cfg: DictConfig) -> list[Step]:
             plan.export_step(run_dir, drafter_path, reads, report)
     steps = [*plan.steps, _report_step(cfg, run_dir, plan.steps)]
     check_mapped_plan(cfg.pair, steps)  # before generate spends minutes on a hopeless pair
+    check_heldout_plan(steps)  # before generate and distill run for a refused evaluation
     return steps
 
 

@@ -246,7 +246,9 @@ def run_generate(
             raise ConfigError(f"data.generate: {e}".splitlines()[0]) from e
         OmegaConf.set_struct(gcfg, False)
         gcfg.pair = cfg.pair
-        gcfg.dataset = _dataset_cfg(cfg, None)
+        # the eval rows come from eval.split even where the set names one split for every stage
+        # (data/splits.py; the plan's held-out check reads them the same way)
+        gcfg.dataset = _dataset_cfg(cfg, None if split == "train" else split)
         if split != "train":
             gcfg.dataset.limit = s.eval.limit
         gcfg.shard = {"index": 0, "count": 1}

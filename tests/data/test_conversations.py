@@ -17,7 +17,7 @@ from specdistill.data.conversations import (
     mixture_counts,
     read_conversations,
 )
-from specdistill.data.local_data import resolve_path, shared_data_dir
+from specdistill.data.local_data import local_data_dir, resolve_path
 from specdistill.data.prompts import load_prompts
 from specdistill.data.runtime import ConfigError
 from tests.data.chat_fixtures import chat_tokenizer, conversation, write_jsonl
@@ -78,7 +78,7 @@ def test_turns_and_plain_readers():
 
 
 def test_the_real_sharegpt_fixture_reads_every_conversation():
-    path = shared_data_dir() / "sharegpt" / "dummy_conversation.json"
+    path = local_data_dir() / "sharegpt" / "dummy_conversation.json"
     rows = json.loads(path.read_text())
     convs, skipped = read_conversations(rows, {"format": "sharegpt", "id_field": "id"})
     assert skipped == 0 and len(convs) == len(rows) == 500
@@ -220,7 +220,7 @@ def test_interleave_spreads_each_source_evenly():
     assert keys == ["a0", "a1", "b0", "a2", "a3", "a4", "b1", "a5"]
 
 
-def test_local_paths_resolve_into_the_shared_copies():
+def test_local_paths_resolve_into_the_packaged_copies():
     assert resolve_path("local:gsm8k/test.jsonl").endswith("gsm8k/test.jsonl")
     assert resolve_path("/x/y.jsonl") == "/x/y.jsonl"
     with pytest.raises(ConfigError, match="does not exist"):
