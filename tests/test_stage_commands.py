@@ -200,3 +200,15 @@ def test_removed_keys_are_absent_and_their_settings_refuse_them_alike(stage, tmp
             with pytest.raises(ConfigError) as e:
                 parse(cfg)
             assert str(e.value) == line, key
+
+
+def test_the_pipeline_command_checks_its_own_keys(monkeypatch, capsys):
+    """`specdistill stagess=[generate]`: the same one line for a key of the pipeline itself."""
+    from specdistill.distill.pipeline import stage
+
+    monkeypatch.setattr(stage, "_hydra_main", _never)
+    code, err = main_in_process(
+        stage.main, ["specdistill", "stagess=[generate]"], monkeypatch, capsys
+    )
+    assert (code, err) == (2, ["error: no key `stagess` in the pipeline stage (its keys are in "
+                               "conf/pipeline.yaml); did you mean `stages`?"])  # fmt: skip
