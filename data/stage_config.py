@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import io
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from importlib.resources import files
@@ -93,7 +94,8 @@ def _missing(cfg: DictConfig, key: str) -> tuple[str, list[str]] | None:
 
 class _Refusal:
     """The one-line refusals, worded for a stage's own command or, with `section`, for the
-    pipeline's `STAGE.KEY=VALUE` keys (`validate: ... (from `validate.decoder.gama` ...)`)."""
+    pipeline's `STAGE.KEY=VALUE` keys: then the line starts with the stage and names the key
+    as the user wrote it (`validate.decoder.gama`)."""
 
     def __init__(self, stage: str, section: str | None) -> None:
         self.stage, self.section = stage, section
@@ -165,11 +167,11 @@ def compose_checked(
     existing key added with `+`. `section`: the pipeline section the keys came from
     (`validate` for `validate.decoder.gamma=3`), named in the message. Hydra's own settings
     (`hydra.*`) are left out: Hydra's main applies them."""
-    say = _Refusal(stage, section)
+    say, removed = _Refusal(stage, section), removed or {}
     parsed = [o for o in _parse(overrides) if not _is_hydra(o.key_or_group)]
     for o in parsed:
-        if o.key_or_group in (removed or {}) and not o.is_delete():
-            raise ConfigError(say.prefix + (removed or {})[o.key_or_group])
+        if o.key_or_group in removed and not o.is_delete():
+            raise ConfigError(say.prefix + removed[o.key_or_group])
     try:
         with config_module():
             return hydra.compose(config_name=stage, overrides=[o.input_line for o in parsed])
@@ -183,9 +185,10 @@ def command_line_overrides(argv: Sequence[str]) -> list[str] | None:
     config name, path or folder) or is a multirun, whose sweeps compose one job at a time."""
     from hydra._internal.utils import get_args_parser
 
-    try:
-        args = get_args_parser().parse_args(list(argv))
-    except SystemExit:  # a flag argparse refuses: Hydra's main says so itself
+    try:  # quietly: what argparse prints (a refused flag, --version), Hydra's main prints itself
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            args = get_args_parser().parse_args(list(argv))
+    except SystemExit:
         return None
     skip = (args.help, args.hydra_help, args.info, args.shell_completion, args.multirun)
     other = (args.config_name, args.config_path, args.config_dir, args.experimental_rerun)
