@@ -75,17 +75,28 @@ class Sampling:
         """The spec at `field` (e.g. `decoder.sampling`) read from its parent node (the
         `decoder` node), refusing the per-key spelling beside it that the one spec replaced
         (`+decoder.temperature=0.7` would otherwise be silently ignored)."""
-        prefix, _, key = field.rpartition(".")
-        prefix = f"{prefix}." if prefix else ""
-        for old in (*KEYS, "do_sample"):
-            if isinstance(parent, Mapping) and old in parent:
-                hint = (
-                    f"{field}.temperature=0 is greedy, > 0 samples"
-                    if old == "do_sample"
-                    else f"use {field}.{old}"
-                )
-                raise ConfigError(f"{prefix}{old} was replaced by the one sampling spec: {hint}")
+        key = field.rpartition(".")[2]
+        for old, message in replaced_keys(field).items():
+            if isinstance(parent, Mapping) and old.rpartition(".")[2] in parent:
+                raise ConfigError(message)
         return cls.from_node(parent.get(key) if isinstance(parent, Mapping) else None, field)
+
+
+def replaced_keys(field: str) -> dict[str, str]:
+    """The per-key spellings beside the spec at `field` that it replaced (`eval.temperature`
+    beside `eval.sampling`), each with its one-line refusal: read by `from_parent` and by the
+    stages' command-line check (data/stage_config.py), so a removed key reads the same in both."""
+    prefix = field.rpartition(".")[0]
+    prefix = f"{prefix}." if prefix else ""
+    out = {}
+    for old in (*KEYS, "do_sample"):
+        hint = (
+            f"{field}.temperature=0 is greedy, > 0 samples"
+            if old == "do_sample"
+            else f"use {field}.{old}"
+        )
+        out[f"{prefix}{old}"] = f"{prefix}{old} was replaced by the one sampling spec: {hint}"
+    return out
 
 
 def _number(value: Any, default: float) -> Any:

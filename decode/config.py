@@ -18,6 +18,7 @@ import torch
 from specdistill.data.models.pairs import check_vocab, vocab_size
 from specdistill.data.runtime import ConfigError, number_as_float
 from specdistill.data.sampling import Sampling
+from specdistill.data.stage_config import removed_message
 from specdistill.decode.draft_length import POLICIES
 from specdistill.decode.drafters import DRAFTING
 from specdistill.decode.drafters.context import check_drafter_context
@@ -98,7 +99,7 @@ class DecoderConfig:
         names = {f.name for f in dataclasses.fields(cls)} - {"max_new_tokens", "eos_token_id"}
         for key in node:
             if key in REMOVED:
-                raise ConfigError(f"{field}.{key} was removed: {REMOVED[key]}; drop the key")
+                raise ConfigError(removed_message(f"{field}.{key}", REMOVED[key]))
             if key not in names:
                 raise ConfigError(
                     f"{field}.{key} is not a decoder setting; use one of {', '.join(sorted(names))}"
@@ -126,6 +127,14 @@ class DecoderConfig:
 
 
 DecoderSettings = DecoderConfig  # the stages' name for the same type
+
+
+def removed_keys(field: str = "decoder") -> dict[str, str]:
+    """The decoder settings that were removed, as dotted keys under `field`, each with the line
+    `from_node` refuses it with: the stages' command lines check the same table."""
+    return {
+        f"{field}.{key}": removed_message(f"{field}.{key}", why) for key, why in REMOVED.items()
+    }
 
 
 def _int_in(cfg: DecoderConfig, key: str, low: int, high: int, field: str) -> None:

@@ -295,13 +295,10 @@ class SpeculativeDecoder:
         if not st.dense and kv < k:  # slots planned for drafts that are not verified
             st.mask[:, length + kv + 1 : length + k + 1] = False
         row_cut = any(n < kv for n in lengths)
-        n, nxt, alpha_pos, t_logits, width = self.verifier.verify(
-            st, draft_t, q, lengths if row_cut else None
-        )
+        verdict = self.verifier.verify(st, draft_t, q, lengths if row_cut else None)
         st.out.target_forwards += 1
-        rows = self.verifier.settle(
-            st.out, st.done, active, (draft_t, n, nxt, alpha_pos), t_logits, lengths, row_cut
-        )
+        rows = self.verifier.settle(st, active, verdict, lengths)
+        n, width = verdict.accepted, verdict.width
         accepted = [row.accepted for row in rows]
         policy.observe(lengths, accepted, active)
         maxn = max(accepted)
@@ -310,7 +307,7 @@ class SpeculativeDecoder:
         st.tgt.rollback(length + 1 + maxn)
         self.drafting.accept(draft_t, maxn, length + 1 + maxn, st.pos)
         st.pos = st.pos + 1 + n
-        st.t = nxt
+        st.t = verdict.next_token
 
     def _lookup_round(self, st: RoundState, found: list[int], active: list[bool]) -> None:
         """A round whose drafts come from the context (decode.lookup, batch 1): verified as any
@@ -321,11 +318,9 @@ class SpeculativeDecoder:
         q = None
         if not self.cfg.sampling.greedy:
             q = torch.nn.functional.one_hot(draft_t, self.vocab).to(self.dtype)
-        n, nxt, alpha_pos, t_logits, _ = self.verifier.verify(st, draft_t, q, None)
+        verdict = self.verifier.verify(st, draft_t, q, None)
         st.out.target_forwards += 1
-        rows = self.verifier.settle(
-            st.out, st.done, active, (draft_t, n, nxt, alpha_pos), t_logits, [k], lookup=True
-        )
+        rows = self.verifier.settle(st, active, verdict, [k], lookup=True)
         got = rows[0].accepted
         st.out.lookup_rounds += 1
         st.out.lookup_drafted += k
@@ -334,8 +329,8 @@ class SpeculativeDecoder:
         self.drafting.skip(st.t, st.pos)
         for j in range(got):
             self.drafting.skip(draft_t[:, j], st.pos + 1 + j)
-        st.pos = st.pos + 1 + n
-        st.t = nxt
+        st.pos = st.pos + 1 + verdict.accepted
+        st.t = verdict.next_token
 
     def _draft_width(self, tokens: list[list[int]], done: list[bool]) -> int:
         """Drafts this round may hold: the most a round verifies, or fewer when no unfinished

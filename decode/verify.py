@@ -46,6 +46,20 @@ class RoundState:
     lookup: PromptLookup | None = None
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What one verify forward of p decided for the round, as `settle` and the round read it."""
+
+    draft: torch.Tensor  # (B, k) the drafts verified
+    accepted: torch.Tensor  # (B,) drafts accepted per row
+    next_token: torch.Tensor  # (B,) p's token after the accepted prefix (correction or bonus)
+    # per position: (B, k) greedy agreement, or (B, 2k) sum_x min(p, q) then min(1, p/q)
+    figures: torch.Tensor
+    target_logits: torch.Tensor  # (B, k + 1, V) p's logits at the verified positions
+    width: int  # tokens the forward fed: k + 1, or the compiled width padding it
+    cut_lengths: list[int] | None  # drafts each row verifies, when some rows verify fewer
+
+
 class Verifier:
     """p's side of every round, for one decoder's settings (see the module docstring)."""
 
@@ -62,11 +76,16 @@ class Verifier:
         self.cfg, self.vocab, self.device = cfg, vocab, device
         self.verify_widths, self.pad_widths = verify_widths, pad_widths
 
-    def verify(self, st: RoundState, draft_t, q, lengths):
+    def verify(
+        self,
+        st: RoundState,
+        draft_t: torch.Tensor,
+        q: torch.Tensor | None,
+        lengths: list[int] | None,
+    ) -> Verdict:
         """Verify [t, d_1..d_K] with p in one forward (a compiled target pads to a few widths)
         and apply the acceptance rule. q (B, K, V): None when greedy; lengths: drafts row r
-        verifies. Returns (accepted, next tokens, per-position figures, target logits, width);
-        the figures are (B, K) greedy agreement, or (B, 2K) sum_x min(p, q) then min(1, p/q)."""
+        verifies (None: every row all K)."""
         s, (b, kd), tgt, steps = self.cfg.sampling, draft_t.shape, st.tgt, st.steps
         length, t, dense, generator = tgt.length, st.t, st.dense, st.generator
         vin = torch.cat([t[:, None], draft_t], 1)
@@ -84,7 +103,7 @@ class Verifier:
             if len_t is not None:
                 ok &= steps[None, :kd] < len_t[:, None]
             n, nxt = accept_prefix(ok, target_tok)
-            return n, nxt, ok.float(), t_logits, width
+            return Verdict(draft_t, n, nxt, ok.float(), t_logits, width, lengths)
         p = probs_from_logits(t_logits, s)
         q = q if q is not None else torch.zeros_like(p[:, :0])
         accept_p = acceptance_probs(p[:, :kd], q, draft_t, self.cfg.lenience)
@@ -98,7 +117,8 @@ class Verifier:
             lengths=len_t,
             accept_p=accept_p,
         )
-        return n, nxt, torch.cat([expected_alpha(p[:, :kd], q), accept_p], 1), t_logits, width
+        figures = torch.cat([expected_alpha(p[:, :kd], q), accept_p], 1)
+        return Verdict(draft_t, n, nxt, figures, t_logits, width, lengths)
 
     def width(self, k: int) -> int:
         """Tokens the verify step feeds: k + 1, or the next of a few widths when the target's
@@ -109,32 +129,31 @@ class Verifier:
 
     def settle(
         self,
-        out: DecodeOutput,
-        done: list[bool],
+        st: RoundState,
         active: list[bool],
-        verdict: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-        t_logits: torch.Tensor,
+        verdict: Verdict,
         lengths: list[int],
-        row_cut: bool = False,
         lookup: bool = False,
     ) -> list[VerifiedRow]:
-        """The round's one host sync, then its counters, record and tokens (lookup: counted
-        apart too). Marks finished rows in `done`; returns the rows as the host read them."""
-        draft_t, n, nxt, alpha_pos = verdict
-        k = draft_t.shape[1]
-        host = torch.cat([draft_t, n[:, None], nxt[:, None], alpha_pos], 1).float().tolist()
+        """The round's one host sync, then its counters, record and tokens (`lengths`: drafts
+        each row verified; lookup: counted apart too). Marks finished rows in `st.done`;
+        returns the rows as the host read them."""
+        out, done, v = st.out, st.done, verdict
+        k = v.draft.shape[1]
+        host = torch.cat([v.draft, v.accepted[:, None], v.next_token[:, None], v.figures], 1)
+        host = host.float().tolist()
         rows = [VerifiedRow.from_host(row, k) for row in host]
         out.count_round(rows, active, lengths, lookup)
         if self.cfg.record_probs:
             out.rounds.append(
                 RoundRecord(
                     start=[len(tk) for tk in out.tokens],
-                    draft=draft_t,
-                    accepted=n,
-                    next_token=nxt,
+                    draft=v.draft,
+                    accepted=v.accepted,
+                    next_token=v.next_token,
                     active=active,
-                    target_probs=torch.softmax(t_logits.float(), -1),
-                    lengths=lengths if row_cut else None,
+                    target_probs=torch.softmax(v.target_logits.float(), -1),
+                    lengths=v.cut_lengths,
                 )
             )
         for r, row in enumerate(rows):

@@ -7,7 +7,9 @@ What the pipeline sets into a stage is a `StageOverrides`: Hydra group choices (
 as the dict of a checked `Sampling`, `lmbda` as a float, paths as strings) merged into the
 composed node with `OmegaConf.update`, never formatted into override strings and parsed back.
 The user's section of the pipeline config arrives as command-line text, so it goes through
-Hydra's override grammar as before (`format_override`), which also names an unknown key.
+Hydra's override grammar as before (`format_override`) and the check every stage's own command
+runs (`compose_checked`, data/stage_config.py): a removed or unknown key is one line naming the
+stage and the key.
 
 Shared by the pipeline's plan (distill/pipeline/plan.py), its serving-mode overrides
 (pipeline/serving.py) and the export's vLLM check (export/in_vllm.py, which composes a validate
@@ -18,20 +20,14 @@ tests/test_import_contract.py).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib.resources import files
 from typing import Any
 
-import hydra
-from hydra import initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.runtime import ConfigError
+from specdistill.data.stage_config import compose_checked, picks_group
 
 
 @dataclass(frozen=True)
@@ -82,36 +78,20 @@ def flatten_overrides(node: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def _one_line(stage: str, e: Exception) -> str:
-    """Hydra's composition error as one line naming the stage (and the key, when it is one)."""
-    text = " ".join(str(e).split())
-    unknown = re.match(r"Could not override '([^']+)'", text)
-    if unknown:
-        key = unknown.group(1)
-        return (
-            f"{stage}: no key `{key}` in the {stage} stage (from `{stage}.{key}`; "
-            f"its keys are in conf/{stage}.yaml)"
-        )
-    return f"{stage}: {text} (check the `{stage}:` section of the pipeline config)"
-
-
-@contextlib.contextmanager
-def config_module() -> Iterator[None]:
-    """Hydra's config search path, initialised once for a run of compositions."""
-    if GlobalHydra.instance().is_initialized():
-        yield
-    else:
-        with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):
-            yield
-
-
-_CONF = files("specdistill.conf")
-
-
-def _picks_group(key: str, value: Any) -> bool:
-    """Whether a user's `key=value` picks a config group (`decoder=sampling`) rather than
-    setting a value: groups are the folders of conf/."""
-    return isinstance(value, str) and _CONF.joinpath(*key.split(".")).is_dir()
+def removed_keys(stage: str) -> dict[str, str]:
+    """The settings `stage` removed, each with its one-line refusal: the same table its own
+    command checks (`check_command_line` in its `main`)."""
+    if stage == "generate":
+        from specdistill.data.generate.settings import removed_keys as keys
+    elif stage == "distill":
+        from specdistill.distill.train.settings import removed_keys as keys
+    elif stage == "online":
+        from specdistill.distill.online.config import removed_keys as keys
+    elif stage == "validate":
+        from specdistill.decode.validate.settings import removed_keys as keys
+    else:  # export removed no settings
+        return {}
+    return keys()
 
 
 def _user_values(node: Any, prefix: str = "") -> list[str]:
@@ -123,7 +103,7 @@ def _user_values(node: Any, prefix: str = "") -> list[str]:
         dotted = f"{prefix}{key}"
         if isinstance(value, Mapping) and value:
             out.extend(_user_values(value, dotted + "."))
-        elif not _picks_group(dotted, value):
+        elif not (isinstance(value, str) and picks_group(dotted)):
             out.append(dotted)
     return out
 
@@ -138,11 +118,9 @@ def compose_stage(
         overrides = StageOverrides(tuple(overrides or ()))
     section = cfg.get(stage) or {}
     user = flatten_overrides(section)
-    try:
-        with config_module():
-            stage_cfg = hydra.compose(config_name=stage, overrides=[*overrides.groups, *user])
-    except Exception as e:  # hydra's errors name the bad key; add which section it came from
-        raise ConfigError(_one_line(stage, e)) from e
+    stage_cfg = compose_checked(
+        stage, [*overrides.groups, *user], removed_keys(stage), section=stage
+    )
     OmegaConf.set_struct(stage_cfg, False)
     if overrides.values:
         # copies: a merge updates a list or dict node in place, which would change a kept one

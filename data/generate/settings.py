@@ -20,9 +20,15 @@ from specdistill.data.generate import vllm_engine as vllm_backend
 from specdistill.data.generate.batched import GenerationSettings
 from specdistill.data.prompts import check_long_prompts
 from specdistill.data.runtime import ConfigError, setting
-from specdistill.data.sampling import Sampling
+from specdistill.data.sampling import Sampling, replaced_keys
 
 _POSITIVE = ("max_new_tokens", "batch_size", "num_samples", "chunk_size")
+
+
+def removed_keys() -> dict[str, str]:
+    """The stage's removed settings (dotted key -> its one-line refusal), refused alike by
+    `from_cfg` and the stage's command line (data/stage_config.py): the per-key sampling spelling."""
+    return replaced_keys("sampling")
 
 
 def _sampled_share(cfg: Any) -> float:

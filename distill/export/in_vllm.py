@@ -22,8 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from specdistill.data.generate.vllm_engine import require_vllm
 from specdistill.data.models.pair_vocab import resolves_to_mapped
 from specdistill.data.runtime import ConfigError
+from specdistill.data.stage_config import config_module
 from specdistill.decode.validate.stage import run as validate
-from specdistill.distill.compose import compose_stage, config_module
+from specdistill.distill.compose import compose_stage
 
 ASKED_BY = "vllm.enabled=true"
 

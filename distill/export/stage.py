@@ -42,6 +42,7 @@ from specdistill.data.models.pairs import (
 )
 from specdistill.data.models.tokenizer_identity import check_drafter_tokenizer
 from specdistill.data.runtime import ConfigError, parse_dtype, resolve_device, run_or_exit
+from specdistill.data.stage_config import check_command_line
 from specdistill.distill.export import check as export_check
 from specdistill.distill.export import hub
 from specdistill.distill.export import mapped as export_mapped
@@ -455,7 +456,7 @@ def _distill_result(drafter: str) -> dict[str, Any] | None:
 
 
 @hydra.main(config_path="pkg://specdistill.conf", config_name="export", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> None:
     """CLI: bad input is one `error:` line on stderr and exit status 2."""
     r = run_or_exit(run, cfg)
     print(f"exported {r.drafter} -> {r.output_dir} (vocab {r.vocab_size}, {r.dtype})")
@@ -463,6 +464,13 @@ def main(cfg: DictConfig) -> None:
     print(f"use it: {r.usage}")
     if r.hub:
         print(f"uploaded to {r.hub['repo_id']}: {r.hub.get('commit_url') or r.hub.get('url')}")
+
+
+def main() -> None:
+    """`python -m specdistill.distill.export`: an unknown key on the command line is one
+    `error:` line (exit 2) before Hydra composes the config, then Hydra's main runs it."""
+    check_command_line("export")
+    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.runtime import ConfigError, number_as_float, setting
 from specdistill.decode.config import DecoderSettings
+from specdistill.decode.config import removed_keys as removed_decoder_keys
 from specdistill.distill.losses import DIVERGENCES
 from specdistill.distill.online.buffer import RECORD_MODES
 from specdistill.distill.online.stream import Segment, parse_stream
@@ -44,6 +45,12 @@ _RUN_ONLY = (
     "resume", "output_dir", "logger", "device", "threads", "prefill_threads", "plot", "hydra",
     "run_key",  # the pipeline's step fingerprint: compared on its own (util.saved_state)
 )  # fmt: skip
+
+
+def removed_keys() -> dict[str, str]:
+    """The stage's removed settings (dotted key -> its one-line refusal), refused alike by
+    `decoder_settings` and the stage's command line (data/stage_config.py)."""
+    return removed_decoder_keys("decoder")
 
 
 def _int(cfg: DictConfig, key: str) -> int:

@@ -40,6 +40,7 @@ from specdistill.data.runtime import (
     run_or_exit,
     set_threads,
 )
+from specdistill.data.stage_config import check_command_line
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
 from specdistill.distill.online.buffer import Entry, ReplayBuffer, entries_from_output
 from specdistill.distill.online.config import (
@@ -47,6 +48,7 @@ from specdistill.distill.online.config import (
     check_config,
     check_topk,
     fingerprint,
+    removed_keys,
 )
 from specdistill.distill.online.drift import DriftGate
 from specdistill.distill.online.report import Window, markdown, plot, segment_summary, write_jsonl
@@ -425,6 +427,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    """`python -m specdistill.distill.online`: a removed or unknown key on the command line is
+    one `error:` line (exit 2) before Hydra composes the config, then Hydra's main runs it."""
+    check_command_line("online", removed_keys())
     _hydra_main()
 
 

@@ -30,7 +30,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_text
 from specdistill.data.runtime import ConfigError
-from specdistill.distill.compose import StageOverrides, compose_stage, config_module
+from specdistill.data.stage_config import config_module
+from specdistill.distill.compose import StageOverrides, compose_stage
 from specdistill.distill.export.hub import check_repo_id
 from specdistill.distill.pipeline.category_report import COMPARED
 from specdistill.distill.pipeline.heldout_plan import check_heldout_plan

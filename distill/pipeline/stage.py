@@ -29,6 +29,7 @@ import hydra
 from omegaconf import DictConfig
 
 from specdistill.data.runtime import ConfigError, run_or_exit
+from specdistill.data.stage_config import check_command_line
 from specdistill.distill.pipeline import slurm
 from specdistill.distill.pipeline.local import run, summary_markdown
 from specdistill.distill.pipeline.plan import STAGES, build_plan, plan_text
@@ -108,6 +109,7 @@ def main() -> None:
     """Console script `specdistill`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     sys.argv[1:] = plan_mode_quiet(stage_keys_addable(sys.argv[1:]))
+    check_command_line("pipeline")  # a pipeline key's typo; stage keys are checked per stage
     _hydra_main()
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.runtime import ConfigError, number_as_float, setting
-from specdistill.data.sampling import Sampling
+from specdistill.data.sampling import Sampling, replaced_keys
 from specdistill.decode.config import DEFAULT_GAMMA, MAX_DRAFT, DecoderConfig
 from specdistill.decode.draft_length import costs_from_mapping
 from specdistill.decode.draft_vocab import draft_vocab_size
@@ -38,6 +38,13 @@ _AUTO_OR_BOOL = ("auto", True, False)
 # draft_vocab_train=auto: heads of this many rows or more train over their draft vocabulary
 # (Llama 3's 128k, Qwen's 152k, Gemma's 262k; not SmolLM2's 49k)
 DRAFT_VOCAB_TRAIN_MIN = 131072
+
+
+def removed_keys() -> dict[str, str]:
+    """The stage's removed settings (dotted key -> its one-line refusal), refused alike by
+    `TrainSettings.from_cfg` and the stage's command line (data/stage_config.py): the per-key
+    sampling spelling beside `onpolicy.sampling` and `eval.sampling`."""
+    return {**replaced_keys("onpolicy.sampling"), **replaced_keys("eval.sampling")}
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from specdistill.data.runtime import run_or_exit
+from specdistill.data.stage_config import check_command_line
 from specdistill.distill.train.preempt import StopRequest
 from specdistill.distill.train.progress import (
     evaluate_and_save,
@@ -35,7 +36,7 @@ from specdistill.distill.train.progress import (
     start_or_resume,
 )
 from specdistill.distill.train.result import DistillResult, finish
-from specdistill.distill.train.settings import TrainSettings
+from specdistill.distill.train.settings import TrainSettings, removed_keys
 from specdistill.distill.train.step import train_step
 from specdistill.distill.train.trainer import Trainer, prepare
 
@@ -94,6 +95,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    """`python -m specdistill.distill.train`: a removed or unknown key on the command line is
+    one `error:` line (exit 2) before Hydra composes the config, then Hydra's main runs it."""
+    check_command_line("distill", removed_keys())
     _hydra_main()
 
 
