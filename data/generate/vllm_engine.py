@@ -93,7 +93,7 @@ def engine_in_process(settings: EngineSettings) -> bool:
     """Whether vLLM's engine core runs in this process: `vllm.in_process`, by default on CPU only.
 
     On CPU, spawning the engine core and its worker (each re-importing vLLM) is most of the
-    start-up (data/RESULTS.md, "vLLM engine start-up on CPU"); on GPU the separate engine core
+    start-up (data/RESULTS.md, "GGUF conversion, drafter build, vLLM start-up"); on GPU the separate engine core
     overlaps scheduling with the forward passes, so it stays the default there."""
     from vllm.platforms import current_platform
 
