@@ -97,6 +97,16 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HYDRA_FULL_ERROR", "1")
 
 
+# Each stage's module with its Hydra `main` (what `python -m specdistill.<floor>.<stage>` runs).
+STAGE_MODULES = {
+    "generate": "specdistill.data.generate.stage",
+    "distill": "specdistill.distill.train.stage",
+    "online": "specdistill.distill.online.stage",
+    "validate": "specdistill.decode.validate.stage",
+    "export": "specdistill.distill.export.stage",
+}
+
+
 def main_in_process(main, argv: list[str], monkeypatch, capsys) -> tuple[int, list[str]]:
     """Run a stage's Hydra `main` in this process; its exit status and stderr lines.
 

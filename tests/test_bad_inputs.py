@@ -23,17 +23,9 @@ import torch
 
 from specdistill.data.models.pairs import resolve_pair
 from specdistill.data.runtime import ConfigError
-from tests.conftest import main_in_process
+from tests.conftest import STAGE_MODULES, main_in_process
 
-# Each stage's module with its Hydra `main` (what `python -m specdistill.<floor>.<stage>` runs).
-STAGES = {
-    "generate": "specdistill.data.generate.stage",
-    "distill": "specdistill.distill.train.stage",
-    "online": "specdistill.distill.online.stage",
-    "validate": "specdistill.decode.validate.stage",
-    "export": "specdistill.distill.export.stage",
-    "pipeline": "specdistill.distill.pipeline.stage",
-}
+STAGES = {**STAGE_MODULES, "pipeline": "specdistill.distill.pipeline.stage"}
 
 
 def _save_tokenizer_files(src: Path, dst: Path) -> None:

@@ -27,15 +27,9 @@ from specdistill.data.stage_config import (
     config_module,
     removed_message,
 )
-from tests.conftest import main_in_process
+from tests.conftest import STAGE_MODULES, main_in_process
 
-STAGES = {
-    "generate": "specdistill.data.generate.stage",
-    "distill": "specdistill.distill.train.stage",
-    "online": "specdistill.distill.online.stage",
-    "validate": "specdistill.decode.validate.stage",
-    "export": "specdistill.distill.export.stage",
-}
+STAGES = STAGE_MODULES
 DECODER_GONE = "CPU kernels are no longer chosen by timing: steps run plain F.linear"
 SAMPLING_GONE = "was replaced by the one sampling spec: use"
 
