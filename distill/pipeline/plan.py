@@ -39,6 +39,7 @@ from specdistill.distill.pipeline.serving import (
     drafting_overrides,
     stage_overrides,
 )
+from specdistill.distill.pipeline.step_checks import check_steps
 
 STAGES = ("generate", "distill", "online", "validate", "export")
 MODULES = {  # each stage's own entry point: `python -m MODULE KEY=VALUE ...`
@@ -350,6 +351,7 @@ def build_plan(cfg: DictConfig) -> list[Step]:
             plan.export_step(run_dir, drafter_path, reads, report)
     steps = [*plan.steps, _report_step(cfg, run_dir, plan.steps)]
     check_mapped_plan(cfg.pair, steps)  # before generate spends minutes on a hopeless pair
+    check_steps(steps)  # each stage's config-only checks, before the first step (step_checks.py)
     return steps
 
 
