@@ -288,11 +288,11 @@ def build_train_examples(
     `target`: the resolved target path (`source: self` samples its queries from it)."""
     parts: list[Sequence[Example]] = []
     data = s.data
-    path = data.path
-    if path is None and data.seq_kd:
-        path = build_seqkd(s, cfg, accelerator)
+    paths = list(data.paths)
+    if not paths and data.seq_kd:
+        paths = [build_seqkd(s, cfg, accelerator)]
     use_topk = data.use_topk
-    if path is not None:
+    for path in paths:  # several: one Seq-KD set per chat mode, each capped at data.limit
         parts.append(load_seqkd(path, limit=data.limit, use_topk=use_topk in ("auto", True)))
     if data.reference:
         prompts = load_prompts(
