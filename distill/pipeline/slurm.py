@@ -1,6 +1,6 @@
 """The Slurm executor: one job per planned step through submitit, chained with `afterok`.
 
-    specdistill launcher=slurm run_dir=/runs/llama pair=llama3 distill.deepspeed=zero3
+    specdistill launcher=slurm run_dir=/runs/llama pair=llama3   # conf/sizing/llama3.yaml
 
 Each job runs `specdistill.distill.pipeline.step.run_job` on `<run_dir>/plan/<step>.yaml`: the
 same Step, the same config and the same `run_step` as the local executor, so the run is the

@@ -107,7 +107,7 @@ def _int(value: Any, field: str, minimum: int) -> int:
 
 def _sections(node: Mapping[str, Any], steps: list[Any]) -> dict[str, dict[str, Any]]:
     """The node's step and stage sections, each key checked to be one a job has."""
-    names = {s.name for s in steps} | set(SECTION_STAGES)
+    stage_of = {stage: stage for stage in SECTION_STAGES} | {s.name: s.stage for s in steps}
     top = set(KEYS) - set(STAGE_ONLY)
     out = {}
     for key, value in node.items():
@@ -118,15 +118,17 @@ def _sections(node: Mapping[str, Any], steps: list[Any]) -> dict[str, dict[str, 
                 f"slurm.{key}: set it in the {STAGE_ONLY[key]} section "
                 f"(slurm.{STAGE_ONLY[key]}.{key}); only {STAGE_ONLY[key]} has it"
             )
-        if key not in names:
+        if key not in stage_of:
             raise ConfigError(
                 f"slurm.{key}: no step or stage of this plan is named {key!r}; use one of "
-                f"{sorted(names)} or a job key {sorted(top)}"
+                f"{sorted(stage_of)} or a job key {sorted(top)}"
             )
         section = dict(value or {})
         for k in section:
             if k not in KEYS:
                 raise ConfigError(f"slurm.{key}.{k}: not a job key; use one of {list(KEYS)}")
+            if k in STAGE_ONLY and stage_of[key] != STAGE_ONLY[k] and section[k] is not None:
+                raise ConfigError(f"slurm.{key}.{k}: only {STAGE_ONLY[k]} steps have {k}; drop it")
         out[str(key)] = section
     return out
 
@@ -139,10 +141,6 @@ def _lookup(
     for name in (step.name, step.stage):
         value = sections.get(name, {}).get(key)
         if value is not None:
-            if key in STAGE_ONLY and step.stage != STAGE_ONLY[key]:
-                raise ConfigError(
-                    f"slurm.{name}.{key}: only {STAGE_ONLY[key]} steps have {key}; drop it"
-                )
             return value, f"slurm.{name}.{key}"
     if key not in STAGE_ONLY and node.get(key) is not None:
         return node[key], f"slurm.{key}"
