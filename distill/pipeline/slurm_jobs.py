@@ -43,6 +43,7 @@ ENV = {  # the cluster setting each key falls back to
     "array": "SPECDISTILL_GENERATE_TASKS",
 }
 SECTION_STAGES = ("generate", "distill", "online", "validate", "export", "report")
+MAX_INT_MINUTES = 7 * 24 * 60  # a longer limit is written D-HH:MM:SS
 
 
 @dataclass(frozen=True)
@@ -133,18 +134,95 @@ def _sections(node: Mapping[str, Any], steps: list[Any]) -> dict[str, dict[str, 
     return out
 
 
-def _lookup(
-    step: Any, key: str, node: Mapping[str, Any], sections: Mapping[str, Mapping[str, Any]]
-) -> tuple[Any, str]:
-    """(value, the field it came from) for one key of one step: its section, its stage's, the
-    top level; (None, "") when the pipeline config leaves it unset."""
-    for name in (step.name, step.stage):
-        value = sections.get(name, {}).get(key)
-        if value is not None:
-            return value, f"slurm.{name}.{key}"
-    if key not in STAGE_ONLY and node.get(key) is not None:
-        return node[key], f"slurm.{key}"
-    return None, ""
+@dataclass(frozen=True)
+class _StepKeys:
+    """One step's view of the keys: its section, its stage's, the node's top level, then the
+    cluster settings; each value with the field it came from, for the error line."""
+
+    step: Any
+    node: Mapping[str, Any]
+    sections: Mapping[str, Mapping[str, Any]]
+    settings: Mapping[str, str]
+    source: str  # where the cluster settings come from
+
+    def get(self, key: str) -> tuple[Any, str]:
+        """(value, field); (None, "") when nothing sets it."""
+        for name in (self.step.name, self.step.stage):
+            value = self.sections.get(name, {}).get(key)
+            if value is not None:
+                return value, f"slurm.{name}.{key}"
+        if key not in STAGE_ONLY and self.node.get(key) is not None:
+            return self.node[key], f"slurm.{key}"
+        if key in ENV and self.settings.get(ENV[key]):
+            return self.settings[ENV[key]], ENV[key]
+        return None, ""
+
+    def required(self, key: str) -> tuple[Any, str]:
+        value, field = self.get(key)
+        if value is None or value == "":
+            raise ConfigError(
+                f"{ENV[key]} is not set: export it or add it to {self.source}, or set "
+                f"slurm.{key} (or slurm.{self.step.stage}.{key}) (see slurm/README.md)"
+            )
+        return value, field
+
+    def count(self, key: str, minimum: int, default: int) -> int:
+        """An integer key, checked; `default` when nothing sets it."""
+        value, field = self.get(key)
+        return default if value is None else _int(value, field, minimum)
+
+    def optional(self, key: str, minimum: int) -> int | None:
+        """An integer key, checked; None when nothing sets it (Slurm's own default)."""
+        value, field = self.get(key)
+        return None if value is None else _int(value, field, minimum)
+
+    def own(self, key: str) -> bool:
+        """Whether the step's own section or its stage's sets `key`."""
+        return self.get(key)[1] in (
+            f"slurm.{self.step.name}.{key}",
+            f"slurm.{self.step.stage}.{key}",
+        )
+
+
+def _minutes(value: Any, field: str) -> int:
+    """A time limit in minutes; an integer is minutes already. A yaml `12:00:00` left unquoted
+    reads as a base-60 integer (43200), which no limit of minutes means: refused, not run for
+    a month."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > MAX_INT_MINUTES:
+        raise ConfigError(
+            f"{field}={value}: more than {MAX_INT_MINUTES} minutes as a number; an unquoted "
+            'HH:MM:SS in yaml reads as one, so quote it ("12:00:00"), or use D-HH:MM:SS'
+        )
+    return time_minutes(value, field)
+
+
+def _job(k: _StepKeys, requeue: Requeue) -> Job:
+    """One step's Job from its keys, each value checked."""
+    step = k.step
+    partition, _ = k.required("partition")
+    time, time_field = k.required("time")
+    minutes = _minutes(time, time_field)
+    gpus = _gpus(k)
+    distill, generate = step.stage == "distill", step.stage == "generate"
+    job = Job(
+        partition=str(partition),
+        time=str(time),
+        minutes=minutes,
+        nodes=k.count("nodes", 1, 1) if distill else 1,
+        tasks_per_node=k.count("tasks_per_node", 1, max(gpus, 1)) if distill else 1,
+        gpus_per_node=gpus,
+        cpus_per_task=k.optional("cpus_per_task", 1),
+        array=k.count("array", 1, 1) if generate else 1,
+        max_num_timeout=k.count("max_num_timeout", 0, requeue.max_num_timeout),
+        signal_delay_s=k.count("signal_delay_s", 1, requeue.signal_delay_s),
+    )
+    if job.signal_delay_s >= minutes * 60:  # requeued the moment it starts, until the cap
+        field = k.get("signal_delay_s")[1] or "slurm.signal_delay_s"
+        raise ConfigError(
+            f"{field}={job.signal_delay_s}: the {step.name} job's signal would come before it "
+            f"starts (time {time}); lower it or raise the time"
+        )
+    return job
 
 
 def jobs(
@@ -157,73 +235,22 @@ def jobs(
         node = OmegaConf.to_container(node, resolve=True)
     node = dict(node or {})
     sections = _sections(node, steps)
-    requeue = Requeue()
-    out = {}
-    for step in steps:
-
-        def get(key: str, step: Any = step) -> tuple[Any, str]:
-            value, field = _lookup(step, key, node, sections)
-            if value is None and key in ENV and settings.get(ENV[key]):
-                value, field = settings[ENV[key]], ENV[key]
-            return value, field
-
-        def required(key: str, step: Any = step) -> tuple[Any, str]:
-            value, field = get(key)
-            if value is None or value == "":
-                raise ConfigError(
-                    f"{ENV[key]} is not set: export it or add it to {source}, or set "
-                    f"slurm.{key} (or slurm.{step.stage}.{key}) (see slurm/README.md)"
-                )
-            return value, field
-
-        partition, _ = required("partition")
-        time, time_field = required("time")
-        minutes = time_minutes(time, time_field)
-        gpus = _gpus(step, get, required)
-        nodes = tasks = array = 1
-        if step.stage == "distill":
-            value, field = get("nodes")
-            nodes = _int(value, field, 1) if value is not None else 1
-            value, field = get("tasks_per_node")
-            tasks = _int(value, field, 1) if value is not None else max(gpus, 1)
-        if step.stage == "generate":
-            value, field = get("array")
-            array = _int(value, field, 1) if value is not None else 1
-        cpus, field = get("cpus_per_task")
-        timeouts, field_t = get("max_num_timeout")
-        delay, field_d = get("signal_delay_s")
-        out[step.name] = Job(
-            partition=str(partition),
-            time=str(time),
-            minutes=minutes,
-            nodes=nodes,
-            tasks_per_node=tasks,
-            gpus_per_node=gpus,
-            cpus_per_task=_int(cpus, field, 1) if cpus is not None else None,
-            array=array,
-            max_num_timeout=(
-                _int(timeouts, field_t, 0) if timeouts is not None else requeue.max_num_timeout
-            ),
-            signal_delay_s=_int(delay, field_d, 1) if delay is not None else requeue.signal_delay_s,
-        )
-        if field_d and out[step.name].signal_delay_s >= minutes * 60:
-            raise ConfigError(
-                f"{field_d}={out[step.name].signal_delay_s}: the {step.name} "
-                f"job's signal would come before it starts (time {time}); lower it or raise "
-                "the time"
-            )
-    return out
+    return {
+        step.name: _job(_StepKeys(step, node, sections, settings, source), Requeue())
+        for step in steps
+    }
 
 
-def _gpus(step: Any, get: Any, required: Any) -> int:
+def _gpus(k: _StepKeys) -> int:
     """The step's GPUs per node: its own section's value as given, else the placement rule on
     the node's GPUs (slurm.gpus_per_node or SPECDISTILL_GPUS_PER_NODE)."""
+    step = k.step
     if step.stage == "report":  # summary.md and a plot
         return 0
-    value, field = get("gpus_per_node")
-    if field in (f"slurm.{step.name}.gpus_per_node", f"slurm.{step.stage}.gpus_per_node"):
-        return _int(value, field, 0)  # set for this step: taken as given
-    value, field = required("gpus_per_node")
+    if k.own("gpus_per_node"):
+        value, field = k.get("gpus_per_node")
+        return _int(value, field, 0)
+    value, field = k.required("gpus_per_node")
     node_gpus = _int(value, field, 0)
     if step.stage == "distill":
         return node_gpus

@@ -119,6 +119,8 @@ def test_the_pipeline_keys_win_over_the_cluster_settings(tmp_path, monkeypatch):
             r"^slurm.distill.signal_delay_s=7200: the "
             r"distill job's signal would come before",
         ),
+        (["slurm.validate.time=1"], r"^slurm.signal_delay_s=90: the validate_base job's signal"),
+        (["slurm.distill.time=43200"], r"^slurm.distill.time=43200: more than 10080 minutes"),
         (
             ["slurm.gpus_per_node=null"],
             r"^SPECDISTILL_GPUS_PER_NODE is not set: .* or set "
@@ -137,3 +139,14 @@ def test_a_bad_value_is_one_error_line_at_plan_time(tmp_path, monkeypatch, overr
     with pytest.raises(ConfigError, match=match):  # the same line before any submission
         slurm.submit(cfg, out=io.StringIO())
     assert _Executor.made == [] and not (tmp_path / "run").exists()
+
+
+def test_the_requeue_defaults_are_the_ones_pipeline_yaml_lists():
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+
+    from specdistill.distill.pipeline.slurm_jobs import Requeue
+
+    listed = OmegaConf.load(str(files("specdistill.conf").joinpath("pipeline.yaml"))).slurm
+    assert Requeue() == Requeue(listed.max_num_timeout, listed.signal_delay_s)
