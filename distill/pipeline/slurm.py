@@ -20,8 +20,8 @@ command resumes), and its dependants do not wait for it. Job ids are printed as 
 
 Cluster settings: the environment, else `$SPECDISTILL_SLURM_CONFIG` (default
 `~/.config/specdistill/slurm.env`): KEY=VALUE lines in shell quoting; a variable set in the
-environment wins over the file. A value a job needs that neither gives is one `error:` line,
-before sbatch.
+environment wins over the file. A value a job needs that neither these nor the `slurm` node
+give is one `error:` line, before sbatch.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from specdistill.distill.pipeline.step import run_job
 
 __all__ = ["load_settings", "resources", "submit", "time_minutes"]
 
+# required unless the pipeline's `slurm` node gives them (slurm_jobs.py)
 REQUIRED = ("SPECDISTILL_PARTITION", "SPECDISTILL_TIME", "SPECDISTILL_GPUS_PER_NODE")
 OPTIONAL = (
     "SPECDISTILL_ACCOUNT",
@@ -157,9 +158,7 @@ def submit(cfg: DictConfig, out: Any = None) -> dict[str, str]:
     out = out or sys.stdout
     settings = load_settings()
     steps = build_plan(cfg)
-    placement = resources(
-        steps, cfg
-    )  # a missing or bad value stops here, before anything is written
+    placement = resources(steps, cfg)  # a missing or bad value stops here, nothing written
     params = {s.name: _parameters(s, placement[s.name], settings) for s in steps}
     for tool in ("sbatch", "srun"):
         if shutil.which(tool) is None:
