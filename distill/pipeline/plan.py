@@ -34,6 +34,7 @@ from specdistill.data.stage_config import config_module
 from specdistill.distill.compose import StageOverrides, compose_stage
 from specdistill.distill.export.hub import check_repo_id
 from specdistill.distill.pipeline.category_report import COMPARED
+from specdistill.distill.pipeline.chat_modes import chat_modes
 from specdistill.distill.pipeline.heldout_plan import check_heldout_plan
 from specdistill.distill.pipeline.mapped_pairs import check_mapped_plan
 from specdistill.distill.pipeline.serving import (
@@ -42,6 +43,7 @@ from specdistill.distill.pipeline.serving import (
     drafting_overrides,
     stage_overrides,
 )
+from specdistill.distill.pipeline.step_checks import check_steps
 
 STAGES = ("generate", "distill", "online", "validate", "export")
 MODULES = {  # each stage's own entry point: `python -m MODULE KEY=VALUE ...`
@@ -122,6 +124,8 @@ class _Planner:
     cfg: DictConfig
     overrides: dict[str, StageOverrides]  # serving_overrides(cfg)
     steps: list[Step] = field(default_factory=list)
+    modes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # chat_modes.py
+    mode_data: dict[str, Step] = field(default_factory=dict)  # each mode's generate step
 
     def add(self, name: str, stage: str, out: Path, stage_cfg: DictConfig, reads: list) -> Step:
         """A step on `stage_cfg` (resolved), reading the output of the steps in `reads`."""
@@ -147,6 +151,10 @@ class _Planner:
         picked = isinstance(own, str) or dataset is not None
         if cfg.get("dataset") is not None and stage in DATASET_STAGES:
             stage_cfg.dataset = pipeline_dataset(cfg.dataset, stage_cfg.dataset, own, picked)
+        if (
+            self.modes and stage in DATASET_STAGES
+        ):  # the served chat mode; a mode's step sets its own
+            stage_cfg.dataset.chat_template_kwargs = dict(self.modes[0][1])
         return stage_cfg
 
     def validate_steps(
@@ -181,6 +189,15 @@ class _Planner:
                 vcfg.pair.drafter = drafter_path
             step = self.add(out.name, "validate", out, vcfg, [*reads, data])
             report = report or step
+        for label, kwargs in self.modes[1:]:  # the drafter in each other chat mode
+            out = run_dir / f"validate_{label}"
+            mode_data = self.mode_data.get(label)
+            own = {**held, "training_data": mode_data.out_dir} if mode_data else held
+            vcfg = self.compose("validate", output_dir=str(out), **own)
+            vcfg.dataset.chat_template_kwargs = dict(kwargs)
+            if drafter_path:
+                vcfg.pair.drafter = drafter_path
+            self.add(out.name, "validate", out, vcfg, [*reads, mode_data])
         return report  # type: ignore[return-value]
 
     def compose_long(self, stage: str, dataset: str | None = None, **values: Any) -> DictConfig:
@@ -194,7 +211,7 @@ class _Planner:
         cfg = self.cfg.copy()
         OmegaConf.set_struct(cfg, False)
         cfg[stage] = merged
-        return _Planner(cfg, self.overrides).compose(stage, dataset, **values)
+        return _Planner(cfg, self.overrides, modes=self.modes).compose(stage, dataset, **values)
 
     def long_context_steps(
         self, run_dir: Path, drafter_path: str | None, drafter: Step | None
@@ -342,19 +359,31 @@ def build_plan(cfg: DictConfig) -> list[Step]:
     if unknown:
         raise ConfigError(f"stages={stages}: unknown {unknown}; choose from {list(STAGES)}")
     run_dir = Path(str(cfg.run_dir)).expanduser().absolute()
-    plan = _Planner(cfg, serving_overrides(cfg))  # checked before anything is composed
+    # checked before anything is composed
+    plan = _Planner(cfg, serving_overrides(cfg), modes=chat_modes(cfg))
     with config_module():
         data = drafter = report = None  # the steps whose output later steps read
         drafter_path: str | None = None
         if "generate" in stages:  # generate_dir: one Seq-KD run shared by several runs (sweeps)
             out = Path(str(cfg.get("generate_dir") or run_dir / "generate")).expanduser().absolute()
-            gcfg = plan.compose("generate", output_dir=str(out))
-            data = plan.add("generate", "generate", out, gcfg, [])
+            for label, kwargs in plan.modes:  # one Seq-KD set per chat mode, the served first
+                mout = out.with_name(f"{out.name}_{label}")
+                gcfg = plan.compose("generate", output_dir=str(mout))
+                gcfg.dataset.chat_template_kwargs = dict(kwargs)
+                plan.mode_data[label] = plan.add(f"generate_{label}", "generate", mout, gcfg, [])
+            if not plan.modes:
+                gcfg = plan.compose("generate", output_dir=str(out))
+                data = plan.add("generate", "generate", out, gcfg, [])
+            data = data or plan.mode_data[plan.modes[0][0]]
         if "distill" in stages:
             out = run_dir / "distill"
-            hand_off = {"data__path": data.out_dir} if data else {}
+            sets = list(plan.mode_data.values()) or [data]
+            hand_off = {}
+            if data:  # several chat modes: every mode's rows
+                paths = [s.out_dir for s in sets]
+                hand_off["data__path"] = paths if len(paths) > 1 else paths[0]
             dcfg = plan.compose("distill", output_dir=str(out), **hand_off)
-            drafter = plan.add("distill", "distill", out, dcfg, [data])
+            drafter = plan.add("distill", "distill", out, dcfg, sets)
             drafter_path = str(out / "best")  # what distill ships (its held-out best)
         if "online" in stages:  # adapt the (distilled) drafter on the stream; validate the result
             out = run_dir / "online"
@@ -373,6 +402,7 @@ def build_plan(cfg: DictConfig) -> list[Step]:
     steps = [*plan.steps, _report_step(cfg, run_dir, plan.steps)]
     check_mapped_plan(cfg.pair, steps)  # before generate spends minutes on a hopeless pair
     check_heldout_plan(steps)  # before generate and distill run for a refused evaluation
+    check_steps(steps)  # each stage's config-only checks, before the first step (step_checks.py)
     return steps
 
 

@@ -11,7 +11,9 @@ merged into the composed config), one spec per place that samples:
   prompts sampled, the rest greedy) -> `sampling`, `sampled_share`;
 - distill: loss, beta, loss temperature, lmbda, the on-policy drafter's `onpolicy.sampling`, and
   the held-out metric that picks best/ (`eval.sampling`): expected acceptance in the serving mode
-  on the target's own continuations;
+  on the target's own continuations; sampling serving trains the full head
+  (`draft_vocab_train=false`: export/head.py pads a draft-vocabulary head, and sampled drafts
+  in engines that run all of it can land on the padded rows);
 - validate (and online): the decoder in the serving mode (`decoder.sampling`), the other mode
   reported beside it (`other_sampling`).
 
@@ -147,6 +149,8 @@ def stage_overrides(serving: Serving, recipe: dict[str, Any]) -> dict[str, Stage
         "eval.source": "target",
         "eval.sampling": s.as_dict(),
     }
+    if serving.mode == "sampling":  # the full head: engines that run all of it (vLLM) sample
+        distill["draft_vocab_train"] = False  # drafts from rows a draft-vocabulary run never trains
     if recipe.get("beta") is not None:
         distill["loss.beta"] = float(recipe["beta"])
     switch = recipe.get("switch") or {}

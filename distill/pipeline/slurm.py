@@ -1,23 +1,27 @@
 """The Slurm executor: one job per planned step through submitit, chained with `afterok`.
 
-    specdistill launcher=slurm run_dir=/runs/llama pair=llama3 distill.deepspeed=zero3
+    specdistill launcher=slurm run_dir=/runs/llama pair=llama3   # conf/sizing/llama3.yaml
 
 Each job runs `specdistill.distill.pipeline.step.run_job` on `<run_dir>/plan/<step>.yaml`: the
 same Step, the same config and the same `run_step` as the local executor, so the run is the
-same wherever it runs. Placement comes from the cluster settings:
+same wherever it runs. Each step's resources (pipeline/slurm_jobs.py) come from the pipeline's
+`slurm` node (per step or stage, then every job's), then the cluster settings:
 
-- generate: an array of SPECDISTILL_GENERATE_TASKS tasks (task i writes shard i; the last one
-  to finish merges), one GPU each (`vllm.tensor_parallel_size` GPUs with backend=vllm);
-- distill: SPECDISTILL_NODES nodes x SPECDISTILL_PROCS_PER_NODE (default: the GPUs per node)
-  tasks, one process each, the torch distributed environment taken from Slurm's (step.py);
-- online, validate*, export: one GPU each; report (summary.md, report.png): no GPU.
+- generate: an array of `slurm.generate.array` (SPECDISTILL_GENERATE_TASKS) tasks (task i writes
+  shard i; the last one to finish merges), one GPU each (`vllm.tensor_parallel_size` GPUs with
+  backend=vllm);
+- distill: `slurm.distill.nodes` (SPECDISTILL_NODES) nodes x `tasks_per_node` (default: the GPUs
+  per node) tasks, one process each, the torch distributed environment taken from Slurm's (step.py);
+- online, validate*, export: one GPU each; report (summary.md, report.png): no GPU;
+- every job: requeued at most `max_num_timeout` times, signalled `signal_delay_s` before its limit.
 
 A step already finished with the same fingerprint is not submitted again (a resubmitted
 command resumes), and its dependants do not wait for it. Job ids are printed as `step=id`.
 
 Cluster settings: the environment, else `$SPECDISTILL_SLURM_CONFIG` (default
 `~/.config/specdistill/slurm.env`): KEY=VALUE lines in shell quoting; a variable set in the
-environment wins over the file. A missing required one is one `error:` line, before sbatch.
+environment wins over the file. A value a job needs that neither these nor the `slurm` node
+give is one `error:` line, before sbatch.
 """
 
 from __future__ import annotations
@@ -36,8 +40,12 @@ from omegaconf import DictConfig
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.pipeline.execute import is_done
 from specdistill.distill.pipeline.plan import Step, build_plan, step_file, write_plan
+from specdistill.distill.pipeline.slurm_jobs import Job, jobs, time_minutes
 from specdistill.distill.pipeline.step import run_job
 
+__all__ = ["load_settings", "resources", "submit", "time_minutes"]
+
+# required unless the pipeline's `slurm` node gives them (slurm_jobs.py)
 REQUIRED = ("SPECDISTILL_PARTITION", "SPECDISTILL_TIME", "SPECDISTILL_GPUS_PER_NODE")
 OPTIONAL = (
     "SPECDISTILL_ACCOUNT",
@@ -80,47 +88,14 @@ def read_settings_file(path: Path) -> dict[str, str]:
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The cluster settings: the file's, then the environment's on top."""
+    """The cluster settings: the file's, then the environment's on top. What a job needs and
+    neither these nor the pipeline's `slurm` keys give is refused per step (slurm_jobs.py)."""
     env = os.environ if env is None else env
     path = settings_file(env)
     if env.get("SPECDISTILL_SLURM_CONFIG") and not path.is_file():
         raise ConfigError(f"SPECDISTILL_SLURM_CONFIG={path} does not exist")
     settings = read_settings_file(path) if path.is_file() else {}
-    settings |= {k: env[k] for k in (*REQUIRED, *OPTIONAL) if k in env}
-    for key in REQUIRED:
-        if not settings.get(key):
-            raise ConfigError(
-                f"{key} is not set: export it or add it to {path} (see slurm/README.md)"
-            )
-    return settings
-
-
-def _int(settings: Mapping[str, str], key: str, default: int, minimum: int = 1) -> int:
-    text = settings.get(key) or str(default)
-    try:
-        value = int(text)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise ConfigError(f"{key}={text!r} must be an integer >= {minimum}")
-    return value
-
-
-def time_minutes(text: str) -> int:
-    """Slurm's time formats (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in minutes."""
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
-    if not m:
-        raise ConfigError(f"SPECDISTILL_TIME={text!r}: use HH:MM:SS (or D-HH:MM:SS, or minutes)")
-    days, a, b, c = (int(x) if x else None for x in m.groups())
-    if days is not None:  # D-HH[:MM[:SS]]
-        hours, minutes, seconds = a, b or 0, c or 0
-    elif c is not None:  # HH:MM:SS
-        hours, minutes, seconds = a, b, c
-    elif b is not None:  # MM:SS
-        hours, minutes, seconds = 0, a, b
-    else:  # MM
-        hours, minutes, seconds = 0, a, 0
-    return max(1, ((days or 0) * 24 + (hours or 0)) * 60 + (minutes or 0) + (1 if seconds else 0))
+    return settings | {k: env[k] for k in (*REQUIRED, *OPTIONAL) if k in env}
 
 
 def sbatch_flags(text: str) -> dict[str, Any]:
@@ -140,62 +115,50 @@ def sbatch_flags(text: str) -> dict[str, Any]:
     return flags
 
 
-def resources(steps: list[Step], settings: Mapping[str, str]) -> dict[str, dict[str, Any]]:
-    """Each step's Slurm placement (nodes, tasks per node, GPUs per node, array size)."""
-    gpus = _int(settings, "SPECDISTILL_GPUS_PER_NODE", 0, minimum=0)
-    out: dict[str, dict[str, Any]] = {}
-    for step in steps:
-        r = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": min(gpus, 1), "array": 1}
-        if step.stage == "generate":
-            c = step.config
-            per_engine = int((c.get("vllm") or {}).get("tensor_parallel_size") or 1)
-            r["gpus_per_node"] = min(gpus, per_engine if c.get("backend") == "vllm" else 1)
-            r["array"] = _int(settings, "SPECDISTILL_GENERATE_TASKS", 1)
-        elif step.stage == "distill":
-            r["nodes"] = _int(settings, "SPECDISTILL_NODES", 1)
-            r["tasks_per_node"] = _int(settings, "SPECDISTILL_PROCS_PER_NODE", max(gpus, 1))
-            r["gpus_per_node"] = gpus
-        elif step.stage == "report":
-            r["gpus_per_node"] = 0
-        r["needs"] = list(step.needs)
-        out[step.name] = r
-    return out
+def resources(
+    steps: list[Step], cfg: DictConfig | None, env: Mapping[str, str] | None = None
+) -> dict[str, Job]:
+    """Each step's Slurm job, from the pipeline's `slurm` node over the cluster settings."""
+    env = os.environ if env is None else env
+    node = cfg.get("slurm") if cfg is not None else None
+    return jobs(steps, node, load_settings(env), str(settings_file(env)))
 
 
-def _parameters(step: Step, r: Mapping[str, Any], settings: Mapping[str, str]) -> dict[str, Any]:
+def _parameters(step: Step, job: Job, settings: Mapping[str, str]) -> dict[str, Any]:
     """submitit's SlurmExecutor parameters for one step (dependency added by the caller)."""
     setup = [s for s in (settings.get("SPECDISTILL_SETUP"),) if s]
     if settings.get("SPECDISTILL_MASTER_PORT"):
         setup.append(f"export MASTER_PORT={shlex.quote(settings['SPECDISTILL_MASTER_PORT'])}")
     params: dict[str, Any] = {
         "job_name": f"specdistill-{step.name}",
-        "partition": settings["SPECDISTILL_PARTITION"],
-        "time": time_minutes(settings["SPECDISTILL_TIME"]),
-        "nodes": r["nodes"],
-        "ntasks_per_node": r["tasks_per_node"],
-        "gpus_per_node": r["gpus_per_node"] or None,
+        "partition": job.partition,
+        "time": job.minutes,
+        "nodes": job.nodes,
+        "ntasks_per_node": job.tasks_per_node,
+        "gpus_per_node": job.gpus_per_node or None,
+        "signal_delay_s": job.signal_delay_s,
         "setup": setup,
         # the user's exact time string (submitit's own `time` is minutes, used for requeueing)
-        "additional_parameters": {"time": settings["SPECDISTILL_TIME"],
+        "additional_parameters": {"time": job.time,
                                   **sbatch_flags(settings.get("SPECDISTILL_SBATCH_ARGS", ""))},
     }  # fmt: skip
     if settings.get("SPECDISTILL_ACCOUNT"):
         params["account"] = settings["SPECDISTILL_ACCOUNT"]
-    if settings.get("SPECDISTILL_CPUS_PER_TASK"):
-        params["cpus_per_task"] = _int(settings, "SPECDISTILL_CPUS_PER_TASK", 1)
+    if job.cpus_per_task is not None:
+        params["cpus_per_task"] = job.cpus_per_task
     if settings.get("SPECDISTILL_SRUN_ARGS"):
         params["srun_args"] = shlex.split(settings["SPECDISTILL_SRUN_ARGS"])
-    if r["array"] > 1:
-        params["array_parallelism"] = r["array"]
+    if job.array > 1:
+        params["array_parallelism"] = job.array
     return params
 
 
 def submit(cfg: DictConfig, out: Any = None) -> dict[str, str]:
     """Plan, write the step files, submit every unfinished step; returns {step: job id}."""
     out = out or sys.stdout
-    settings = load_settings()  # a missing setting stops here, before anything is written
+    settings = load_settings()
     steps = build_plan(cfg)
-    placement = resources(steps, settings)
+    placement = resources(steps, cfg)  # a missing or bad value stops here, nothing written
     params = {s.name: _parameters(s, placement[s.name], settings) for s in steps}
     for tool in ("sbatch", "srun"):
         if shutil.which(tool) is None:
@@ -214,15 +177,18 @@ def submit(cfg: DictConfig, out: Any = None) -> dict[str, str]:
             print(f"{step.name}=done", file=out, flush=True)
             continue
         deps = [ids[n] for n in step.needs if ids.get(n, "done") != "done"]
+        job = placement[step.name]
         ex = submitit.SlurmExecutor(
-            folder=run_dir / ".submitit" / "%j", python=settings.get("SPECDISTILL_PYTHON")
+            folder=run_dir / ".submitit" / "%j",
+            max_num_timeout=job.max_num_timeout,
+            python=settings.get("SPECDISTILL_PYTHON"),
         )
         ex.update_parameters(**params[step.name])
         if deps:
             ex.update_parameters(dependency="afterok:" + ":".join(deps))
         path = str(step_file(run_dir, step.name))
-        n = placement[step.name]["array"]
-        distributed = placement[step.name]["nodes"] * placement[step.name]["tasks_per_node"] > 1
+        n = job.array
+        distributed = job.nodes * job.tasks_per_node > 1
         try:
             if n > 1:
                 jobs = ex.map_array(run_job, [path] * n, list(range(n)), [n] * n)

@@ -44,7 +44,7 @@ def show_plan(cfg: DictConfig) -> str:
     steps = build_plan(cfg)
     resources = None
     if _launcher(cfg) == "slurm":
-        resources = slurm.resources(steps, slurm.load_settings())
+        resources = {name: job.as_dict() for name, job in slurm.resources(steps, cfg).items()}
     return plan_text(steps, resources)
 
 
@@ -77,12 +77,15 @@ def stage_keys_addable(argv: list[str]) -> list[str]:
     The pipeline config's stage sections are open dicts: which keys a stage takes is its own
     config's business, checked when the stage is composed (an unknown key is an `error:` line
     naming the stage). Hydra's struct mode would refuse any key not already written in
-    pipeline.yaml, so a stage override is a forced add; explicit `+`, `++` and `~` stay as given.
+    pipeline.yaml, so a stage override is a forced add; so is a key of a `slurm` section
+    (`slurm.distill.nodes=2`; slurm_jobs.py names a wrong one). Explicit `+`, `++` and `~` stay
+    as given.
     """
     out = []
     for arg in argv:
         key, eq, _ = arg.partition("=")
-        if eq and "." in key and key.split(".", 1)[0] in STAGES:
+        head = key.split(".", 1)[0]
+        if eq and "." in key and (head in STAGES or (head == "slurm" and key.count(".") > 1)):
             arg = f"++{arg}"
         out.append(arg)
     return out

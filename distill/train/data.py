@@ -59,19 +59,28 @@ def fit_prompt(ids: list[int], room: int, head: int) -> list[int]:
     return list(ids[len(ids) - room :])
 
 
-def chat_record(path: str | Path | None) -> dict[str, Any]:
+def chat_record(path: str | Path | Sequence[str] | None) -> dict[str, Any]:
     """`{"chat": {turns, template_kwargs}}` when the Seq-KD rows at `path` are chat traffic (the
     generate stage's config says so), for the result and the card: a drafter trained on a
-    template rendered with arguments (Qwen3's enable_thinking) is served with the same."""
-    config = Path(str(path)) / "generation_config.json" if path else None
-    if config is None or not config.is_file():
+    template rendered with arguments (Qwen3's enable_thinking) is served with the same. Several
+    folders (one per chat mode, the served one first): the first's arguments, and every
+    folder's as `trained_template_kwargs`."""
+    paths = [path] if isinstance(path, str | Path) else list(path or ())
+    records = []
+    for p in paths:
+        config = Path(str(p)) / "generation_config.json"
+        record = json.loads(config.read_text()) if config.is_file() else {}
+        if "chat_turns" in record:
+            records.append(record)
+    if not records:
         return {}
-    record = json.loads(config.read_text())
-    if "chat_turns" not in record:
-        return {}
-    return {
-        "chat": {"turns": record["chat_turns"], "template_kwargs": record["chat_template_kwargs"]}
+    chat = {
+        "turns": max(r["chat_turns"] for r in records),
+        "template_kwargs": records[0]["chat_template_kwargs"],
     }
+    if len(records) > 1:
+        chat["trained_template_kwargs"] = [r["chat_template_kwargs"] for r in records]
+    return {"chat": chat}
 
 
 def prompts_cut(examples: Sequence[Example], max_seq_len: int) -> int:

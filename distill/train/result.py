@@ -94,7 +94,7 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
         loss=OmegaConf.to_container(cfg.loss, resolve=True),  # type: ignore[arg-type]
         lmbda=s.lmbda,
         data={
-            "path": str(s.data.path or (out / "seqkd" if s.data.seq_kd else "")),
+            "path": ", ".join(s.data.paths) or str(out / "seqkd" if s.data.seq_kd else ""),
             "reference": s.data.reference,
             "topk": tr.topk,
             "frozen_params": tr.frozen_params,
@@ -105,7 +105,7 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
             "train_examples": len(tr.train_examples),
             # rows longer than max_seq_len: their prompt cut (the end kept, a chat row's head too)
             "prompts_cut": prompts_cut(tr.train_examples, s.max_seq_len),
-            **chat_record(s.data.path or (out / "seqkd" if s.data.seq_kd else None)),
+            **chat_record(s.data.paths or (out / "seqkd" if s.data.seq_kd else None)),
             "eval_tokens": before["tokens"],
             "eval_source": s.eval.source,
             "eval_sampling": tr.eval_sampling.as_dict(),

@@ -13,7 +13,7 @@ resumed run draws the rollouts an uninterrupted one would. Greedy rollouts equal
 a different draw than `transformers` gives for the same seed.
 
 `onpolicy.engine`: `auto` takes vLLM on CUDA where it is installed and `transformers` otherwise;
-`vllm` insists. Several training processes (DDP, ZeRO-1/2) each hold their own engine, built
+`vllm` insists; `auto` stays in transformers where vLLM could not serve (`asked_engine`). Several training processes (DDP, ZeRO-1/2) each hold their own engine, built
 with vLLM's `external_launcher` inside the rank the launcher started (TRL's colocated mode): in
 process, on the rank's device, beside the trainer's process group, with a vLLM world of one
 (tensor parallel 1), so no rank ever waits on another's rollouts. Refused up front: ZeRO-3 and
@@ -57,17 +57,40 @@ def resolve_engine(engine: str, lmbda_used: bool, cuda: bool) -> str:
     return "vllm"
 
 
-def check_rollouts(zero_stage: int, mapped: bool, parallel: bool, fsdp: bool = False) -> None:
-    """What vLLM rollouts cannot serve, one line each, before anything loads."""
-    why = (
+def vllm_refusal(zero_stage: int, mapped: bool, parallel: bool, fsdp: bool = False) -> str | None:
+    """Why vLLM rollouts cannot serve this distill config (None: they can)."""
+    return (
         "ZeRO-3 shards the drafter's weights" if zero_stage == 3
         else "FSDP2 shards the drafter's weights" if fsdp
         else "a drafter with its own tokenizer samples through the vocabulary mapping" if mapped
         else "a parallel drafter's rollouts are not plain autoregressive ones" if parallel
         else None
     )  # fmt: skip
+
+
+def check_rollouts(zero_stage: int, mapped: bool, parallel: bool, fsdp: bool = False) -> None:
+    """What vLLM rollouts cannot serve, one line each, before anything loads."""
+    why = vllm_refusal(zero_stage, mapped, parallel, fsdp)
     if why:
         raise ConfigError(f"{ASKED_BY}: {why}; set onpolicy.engine=transformers")
+
+
+def asked_engine(
+    engine: str, lmbda_used: bool, zero_stage: int, mapped: bool, parallel: bool, fsdp: bool
+) -> str:
+    """What `onpolicy.engine` asks for, from the config alone (the pipeline's plan runs it too):
+    `auto` keeps rollouts in transformers where vLLM could not serve them (sharded weights, a
+    mapped or parallel drafter), so it never turns into a refusal on a CUDA machine; `vllm`
+    there is refused now (check_rollouts). `resolve_engine` then decides `auto` by machine."""
+    if engine not in ENGINES:
+        raise ConfigError(f"onpolicy.engine={engine!r}: choose one of {list(ENGINES)}")
+    if not lmbda_used:
+        return "transformers"
+    if engine == "vllm":
+        check_rollouts(zero_stage, mapped, parallel, fsdp)
+    elif engine == "auto" and vllm_refusal(zero_stage, mapped, parallel, fsdp):
+        return "transformers"
+    return engine
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from specdistill.data.runtime import ConfigError, number_as_float, setting
 from specdistill.data.sampling import Sampling, replaced_keys
@@ -119,18 +119,32 @@ class ParallelSettings:
 class DataSettings:
     """`data`: the training rows' sources (values as given: paths and limits go to data/)."""
 
-    path: Any = None  # a generate-stage (Seq-KD) dataset
+    path: Any = None  # a generate-stage (Seq-KD) dataset, or a list of them (read in turn)
     seq_kd: bool = True  # build one with the generate stage when path is null
     reference: bool = False
     use_topk: Any = "auto"  # auto | true | false
     limit: Any = None
     generate: dict[str, Any] = field(default_factory=dict)  # the generate stage's overrides
 
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """`path` as a tuple of folders (none when null)."""
+        if self.path is None:
+            return ()
+        return tuple(self.path) if isinstance(self.path, tuple) else (self.path,)
+
     @classmethod
     def from_node(cls, node: Any) -> DataSettings:
         gen = node.get("generate")
+        path = setting(node, cls, "path")
+        if isinstance(path, ListConfig | list | tuple):  # several Seq-KD sets (chat modes)
+            if not path or not all(isinstance(p, str) and p for p in path):
+                raise ConfigError(
+                    f"data.path={list(path)!r} must be a folder or a non-empty list of folders"
+                )
+            path = tuple(str(p) for p in path)
         return cls(
-            path=setting(node, cls, "path"),
+            path=path,
             seq_kd=bool(setting(node, cls, "seq_kd")),
             reference=bool(setting(node, cls, "reference")),
             use_topk=setting(node, cls, "use_topk"),

@@ -32,7 +32,7 @@ from specdistill.decode.draft_vocab import (
     drafter_vocab_ids,
 )
 from specdistill.distill.intersection import Intersection
-from specdistill.distill.train import mask_row, zero
+from specdistill.distill.train import fsdp, mask_row, rollouts, zero
 from specdistill.distill.train.data import Example, load_seqkd, reference_examples
 from specdistill.distill.train.seqkd_rows import (
     chain,
@@ -46,14 +46,35 @@ from specdistill.distill.train.settings import TrainSettings
 log = logging.getLogger(__name__)
 
 
-def check_config(cfg: DictConfig, s: TrainSettings | None = None) -> TrainSettings:
-    """Every check before anything loads: the settings typed (`TrainSettings.from_cfg`, unless
-    `s` already is), then what depends on this machine (DeepSpeed's offload devices, fp16 on
-    CPU: train/zero.py)."""
+def check_settings(cfg: DictConfig, s: TrainSettings | None = None) -> TrainSettings:
+    """The checks that need the config alone, so the pipeline's plan runs them for every
+    distill step before the first one starts: the settings typed (`TrainSettings.from_cfg`,
+    unless `s` already is), the prompt set's keys, and how the drafter is sharded and rolled
+    out as the config states it (`check_sharding` with `pair.vocab`)."""
     s = s or TrainSettings.from_cfg(cfg)
-    zero.check_deepspeed(cfg, use_cuda(s))
     if cfg.get("dataset") is not None:
         check_prompt_settings(cfg.dataset)
+    check_sharding(s, str((cfg.get("pair") or {}).get("vocab", "auto")) == "mapped")
+    return s
+
+
+def check_sharding(s: TrainSettings, mapped: bool) -> str:
+    """FSDP2's refusals (train/fsdp.py) and the on-policy engine the config asks for
+    (train/rollouts.py: vLLM asked for where it cannot serve is refused, `auto` there stays in
+    transformers); returns that engine, for `resolve_engine` to decide by machine."""
+    parallel = s.parallel is not None
+    asked = rollouts.asked_engine(
+        s.onpolicy.engine, s.most_onpolicy > 0, s.zero_stage, mapped, parallel, s.fsdp
+    )
+    fsdp.check_fsdp(s.fsdp, s.deepspeed, mapped, parallel)
+    return asked
+
+
+def check_config(cfg: DictConfig, s: TrainSettings | None = None) -> TrainSettings:
+    """Every check before anything loads: `check_settings`, then what depends on this machine
+    (DeepSpeed's offload devices, fp16 on CPU: train/zero.py)."""
+    s = check_settings(cfg, s)
+    zero.check_deepspeed(cfg, use_cuda(s))
     return s
 
 
@@ -269,11 +290,11 @@ def build_train_examples(
     `target`: the resolved target path (`source: self` samples its queries from it)."""
     parts: list[Sequence[Example]] = []
     data = s.data
-    path = data.path
-    if path is None and data.seq_kd:
-        path = build_seqkd(s, cfg, accelerator)
+    paths = list(data.paths)
+    if not paths and data.seq_kd:
+        paths = [build_seqkd(s, cfg, accelerator)]
     use_topk = data.use_topk
-    if path is not None:
+    for path in paths:  # several: one Seq-KD set per chat mode, each capped at data.limit
         parts.append(load_seqkd(path, limit=data.limit, use_topk=use_topk in ("auto", True)))
     if data.reference:
         prompts = load_prompts(

@@ -131,13 +131,9 @@ def prepare(cfg: DictConfig, s: TrainSettings | None = None) -> Trainer:
 
     spec = resolve_pair(cfg.pair, stage="distill", mapped_ok=True)
     cuda = device.type == "cuda"
-    # FSDP2 keeps rollouts in transformers unless vLLM is asked for by name (refused below)
-    asked = "transformers" if s.fsdp and s.onpolicy.engine == "auto" else s.onpolicy.engine
+    # again with the pair's vocab resolved (`auto` may be mapped), before any weights load
+    asked = setup.check_sharding(s, spec.vocab == "mapped")
     engine = rollouts.resolve_engine(asked, s.most_onpolicy > 0, cuda)
-    if engine == "vllm":  # before any weights load
-        mapped_pair, par = spec.vocab == "mapped", s.parallel is not None
-        rollouts.check_rollouts(s.zero_stage, mapped_pair, par, s.fsdp)
-    fsdp.check_fsdp(s.fsdp, s.deepspeed, spec.vocab == "mapped", s.parallel is not None)
     if s.fsdp:
         fsdp.ensure_process_group(cuda)
     tok = load_tokenizer(spec)

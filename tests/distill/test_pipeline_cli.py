@@ -225,7 +225,8 @@ def test_multirun_sweeps_plan_each_run(cli, tmp_path):
 
 def test_slurm_plan_shows_placement_and_needs_the_settings(cli, monkeypatch):
     monkeypatch.setenv("SPECDISTILL_NODES", "2")
-    code, (p,), _ = cli("launcher=slurm", "run_dir=/runs/llama", "pair=llama3",
+    # a hub pair without a sizing file: placement from the cluster settings alone
+    code, (p,), _ = cli("launcher=slurm", "run_dir=/runs/llama", "pair=qwen2.5",
                         "distill.deepspeed=zero3")  # fmt: skip
     assert code == 0
     assert p["distill"]["slurm"]["nodes"] == 2 and p["distill"]["config"]["deepspeed"]

@@ -77,7 +77,9 @@ def test_chain_afterok_generate_array_and_multi_node_distill(tmp_path, monkeypat
               "SPECDISTILL_SETUP": "source /opt/venv/bin/activate"})  # fmt: skip
     run = tmp_path / "run"
     out = io.StringIO()
-    ids = slurm.submit(pipeline_cfg(run, "pair=llama3", "++distill.deepspeed=zero3"), out=out)
+    # a hub pair without a sizing file (pair=llama3's sets FSDP2 and its own jobs): placement
+    # from the cluster settings alone
+    ids = slurm.submit(pipeline_cfg(run, "pair=qwen2.5", "++distill.deepspeed=zero3"), out=out)
     assert list(ids) == STEPS
     assert out.getvalue().split() == [f"{k}={v}" for k, v in ids.items()]
     gen, dist, base, val, exp, rep = jobs = shim_log(tmp_path)
