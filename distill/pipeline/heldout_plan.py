@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from omegaconf import ListConfig
+
 from specdistill.data.heldout_check import HELDOUT_FIX, shared_rows, why_shared
 from specdistill.data.runtime import ConfigError
 from specdistill.data.splits import EVAL, TRAIN
@@ -42,25 +44,34 @@ def check_heldout_plan(steps: list[Any]) -> None:
     )
 
 
+def _paths(value: Any) -> list[Any]:
+    """A step's hand-off paths: one folder, or a list of them (distill over several generate
+    steps, as the chat modes' pipeline plans it)."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+
+
 def _pairs(step: Any, generated: dict[str, Any]) -> list[tuple[str, tuple, str, tuple]]:
     """(reader, (its dataset, role), trainer, (the training dataset, role)) for one step."""
     cfg = step.config
-    if step.stage == "validate" and cfg.get("training_data") in generated:
-        gen = generated[cfg["training_data"]]
-        return [(step.name, (cfg["dataset"], EVAL), gen.name, _generated(gen))]
+    if step.stage == "validate":
+        gens = [generated[p] for p in _paths(cfg.get("training_data")) if p in generated]
+        return [(step.name, (cfg["dataset"], EVAL), g.name, _generated(g)) for g in gens]
     if step.stage != "distill" or cfg["eval"]["source"] not in EVAL_SOURCES:
         return []
     data = cfg["data"]
-    if data.get("path") in generated:
-        gen = generated[data["path"]]
-        trainer, training = gen.name, _generated(gen)
-    elif data.get("path") is None and (data.get("seq_kd") or data.get("reference")):
-        trainer, training = f"{step.name} (its own Seq-KD rows)", (cfg["dataset"], TRAIN)
-    else:  # rows from elsewhere: validate's run-time check is what sees them
-        return []
     split = cfg["eval"]["split"]  # distill reads its eval rows from eval.split, whatever the set's
     evaluation = ({**cfg["dataset"], "split": split}, split)
-    return [(f"{step.name} (eval)", evaluation, trainer, training)]
+    paths = _paths(data.get("path"))
+    if paths:
+        # rows from elsewhere than a generate step: validate's run-time check is what sees them
+        gens = [generated[p] for p in paths if p in generated]
+        return [(f"{step.name} (eval)", evaluation, g.name, _generated(g)) for g in gens]
+    if data.get("seq_kd") or data.get("reference"):
+        trainer, training = f"{step.name} (its own Seq-KD rows)", (cfg["dataset"], TRAIN)
+        return [(f"{step.name} (eval)", evaluation, trainer, training)]
+    return []
 
 
 def _generated(gen: Any) -> tuple[Any, str]:
