@@ -326,7 +326,8 @@ def summary_markdown(
             f"Decode-time figures: `specdistill.decode.validate.stage`, {v.get('prompts')} held-out "
             f"prompts x {v.get('max_new_tokens')} new tokens{_repeats(v)}, {decoder_words(v)}, "
             f"{v.get('device')} / {v.get('dtype')}, both serving modes (greedy and sampling). "
-            "Acceptance figures are the same on any machine; speed figures are this machine's"
+            "Acceptance figures are the same on any machine for these weights (training them is "
+            "not bit-identical across CPU kinds); speed figures are this machine's"
             f" ({v.get('machine') or 'n/a'}). Held-out alpha: the distill stage's expected "
             "acceptance (not decoded) that picked the shipped checkpoint.",
             "",
