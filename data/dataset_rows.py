@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.data.runtime import ConfigError, node_get
-from specdistill.data.splits import source_split, split_path
+from specdistill.data.splits import read_split, source_split, split_path, stage_role
+
+FILE_SOURCES = ("jsonl", "json", "parquet", "csv")
 
 
 def hub_rows(cfg: Any, split: str) -> list[dict]:
@@ -34,13 +36,8 @@ def file_rows(cfg: Any, source: str, split: str) -> list[dict]:
     (an empty file: none)."""
     import datasets
 
-    from specdistill.data.local_data import resolve_path
-
-    path = resolve_path(split_path(cfg, split))
-    split = source_split(cfg, split)
-    if not path or not Path(path).expanduser().exists():
-        raise ConfigError(f"dataset.path={path!r} does not exist: point it at a {source} file")
-    file = Path(path).expanduser()
+    file = present_file(cfg, source, split)
+    path, split = str(split_path(cfg, split)), source_split(cfg, split)
     if file.stat().st_size == 0:
         return []
     builder = "json" if source in ("jsonl", "json") else source
@@ -49,3 +46,30 @@ def file_rows(cfg: Any, source: str, split: str) -> list[dict]:
     except Exception as e:  # malformed files surface as many exception types
         raise ConfigError(f"dataset.path={path!r} could not be read as {source}: {e}") from e
     return [dict(r) for r in ds]
+
+
+def present_file(cfg: Any, source: str, split: str) -> Path:
+    """The file `dataset.path` names for `split` (`local:` resolved), refused in one line where
+    it is missing: the reader's check, and the plan's (`check_files`) before any step runs."""
+    from specdistill.data.local_data import resolve_path
+
+    path = resolve_path(split_path(cfg, split))
+    if not path or not Path(path).expanduser().exists():
+        raise ConfigError(f"dataset.path={path!r} does not exist: point it at a {source} file")
+    return Path(path).expanduser()
+
+
+def check_files(dataset: Any, role: str) -> None:
+    """Every file a stage reading `dataset` for `role` (train, test) opens is present, a
+    mixture's members each, by the readers' own rule for which split a role reads."""
+    from specdistill.data.chat_prompts import is_conversation_set, member_nodes
+
+    role = stage_role(dataset, role)
+    if node_get(dataset, "source") == "mixture":
+        nodes = [(node, str(node.get("split") or role), True) for node in member_nodes(dataset)]
+    else:
+        nodes = [(dataset, role, is_conversation_set(dataset))]
+    for node, read, chat in nodes:
+        source = node_get(node, "source")
+        if source in FILE_SOURCES:
+            present_file(node, source, read_split(node, read) if chat else read)

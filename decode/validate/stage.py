@@ -27,6 +27,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from specdistill.data.dataset_rows import check_files
 from specdistill.data.heldout_check import check_disjoint
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.models.pairs import load_pair, resolve_pair
@@ -126,6 +127,7 @@ def setup(cfg: DictConfig, gamma_room: int, vs: ValidateSettings | None = None) 
     `vs`: the stage's settings when the caller typed them already (`run` does, at its top)."""
     vs = vs or ValidateSettings.from_cfg(cfg)  # the stage's and the decoder's checks
     check_prompt_settings(cfg.dataset)
+    check_files(cfg.dataset, EVAL)  # the prompt files, before the pair loads to read them
     device = resolve_device(vs.device)
     set_threads(vs.threads, device)
     dtype = parse_dtype(vs.dtype, device)

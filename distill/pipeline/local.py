@@ -13,8 +13,6 @@ import time
 
 from omegaconf import DictConfig
 
-from specdistill.data.generate.vllm_engine import require_vllm
-from specdistill.decode.llamacpp.build import llama_server_binary
 from specdistill.distill.pipeline.execute import PipelineResult, finish, main_process, run_step
 from specdistill.distill.pipeline.plan import build_plan, write_plan
 from specdistill.distill.pipeline.report import summary_markdown as _table
@@ -24,10 +22,6 @@ def run(cfg: DictConfig) -> PipelineResult:
     """Every step of the plan in-process, in order, then the report."""
     t0 = time.perf_counter()
     steps = build_plan(cfg)  # every config composed and checked before any step runs
-    if cfg.get("vllm", False) and any(s.stage == "export" for s in steps):
-        require_vllm("vllm=true")  # the export's vLLM check would fail only after every stage
-    if cfg.get("llamacpp", False) and any(s.stage == "validate" for s in steps):
-        llama_server_binary("llamacpp=true")  # validate's check would fail only after distill
     write_plan(steps)
     stages = {step.name: run_step(step) for step in steps[:-1]}
     if not main_process():  # under a launcher, rank 0 alone writes the run's report

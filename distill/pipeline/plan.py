@@ -37,6 +37,7 @@ from specdistill.distill.pipeline.category_report import COMPARED
 from specdistill.distill.pipeline.chat_modes import chat_modes
 from specdistill.distill.pipeline.heldout_plan import check_heldout_plan
 from specdistill.distill.pipeline.mapped_pairs import check_mapped_plan
+from specdistill.distill.pipeline.preflight_plan import check_preflight
 from specdistill.distill.pipeline.serving import (
     check_recipe,
     check_serving,
@@ -403,6 +404,7 @@ def build_plan(cfg: DictConfig) -> list[Step]:
     check_mapped_plan(cfg.pair, steps)  # before generate spends minutes on a hopeless pair
     check_heldout_plan(steps)  # before generate and distill run for a refused evaluation
     check_steps(steps)  # each stage's config-only checks, before the first step (step_checks.py)
+    check_preflight(steps)  # the files and engines each step needs (preflight_plan.py)
     return steps
 
 

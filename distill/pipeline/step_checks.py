@@ -18,6 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from specdistill.data.models.attention import check_attn_implementation
 from specdistill.data.runtime import ConfigError
 
 
@@ -70,6 +71,9 @@ def check_steps(steps: list[Any]) -> None:
         if check is None:  # the report step: summary.md over the others' results
             continue
         try:
-            check(OmegaConf.create(step.config))
+            config = OmegaConf.create(step.config)
+            if "pair" in config:  # the kernel every stage loads the pair with
+                check_attn_implementation(config.pair.get("attn_implementation"))
+            check(config)
         except ConfigError as e:
             raise ConfigError(f"{step.name}: {e}") from e

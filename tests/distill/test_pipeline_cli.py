@@ -116,7 +116,7 @@ def _param(form: str):
 
 
 @pytest.mark.parametrize("form", [_param(f) for f in documented_forms()])
-def test_documented_form_plans(form, cli, tmp_path):
+def test_documented_form_plans(form, cli, tmp_path, engines_installed):
     (tmp_path / "sweep").mkdir()  # DIR: a folder that exists (a sweep's, a drafter's)
     args = [a.replace("DIR", str(tmp_path / "sweep")) for a in shlex.split(form)[1:]]
     args = [a for a in args if a != "plan=true"]
@@ -267,33 +267,38 @@ def test_console_script_plan_writes_nothing(tmp_path):
 
 
 def test_llamacpp_true_without_a_binary_stops_before_any_step(cli, monkeypatch, tmp_path):
-    """`specdistill llamacpp=true` with no llama-server built: one error line naming the build
-    command, and no step has run (validate's own check would come after generate and distill)."""
+    """`specdistill llamacpp=true` with no llama-server built: the plan and the run both stop
+    with validate's own line naming the build command, and no step has run (validate's check
+    would otherwise come after generate and distill)."""
     from specdistill.decode.llamacpp import build
 
     monkeypatch.setattr(build, "cache_dir", lambda: tmp_path / "no-build")
     monkeypatch.delenv("SPECDISTILL_LLAMA_SERVER", raising=False)
-    code, _, err = cli(f"run_dir={tmp_path / 'run'}", "pair=toy-tiny", "llamacpp=true", plan=False)
-    assert code == 2
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith(
-        "error: llamacpp=true: llama-server is not built"
-    )
-    assert not (tmp_path / "run" / "generate").exists()
-    code, runs, _ = cli(f"run_dir={tmp_path / 'run'}", "pair=toy-tiny", "llamacpp=true",
+    for plan in (True, False):
+        code, _, err = cli(f"run_dir={tmp_path / 'run'}", "pair=toy-tiny", "llamacpp=true",
+                           plan=plan)  # fmt: skip
+        assert code == 2
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert len(lines) == 1 and lines[0].startswith(
+            "error: validate_base: engines=[ours,llamacpp]: llama-server is not built"
+        )
+        assert not (tmp_path / "run" / "generate").exists()
+    code, runs, err = cli(f"run_dir={tmp_path / 'run'}", "pair=toy-tiny", "llamacpp=true",
                         "validate.engines=[ours]")  # fmt: skip
-    assert code == 0 and runs[0]["validate"]["config"]["engines"] == ["ours"]  # the user's key
+    assert code == 0, err
+    assert runs[0]["validate"]["config"]["engines"] == ["ours"]  # the user's key
     assert runs[0]["validate_base"]["config"]["engines"] == ["ours"]
 
 
 def test_vllm_true_without_vllm_stops_before_any_step(cli, monkeypatch, tmp_path):
-    """`specdistill vllm=true` where vLLM is missing: one error line, no step has run (the
-    export's check would otherwise come after generate, distill and validate)."""
+    """`specdistill vllm=true` where vLLM is missing: the plan and the run both stop with the
+    export's own line, and no step has run (the export's check would otherwise come after
+    generate, distill and validate)."""
     monkeypatch.setitem(sys.modules, "vllm", None)
-    code, _, err = cli(f"run_dir={tmp_path / 'run'}", "pair=toy-tiny", "vllm=true", plan=False)
-    assert code == 2
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: vllm=true but vLLM cannot be imported")
-    assert not (tmp_path / "run" / "generate").exists()
-    code, runs, err = cli(f"run_dir={tmp_path / 'run'}", "pair=toy-tiny", "vllm=true")
-    assert code == 0 and runs[0]["export"]["config"]["vllm"]["enabled"] is True  # plan: no vLLM
+    for plan in (True, False):
+        code, _, err = cli(f"run_dir={tmp_path / 'run'}", "pair=toy-tiny", "vllm=true", plan=plan)
+        assert code == 2
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert len(lines) == 1
+        assert lines[0].startswith("error: export: vllm.enabled=true but vLLM is not installed")
+        assert not (tmp_path / "run" / "generate").exists()

@@ -48,7 +48,7 @@ def test_what_a_mapped_pair_cannot_run_is_refused_by_the_plan(
     assert not (tmp_path / "run" / "generate").exists()
 
 
-def test_vllm_true_plans_the_mapped_export_in_vllm(tmp_path, own_drafter):
+def test_vllm_true_plans_the_mapped_export_in_vllm(tmp_path, own_drafter, engines_installed):
     """vllm=true is no longer refused for a mapped pair: the export validates in vLLM (TLI)."""
     cfg = _cfg(tmp_path / "run", [f"pair.drafter={own_drafter}", "vllm=true"])
     steps = {s.name: s for s in build_plan(cfg)}

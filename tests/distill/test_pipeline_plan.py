@@ -95,7 +95,7 @@ def test_step_files_round_trip(tmp_path):
     assert [load_step(f) for f in files] == steps
 
 
-def test_vllm_flag_validates_the_exported_drafter_in_vllm(tmp_path):
+def test_vllm_flag_validates_the_exported_drafter_in_vllm(tmp_path, engines_installed):
     """`specdistill vllm=true`: the export step checks its folder in vLLM; a changed flag re-runs
     the export only."""
     run = tmp_path / "run"
@@ -187,7 +187,9 @@ def test_long_context_leg_without_distill_or_after_online(tmp_path):
     }
 
 
-def test_llamacpp_true_serves_every_validate_step_in_llama_cpp_and_exports_gguf(tmp_path):
+def test_llamacpp_true_serves_every_validate_step_in_llama_cpp_and_exports_gguf(
+    tmp_path, engines_installed
+):
     steps = {s.name: s for s in build_plan(_cfg(tmp_path / "run", "llamacpp=true"))}
     for name in ("validate_base", "validate"):
         assert steps[name].config["engines"] == ["ours", "llamacpp"], name

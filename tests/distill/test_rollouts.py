@@ -24,7 +24,7 @@ def test_which_engine_onpolicy_engine_means(monkeypatch):
     assert rollouts.resolve_engine("auto", True, cuda=False) == "transformers"
     monkeypatch.setitem(sys.modules, "vllm", None)  # not installed
     assert rollouts.resolve_engine("auto", True, cuda=True) == "transformers"
-    with pytest.raises(ConfigError, match=r"onpolicy.engine=vllm but vLLM cannot be imported"):
+    with pytest.raises(ConfigError, match=r"onpolicy.engine=vllm but vLLM is not installed"):
         rollouts.resolve_engine("vllm", True, cuda=False)
     with pytest.raises(ConfigError, match=r"onpolicy.engine='sglang': choose one of"):
         rollouts.resolve_engine("sglang", True, True)
@@ -47,7 +47,7 @@ def test_the_distill_stage_refuses_vllm_rollouts_before_loading(distill_cfg, tmp
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.setattr(trainer, "load_role", lambda *a, **k: pytest.fail("weights loaded"))
     cfg = distill_cfg(tmp_path / "run", "lmbda=0.5", "onpolicy.engine=vllm")
-    with pytest.raises(ConfigError, match="onpolicy.engine=vllm but vLLM cannot be imported"):
+    with pytest.raises(ConfigError, match="onpolicy.engine=vllm but vLLM is not installed"):
         stage.prepare(cfg)
 
 
