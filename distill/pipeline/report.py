@@ -22,6 +22,7 @@ from specdistill.decode.validate.buckets import drafter_alpha_text
 from specdistill.decode.validate.modes import has_range, positions
 from specdistill.decode.validate.report import NO_DRAFTS, NO_OWN_DRAFTS, mode_value
 from specdistill.distill.pipeline.category_report import category_table, plot_categories
+from specdistill.distill.pipeline.chat_mode_report import chat_mode_lines
 from specdistill.distill.pipeline.llamacpp_report import llamacpp_lines
 from specdistill.distill.train.predict import reprice
 
@@ -334,6 +335,7 @@ def summary_markdown(
         ]
     lines += comparison_table(stages)
     lines += category_table(stages)
+    lines += chat_mode_lines(stages)
     lines += llamacpp_lines(stages)
     lines += bucket_table(stages)
     d = stages.get("distill")

@@ -490,3 +490,30 @@ def test_an_acceptance_over_no_drafts_reads_n_a_not_zero():
     rows = _rows({"validate_base": base, "validate": dist, "distill": DISTILL})
     assert rows["alpha, temperature 0.7, top_p 0.9"].endswith(f"| 0.5 | {report.NO_DRAFTS} |")
     assert rows["alpha, greedy"].endswith("| 0.8 | 0.9 |")
+
+
+def _in_mode(thinking: bool, tau: float, alpha: float) -> dict:
+    return {
+        "config": {"dataset": {"chat_template_kwargs": {"enable_thinking": thinking}}},
+        "modes": {
+            "greedy": {"tau": tau, "alpha": alpha},
+            "sampling": {"tau": tau - 1, "temperature": 1.0},
+        },
+    }
+
+
+def test_summary_puts_the_drafter_in_each_chat_mode_side_by_side():
+    stages = {
+        "validate": _in_mode(True, 3.25, 0.8),
+        "validate_direct": _in_mode(False, 2.5, 0.6),
+        "validate_base": _in_mode(True, 1.5, 0.2),  # the base drafter: not a chat-mode row
+        "validate_gsm8k": _in_mode(True, 3.0, 0.7),  # another set, the served mode: not a row
+    }
+    text = report.summary_markdown("run", stages, None)
+    rows = [line for line in text.splitlines() if line.startswith("| enable_thinking")]
+    assert rows == [
+        "| enable_thinking: True (served) | validate | 3.25 / 2.25 | 0.80 / - |",
+        "| enable_thinking: False | validate_direct | 2.50 / 1.50 | 0.60 / - |",
+    ]
+    one_mode = {k: v for k, v in stages.items() if k != "validate_direct"}
+    assert "chat mode" not in report.summary_markdown("run", one_mode, None)
