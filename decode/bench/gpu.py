@@ -35,6 +35,7 @@ from specdistill.decode.validate.timing import hf_assisted_speed, step_costs
 PRESETS = {
     "tinyllama": (32000, 2048, 5632, 22, 32, 4),  # TinyLlama-1.1B
     "llama3-1b": (128256, 2048, 8192, 16, 32, 8),  # Llama-3.2-1B (untied here)
+    "llama3-8b": (128256, 4096, 14336, 32, 32, 8),  # Llama-3.1-8B
     "tiny": (512, 64, 128, 4, 4, 2),  # smoke test on any machine
 }
 
