@@ -29,8 +29,8 @@ from typing import Any
 
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
-from specdistill.distill.train.data import end_completion
 from specdistill.distill.train.example import Example
+from specdistill.distill.train.onpolicy import end_completion
 
 ENGINES = ("auto", "transformers", "vllm")
 ASKED_BY = "onpolicy.engine=vllm"
