@@ -196,6 +196,11 @@ class ParallelDrafting(TokenObjective):
             device=tr.device,
         )
 
+    @property
+    def predicts_decode(self) -> bool:
+        """No: a parallel round's drafts do not read their predecessors (no AR replay)."""
+        return False
+
     def result_parallel(
         self, tr: Trainer, state: dict[str, Any], after: dict[str, Any] | None
     ) -> dict[str, Any] | None:

@@ -117,7 +117,7 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
         parallel=tr.objective.result_parallel(tr, state, after),
     )
     if tr.accelerator.is_main_process:
-        if tr.objective.predicts_decode:  # the replay reads shared ids (train/predict.py)
+        if tr.objective.predicts_decode:  # autoregressive drafts in shared ids (predict.py)
             result.heldout_prediction = heldout_prediction(tr, _best_drafter(tr, state, step), s)
         atomic_write_json(out / "result.json", result)
         if s.sweep_dir:
