@@ -1,4 +1,5 @@
-"""Training data for the distill stage: Seq-KD rows, reference completions, on-policy samples.
+"""Training data for the distill stage: Seq-KD rows, reference completions, collation, the
+order of the example stream (on-policy samples are train/onpolicy.py's).
 
 Every source becomes a sequence of `Example` (prompt ids + completion ids, optionally the
 target's stored top-k log-probs per completion token); Seq-KD rows are read lazily

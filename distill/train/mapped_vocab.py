@@ -15,7 +15,7 @@ from specdistill.distill.train.mapped import (
     load_mapped_target,
     prepare_mapped,
 )
-from specdistill.distill.train.objective import TokenObjective
+from specdistill.distill.train.objective import TokenObjective, TrainingRun
 
 if TYPE_CHECKING:
     import torch
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
     from specdistill.data.models.pairs import PairSpec
     from specdistill.distill.train.settings import TrainSettings
-    from specdistill.distill.train.trainer import Trainer
 
 
 class MappedVocab(TokenObjective):
@@ -52,13 +51,13 @@ class MappedVocab(TokenObjective):
         return load_mapped_target(spec, self.s, device, self.pair)
 
     def loss(
-        self, tr: Trainer, batch: dict[str, Any], onp: bool, masked: bool, divergence: str,
+        self, tr: TrainingRun, batch: dict[str, Any], onp: bool, masked: bool, divergence: str,
         beta: float, num_tokens: float, n_chains: float,
     ) -> torch.Tensor:  # fmt: skip
         temperature = self.s.loss.temperature
         return self.pair.loss(tr, batch, masked, divergence, beta, temperature, num_tokens)
 
-    def evaluate(self, tr: Trainer) -> dict[str, Any]:
+    def evaluate(self, tr: TrainingRun) -> dict[str, Any]:
         drafter = tr.accelerator.unwrap_model(tr.model)
         return self.pair.evaluate(drafter, tr.target, tr.eval_batches, tr.eval_sampling, tr.device)
 

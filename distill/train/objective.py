@@ -24,16 +24,39 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from accelerate import Accelerator
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from specdistill.data.models.pairs import PairSpec
+    from specdistill.data.sampling import Sampling
     from specdistill.distill.intersection import Intersection
     from specdistill.distill.train.example import Example
     from specdistill.distill.train.settings import TrainSettings
-    from specdistill.distill.train.trainer import Trainer
 
 # A micro-batch of the accumulation window: its collated tensors and whether the drafter wrote it.
 Window = list[tuple[dict[str, Any], bool]]
+
+
+class TrainingRun(Protocol):
+    """What an objective reads from the run it is part of (train/trainer.py's `Trainer` is one);
+    named here so that the objectives never import the trainer that holds them."""
+
+    s: TrainSettings
+    accelerator: Accelerator
+    model: torch.nn.Module  # the drafter q as the spread prepared it
+    target: PreTrainedModel | None  # the frozen target p (None: every batch has stored top-k)
+    eval_batches: list[dict[str, torch.Tensor]]
+    topk: bool  # the training rows carry the target's stored top-k
+    vocab: int  # logit rows compared (the tokenizer's ids)
+    head_ids: torch.Tensor | None  # the draft vocabulary the head trains over
+    head_inter: Intersection | None
+    chunked: bool  # the loss from hidden states + head
+
+    @property
+    def eval_sampling(self) -> Sampling: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
 
 class Objective(Protocol):
@@ -74,12 +97,12 @@ class Objective(Protocol):
         `reduce` sums a local figure over the processes."""
 
     def loss(
-        self, tr: Trainer, batch: dict[str, Any], onp: bool, masked: bool, divergence: str,
+        self, tr: TrainingRun, batch: dict[str, Any], onp: bool, masked: bool, divergence: str,
         beta: float, num_tokens: float, n_chains: float,
     ) -> torch.Tensor:  # fmt: skip
         """One micro-batch's share of the window's loss."""
 
-    def evaluate(self, tr: Trainer) -> dict[str, Any]:
+    def evaluate(self, tr: TrainingRun) -> dict[str, Any]:
         """The held-out figures of the drafter as it is now (what best/ follows)."""
 
     def out_tok(self, tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
@@ -89,7 +112,7 @@ class Objective(Protocol):
         """What this objective adds to result.json's `data` section."""
 
     def result_parallel(
-        self, tr: Trainer, state: dict[str, Any], after: dict[str, Any] | None
+        self, tr: TrainingRun, state: dict[str, Any], after: dict[str, Any] | None
     ) -> dict[str, Any] | None:
         """result.json's `parallel` section (None unless the drafter drafts in parallel)."""
 
@@ -148,7 +171,7 @@ class TokenObjective:
         return {}
 
     def result_parallel(
-        self, tr: Trainer, state: dict[str, Any], after: dict[str, Any] | None
+        self, tr: TrainingRun, state: dict[str, Any], after: dict[str, Any] | None
     ) -> dict[str, Any] | None:
         return None
 

@@ -22,7 +22,7 @@ from specdistill.distill.head_loss import HeadInput, positions_per_chunk
 from specdistill.distill.train import mask_row, setup
 from specdistill.distill.train.evaluate import evaluate_parallel
 from specdistill.distill.train.logits import causal_lm, has_plain_head
-from specdistill.distill.train.objective import TokenObjective, Window
+from specdistill.distill.train.objective import TokenObjective, TrainingRun, Window
 from specdistill.distill.train.settings import ParallelSettings, TrainSettings
 from specdistill.distill.train.shared_vocab import divergence_loss
 
@@ -31,11 +31,10 @@ if TYPE_CHECKING:
 
     from specdistill.data.models.pairs import PairSpec
     from specdistill.distill.train.example import Example
-    from specdistill.distill.train.trainer import Trainer
 
 
 def packed_logits_and_targets(
-    tr: Trainer, batch: dict[str, torch.Tensor], packed: dict[str, torch.Tensor], onp: bool,
+    tr: TrainingRun, batch: dict[str, torch.Tensor], packed: dict[str, torch.Tensor], onp: bool,
     masked: bool,
 ) -> tuple[torch.Tensor | HeadInput, torch.Tensor, dict[str, Any]]:  # fmt: skip
     """drafting=parallel: the drafter's logits over the packed sequence (real tokens + mask
@@ -117,7 +116,7 @@ def _packed_argmax(
 
 
 def parallel_loss(
-    tr: Trainer, batch: dict, packed: dict, onp: bool, masked: bool, loss_name: str,
+    tr: TrainingRun, batch: dict, packed: dict, onp: bool, masked: bool, loss_name: str,
     beta: float, num_tokens: float, n_chains: float,
 ) -> torch.Tensor:  # fmt: skip
     """One micro-batch's share of the window's loss (`parallel.objective=acceptance_length`
@@ -178,13 +177,13 @@ class ParallelDrafting(TokenObjective):
         return float(reduce(w_local)), float(reduce(c_local))
 
     def loss(
-        self, tr: Trainer, batch: dict[str, Any], onp: bool, masked: bool, divergence: str,
+        self, tr: TrainingRun, batch: dict[str, Any], onp: bool, masked: bool, divergence: str,
         beta: float, num_tokens: float, n_chains: float,
     ) -> torch.Tensor:  # fmt: skip
         packed = batch.pop("packed")
         return parallel_loss(tr, batch, packed, onp, masked, divergence, beta, num_tokens, n_chains)
 
-    def evaluate(self, tr: Trainer) -> dict[str, Any]:
+    def evaluate(self, tr: TrainingRun) -> dict[str, Any]:
         return evaluate_parallel(
             tr.accelerator.unwrap_model(tr.model),
             tr.target,
@@ -202,7 +201,7 @@ class ParallelDrafting(TokenObjective):
         return False
 
     def result_parallel(
-        self, tr: Trainer, state: dict[str, Any], after: dict[str, Any] | None
+        self, tr: TrainingRun, state: dict[str, Any], after: dict[str, Any] | None
     ) -> dict[str, Any] | None:
         """result.json's `parallel` section: mask token, depth, per-depth acceptance before/after."""
         before, par = state["before"], self.par

@@ -165,7 +165,7 @@ class VLLMRollouts:
         sampling: Sampling,
         seed: int,
     ) -> list[Example]:
-        """`data.sample_onpolicy`'s result, sampled by the engine (row i seeded from seed, i)."""
+        """`onpolicy.sample_onpolicy`'s result, sampled by the engine (row i seeded from seed, i)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

@@ -31,7 +31,7 @@ from specdistill.distill.train.logits import (
     masked_logits,
     model_inputs,
 )
-from specdistill.distill.train.objective import TokenObjective
+from specdistill.distill.train.objective import TokenObjective, TrainingRun
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -39,11 +39,10 @@ if TYPE_CHECKING:
     from specdistill.data.models.pairs import PairSpec
     from specdistill.distill.train.example import Example
     from specdistill.distill.train.settings import TrainSettings
-    from specdistill.distill.train.trainer import Trainer
 
 
 def logits_and_targets(
-    tr: Trainer, batch: dict[str, torch.Tensor], onp: bool, masked: bool
+    tr: TrainingRun, batch: dict[str, torch.Tensor], onp: bool, masked: bool
 ) -> tuple[torch.Tensor | HeadInput, torch.Tensor, dict[str, Any]]:
     """(drafter logits, loss mask, the target's keywords for the loss) of one micro-batch.
 
@@ -92,7 +91,7 @@ def logits_and_targets(
 
 
 def shared_vocab_loss(
-    tr: Trainer, batch: dict, onp: bool, masked: bool, loss_name: str, beta: float,
+    tr: TrainingRun, batch: dict, onp: bool, masked: bool, loss_name: str, beta: float,
     num_tokens: float,
 ) -> torch.Tensor:  # fmt: skip
     """One micro-batch's share of the window's loss when the drafter reads the target's ids."""
@@ -114,7 +113,7 @@ def shared_vocab_loss(
 
 
 def divergence_loss(
-    tr: Trainer, logits: torch.Tensor | HeadInput, mask: torch.Tensor, kwargs: dict[str, Any],
+    tr: TrainingRun, logits: torch.Tensor | HeadInput, mask: torch.Tensor, kwargs: dict[str, Any],
     loss_name: str, beta: float, num_tokens: float,
 ) -> torch.Tensor:  # fmt: skip
     """The divergence summed over the loss positions / `num_tokens`: from the logits, or fused
@@ -180,12 +179,12 @@ class SharedVocab(TokenObjective):
         return train_head_ids(self.s, drafter, topk, device)
 
     def loss(
-        self, tr: Trainer, batch: dict[str, Any], onp: bool, masked: bool, divergence: str,
+        self, tr: TrainingRun, batch: dict[str, Any], onp: bool, masked: bool, divergence: str,
         beta: float, num_tokens: float, n_chains: float,
     ) -> torch.Tensor:  # fmt: skip
         return shared_vocab_loss(tr, batch, onp, masked, divergence, beta, num_tokens)
 
-    def evaluate(self, tr: Trainer) -> dict[str, Any]:
+    def evaluate(self, tr: TrainingRun) -> dict[str, Any]:
         return evaluate(
             tr.accelerator.unwrap_model(tr.model),
             tr.target,
