@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import hydra
 import torch
 from omegaconf import DictConfig
+from torch.optim.lr_scheduler import LRScheduler
 
 from specdistill.data.models.pairs import PairSpec, load_role, load_tokenizer, resolve_pair
 from specdistill.data.sampling import Sampling
@@ -26,6 +27,7 @@ from specdistill.distill.train.data import Example, StreamSpec, collate, collate
 from specdistill.distill.train.lr_schedule import lr_schedule
 from specdistill.distill.train.objective import Objective
 from specdistill.distill.train.parts import Parts, choose_parts
+from specdistill.distill.train.rollouts import VLLMRollouts
 from specdistill.distill.train.seqkd_rows import has_topk
 from specdistill.distill.train.settings import TrainSettings
 from specdistill.distill.train.spread import Spread
@@ -48,7 +50,7 @@ class Trainer:
     target: PreTrainedModel | None  # the frozen target p; None when every batch has stored top-k
     tok: PreTrainedTokenizerBase
     opt: torch.optim.Optimizer
-    sched: torch.optim.lr_scheduler.LRScheduler
+    sched: LRScheduler
     objective: Objective  # what q is trained against (train/objective.py)
     spread: Spread  # how q is spread over processes (train/spread.py)
     train_examples: Sequence[Example]  # Seq-KD rows read lazily (train/seqkd_rows.py)
@@ -63,7 +65,7 @@ class Trainer:
     head_ids: torch.Tensor | None = None
     head_inter: Intersection | None = None
     chunked: bool = False  # the loss from hidden states + head (distill/head_loss.py)
-    rollouts: rollouts.VLLMRollouts | None = None  # onpolicy.engine=vllm (train/rollouts.py)
+    rollouts: VLLMRollouts | None = None  # onpolicy.engine=vllm (train/rollouts.py)
     # pack_sequences: the micro-batch in one row, the models attending span by span
     # (train/segment_attention.py); else rows of max_seq_len under a block mask
     pack_one_row: bool = False
@@ -195,11 +197,11 @@ def _use_packing(
 def _vllm_rollouts(
     s: TrainSettings, spec: PairSpec, drafter: PreTrainedModel, accelerator: Accelerator,
     cuda: bool,
-) -> rollouts.VLLMRollouts:  # fmt: skip
+) -> VLLMRollouts:  # fmt: skip
     """The drafter in a vLLM engine for on-policy batches (train/rollouts.py)."""
     context = min(int(getattr(drafter.config, "max_position_embeddings", 8192)), 8192)
     dtype = "bfloat16" if cuda else "float32"
-    return rollouts.VLLMRollouts.build(
+    return VLLMRollouts.build(
         spec, dtype, context, s.micro_batch_size, s.seed, accelerator.num_processes
     )
 
@@ -227,7 +229,7 @@ def _eval_batches(
 def _prepare_training(
     s: TrainSettings, cfg: DictConfig, drafter: PreTrainedModel, accelerator: Accelerator,
     parts: Parts,
-) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, int]:  # fmt: skip
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, LRScheduler, int]:  # fmt: skip
     """(model, optimizer, LR scheduler, frozen parameter count): the drafter in training mode
     with its embeddings frozen where set, spread before the optimizer sees its parameters, the
     optimizer over what still trains, both wrapped as the spread steps them, the tracker
