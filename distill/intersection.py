@@ -13,7 +13,7 @@ token is sum_{x in I} min(p(x), q(x)) (sampling) or [argmax q = argmax p] (greed
 
 A drafter of the target's own tokenizer trained over its draft vocabulary (`draft_vocab_train`:
 its head scores K kept ids only, as our decoder drafts) is the same problem with d2t[j] = the
-j-th kept id over its K head columns (train/setup.py `train_head_ids`), so it takes this loss.
+j-th kept id over its K head columns (train/shared_vocab.py `train_head_ids`), so it takes this loss.
 
 Which treatment of the target's mass m_out = p(outside I) maximises acceptance (derivation;
 tests/distill/test_intersection.py checks each claim against a grid search over q):

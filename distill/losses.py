@@ -139,7 +139,7 @@ def topk_logprobs(
     it adds no term (q's mass at its token is then counted nowhere) and no NaN. A draft
     vocabulary (the student scores a token subset) does not come here: the target's mass
     outside the subset is one q cannot earn, which a rest bucket would hide; it takes
-    intersection.py's loss instead (distill/train/batch_loss.py).
+    intersection.py's loss instead (distill/train/shared_vocab.py).
     """
     lq_full = F.log_softmax(at_least_fp32(student), dim=-1)
     ids = topk_ids.long()

@@ -220,27 +220,28 @@ class _MainProcess:
 def test_distill_hands_its_generate_settings_over_whole(tmp_path, monkeypatch):
     """`data.generate.sampling` reaches the generate stage as a node; an unknown key is named."""
     from specdistill.data.generate import stage as generate_stage
-    from specdistill.distill.train import setup
+    from specdistill.distill.train import sources
     from specdistill.distill.train.settings import TrainSettings
     from tests.distill.conftest import _distill_cfg
 
     seen: list[DictConfig] = []
     monkeypatch.setattr(generate_stage, "run", seen.append)
     cfg = _distill_cfg(tmp_path, "data.generate.sampling.temperature=0.8")
-    setup.build_seqkd(TrainSettings.from_cfg(cfg), cfg, _MainProcess())
+    sources.build_seqkd(TrainSettings.from_cfg(cfg), cfg, _MainProcess())
     gcfg = seen[0]
     assert Sampling.from_node(gcfg.sampling, "sampling") == Sampling(0.8)
     assert (gcfg.max_new_tokens, gcfg.split, gcfg.topk_logprobs) == (64, "train", 0)
     with pytest.raises(ConfigError, match=r"^data\.generate: .*bogus"):
         bad = _distill_cfg(tmp_path, "+data.generate.bogus=1")
-        setup.build_seqkd(TrainSettings.from_cfg(bad), bad, _MainProcess())
+        sources.build_seqkd(TrainSettings.from_cfg(bad), bad, _MainProcess())
 
 
 # --- distill on-policy batches follow onpolicy.sampling -----------------------------------
 
 
 def test_onpolicy_samples_follow_the_spec():
-    from specdistill.distill.train.data import Example, sample_onpolicy
+    from specdistill.distill.train.data import Example
+    from specdistill.distill.train.onpolicy import sample_onpolicy
 
     model = tiny_llama(vocab=32)
     exs = [Example([3, 4, 5], [6]), Example([7, 8], [9])]

@@ -23,7 +23,7 @@ import torch
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.models.pairs import load_role, load_tokenizer, resolve_pair
 from specdistill.distill.bench.recipe_summary import collect
-from specdistill.distill.train import setup
+from specdistill.distill.train import sources
 from specdistill.distill.train.data import collate
 from specdistill.distill.train.evaluate import evaluate
 from specdistill.distill.train.settings import TrainSettings
@@ -73,7 +73,7 @@ def run(val_dir: Path, runs_dir: Path, pair: str, limit: int, work: Path) -> dic
         tok = load_tokenizer(spec)
         batches = {}
         for name, cfg in cfgs.items():
-            ex = setup.build_eval_examples(
+            ex = sources.build_eval_examples(
                 TrainSettings.from_cfg(cfg), cfg, tok, acc, target=spec.target
             )
             batches[name] = [

@@ -19,7 +19,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json
-from specdistill.data.runtime import run_or_exit
+from specdistill.data.runtime import ConfigError, run_or_exit
 from specdistill.distill.train import stage
 from specdistill.distill.train.predict import heldout_prediction
 
@@ -33,6 +33,11 @@ FORCED = {
 def run(cfg: DictConfig) -> dict:
     cfg = OmegaConf.merge(cfg, FORCED)
     tr = stage.prepare(cfg)
+    if not tr.objective.predicts_decode:
+        raise ConfigError(
+            "the decode prediction replays autoregressive drafts in the target's ids: use "
+            "drafting=autoregressive with a drafter of the target's tokenizer"
+        )
     pred = heldout_prediction(tr, tr.accelerator.unwrap_model(tr.model), tr.s)
     assert pred is not None  # greedy serving is forced above
     atomic_write_json(tr.out / "prediction.json", pred)

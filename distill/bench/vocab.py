@@ -9,7 +9,7 @@ matter to the time of a step, so CI builds one: a random Llama body (SmolLM2-lik
 freezes a drafter built from the target's layers (`freeze_embeddings: auto`). Rows are random
 Zipf-distributed tokens (so a draft vocabulary of the most frequent N covers most of them) with
 stored top-32 target log-probs; each step is one optimizer step of `--rows` rows of `--prompt`
-+ `--completion` tokens through the distill stage's own loss (`batch_loss.shared_vocab_loss`):
++ `--completion` tokens through the distill stage's own loss (`shared_vocab.shared_vocab_loss`):
 
 - `before`: `chunked_loss=false`, the [N, V] logits and `losses.distill_loss` (chunks of 256
   positions over those logits);
@@ -74,7 +74,7 @@ def measure(vocab: int, variant: str, args: argparse.Namespace) -> dict:
     """`args.steps` timed optimizer steps (after one warm-up) of one configuration."""
     from specdistill.decode.draft_vocab import choose_draft_vocab
     from specdistill.distill.intersection import Intersection
-    from specdistill.distill.train.batch_loss import shared_vocab_loss
+    from specdistill.distill.train.shared_vocab import shared_vocab_loss
 
     torch.set_num_threads(args.threads)
     model = _drafter(vocab, args.layers, args.hidden)
@@ -97,7 +97,7 @@ def measure(vocab: int, variant: str, args: argparse.Namespace) -> dict:
     n_tokens = int(batch["loss_mask"].sum())
 
     def step() -> float:
-        loss = shared_vocab_loss(tr, batch, None, False, True, args.loss, 0.5, n_tokens)
+        loss = shared_vocab_loss(tr, batch, False, True, args.loss, 0.5, n_tokens)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

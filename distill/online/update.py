@@ -21,7 +21,7 @@ from specdistill.data.runtime import pad_rows
 from specdistill.distill.losses import distill_loss
 from specdistill.distill.online.buffer import Entry, ReplayBuffer
 from specdistill.distill.online.config import OnlineSettings
-from specdistill.distill.train.settings import lr_schedule
+from specdistill.distill.train.lr_schedule import lr_schedule
 
 
 def buffer_batch(entries: list[Entry], pad_id: int, device) -> dict[str, torch.Tensor]:

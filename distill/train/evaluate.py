@@ -96,13 +96,7 @@ def evaluate(
             acc = serving_acceptance(p_logits, q_logits, sampling)
             p_top = p_logits.argmax(-1)
         else:
-            tk_ids = batch["topk_ids"].to(device)[mask]
-            p_top = tk_ids[..., 0]
-            if sampling.greedy:
-                acc = (q_logits.argmax(-1) == p_top).float()
-            else:
-                lq = torch.log_softmax(q_logits, -1).gather(-1, tk_ids)
-                acc = torch.minimum(batch["topk_lp"].to(device)[mask], lq).exp().sum(-1)
+            acc, p_top = _stored_acceptance(q_logits, batch, mask, sampling, device)
         acc_sum += float(acc.double().sum())
         agree += int((q_logits.argmax(-1) == p_top).sum())
         count += int(mask.sum())
@@ -110,6 +104,20 @@ def evaluate(
     if count == 0:
         return {"alpha": float("nan"), "greedy_agreement": float("nan"), "tokens": 0}
     return {"alpha": acc_sum / count, "greedy_agreement": agree / count, "tokens": count}
+
+
+def _stored_acceptance(
+    q_logits: torch.Tensor, batch: dict[str, torch.Tensor], mask: torch.Tensor,
+    sampling: Sampling, device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(acceptance per masked position, the target's top-1) from the stored top-k at T = 1:
+    greedy, q's argmax against the stored top-1; else sum over the top-k of min(p, q)."""
+    tk_ids = batch["topk_ids"].to(device)[mask]
+    p_top = tk_ids[..., 0]
+    if sampling.greedy:
+        return (q_logits.argmax(-1) == p_top).float(), p_top
+    lq = torch.log_softmax(q_logits, -1).gather(-1, tk_ids)
+    return torch.minimum(batch["topk_lp"].to(device)[mask], lq).exp().sum(-1), p_top
 
 
 @torch.no_grad()

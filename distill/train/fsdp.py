@@ -27,13 +27,18 @@ full state dict on the main process only (`full_state_dict`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specdistill.data.runtime import ConfigError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from omegaconf import DictConfig
 
 SHARDS_DIR = "fsdp"  # inside a checkpoint folder: the model's and optimizer's shards
 
@@ -154,3 +159,49 @@ def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
+
+
+class FSDP2:
+    """FSDP2 (train/spread.py, this module's docstring): sharded in place before the optimizer
+    sees the parameters, never passed through `accelerator.prepare`; gradients reduce-scattered
+    every micro-batch (averaged over processes, as DDP's); its own sharded checkpoints."""
+
+    lockstep = True
+    head_outside = True  # the root group (the head) stays whole from forward to backward
+    holds_whole_model = False
+
+    def make_accelerator(self, cfg: DictConfig, cuda: bool, kwargs: dict[str, Any]) -> Accelerator:
+        from accelerate import Accelerator
+
+        return Accelerator(**kwargs)
+
+    def before_load(self, cuda: bool) -> None:
+        ensure_process_group(cuda)
+
+    def shard(self, drafter: torch.nn.Module, accelerator: Accelerator) -> None:
+        shard_model(drafter, accelerator.mixed_precision, accelerator.device)
+
+    def wrap(
+        self, drafter: torch.nn.Module, opt: torch.optim.Optimizer, accelerator: Accelerator
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """As they are: accelerate would wrap DDP around them; their checkpoints are ours."""
+        return drafter, opt
+
+    def loss_scale(self, world: int, grad_accum: int) -> int:
+        return world
+
+    def boundary(
+        self, accelerator: Accelerator, model: torch.nn.Module, a: int, grad_accum: int, step: int
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Reduce-scattered every micro-batch: each rank keeps its shard of the window's sum."""
+        return contextlib.nullcontext()
+
+    def clip(
+        self, accelerator: Accelerator, model: torch.nn.Module, max_norm: float | None
+    ) -> float | torch.Tensor | None:
+        return None if max_norm is None else clip_grad_norm(model.parameters(), max_norm)
+
+    def sharded(
+        self, model: torch.nn.Module, opt: torch.optim.Optimizer
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer] | None:
+        return model, opt

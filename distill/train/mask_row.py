@@ -1,8 +1,8 @@
 """A parallel drafter's frozen embeddings with one row that learns: the mask token's.
 
 p = target, q = drafter. A drafter built from the target's layers keeps the target's embeddings
-and (tied) head frozen (`freeze_embeddings`, distill/train/setup.py): the layers are what has to
-learn, and training the [V, H] matrix costs the head's weight gradient and two AdamW moments of
+and (tied) head frozen (`freeze_embeddings`: distill/train/setup.py, parallel_drafting.py): the
+layers are what has to learn, and training the [V, H] matrix costs the head's weight gradient and two AdamW moments of
 it every step. A parallel drafter adds one thing those rows never held: the mask token's input
 embedding (distill/parallel.py), which must learn, while its head row and every other row need
 not. Training the whole tied matrix for that one row is most of the extra cost of a parallel

@@ -199,14 +199,13 @@ def predict(
 
 
 def heldout_prediction(tr: Any, drafter, s: TrainSettings) -> dict[str, Any] | None:
-    """The prediction for the distill result (greedy serving, autoregressive drafting; None
-    otherwise), priced with `eval.predict.costs` or, when unset, the cost model's defaults
-    (said so, with the outcomes kept for `reprice`)."""
+    """The prediction for the distill result (greedy serving; None otherwise), priced with
+    `eval.predict.costs` or, when unset, the cost model's defaults (said so, with the outcomes
+    kept for `reprice`). Called only for the objectives whose drafts the replay reads
+    (`Objective.predicts_decode`: autoregressive drafts in the target's ids)."""
     pred = s.eval.predict
     if not pred.enabled or not tr.eval_sampling.greedy or not tr.eval_batches:
         return None
-    if s.drafting != "autoregressive":
-        return None  # a parallel round's drafts do not read their predecessors: no AR replay
     if isinstance(pred.costs, Mapping):
         costs, source = costs_from_mapping(pred.costs), "configured"
     else:

@@ -60,7 +60,7 @@ def peak_memory(device: torch.device) -> tuple[float, str]:
 
 def _best_drafter(tr: Trainer, state: dict[str, Any], step: int):
     """best/ as a model: the one in memory when the last step was the best, else from disk."""
-    if state["best_step"] == step and tr.s.zero_stage != 3 and not tr.s.fsdp:  # not sharded
+    if state["best_step"] == step and tr.spread.holds_whole_model:
         return tr.accelerator.unwrap_model(tr.model)
     from transformers import AutoModelForCausalLM
 
@@ -109,15 +109,15 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
             "eval_tokens": before["tokens"],
             "eval_source": s.eval.source,
             "eval_sampling": tr.eval_sampling.as_dict(),
-            **({} if tr.mapped is None else tr.mapped.summary),
+            **tr.objective.result_data(),
         },
         world_size=tr.accelerator.num_processes,
         history=state["history"],
         switch=OmegaConf.to_container(cfg.switch) if s.switch.at else None,  # type: ignore[arg-type]
-        parallel=None if tr.mask_token_id is None else parallel_summary(tr, state, after),
+        parallel=tr.objective.result_parallel(tr, state, after),
     )
     if tr.accelerator.is_main_process:
-        if tr.mapped is None:  # the replay reads shared ids (train/predict.py)
+        if tr.objective.predicts_decode:  # autoregressive drafts in shared ids (predict.py)
             result.heldout_prediction = heldout_prediction(tr, _best_drafter(tr, state, step), s)
         atomic_write_json(out / "result.json", result)
         if s.sweep_dir:
@@ -130,24 +130,3 @@ def finish(tr: Trainer, state: dict[str, Any], step: int) -> DistillResult:
 
 def unwrapped_config(tr: Trainer):
     return tr.accelerator.unwrap_model(tr.model).config
-
-
-def parallel_summary(tr: Trainer, state: dict[str, Any], after: dict | None) -> dict[str, Any]:
-    """result.json's `parallel` section: mask token, depth, per-depth acceptance before/after."""
-    before, par = state["before"], tr.s.parallel
-    assert par is not None  # drafting=parallel
-    best = next((h for h in state["history"] if h["step"] == state["best_step"]), before)
-    return {
-        "mask_token_id": tr.mask_token_id,
-        "depth": par.depth,
-        "anchors": par.anchors,
-        "decay": par.decay,
-        "objective": par.objective,
-        "alpha_at_before": before["alpha_at"],
-        "alpha_at_after": (after or before)["alpha_at"],
-        "alpha_at_best": best.get("alpha_at", before["alpha_at"]),
-        "accepted_length_before": before["accepted_length"],
-        "accepted_length_best": state["best_score"],
-        "round_accepted_before": before.get("round_accepted"),
-        "round_accepted_best": best.get("round_accepted", before.get("round_accepted")),
-    }

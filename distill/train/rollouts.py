@@ -29,8 +29,8 @@ from typing import Any
 
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
-from specdistill.distill.train.data import end_completion
 from specdistill.distill.train.example import Example
+from specdistill.distill.train.onpolicy import end_completion
 
 ENGINES = ("auto", "transformers", "vllm")
 ASKED_BY = "onpolicy.engine=vllm"
@@ -165,7 +165,7 @@ class VLLMRollouts:
         sampling: Sampling,
         seed: int,
     ) -> list[Example]:
-        """`data.sample_onpolicy`'s result, sampled by the engine (row i seeded from seed, i)."""
+        """`onpolicy.sample_onpolicy`'s result, sampled by the engine (row i seeded from seed, i)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

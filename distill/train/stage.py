@@ -11,10 +11,11 @@ micro-batch train exactly like 1 process x 2. Writes `output_dir/result.json`, `
 best held-out alpha: the drafter to ship), `final/` and resumable `checkpoints/`: a rerun of
 the same config continues from the latest, and SIGTERM / SIGUSR1 save one first (preempt.py).
 
-`run` is the loop; its parts live beside it: the settings (train/settings.py), `prepare` and
-the `Trainer` it builds (train/trainer.py), one optimizer step (train/step.py, its micro-batch
-loss in train/batch_loss.py), the state between steps (train/progress.py) and the result
-(train/result.py).
+`run` is the loop; its pieces live beside it: the settings (train/settings.py), `prepare` and
+the `Trainer` it builds (train/trainer.py), the run's two parts chosen once (train/parts.py:
+what the drafter is trained against, train/objective.py, and how it is spread over processes,
+train/spread.py), one optimizer step (train/step.py), the state between steps
+(train/progress.py) and the result (train/result.py).
 """
 
 from __future__ import annotations

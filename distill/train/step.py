@@ -6,30 +6,44 @@ across processes (the root DESIGN.md, "GKD naming"), so 2 processes x 1 micro-ba
 exactly like 1 process x 2. Micro-batch g's rows and whether it is on-policy follow from
 (seed, g) alone (train/data.py `StreamSpec`), so a resumed run sees exactly the batches an
 uninterrupted one would.
+
+One path for every mode: the run's objective (train/objective.py) prepares each micro-batch,
+gives the window's normaliser and each micro-batch's loss; its spread (train/spread.py) says
+where the accumulation boundary falls, how the loss is scaled and how gradients are clipped.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specdistill.distill import parallel
-from specdistill.distill.train import fsdp, zero
-from specdistill.distill.train.batch_loss import shared_vocab_loss
-from specdistill.distill.train.data import collate, is_onpolicy, micro_seed, sample_onpolicy
+from specdistill.distill.train.data import (
+    StreamSpec,
+    collate,
+    is_onpolicy,
+    micro_seed,
+)
+from specdistill.distill.train.objective import Window
+from specdistill.distill.train.onpolicy import sample_onpolicy
 from specdistill.distill.train.packing import collate_packed
 
 if TYPE_CHECKING:
     from specdistill.distill.train.trainer import Trainer
 
 
-def micro_batches(tr: Trainer, step: int, lmbda: float) -> list[tuple[dict, bool]]:
+def any_rank_onpolicy(stream: StreamSpec, step: int, a: int, seed: int, lmbda: float) -> bool:
+    """Whether any rank's micro-batch at (step, accumulation index a) is drafter-generated."""
+    return any(
+        is_onpolicy(seed, stream.global_micro_index(step, a, r), lmbda)
+        for r in range(stream.world_size)
+    )
+
+
+def micro_batches(tr: Trainer, step: int, lmbda: float) -> Window:
     """This process's micro-batches of one optimizer step, each flagged on-policy or not."""
     s, seed = tr.s, tr.s.seed
-    # ZeRO-3 and FSDP2: a forward gathers shards from every rank (so generation is in lockstep)
-    lockstep = s.zero_stage == 3 or s.fsdp
+    lockstep = tr.spread.lockstep  # ZeRO-3 / FSDP2: a forward gathers shards from every rank
     rank = tr.accelerator.process_index
     window = []
     for a in range(s.grad_accum):
@@ -44,11 +58,11 @@ def micro_batches(tr: Trainer, step: int, lmbda: float) -> list[tuple[dict, bool
             seed=micro_seed(seed, g),
         )
         drafter = tr.accelerator.unwrap_model(tr.model)
-        # ZeRO-3 / FSDP2: a forward gathers shards from every rank, so when any rank of this slot
-        # is on-policy all of them generate together (and the others drop their samples).
+        # in lockstep, when any rank of this slot is on-policy all of them generate together
+        # (and the others drop their samples)
         if onp and tr.rollouts is not None:  # the drafter in vLLM (train/rollouts.py)
             exs = tr.rollouts.sample(drafter, step, exs, **how)
-        elif onp or (lockstep and zero.any_rank_onpolicy(tr.stream, step, a, seed, lmbda)):
+        elif onp or (lockstep and any_rank_onpolicy(tr.stream, step, a, seed, lmbda)):
             sampled = sample_onpolicy(drafter, exs, **how, synced_gpus=lockstep)
             exs = sampled if onp else exs
         # drafter samples are collated padded; Seq-KD rows packed when asked (train/packing.py)
@@ -56,10 +70,15 @@ def micro_batches(tr: Trainer, step: int, lmbda: float) -> list[tuple[dict, bool
             batch = collate_packed(exs, tr.tok.pad_token_id, s.max_seq_len, tr.pack_one_row)
         else:
             batch = collate(exs, tr.tok.pad_token_id, s.max_seq_len)
-        if tr.mask_token_id is not None:  # mask chains appended, anchors drawn per micro-batch
-            batch["packed"] = parallel.pack_batch(batch, s.parallel, tr.mask_token_id, seed, g)
-        window.append((batch, onp))
+        window.append((tr.objective.prepare_batch(batch, seed, g), onp))
     return window
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A micro-batch's tensors (and a nested section's, such as parallel chains) on `device`."""
+    return {
+        k: _to_device(v, device) if isinstance(v, dict) else v.to(device) for k, v in batch.items()
+    }
 
 
 def train_step(tr: Trainer, step: int) -> dict[str, Any]:
@@ -67,58 +86,29 @@ def train_step(tr: Trainer, step: int) -> dict[str, Any]:
     s, accelerator, model, device = tr.s, tr.accelerator, tr.model, tr.device
     loss_name, beta, lmbda = s.phase_at(step)  # a `switch` changes them mid-run
     window = micro_batches(tr, step, lmbda)
-    A, world, ds_on = s.grad_accum, accelerator.num_processes, s.deepspeed
+    A = s.grad_accum
     n_local = sum(int(b["loss_mask"].sum()) for b, _ in window)
-    n_tokens = n_window = int(accelerator.reduce(torch.tensor(n_local, device=device), "sum"))
-    n_chains = 1.0
-    if tr.mask_token_id is not None:  # the normaliser: the summed depth weights of all positions
-        w_local = sum(float(b["packed"]["weight"].sum()) for b, _ in window)
-        n_window = float(accelerator.reduce(torch.tensor(w_local, device=device), "sum"))
-        c_local = sum(parallel.chain_count(b["packed"]) for b, _ in window)
-        n_chains = float(accelerator.reduce(torch.tensor(c_local, device=device), "sum"))
-    # DDP (and FSDP2's reduce-scatter) average gradients over processes and DeepSpeed divides
-    # by its accumulation steps: undo both so the gradient is exactly sum(token losses) / n_window.
-    scale = world * (A if ds_on else 1)
+    n_tokens = int(accelerator.reduce(torch.tensor(n_local, device=device), "sum"))
+
+    def reduce(x: float) -> torch.Tensor:
+        return accelerator.reduce(torch.tensor(x, device=device), "sum")
+
+    n_window, n_chains = tr.objective.normalisers(window, reduce, n_tokens)
+    # the spread's own averaging undone, so the gradient is exactly sum(token losses) / n_window
+    scale = tr.spread.loss_scale(accelerator.num_processes, A)
     loss_sum = torch.zeros((), device=device)
-    # The head only at loss positions (so the chunked loss and the draft vocabulary's head):
-    # the bare model, or a DDP / ZeRO-1/2 wrapper running its own forward without the head
-    # (train/logits.final_hidden), or FSDP2, whose root group (the head) stays whole from the
-    # forward to the backward. ZeRO-3 partitions the head's weight: the full forward there.
-    masked = s.masked_head and s.zero_stage != 3
+    # The head only at loss positions (so the chunked loss and the draft vocabulary's head)
+    # wherever the spread keeps its weight whole outside the forward (train/logits.py).
+    masked = s.masked_head and tr.spread.head_outside
     for a, (batch, onp) in enumerate(window):
-        packed = batch.pop("packed", None)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        if packed is not None:
-            packed = {k: v.to(device) for k, v in packed.items()}
-        if ds_on:  # the engine's accumulation boundary comes from accelerate's counter
-            boundary = accelerator.accumulate(model)
-        elif s.fsdp:  # reduce-scattered every micro-batch: each rank keeps a shard (fsdp.py)
-            boundary = contextlib.nullcontext()
-        else:
-            sync = a == A - 1
-            boundary = contextlib.nullcontext() if sync else accelerator.no_sync(model)
-        with boundary:
-            if ds_on and accelerator.sync_gradients != (a == A - 1):
-                raise RuntimeError(f"DeepSpeed accumulation boundary out of step at {step}/{a}")
-            temperature = s.loss.temperature
-            if tr.mapped is not None:  # another tokenizer: the TLI loss (train/mapped.py)
-                loss = tr.mapped.loss(
-                    tr, batch, masked, loss_name, beta, temperature, max(n_window, 1)
-                )
-            else:
-                loss = shared_vocab_loss(
-                    tr, batch, packed, onp, masked, loss_name, beta, max(n_window, 1), n_chains
-                )
+        batch = _to_device(batch, device)
+        with tr.spread.boundary(accelerator, model, a, A, step):
+            loss = tr.objective.loss(
+                tr, batch, onp, masked, loss_name, beta, max(n_window, 1), n_chains
+            )
             accelerator.backward(loss * scale)
         loss_sum += loss.detach()
-    grad_norm = None
-    max_norm = tr.cfg.optim.max_grad_norm  # the optim group stays a node
-    if max_norm is not None and s.fsdp:
-        grad_norm = fsdp.clip_grad_norm(model.parameters(), max_norm)
-    elif max_norm is not None and not ds_on:
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-    elif ds_on:  # the engine clipped (and stepped) at the boundary; its pre-clip norm
-        grad_norm = accelerator.deepspeed_engine_wrapped.get_global_grad_norm()
+    grad_norm = tr.spread.clip(accelerator, model, tr.cfg.optim.max_grad_norm)
     tr.opt.step()
     tr.sched.step()
     tr.opt.zero_grad(set_to_none=True)

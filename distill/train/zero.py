@@ -13,15 +13,19 @@ all explicit) so no "auto" value depends on a dataloader the stage does not prep
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.runtime import ConfigError
-from specdistill.distill.train.data import is_onpolicy
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 OFFLOAD_DEVICES = ("none", "cpu")
 
@@ -167,9 +171,59 @@ def check_ranks(accelerator, rank: int, world: int) -> None:
         )
 
 
-def any_rank_onpolicy(stream, step: int, accum_index: int, seed: int, lmbda: float) -> bool:
-    """Whether any rank's micro-batch at (step, accum_index) is drafter-generated."""
-    return any(
-        is_onpolicy(seed, stream.global_micro_index(step, accum_index, r), lmbda)
-        for r in range(stream.world_size)
-    )
+class ZeRO:
+    """DeepSpeed ZeRO-2/3 (train/spread.py): the engine owns the accumulation boundary (its
+    counter comes from accelerate's), divides the loss by its accumulation steps and clips at
+    the boundary. ZeRO-3 partitions every weight, the head's included: its forwards gather
+    shards from every rank (so they run in lockstep) and the head runs inside the forward."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+        self.lockstep = stage == 3
+        self.head_outside = stage != 3
+        self.holds_whole_model = stage != 3
+
+    def make_accelerator(self, cfg: DictConfig, cuda: bool, kwargs: dict[str, Any]) -> Accelerator:
+        return make_deepspeed_accelerator(cfg, cuda, kwargs)
+
+    def before_load(self, cuda: bool) -> None:
+        """Nothing: the DeepSpeed accelerator started the process group."""
+
+    def shard(self, drafter: torch.nn.Module, accelerator: Accelerator) -> None:
+        """Nothing here: `deepspeed.initialize` (inside `accelerator.prepare`) partitions it."""
+
+    def wrap(
+        self, drafter: torch.nn.Module, opt: torch.optim.Optimizer, accelerator: Accelerator
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        return accelerator.prepare(drafter, opt)
+
+    def loss_scale(self, world: int, grad_accum: int) -> int:
+        """The engine averages over processes and divides by its accumulation steps."""
+        return world * grad_accum
+
+    def boundary(
+        self, accelerator: Accelerator, model: torch.nn.Module, a: int, grad_accum: int, step: int
+    ) -> contextlib.AbstractContextManager[Any]:
+        return _accumulating(accelerator, model, a == grad_accum - 1, step, a)
+
+    def clip(
+        self, accelerator: Accelerator, model: torch.nn.Module, max_norm: float | None
+    ) -> float | torch.Tensor | None:
+        """The engine clipped (and stepped) at the boundary: its norm before clipping."""
+        return accelerator.deepspeed_engine_wrapped.get_global_grad_norm()
+
+    def sharded(
+        self, model: torch.nn.Module, opt: torch.optim.Optimizer
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer] | None:
+        return None
+
+
+@contextlib.contextmanager
+def _accumulating(
+    accelerator: Accelerator, model: torch.nn.Module, last: bool, step: int, a: int
+) -> Iterator[None]:
+    """accelerate's accumulation context, checked to close the window where the loop does."""
+    with accelerator.accumulate(model):
+        if accelerator.sync_gradients != last:
+            raise RuntimeError(f"DeepSpeed accumulation boundary out of step at {step}/{a}")
+        yield

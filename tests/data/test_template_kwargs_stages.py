@@ -26,7 +26,7 @@ def chat_set(toy_tiny, tmp_path):
 
 def test_distill_eval_and_online_render_with_the_kwargs(chat_set):
     from specdistill.distill.online.stream import Segment, load_sources
-    from specdistill.distill.train.setup import _dataset_cfg
+    from specdistill.distill.train.sources import _dataset_cfg
 
     tok, _, node = chat_set
     evaluation = load_prompts(

@@ -2,7 +2,7 @@
 
 Target p over V = 96 ids (synthetic logits, stored as top-k log-probs), drafter q a tiny Llama
 scored over the draft vocabulary SUB (12 ids, unordered) through the distill stage's own
-`batch_loss.shared_vocab_loss`. References: `intersection.tli_loss` over the drafter's FULL head
+`shared_vocab.shared_vocab_loss`. References: `intersection.tli_loss` over the drafter's FULL head
 with d2t identity on SUB and -1 elsewhere (the same q and outcomes, computed without the subset
 head), hand-written per-outcome sums, and the held-out acceptance of `evaluate` (with TVD on an
 empty tail, the loss is exactly 1 - that acceptance).
@@ -20,10 +20,10 @@ import torch
 
 from specdistill.data.sampling import Sampling
 from specdistill.distill.intersection import Intersection, tli_loss
-from specdistill.distill.train.batch_loss import shared_vocab_loss
 from specdistill.distill.train.evaluate import evaluate
 from specdistill.distill.train.logits import masked_logits
 from specdistill.distill.train.settings import TrainSettings
+from specdistill.distill.train.shared_vocab import shared_vocab_loss
 from tests.distill.test_intersection import divergence_term
 
 V = 96
@@ -67,7 +67,7 @@ def _batch(k: int) -> dict[str, torch.Tensor]:
 
 def _trainer(model, mask_unreachable: bool) -> Any:
     """The fields of trainer.Trainer that `shared_vocab_loss` reads, as `prepare` sets them for
-    draft_vocab_train=true (`setup.train_head_ids`); chunked on, so the test also shows the
+    draft_vocab_train=true (`shared_vocab.train_head_ids`); chunked on, so the test also shows the
     draft vocabulary's head wins over the fused full-head loss."""
     head_ids = torch.tensor(SUB)
     s = SimpleNamespace(loss=SimpleNamespace(temperature=1.0), loss_chunk_size=4,
@@ -81,7 +81,7 @@ def _trainer(model, mask_unreachable: bool) -> Any:
 
 def _draft_vocab_loss(model, batch, name, beta, mask_unreachable=False, num_tokens=17.0):
     tr = _trainer(model, mask_unreachable)
-    return shared_vocab_loss(tr, batch, None, False, True, name, beta, num_tokens)
+    return shared_vocab_loss(tr, batch, False, True, name, beta, num_tokens)
 
 
 def _full_inter() -> Intersection:

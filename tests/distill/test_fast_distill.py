@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.train import logits as lg
-from specdistill.distill.train import setup
+from specdistill.distill.train import setup, sources
 from specdistill.distill.train import stage as train
 from specdistill.distill.train.data import Example
 from specdistill.distill.train.settings import TrainSettings
@@ -159,12 +159,12 @@ def test_eval_topk_auto_only_where_stored_logprobs_measure_the_serving_mode(dist
         return TrainSettings.from_cfg(distill_cfg(tmp_path, *overrides))
 
     greedy = settings("eval.sampling.temperature=0")
-    assert setup.eval_topk(greedy, rows, True) == 3
-    assert setup.eval_topk(greedy, rows, False) == 0  # training loads the target anyway
-    assert setup.eval_topk(settings("eval.sampling.temperature=1"), rows, True) == 3
+    assert sources.eval_topk(greedy, rows, True) == 3
+    assert sources.eval_topk(greedy, rows, False) == 0  # training loads the target anyway
+    assert sources.eval_topk(settings("eval.sampling.temperature=1"), rows, True) == 3
     warm = settings("eval.sampling.temperature=0.7")
-    assert setup.eval_topk(warm, rows, True) == 0  # stored at T=1: not the serving mode
-    assert setup.eval_topk(settings("eval.topk_logprobs=8"), rows, False) == 8
+    assert sources.eval_topk(warm, rows, True) == 0  # stored at T=1: not the serving mode
+    assert sources.eval_topk(settings("eval.topk_logprobs=8"), rows, False) == 8
     with pytest.raises(ConfigError, match="eval.topk_logprobs"):
         settings("eval.topk_logprobs=-1")  # checked with the settings, before any load
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from specdistill.data.runtime import ConfigError
-from specdistill.distill.train.batch_loss import shared_vocab_loss
 from specdistill.distill.train.data import collate
 from specdistill.distill.train.settings import TrainSettings
+from specdistill.distill.train.shared_vocab import shared_vocab_loss
 
 
 def _loss_and_grads(distill_cfg, tmp_path, data, *overrides):
@@ -21,7 +21,7 @@ def _loss_and_grads(distill_cfg, tmp_path, data, *overrides):
     tr = stage.prepare(cfg)
     batch = collate([tr.train_examples[i] for i in range(4)], tr.tok.pad_token_id, 96)
     n = int(batch["loss_mask"].sum())
-    loss = shared_vocab_loss(tr, batch, None, False, True, "fkl", 0.5, n, 1.0)
+    loss = shared_vocab_loss(tr, batch, False, True, "fkl", 0.5, n)
     loss.backward()
     grads = {k: p.grad.clone() for k, p in tr.model.named_parameters() if p.grad is not None}
     return tr, float(loss.detach()), grads

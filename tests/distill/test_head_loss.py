@@ -14,7 +14,7 @@ import torch
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.head_loss import HeadInput, fused_distill_loss, positions_per_chunk
 from specdistill.distill.losses import distill_loss
-from specdistill.distill.train import batch_loss, setup
+from specdistill.distill.train import setup, shared_vocab
 from specdistill.distill.train import stage as train
 from specdistill.distill.train.settings import TrainSettings
 
@@ -162,7 +162,7 @@ def test_the_stage_trains_alike_with_the_fused_loss(
         calls.append(type(kwargs.get("target_logits")).__name__)
         return fused_distill_loss(student, *args, **kwargs)
 
-    monkeypatch.setattr(batch_loss, "fused_distill_loss", counted)
+    monkeypatch.setattr(shared_vocab, "fused_distill_loss", counted)
     common = (f"data.path={seqkd_topk_dir}", "max_steps=3", "eval_every=3", "save_every=3",
               "freeze_embeddings=false", *extra)  # fmt: skip
     runs = [train.run(distill_cfg(tmp_path / str(on), *common, f"chunked_loss={on}"))

@@ -116,7 +116,7 @@ def test_distills_target_eval_reads_eval_split_as_the_plan_does(monkeypatch, tmp
 
     from omegaconf import OmegaConf
 
-    from specdistill.distill.train.setup import run_generate
+    from specdistill.distill.train.sources import run_generate
 
     seen = []
     monkeypatch.setattr("specdistill.data.generate.stage.run", lambda gcfg: seen.append(gcfg))

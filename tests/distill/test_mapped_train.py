@@ -13,10 +13,11 @@ import torch
 from specdistill.data.models import vocab_mapping as vm
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.intersection import Intersection
-from specdistill.distill.train import mapped, setup
+from specdistill.distill.train import mapped, sources
 from specdistill.distill.train import stage as train
 from specdistill.distill.train.data import Example
 from specdistill.distill.train.settings import TrainSettings
+from specdistill.distill.train.shared_vocab import SharedVocab
 from tests.distill.mapped_fixtures import build_own_drafter
 
 
@@ -110,7 +111,7 @@ def test_shared_pairs_do_not_take_the_mapped_path(monkeypatch, distill_cfg, tmp_
         raise AssertionError("the mapped path ran for a shared pair")
 
     monkeypatch.setattr(mapped, "prepare_mapped", boom)
-    monkeypatch.setattr(setup, "build_eval_examples", lambda *a, **k: [])
+    monkeypatch.setattr(sources, "build_eval_examples", lambda *a, **k: [])
     cfg = distill_cfg(tmp_path / "run", "data.seq_kd=false", "data.reference=true")
     tr = train.prepare(cfg)
-    assert tr.mapped is None and tr.out_tok is tr.tok
+    assert isinstance(tr.objective, SharedVocab) and tr.out_tok is tr.tok

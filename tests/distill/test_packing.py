@@ -12,7 +12,6 @@ import torch
 
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.train import packing
-from specdistill.distill.train.batch_loss import shared_vocab_loss
 from specdistill.distill.train.data import Example, collate
 from specdistill.distill.train.segment_attention import (
     ATTENTION,
@@ -22,6 +21,7 @@ from specdistill.distill.train.segment_attention import (
     supports,
 )
 from specdistill.distill.train.settings import TrainSettings
+from specdistill.distill.train.shared_vocab import shared_vocab_loss
 
 
 def test_first_fit_decreasing_places_every_sequence_once_within_capacity():
@@ -108,7 +108,7 @@ def test_packed_loss_and_gradients_equal_the_padded_ones(
     for batch in (collate(exs, tr.tok.pad_token_id, 200), packed):
         tr.model.zero_grad(set_to_none=True)
         n = int(batch["loss_mask"].sum())
-        loss = shared_vocab_loss(tr, batch, None, False, masked, "fkl", 0.5, n, 1.0)
+        loss = shared_vocab_loss(tr, batch, False, masked, "fkl", 0.5, n)
         loss.backward()
         grads = [p.grad.clone() for p in tr.model.parameters() if p.grad is not None]
         results.append((float(loss.detach()), grads, batch["input_ids"].numel()))

@@ -240,7 +240,7 @@ def test_miss_weight_gives_the_same_weights_with_the_masked_and_the_full_head():
     import contextlib
     from types import SimpleNamespace
 
-    from specdistill.distill.train import batch_loss
+    from specdistill.distill.train import parallel_drafting
 
     model = tiny_llama(vocab=64, layers=2, hidden=32, seed=3)
     ids, att, lm = batch()
@@ -256,9 +256,13 @@ def test_miss_weight_gives_the_same_weights_with_the_masked_and_the_full_head():
 
     b = {"input_ids": ids, "attention_mask": att}
     with torch.no_grad():
-        full = batch_loss.packed_logits_and_targets(trainer(False), b, packed, False, False)[2]
-        row = batch_loss.packed_logits_and_targets(trainer(False), b, packed, False, True)[2]
-        chunk = batch_loss.packed_logits_and_targets(trainer(True), b, packed, False, True)[2]
+        full = parallel_drafting.packed_logits_and_targets(trainer(False), b, packed, False, False)[
+            2
+        ]
+        row = parallel_drafting.packed_logits_and_targets(trainer(False), b, packed, False, True)[2]
+        chunk = parallel_drafting.packed_logits_and_targets(trainer(True), b, packed, False, True)[
+            2
+        ]
     keep = packed["weight"] > 0
     assert not torch.equal(full["weights"], packed["weight"])  # some contexts were reweighed
     torch.testing.assert_close(full["weights"][keep][None], row["weights"])

@@ -11,7 +11,7 @@ import pytest
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.draft_length import DraftCosts, expected_tokens, make_policy
 from specdistill.distill.train.predict import Rounds, predict, replay
-from specdistill.distill.train.settings import PredictSettings
+from specdistill.distill.train.settings_sections import PredictSettings
 
 COSTS = DraftCosts(c=0.25, verify_per_token=0.05)
 

@@ -13,8 +13,8 @@ import torch
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
 from specdistill.distill.train import rollouts
-from specdistill.distill.train.data import sample_onpolicy
 from specdistill.distill.train.example import Example
+from specdistill.distill.train.onpolicy import sample_onpolicy
 from tests.data.test_generate_vllm import vllm_model  # noqa: F401  (the fixture)
 
 

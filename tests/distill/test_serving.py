@@ -220,11 +220,11 @@ def test_switch_schedule_changes_loss_and_onpolicy_share_mid_run(
 ):
     """A greedy-Seq-KD-then-on-policy schedule: steps before switch.at*max_steps train FKL on
     Seq-KD rows only, the rest TVD on drafter samples only."""
-    from specdistill.distill.train import batch_loss, step
+    from specdistill.distill.train import shared_vocab, step
     from specdistill.distill.train import stage as train
 
     seen: list[tuple[str, bool]] = []
-    real_loss, real_sample = batch_loss.distill_loss, step.sample_onpolicy
+    real_loss, real_sample = shared_vocab.distill_loss, step.sample_onpolicy
     sampled = {"now": False}
 
     def spy_sample(*a, **k):
@@ -236,7 +236,7 @@ def test_switch_schedule_changes_loss_and_onpolicy_share_mid_run(
         sampled["now"] = False
         return real_loss(*a, divergence=divergence, **k)
 
-    monkeypatch.setattr(batch_loss, "distill_loss", spy_loss)
+    monkeypatch.setattr(shared_vocab, "distill_loss", spy_loss)
     monkeypatch.setattr(step, "sample_onpolicy", spy_sample)
     cfg = distill_cfg(tmp_path / "run", f"data.path={seqkd_dir}", "max_steps=4", "eval_every=4",
                       "loss=fkl", "switch.at=0.5", "switch.loss=tvd", "switch.lmbda=1.0",
