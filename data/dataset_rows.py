@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.data.runtime import ConfigError, node_get
-from specdistill.data.splits import read_split, source_split, split_path, stage_role
+from specdistill.data.splits import source_split, split_path
 
 FILE_SOURCES = ("jsonl", "json", "parquet", "csv")
 
@@ -50,26 +50,11 @@ def file_rows(cfg: Any, source: str, split: str) -> list[dict]:
 
 def present_file(cfg: Any, source: str, split: str) -> Path:
     """The file `dataset.path` names for `split` (`local:` resolved), refused in one line where
-    it is missing: the reader's check, and the plan's (`check_files`) before any step runs."""
+    it is missing: the reader's check, and the plan's (data/dataset_files.py) before any step
+    runs."""
     from specdistill.data.local_data import resolve_path
 
     path = resolve_path(split_path(cfg, split))
     if not path or not Path(path).expanduser().exists():
         raise ConfigError(f"dataset.path={path!r} does not exist: point it at a {source} file")
     return Path(path).expanduser()
-
-
-def check_files(dataset: Any, role: str) -> None:
-    """Every file a stage reading `dataset` for `role` (train, test) opens is present, a
-    mixture's members each, by the readers' own rule for which split a role reads."""
-    from specdistill.data.chat_prompts import is_conversation_set, member_nodes
-
-    role = stage_role(dataset, role)
-    if node_get(dataset, "source") == "mixture":
-        nodes = [(node, str(node.get("split") or role), True) for node in member_nodes(dataset)]
-    else:
-        nodes = [(dataset, role, is_conversation_set(dataset))]
-    for node, read, chat in nodes:
-        source = node_get(node, "source")
-        if source in FILE_SOURCES:
-            present_file(node, source, read_split(node, read) if chat else read)

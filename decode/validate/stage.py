@@ -27,7 +27,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.dataset_rows import check_files
+from specdistill.data.dataset_files import check_files
 from specdistill.data.heldout_check import check_disjoint
 from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.models.pairs import load_pair, resolve_pair

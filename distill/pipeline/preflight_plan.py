@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from specdistill.data.dataset_rows import check_files
+from specdistill.data.dataset_files import check_files
 from specdistill.data.models.pairs import check_model_path
 from specdistill.data.splits import EVAL, TRAIN
 from specdistill.distill.pipeline.heldout_plan import EVAL_SOURCES
