@@ -19,8 +19,9 @@ from typing import Any
 
 from specdistill.data.io import atomic_write_text, read_json
 from specdistill.decode.validate.buckets import drafter_alpha_text
+from specdistill.decode.validate.engines.ours import NO_OWN_DRAFTS
 from specdistill.decode.validate.modes import has_range, positions
-from specdistill.decode.validate.report import NO_DRAFTS, NO_OWN_DRAFTS, mode_value
+from specdistill.decode.validate.report import NO_DRAFTS, mode_value
 from specdistill.distill.pipeline.category_report import category_table, plot_categories
 from specdistill.distill.pipeline.llamacpp_report import llamacpp_lines
 from specdistill.distill.train.predict import reprice
