@@ -110,7 +110,7 @@ def test_validate_steps_reuse_the_target_only_side(toy_tiny, tmp_path, monkeypat
     """A second validate step with the same cache decodes no target-only pass and asks no
     earlier-turn answer, and reports what a step without the cache reports."""
     from specdistill.decode.speculative import SpeculativeDecoder
-    from specdistill.decode.validate import stage
+    from specdistill.decode.validate import setup as stage
 
     tok_dir = tmp_path / "tok"
     chat_tokenizer(toy_tiny, tok_dir)
