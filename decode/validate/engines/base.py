@@ -19,7 +19,7 @@ q = drafter, K = gamma = drafts a round.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -104,6 +104,31 @@ class Engine(Protocol):
     def report(self, record: Mapping[str, Any]) -> ReportPart: ...
 
     def summary_lines(self, sections: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]: ...
+
+
+class EngineDefaults:
+    """What an engine without settings of its own, install checks or a summary table inherits."""
+
+    runs_last = False
+
+    def settings(self, cfg: Any) -> None:
+        """No node of its own."""
+        return None
+
+    def preflight(self, cfg: Any, spec: PairSpec, settings: None) -> None:
+        """Nothing to check beyond the package's own install."""
+        return None
+
+    def summary_lines(self, sections: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
+        """No table in the pipeline's summary or the model card."""
+        return []
+
+
+def own_section(record: Mapping[str, Any], name: str, lines: Callable[[Any], list[str]]):
+    """An engine's report.md part that is a section of its own: `lines` of its report.json
+    section, nothing when it did not run."""
+    section = record.get(name)
+    return ReportPart([], lines(section) if section else [])
 
 
 # ---------------------------------------------------------------- beside ours, one way for all

@@ -13,17 +13,16 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from specdistill.data.models.pairs import PairSpec
 from specdistill.data.runtime import spread
 from specdistill.decode.cache import sync
 from specdistill.decode.speculative import DecoderConfig
 from specdistill.decode.universal_assisted import transformers_version, upstream_fault
-from specdistill.decode.validate.engines.base import EngineRun, Job, ReportPart
+from specdistill.decode.validate.engines.base import EngineDefaults, EngineRun, Job, ReportPart
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +115,11 @@ def hf_assisted_speed(
     }
 
 
-class HfAssistedEngine:
-    """`transformers` assisted generation (`hf_assisted=true`)."""
+class HfAssistedEngine(EngineDefaults):
+    """`transformers` assisted generation (`hf_assisted=true`, its only setting); `transformers`
+    comes with the package, and the pipeline's summary reads HF's speedup from report.json."""
 
     name = "hf_assisted"
-    runs_last = False
-
-    def settings(self, cfg: Any) -> None:
-        """Nothing beyond the `hf_assisted` switch itself."""
-        return None
-
-    def preflight(self, cfg: Any, spec: PairSpec, settings: None) -> None:
-        """`transformers` is installed with the package: nothing to check before loading."""
-        return None
 
     def run(self, job: Job, ready: None) -> EngineRun:
         """The serving mode on the loaded pair; its speedup against ours."""
@@ -156,10 +147,6 @@ class HfAssistedEngine:
         return ReportPart(
             [("HF assisted generation", speed), ("our speedup / HF's", f"{h['ours_over_hf']}")], []
         )
-
-    def summary_lines(self, sections: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
-        """The pipeline's summary reads HF's speedup from report.json itself."""
-        return []
 
 
 ENGINE = HfAssistedEngine()

@@ -41,15 +41,8 @@ from specdistill.data.runtime import ConfigError, setting, spread
 from specdistill.decode.llamacpp.files import ASKED_BY, check_files, drafter_gguf
 from specdistill.decode.llamacpp.server import DRAFT_SAMPLING, interleaved
 from specdistill.decode.validate.agreement import token_lists, totals_agreement
-from specdistill.decode.validate.engines.base import (
-    EngineRun,
-    Job,
-    ReportPart,
-    against_plain,
-    caveats,
-    ours_side,
-    table,
-)
+from specdistill.decode.validate.engines import base
+from specdistill.decode.validate.engines.base import EngineDefaults, EngineRun, Job, ReportPart
 from specdistill.decode.validate.modes import rate_text, speedup_range
 
 log = logging.getLogger(__name__)
@@ -170,7 +163,7 @@ def beside_ours(row: dict[str, Any], mine: Mapping[str, Any]) -> None:
     """Our decoder's figures of the same mode on llama.cpp's footing, into `row["ours"]`, and
     the tau comparison into `row["agreement"]`; nothing without our counters. llama.cpp
     reports totals only, so the per-round spread is ours (`totals_agreement`)."""
-    side = ours_side(mine)
+    side = base.ours_side(mine)
     if side is None:
         return
     acc, figures = side
@@ -202,7 +195,7 @@ def validate_in_llamacpp(job: Job, ready: Ready) -> tuple[dict[str, Any], list[s
     need = max(len(p) for p in prompts) + max_new_tokens + gamma + 8
     ctx = -(-need // 256) * 256
     threads = settings.threads or torch.get_num_threads()
-    notes: list[str] = []
+    notes = base.caveats(ours, CAVEATS)
     modes: dict[str, dict[str, Any]] = {}
     for mode, s in job.samplings.items():
         method = None if s.greedy else settings.sampled_drafts
@@ -221,7 +214,7 @@ def validate_in_llamacpp(job: Job, ready: Ready) -> tuple[dict[str, Any], list[s
         if st.categories:
             row["categories"] = category_rows(st.categories, plains, specs)
         differs = "llama.cpp greedy with the drafter differs from its plain greedy output in {n} sequences"
-        note = against_plain(row, job, s, [c.tokens for c in plains[0]], differs)
+        note = base.against_plain(row, job, s, [c.tokens for c in plains[0]], differs)
         notes += [note] if note else []
         a = row.get("agreement")
         if a and a["beyond_noise"]:
@@ -290,7 +283,7 @@ def llamacpp_table(v: dict[str, Any]) -> list[str]:
         f"K={v['k']}, p_min {v['p_min']}, {v['threads']} threads; drafter "
         f"`{Path(d['file']).name}` ({what}, {d['bytes'] / 1e6:.1f} MB))",
         "",
-        *table(modes, rows),
+        *base.table(modes, rows),
         "",
         *_category_lines(v),
         "llama.cpp's tokens/s are this machine's; sampled runs draft with "
@@ -357,11 +350,10 @@ def summary_caption(v: dict[str, Any]) -> str:
     )
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(EngineDefaults):
     """llama.cpp's llama-server (`engines=[ours,llamacpp]`, `llamacpp.*`)."""
 
     name = "llamacpp"
-    runs_last = False
 
     def settings(self, cfg: Any) -> LlamaCppSettings:
         """`llamacpp.*` typed and checked."""
@@ -374,14 +366,11 @@ class LlamaCppEngine:
     def run(self, job: Job, ready: Ready) -> EngineRun:
         """The pair in llama-server in every serving mode, beside ours."""
         log.info("validate: the pair in llama.cpp's llama-server on the same prompts")
-        notes = caveats(job.beside, CAVEATS)
-        section, more = validate_in_llamacpp(job, ready)
-        return EngineRun(section, notes + more)
+        return EngineRun(*validate_in_llamacpp(job, ready))
 
     def report(self, record: Mapping[str, Any]) -> ReportPart:
         """report.md's llama.cpp section."""
-        v = record.get("llamacpp")
-        return ReportPart([], llamacpp_table(v) if v else [])
+        return base.own_section(record, self.name, llamacpp_table)
 
     def summary_lines(self, sections: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
         """summary.md's and the model card's table: a row per (label, `llamacpp` section) and

@@ -25,7 +25,13 @@ from specdistill.decode.config import DecoderSettings
 from specdistill.decode.draft_length import DraftCosts
 from specdistill.decode.outputs import DecodeOutput
 from specdistill.decode.speculative import SpeculativeDecoder
-from specdistill.decode.validate.engines.base import EngineRun, Job, Ours, ReportPart
+from specdistill.decode.validate.engines.base import (
+    EngineDefaults,
+    EngineRun,
+    Job,
+    Ours,
+    ReportPart,
+)
 from specdistill.decode.validate.loaded import Batch, Setup
 from specdistill.decode.validate.mapped import mapped_context
 from specdistill.decode.validate.modes import (
@@ -233,15 +239,12 @@ def recommended_rows(rec: Mapping[str, Any] | None) -> list[tuple[str, str]]:
     return rows
 
 
-class OursEngine:
-    """Our decoder (`engines=[ours]`, always first)."""
+class OursEngine(EngineDefaults):
+    """Our decoder (`engines=[ours]`, always first); it reads the stage's own settings
+    (`decoder`, `other_sampling`, ...); the pipeline's summary reads its figures from
+    report.json itself (distill/pipeline/report.py)."""
 
     name = "ours"
-    runs_last = False
-
-    def settings(self, cfg: Any) -> None:
-        """Ours reads the stage's own settings (`decoder`, `other_sampling`, ...)."""
-        return None
 
     def preflight(self, cfg: Any, spec: PairSpec, settings: None) -> None:
         """A drafter with its own tokenizer: `decoder.mapped_context` checked before loading."""
@@ -296,10 +299,6 @@ class OursEngine:
                 )
             )
         return ReportPart(rows, [])
-
-    def summary_lines(self, sections: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
-        """The pipeline's summary reads ours from report.json itself (distill/pipeline/report.py)."""
-        return []
 
 
 ENGINE = OursEngine()

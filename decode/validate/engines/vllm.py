@@ -16,7 +16,7 @@ p = target, q = drafter.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,15 +31,8 @@ from specdistill.data.models.pairs import PairSpec
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.drafters.mapped import MappedVocab
 from specdistill.decode.validate.agreement import Acceptance, Agreement, agreement, token_lists
-from specdistill.decode.validate.engines.base import (
-    EngineRun,
-    Job,
-    ReportPart,
-    against_plain,
-    caveats,
-    ours_side,
-    table,
-)
+from specdistill.decode.validate.engines import base
+from specdistill.decode.validate.engines.base import EngineDefaults, EngineRun, Job, ReportPart
 from specdistill.decode.validate.mapped import mapped_context
 from specdistill.decode.validate.modes import rate_text
 from specdistill.decode.validate.vllm_engine import (
@@ -117,7 +110,7 @@ def agreement_note(mode: str, a: Agreement) -> str | None:
 def beside_ours(row: dict[str, Any], mine: Mapping[str, Any], mode: str) -> str | None:
     """Our decoder's figures in vLLM's `row` of `mode`, both acceptances on one footing; the
     note when they disagree beyond sampling noise. Nothing without our per-position counts."""
-    side = ours_side(mine)
+    side = base.ours_side(mine)
     if side is None:
         return None
     acc, figures = side
@@ -180,7 +173,7 @@ def validate_in_vllm(job: Job, settings: VllmSettings) -> tuple[dict[str, Any], 
     need = max(len(p) for b in prompts for p in b) + job.max_new_tokens + gamma + 1
     length = model_len(engine, st.target.config, need)
     dtype = str(st.dtype).removeprefix("torch.")
-    notes: list[str] = []
+    notes = base.caveats(ours, CAVEATS)
     modes: dict[str, dict[str, Any]] = {}
     with engines(
         st.spec, engine, dtype=dtype, max_model_len=length, seed=job.seed, gamma=gamma,
@@ -200,7 +193,9 @@ def validate_in_vllm(job: Job, settings: VllmSettings) -> tuple[dict[str, Any], 
                 "vLLM greedy with the drafter differs from its plain greedy output in {n} "
                 f"sequences (near-ties in {st.dtype}?)"
             )
-            notes += [n for n in (note, against_plain(row, job, s, plain_tokens, differs)) if n]
+            notes += [
+                n for n in (note, base.against_plain(row, job, s, plain_tokens, differs)) if n
+            ]
             modes[mode] = row
     result = {
         "version": getattr(vllm, "__version__", "unknown"),
@@ -266,7 +261,7 @@ def two_engine_table(v: Mapping[str, Any]) -> list[str]:
         f"{v['num_speculative_tokens']} speculative tokens, {v['dtype']}, draft sampling: "
         f"{v.get('draft_sample_method', 'n/a')})",
         "",
-        *table(head, rows),
+        *base.table(head, rows),
         "",
         *_mapping_line(v.get("vocab_mapping")),
     ]
@@ -284,8 +279,9 @@ def _mapping_line(m: Mapping[str, Any] | None) -> list[str]:
     ]
 
 
-class VllmEngine:
-    """vLLM (`engines=[ours,vllm]`); last, because vLLM takes over the process's threads."""
+class VllmEngine(EngineDefaults):
+    """vLLM (`engines=[ours,vllm]`); last, because vLLM takes over the process's threads. The
+    pipeline's vLLM lines come from export's own run (distill/export/in_vllm.py)."""
 
     name = "vllm"
     runs_last = True
@@ -321,18 +317,11 @@ class VllmEngine:
 
     def run(self, job: Job, ready: VllmSettings) -> EngineRun:
         """The pair in vLLM in every serving mode, beside ours."""
-        notes = caveats(job.beside, CAVEATS)
-        section, more = validate_in_vllm(job, ready)
-        return EngineRun(section, notes + more)
+        return EngineRun(*validate_in_vllm(job, ready))
 
     def report(self, record: Mapping[str, Any]) -> ReportPart:
         """report.md's two-engine section."""
-        v = record.get("vllm")
-        return ReportPart([], two_engine_table(v) if v else [])
-
-    def summary_lines(self, sections: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
-        """The pipeline's vLLM lines come from export's own run (distill/export/in_vllm.py)."""
-        return []
+        return base.own_section(record, self.name, two_engine_table)
 
 
 ENGINE = VllmEngine()
