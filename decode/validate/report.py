@@ -59,7 +59,7 @@ class ValidateResult:
     lookup: dict[str, float] | None = None
     # both serving modes side by side: {"greedy": {...}, "sampling": {...}}
     modes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # the K that maximises the cost model's speedup (validate.stage.recommendation)
+    # the K that maximises the cost model's speedup (decode/validate/recommend.py)
     recommended_k: dict[str, Any] | None = None
     hf_assisted: dict[str, Any] | None = None
     cache: str = "dynamic"

@@ -127,7 +127,7 @@ def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> An
     if key == "lookup":  # decoder.lookup (decode/lookup.py): copied from the context, no drafter
         lk = v.get("lookup")
         return f"{lk['round_share']:.2f} ({lk['acceptance']:.2f})" if lk else None
-    if key == "recommended":  # validate.stage.recommendation: this machine's costs first
+    if key == "recommended":  # validate.recommend.recommendation: this machine's costs first
         by_cost = (v.get("recommended_k") or {}).get("by_cost") or []
         if not by_cost:
             return None
