@@ -124,7 +124,9 @@ class EngineDefaults:
         return []
 
 
-def own_section(record: Mapping[str, Any], name: str, lines: Callable[[Any], list[str]]):
+def own_section(
+    record: Mapping[str, Any], name: str, lines: Callable[[Any], list[str]]
+) -> ReportPart:
     """An engine's report.md part that is a section of its own: `lines` of its report.json
     section, nothing when it did not run."""
     section = record.get(name)
