@@ -15,7 +15,9 @@ Rules:
       (`data` < `decode` < `distill`);
   (b) only the orchestrator imports itself: no module outside `forbidden_target` imports it;
   (c) no cycles: every strongly connected component of the graph is reported with one cycle
-      through it, written as `a -> b -> a` (a module importing itself is not a cycle).
+      through it, written as `a -> b -> a` (a module importing itself is not a cycle);
+  (d) siblings apart: no module of a package of plug-ins (validate's engines) imports another
+      of its plug-ins; they share only the modules named as shared (the protocol).
 """
 
 from __future__ import annotations
@@ -155,6 +157,24 @@ def forbidden_imports(graph: Graph, forbidden_target: str) -> list[str]:
         f"(only {forbidden_target} itself may import it)"
         for imp in graph.imports
         if inside(imp.target) and not inside(imp.importer)
+    ]
+
+
+def sibling_imports(graph: Graph, package: str, shared: set[str]) -> list[str]:
+    """Imports between the modules directly in `package`, except of the package itself and of
+    the `shared` modules every sibling may use."""
+
+    def sibling(m: str) -> bool:
+        return m.startswith(package + ".") and "." not in m[len(package) + 1 :]
+
+    return [
+        f"{imp.path}:{imp.line}: {imp.importer} imports {imp.target} (a sibling in {package}; "
+        f"siblings share only {sorted(shared)})"
+        for imp in graph.imports
+        if sibling(imp.importer)
+        and sibling(imp.target)
+        and imp.target not in shared
+        and imp.target != imp.importer
     ]
 
 

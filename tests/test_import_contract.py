@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ROOTS = {f"specdistill.{name}": ROOT / name for name in ("data", "decode", "distill", "conf")}
 FLOORS = ["specdistill.data", "specdistill.decode", "specdistill.distill"]  # bottom first
 PIPELINE = "specdistill.distill.pipeline"
+ENGINES = "specdistill.decode.validate.engines"  # one module per engine, the protocol in base
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,29 @@ def test_no_import_cycles(graph):
     assert not cycles, "import cycles:\n" + "\n".join(
         contract.describe_cycle(c, graph) for c in cycles
     )
+
+
+def test_no_engine_imports_another_engines_module(graph):
+    engines = {m for m in graph.modules if m.startswith(ENGINES + ".")}
+    assert {f"{ENGINES}.{n}" for n in ("ours", "vllm", "llamacpp", "hf_assisted")} <= engines
+    found = contract.sibling_imports(graph, ENGINES, {f"{ENGINES}.base"})
+    assert not found, "an engine reaches into another:\n" + "\n".join(found)
+
+
+def test_the_sibling_check_reports_an_engine_reaching_into_another(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "decode/__init__.py": "",
+            "decode/engines/__init__.py": "from pkg.decode.engines import a, b\n",
+            "decode/engines/base.py": "",
+            "decode/engines/a.py": "from pkg.decode.engines.base import x\n",
+            "decode/engines/b.py": "def f():\n    from pkg.decode.engines import a\n",
+        },
+    )
+    graph = contract.parse({"pkg.decode": tmp_path / "decode"})
+    found = contract.sibling_imports(graph, "pkg.decode.engines", {"pkg.decode.engines.base"})
+    assert len(found) == 1 and "pkg.decode.engines.b imports pkg.decode.engines.a" in found[0]
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

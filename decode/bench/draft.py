@@ -30,10 +30,12 @@ from specdistill.data.runtime import ConfigError
 from specdistill.decode.config import DEFAULT_GAMMA, DecoderSettings
 from specdistill.decode.outputs import emitted_tokens
 from specdistill.decode.speculative import DecodeOutput, SpeculativeDecoder
+from specdistill.decode.validate.engines.hf_assisted import hf_assisted_speed
+from specdistill.decode.validate.engines.ours import warm_up
 from specdistill.decode.validate.modes import merge, mode_name, positions, repeats_bar
 from specdistill.decode.validate.settings import ValidateSettings
-from specdistill.decode.validate.stage import setup, warm_up
-from specdistill.decode.validate.timing import hf_assisted_speed, step_costs
+from specdistill.decode.validate.setup import setup
+from specdistill.decode.validate.timing import step_costs
 
 SUFFIXES = {
     "lookup": {"lookup": True},  # prompt lookup beside the drafter (decode.lookup)
@@ -199,7 +201,7 @@ def _measure_mode(
     hf = None
     if vs.hf_assisted:
         hf = hf_assisted_speed(
-            st.target, st.drafter, st.tok, st.warm, st.batches, probe.cfg, reps, base_out
+            st.target, st.drafter, st.tok, st.warm, st.batches, probe.cfg, reps, base_out.tokens
         )
     agreement = None
     if par is not None and greedy:  # like for like: every continuation position, not round starts

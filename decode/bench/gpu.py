@@ -28,8 +28,9 @@ import torch
 from specdistill.data.io import atomic_write_json
 from specdistill.decode.draft_length.costs import DraftCosts, speedup_at
 from specdistill.decode.speculative import DecodeOutput, DecoderConfig, SpeculativeDecoder
+from specdistill.decode.validate.engines.hf_assisted import hf_assisted_speed
 from specdistill.decode.validate.modes import merge
-from specdistill.decode.validate.timing import hf_assisted_speed, step_costs
+from specdistill.decode.validate.timing import step_costs
 
 # Llama-shaped presets: (vocab, hidden, intermediate, layers, heads, kv heads).
 PRESETS = {

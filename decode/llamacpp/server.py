@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.data.runtime import ConfigError
+from specdistill.data.sampling import Sampling
 
 HOST = "127.0.0.1"
 DRAFT_SAMPLING = ("greedy", "probabilistic")
@@ -340,3 +341,18 @@ class LlamaServer:
             "stream": False,
         }
         return Completion.from_response(self.post("/completion", payload))
+
+
+def interleaved(plain, spec, prompts, s: Sampling, max_new: int, seed: int, repeats: int):
+    """([plain completions per repeat], [speculative completions per repeat]): each prompt
+    asked of the plain server, then of the speculative one, with the same sampling and seed."""
+    plains, specs = [], []
+    for _ in range(repeats):
+        p_pass, s_pass = [], []
+        for i, ids in enumerate(prompts):
+            kw = dict(temperature=s.temperature, seed=seed + i, top_k=s.top_k, top_p=s.top_p)
+            p_pass.append(plain.complete(ids, max_new, **kw))
+            s_pass.append(spec.complete(ids, max_new, **kw))
+        plains.append(p_pass)
+        specs.append(s_pass)
+    return plains, specs

@@ -1,23 +1,25 @@
-"""Acceptance as both engines count it, and whether they disagree beyond sampling noise.
+"""Acceptance as two engines count it, and whether they disagree beyond sampling noise.
 
-Our decoder and vLLM count acceptance differently (ours: accepted / drafts tested; vLLM: its
-`spec_decode_*` counters), so neither headline figure compares with the other as printed. Both
-reduce to one per-round record, because acceptance is a prefix: c_j = rounds whose first j drafts
-were accepted (ours `accepted_at[j-1]`, vLLM `per_pos[j-1]`), n = rounds with a draft (ours
-`trials_at[0]`, vLLM drafts). From those: mean accepted m = sum_j c_j / n with variance
-E[L^2] - m^2, E[L^2] = sum_j (2j - 1) c_j / n; mean acceptance length 1 + m; conditional rate
+Our decoder and another engine count acceptance differently (ours: accepted / drafts tested;
+vLLM: its `spec_decode_*` counters; llama.cpp: totals of drafted and accepted tokens), so no
+headline figure compares with another as printed. Ours and vLLM's reduce to one per-round
+record, because acceptance is a prefix: c_j = rounds whose first j drafts were accepted (ours
+`accepted_at[j-1]`, vLLM `per_pos[j-1]`), n = rounds with a draft (ours `trials_at[0]`, vLLM
+drafts). From those: mean accepted m = sum_j c_j / n with variance E[L^2] - m^2,
+E[L^2] = sum_j (2j - 1) c_j / n; mean acceptance length 1 + m; conditional rate
 sum_j c_j / (n + sum_{j<K} c_j); per-position c_j / n.
 
-The mean acceptance lengths are compared with a two-sample z statistic on the per-round L;
-rounds of one sequence are not independent, so the noise is a lower bound and |z| > 3 (not 2)
-is called a disagreement.
+The mean acceptance lengths are compared with a two-sample z statistic on the per-round L
+(`compare`); an engine that reports totals only borrows our per-round spread (under the
+hypothesis that both accept alike, both samples share it). Rounds of one sequence are not
+independent, so the noise is a lower bound and |z| > 3 (not 2) is called a disagreement.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 Z_LIMIT = 3.0
@@ -78,40 +80,46 @@ class Acceptance:
 
 @dataclass(frozen=True)
 class Agreement:
-    """Ours vs vLLM in one mode: the difference of mean acceptance lengths and its noise."""
+    """Ours vs another engine in one mode: the difference of mean acceptance lengths and its noise."""
 
     ours: float  # mean acceptance length
-    vllm: float
-    difference: float  # vllm - ours
+    theirs: float
+    difference: float  # theirs - ours
     noise: float  # one standard error of the difference
     z: float | None  # None: no noise to measure against (one engine drafted nothing)
     beyond_noise: bool
 
-    def as_dict(self) -> dict[str, Any]:
-        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+    def as_dict(self, engine: str, z_digits: int = 4) -> dict[str, Any]:
+        """report.json's `agreement` of a mode: the other engine's length under its own name."""
+        z = self.z if self.z is None or not math.isfinite(self.z) else round(self.z, z_digits)
+        return {"ours": round(self.ours, 4), engine: round(self.theirs, 4),
+                "difference": round(self.difference, 4), "noise": round(self.noise, 4),
+                "z": z, "beyond_noise": self.beyond_noise}  # fmt: skip
 
 
-def agreement(ours: Acceptance, vllm: Acceptance) -> Agreement:
-    """Compare the engines' mean accepted drafts per round (a two-sample z statistic)."""
-    diff = vllm.mean_accepted - ours.mean_accepted
-    if not ours.rounds or not vllm.rounds:
-        return Agreement(1 + ours.mean_accepted, 1 + vllm.mean_accepted, diff, 0.0, None, False)
-    se = math.sqrt(ours.variance / ours.rounds + vllm.variance / vllm.rounds)
+def compare(ours: Acceptance, mean: float, rounds: int, variance: float) -> Agreement:
+    """Our mean accepted drafts per round against another engine's `mean` over `rounds` with
+    per-round `variance` (a two-sample z statistic; pure)."""
+    diff = mean - ours.mean_accepted
+    if not ours.rounds or not rounds:
+        return Agreement(1 + ours.mean_accepted, 1 + mean, diff, 0.0, None, False)
+    se = math.sqrt(ours.variance / ours.rounds + variance / rounds)
     if se == 0.0:  # both engines accepted every draft or none: any difference is real
         z = 0.0 if diff == 0 else math.copysign(math.inf, diff)
     else:
         z = diff / se
-    return Agreement(1 + ours.mean_accepted, 1 + vllm.mean_accepted, diff, se, z, abs(z) > Z_LIMIT)
+    return Agreement(1 + ours.mean_accepted, 1 + mean, diff, se, z, abs(z) > Z_LIMIT)
 
 
-def agreement_note(mode: str, a: Agreement) -> str | None:
-    """One report line when the engines disagree beyond noise (None when they agree)."""
-    if not a.beyond_noise:
-        return None
-    return (
-        f"{mode}: vLLM's mean acceptance length {a.vllm:.3f} differs from ours {a.ours:.3f} by "
-        f"{a.difference:+.3f} ({abs(a.z or 0):.1f} standard errors, beyond sampling noise)"
-    )
+def agreement(ours: Acceptance, theirs: Acceptance) -> Agreement:
+    """Two engines' per-round records compared, each with its own spread."""
+    return compare(ours, theirs.mean_accepted, theirs.rounds, theirs.variance)
+
+
+def totals_agreement(ours: Acceptance, accepted: int, rounds: int) -> Agreement:
+    """An engine that reports totals only (accepted drafts, rounds) against ours; its per-round
+    spread is taken from ours."""
+    return compare(ours, accepted / rounds if rounds else 0.0, rounds, ours.variance)
 
 
 def token_lists(batches: Sequence[Any]) -> list[list[list[int]]]:

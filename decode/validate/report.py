@@ -10,8 +10,7 @@ from typing import Any
 
 from specdistill.decode.validate.buckets import bucket_markdown
 from specdistill.decode.validate.categories import category_markdown
-from specdistill.decode.validate.llamacpp_engine import llamacpp_table
-from specdistill.decode.validate.modes import positions, rate_text, speedup_text
+from specdistill.decode.validate.engines import ENGINES
 
 
 @dataclass
@@ -60,7 +59,7 @@ class ValidateResult:
     lookup: dict[str, float] | None = None
     # both serving modes side by side: {"greedy": {...}, "sampling": {...}}
     modes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # the K that maximises the cost model's speedup (validate.stage.recommendation)
+    # the K that maximises the cost model's speedup (decode/validate/recommend.py)
     recommended_k: dict[str, Any] | None = None
     hf_assisted: dict[str, Any] | None = None
     cache: str = "dynamic"
@@ -75,10 +74,10 @@ class ValidateResult:
     max_draft: int = 0
     mean_draft_length: float = 0.0
     draft_lengths: list[int] = field(default_factory=list)
-    # engines=[ours,vllm]: the same pair, prompts and modes in vLLM (decode/validate/two_engines)
+    # engines=[ours,vllm]: the same pair, prompts and modes in vLLM (decode/validate/engines/vllm.py)
     engines: list[str] = field(default_factory=lambda: ["ours"])
     vllm: dict[str, Any] | None = None
-    # engines=[ours,llamacpp]: the same prompts and modes in llama-server (llamacpp_engine.py)
+    # engines=[ours,llamacpp]: the same prompts and modes in llama-server (engines/llamacpp.py)
     llamacpp: dict[str, Any] | None = None
     # long_prompts policy, prompt budget and how many prompts were truncated or skipped
     prompt_fit: dict[str, Any] = field(default_factory=dict)
@@ -103,98 +102,16 @@ def mode_value(v: dict[str, Any], mode: str, key: str) -> Any:
     return v.get(key) if not greedy else None
 
 
-# what the drafter's own alpha reads as when it rests on no drafts (every tested draft was
-# prompt lookup's): report.md here and the pipeline's summary
-NO_OWN_DRAFTS = "n/a (0 drafts of its own)"
 # what an acceptance over every draft reads as when no draft was tested at all (every round a
 # plain target step): the pipeline's summary; 0 would read as every draft rejected
 NO_DRAFTS = "n/a (0 drafts: target steps only)"
 
 
-def _drafter_alpha(r: ValidateResult) -> str:
-    """The drafter's own acceptance with how many drafts it rests on; positions it never
-    drafted at read '-' (not 0.00), and no drafts at all reads n/a (not 0.0)."""
-    if r.drafter_alpha is None:
-        return "n/a"
-    if r.drafter_trials == 0:
-        return f"{NO_OWN_DRAFTS}: every tested draft was prompt lookup's"
-    tested = r.drafter_trials_by_position
-    at = " ".join(
-        "-" if tested is not None and i < len(tested) and not tested[i] else f"{x:.2f}"
-        for i, x in enumerate(r.drafter_acceptance_by_position or [])
-    )
-    n = f" ({r.drafter_trials} drafts)" if r.drafter_trials is not None else ""
-    return f"{r.drafter_alpha}{n} / {at}" if at else f"{r.drafter_alpha}{n}"
-
-
-def recommended_rows(rec: dict[str, Any] | None) -> list[tuple[str, str]]:
-    """One row per cost model: the recommended K and its modeled speedup, with the K sweep."""
-    if not rec:
-        return []
-    rows = []
-    for e in rec["by_cost"]:
-        sweep = " ".join(f"{k}:{x}" for k, x in enumerate(e["speedup_by_k"], 1))
-        rows.append(
-            (
-                f"recommended K, {e['label']} (c {e['c']}, verify +{e['verify_per_token']}/draft)",
-                f"**{e['k']}** (modeled {e['speedup']}x{'' if e.get('pays', True) else ': no K pays here'}"
-                f"; by K {sweep})",
-            )
-        )
-    return rows
-
-
 def report_markdown(r: ValidateResult) -> str:
-    """Acceptance first (the same on every machine), then this machine's speed."""
-    b, s = r.baseline_tokens_per_s, r.speculative_tokens_per_s
-    rows = []
-    for name, m in r.modes.items():
-        t = "" if name == "greedy" else f", temperature {m.get('temperature')}"
-        rows.append((f"tau at K={r.gamma}, {name}{t}", f"**{m['tau']}**"))
-        at = positions(m.get("acceptance_by_position"), m.get("trials_at"))
-        rows.append((f"acceptance by draft position, {name}", at))
-    rows += [
-        ("the drafter's own alpha (its drafts only) / by position", _drafter_alpha(r)),
-        ("lossless", f"{r.lossless}{' (LOSSY lenience)' if r.lossy else ''}"),
-        ("temperature / top_k / top_p (serving mode)", f"{r.temperature} / {r.top_k} / {r.top_p}"),
-        *recommended_rows(r.recommended_k),
-        ("machine (speed figures below are this machine's)", r.machine or "n/a"),
-        ("device / dtype", f"{r.device} / {r.dtype} ({r.cache} cache{', compiled' if r.compiled else ''})"),
-        ("c (drafter / target step time)", f"{r.c}; verify step = {r.verify_cost} target steps"),
-        ("target-only tokens/s", f"{b['median']} (min {b['min']}, max {b['max']})"),
-        ("speculative tokens/s", f"{s['median']} (min {s['min']}, max {s['max']})"),
-        ("speedup (measured): median (range) of repeats", speedup_text(r.speedup, r.speedup_range)),
-        ("modeled speedup at this machine's c", f"{r.theoretical_speedup}x (efficiency {r.decoder_efficiency})"),
-        ("untimed warm-up (compile included)", f"{r.warmup_seconds} s"),
-    ]  # fmt: skip
-    if r.draft_length != "fixed":
-        rows.append(
-            (
-                f"draft lengths ({r.draft_length}, at most {r.max_draft})",
-                f"mean {r.mean_draft_length}, rounds by drafts 0..: {r.draft_lengths}",
-            )
-        )
-    if r.vocab_mapping:  # a drafter with its own tokenizer (decode/validate/mapped.py)
-        v = r.vocab_mapping
-        rows.append(
-            (
-                f"vocabulary mapping ({v['context']} context)",
-                f"{v['intersection']} of the drafter's {v['draft_vocab']} tokens shared; they cover "
-                f"{v['output_coverage']:.1%} of the target's output tokens",
-            )
-        )
-    if r.hf_assisted and r.hf_assisted.get("error"):
-        rows.append(("HF assisted generation", r.hf_assisted["error"]))
-    elif r.hf_assisted:
-        h = r.hf_assisted
-        rows.append(
-            (
-                "HF assisted generation",
-                f"{h['speedup']}x ({h['assisted_tokens_per_s']['median']} vs "
-                f"{h['generate_tokens_per_s']['median']} tokens/s; same tokens as ours: {h['same_tokens']})",
-            )
-        )
-        rows.append(("our speedup / HF's", f"{h['ours_over_hf']}"))
+    """Acceptance first (the same on every machine), then this machine's speed: ours and each
+    engine's rows in one figure table, then each engine's own section, then the notes."""
+    record = vars(r)
+    parts = [e.report(record) for e in ENGINES.values()]
     lines = [
         f"# Validate: {Path(r.drafter).name} drafting for {Path(r.target).name}",
         "",
@@ -203,79 +120,14 @@ def report_markdown(r: ValidateResult) -> str:
         "",
         "| figure | value |",
         "|---|---|",
-        *[f"| {k} | {v} |" for k, v in rows],
+        *[f"| {k} | {v} |" for part in parts for k, v in part.rows],
         "",
     ]
     lines += bucket_markdown(r.buckets)
     lines += category_markdown(r.categories)
-    if r.vllm:
-        lines += two_engine_table(r.vllm)
-    if r.llamacpp:
-        lines += llamacpp_table(r.llamacpp)
+    lines += [line for part in parts for line in part.lines]
     lines += [f"- {n}" for n in r.notes]
     return "\n".join(lines) + "\n"
-
-
-def two_engine_table(v: dict[str, Any]) -> list[str]:
-    """Our decoder and vLLM side by side, one column pair per serving mode."""
-    modes = list(v["modes"])
-    head = " | ".join(f"ours, {m} | vLLM, {m}" for m in modes)
-    rows: list[tuple[str, list[str]]] = []
-
-    def add(label: str, ours_key, vllm_key, fmt=str) -> None:
-        cells = []
-        for m in modes:
-            row, mine = v["modes"][m], v["modes"][m].get("ours") or {}
-            cells += [fmt(mine.get(ours_key)) if ours_key else "", fmt(row.get(vllm_key))]
-        rows.append((label, cells))
-
-    add("acceptance rate (accepted / drafts tested)", "acceptance_rate", "acceptance_rate")
-    add("mean acceptance length (1 + accepted per round)", "mean_acceptance_length", "mean_acceptance_length")  # fmt: skip
-    add("accepted by draft position (share of rounds)", "accepted_by_position", "accepted_by_position")  # fmt: skip
-    add("rounds with drafts / accepted (of drafted)", "rounds_accepted", "counters",
-        lambda x: x if not isinstance(x, dict) else f"{x['drafts']} / {x['accepted_tokens']} (of {x['draft_tokens']})")  # fmt: skip
-    add("target-only tokens/s, median (min-max)", "target_only_tokens_per_s", "plain_tokens_per_s", rate_text)  # fmt: skip
-    add("speculative tokens/s, median (min-max)", "speculative_tokens_per_s", "speculative_tokens_per_s", rate_text)  # fmt: skip
-    add("speedup (measured)", "speedup", "speedup", lambda x: f"{x}x")
-    add("latency per call, target-only ms", None, "plain_latency_ms", rate_text)
-    add("latency per call, speculative ms", None, "speculative_latency_ms", rate_text)
-    add("speculative greedy output = plain greedy output", None, "identical_to_plain",
-        lambda x: "" if x is None else str(x))  # fmt: skip
-    cells = []
-    for m in modes:
-        a = v["modes"][m].get("agreement")
-        text = "n/a" if not a else (
-            f"{a['difference']:+.3f} +- {a['noise']:.3f} (z {a['z']}): "
-            + ("BEYOND noise" if a["beyond_noise"] else "within noise")
-        )  # fmt: skip
-        cells += ["", text]
-    rows.append(("vLLM - ours, mean acceptance length", cells))
-    return [
-        "",
-        f"## Two engines: our decoder and vLLM {v['version']} (`{v['method']}`"
-        f"{', parallel drafting' if v.get('parallel_drafting') else ''}"
-        f"{', TLI: use_heterogeneous_vocab' if v.get('use_heterogeneous_vocab') else ''}, "
-        f"{v['num_speculative_tokens']} speculative tokens, {v['dtype']}, draft sampling: "
-        f"{v.get('draft_sample_method', 'n/a')})",
-        "",
-        f"| figure | {head} |",
-        "|---|" + "---|" * (2 * len(modes)),
-        *[f"| {k} | {' | '.join(str(c) for c in cells)} |" for k, cells in rows],
-        "",
-        *_vllm_mapping_line(v.get("vocab_mapping")),
-    ]
-
-
-def _vllm_mapping_line(m: dict[str, Any] | None) -> list[str]:
-    """vLLM's own TLI mapping beside ours (a drafter with its own tokenizer), one line."""
-    if not m:
-        return []
-    return [
-        f"TLI mapping: vLLM {m['intersection_vllm']} / ours {m['intersection_ours']} drafter ids "
-        f"in the intersection; {m['draft_ids_mapped_differently']} drafter ids and "
-        f"{m['target_ids_read_differently']} target ids mapped differently by the two engines.",
-        "",
-    ]
 
 
 def plot_acceptance(modes: dict[str, dict[str, Any]], path: Path, notes: list[str]) -> None:

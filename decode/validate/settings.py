@@ -3,14 +3,15 @@
 conf/validate.yaml lists the values users see; the defaults of a key a caller's config lacks, and
 every check of the stage's own settings, live here, so the stage and the decoder benchmark
 (decode/bench/, which runs on the same config) read typed fields instead of parsing nodes again.
-What needs the machine or the files (device, dtype, threads, the pair, the dataset, vLLM's
-engine settings) is checked by `setup`, still before any weights load.
+Each engine's own node (`vllm.*`, `llamacpp.*`) is typed by that engine (decode/validate/engines/)
+into `engine_settings`. What needs the machine or the files (device, dtype, threads, the pair,
+the dataset, each engine's install) is checked by `setup`, still before any weights load.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -23,9 +24,8 @@ from specdistill.data.stage_config import removed_message
 from specdistill.decode.config import MAX_DRAFT, DecoderSettings
 from specdistill.decode.config import removed_keys as removed_decoder_keys
 from specdistill.decode.draft_length import DraftCosts, costs_from_mapping
-from specdistill.decode.validate.llamacpp_engine import LlamaCppSettings
+from specdistill.decode.validate.engines import ENGINES, parse_engines
 from specdistill.decode.validate.modes import both_modes, other_decoder
-from specdistill.decode.validate.vllm_engine import draft_sample_method, parse_engines
 
 _POSITIVE = ("max_new_tokens", "repeats", "batch_size", "step_time_iters")
 PREFILL_ONCE = removed_message("prefill_once", "every decode prefills its own prompt")
@@ -75,8 +75,8 @@ class ValidateSettings:
     recommend_max_k: int = 8
     cost_model: tuple[CostModel, ...] = ()
     engines: tuple[str, ...] = ("ours",)
-    vllm_draft_sample_method: str | None = None  # engines=[ours,vllm]: vllm.draft_sample_method
-    llamacpp: LlamaCppSettings | None = None  # engines=[ours,llamacpp]: llamacpp.*
+    # each chosen engine's own settings, typed by it (e.g. llamacpp: LlamaCppSettings), by name
+    engine_settings: dict[str, Any] = field(default_factory=dict)
     training_data: str | None = None  # a Seq-KD dataset: no prompt may be among its rows
     # a folder the run's validate steps share their target-only side through (target_only.py)
     target_only_cache: Path | None = None
@@ -107,7 +107,7 @@ class ValidateSettings:
         top = setting(cfg, cls, "recommend_max_k")
         if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_DRAFT:
             raise ConfigError(f"recommend_max_k={top!r} must be an integer in 0..{MAX_DRAFT}")
-        method = draft_sample_method(cfg.vllm) if "vllm" in engines else None
+        own = {name: ENGINES[name].settings(cfg) for name in engines}
         return cls(
             output_dir=Path(str(cfg.output_dir)).expanduser().absolute(),
             decoder=decoder,
@@ -129,10 +129,7 @@ class ValidateSettings:
             recommend_max_k=top,
             cost_model=cost_models(cfg.get("cost_model")),
             engines=engines,
-            vllm_draft_sample_method=method,
-            llamacpp=(
-                LlamaCppSettings.from_node(cfg.get("llamacpp")) if "llamacpp" in engines else None
-            ),
+            engine_settings=own,
             training_data=str(cfg.training_data) if cfg.get("training_data") else None,
             target_only_cache=(
                 Path(str(cfg.target_only_cache)).expanduser().absolute()

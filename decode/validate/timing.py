@@ -1,4 +1,4 @@
-"""Timing for the validate stage's speed figures: this machine's step costs, HF assisted generation.
+"""Timing for the validate stage's speed figures: this machine's step costs and its name.
 
 c = drafter (q) step time / target (p) step time, measured with the decoder's own caches at the
 length of a real prompt, alternating the two models so load drifts hit both alike. These figures
@@ -11,15 +11,12 @@ import os
 import platform
 import statistics
 import time
-from typing import Any
 
 import torch
 
-from specdistill.data.runtime import spread
 from specdistill.decode.cache import prefill_prompt, sync
 from specdistill.decode.draft_length import DraftCosts, costs_from_steps
-from specdistill.decode.speculative import DecodeOutput, DecoderConfig, SpeculativeDecoder
-from specdistill.decode.universal_assisted import transformers_version, upstream_fault
+from specdistill.decode.speculative import SpeculativeDecoder
 
 
 @torch.inference_mode()
@@ -95,90 +92,3 @@ def round_costs(
     width = gamma + 1 if dec.parallel else 1
     c, verify = step_costs(dec, probe, iters, gamma, slots, drafter_width=width)
     return c, verify, costs_from_steps(c, verify, gamma, parallel=dec.parallel)
-
-
-def _rate(tokens: int, seconds: float) -> float:
-    return tokens / max(seconds, 1e-9)
-
-
-@torch.inference_mode()
-def hf_assisted_speed(
-    target,
-    drafter,
-    tok,
-    warm: list[tuple[torch.Tensor, torch.Tensor]],
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
-    cfg: DecoderConfig,
-    repeats: int,
-    ours_baseline: DecodeOutput | None,
-    assistant_tokenizer=None,
-) -> dict[str, Any]:
-    """`generate()` alone vs `generate(assistant_model=drafter)` on the same prompts, batch 1
-    (all HF supports), HF's default schedule; with `assistant_tokenizer`, universal assisted
-    generation. Where `transformers` refuses the setting the figure is its one error line."""
-    device = next(target.parameters()).device
-    rows = [ids[j : j + 1, mask[j].bool()] for ids, mask in batches for j in range(ids.shape[0])]
-    s = cfg.sampling
-    kw: dict[str, Any] = {
-        "max_new_tokens": cfg.max_new_tokens,
-        "do_sample": not s.greedy,
-        "eos_token_id": list(cfg.eos_token_id) or None,
-        "pad_token_id": tok.pad_token_id,
-    }
-    if not s.greedy:
-        kw |= {"temperature": s.temperature, "top_k": s.top_k or None, "top_p": s.top_p}
-
-    assist: dict[str, Any] = {"assistant_model": drafter}
-    if assistant_tokenizer is not None:
-        assist |= {"tokenizer": tok, "assistant_tokenizer": assistant_tokenizer}
-
-    def one_pass(assisted: bool) -> tuple[float, list[list[int]]]:
-        extra = assist if assisted else {}
-        out, n = [], 0
-        sync(device)
-        t0 = time.perf_counter()
-        for ids in rows:
-            ids = ids.to(device)
-            gen = target.generate(ids, attention_mask=torch.ones_like(ids), **kw, **extra)
-            new = gen[0, ids.shape[1] :].tolist()
-            out.append(new)
-            n += len(new)
-        sync(device)
-        return _rate(n, time.perf_counter() - t0), out
-
-    w = warm[0][0].to(device)
-    target.generate(w, attention_mask=torch.ones_like(w), **kw)
-    plain, assisted, plain_tokens = [], [], None
-    try:
-        target.generate(w, attention_mask=torch.ones_like(w), **assist, **kw)
-        for _ in range(repeats):
-            r, toks = one_pass(False)
-            plain.append(r)
-            plain_tokens = plain_tokens or toks
-            assisted.append(one_pass(True)[0])
-    except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
-        # universal assisted generation is transformers' own path beside ours: where it refuses
-        # the setting, or breaks inside (some releases fail to re-tokenize short prompts), the
-        # figure is its one error line, not a failed validate
-        if assistant_tokenizer is None:
-            raise
-        fault = upstream_fault(e)
-        word = "failed" if isinstance(e, RuntimeError) else "refused"
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        return {
-            "speedup": None,
-            "error": fault.line()
-            if fault
-            else f"transformers {transformers_version()} {word}: {first}",
-        }
-    med = statistics.median(assisted) / statistics.median(plain)
-    return {
-        "generate_tokens_per_s": spread(plain),
-        "assisted_tokens_per_s": spread(assisted),
-        "speedup": round(med, 3),
-        "same_tokens": (plain_tokens == ours_baseline.tokens)
-        if s.greedy and ours_baseline
-        else None,
-        "schedule": "transformers default (assistant_model=drafter)"
-        + (", universal (assistant_tokenizer=)" if assistant_tokenizer is not None else ""),
-    }

@@ -1,15 +1,10 @@
-"""The validate stage inside vLLM (`engines=[ours,vllm]`): the engine users deploy drafters in.
+"""The pair served by vLLM for validate's vLLM engine (decode/validate/engines/vllm.py).
 
-A drafter that works in our decoder can still fail to load or to pay in vLLM, so validate can
-run the same pair and prompts there: the target twice, plain and with the drafter as draft model,
-both serving modes, interleaved timed repeats like ours. It reports vLLM's acceptance counters,
-both engines' tokens/s and latency, whether greedy output with the drafter equals plain greedy,
-and how acceptance compares with ours (`agreement.py`). p = target, q = drafter. A mapped pair
-runs as vLLM's TLI (`use_heterogeneous_vocab`): vLLM maps the vocabularies itself and verifies
-as usual, so greedy output stays the target's.
-
-What vLLM cannot serve is refused before any model loads. Engine settings are the generate
-backend's (`vllm.*`); the two engines share the GPU, half of `gpu_memory_utilization` each.
+What vLLM's draft-model speculation needs of the two configs (checked without vLLM), the plain
+and the speculative engine side by side (their keyword arguments from the one builder,
+data/generate/vllm_engine.py's `engine_arguments`), the speculative config (also the export's
+deployment line), vLLM's spec-decode counters and one timed mode on both engines. p = target,
+q = drafter.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ from typing import Any
 
 from specdistill.data.generate.vllm_engine import (
     EngineSettings,
-    check_engine_settings,
     check_target,
     cpu_head_sizes,
     engine_arguments,
@@ -38,7 +32,6 @@ from specdistill.data.runtime import ConfigError, spread
 from specdistill.data.sampling import Sampling
 from specdistill.decode.validate.agreement import Acceptance
 
-ENGINES = ("ours", "vllm", "llamacpp")  # llama.cpp: decode/validate/llamacpp_engine.py
 ASKED_BY = "engines=[ours,vllm]"
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -46,10 +39,6 @@ COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
 }
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-# vLLM's speculative_config.draft_sample_method (null: its default, 'greedy'): 'greedy' drafts
-# q's argmax and, when sampling, accepts it with probability p(x) (q taken as one-hot);
-# 'probabilistic' samples drafts from q and accepts with min(1, p/q), as our decoder does.
-DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 # The plain and the speculative engine live side by side (interleaved repeats): each takes this
 # part of `vllm.gpu_memory_utilization`.
 ENGINE_SHARE = 0.5
@@ -70,19 +59,6 @@ def check_version(version: str) -> None:
             f"{ASKED_BY} but vLLM {version} is older than {need}, the oldest release tested "
             f"with draft-model speculation as validate runs it: pip install 'vllm>={need}'"
         )
-
-
-def parse_engines(cfg: Any) -> tuple[str, ...]:
-    """`engines`: which engines validate runs; ours always (vLLM and llama.cpp beside it)."""
-    raw = cfg.get("engines", ["ours"])
-    names = [raw] if isinstance(raw, str) else list(raw or [])
-    unknown = [n for n in names if n not in ENGINES]
-    if unknown or "ours" not in names:
-        raise ConfigError(
-            f"engines={names}: use [ours], [ours,vllm] or [ours,llamacpp] (another engine's "
-            "figures are reported beside our decoder's, on the same prompts)"
-        )
-    return tuple(dict.fromkeys(names))
 
 
 def _head_dim(config: Any) -> int | None:
@@ -124,41 +100,6 @@ def check_servable(target: Any, drafter: Any, on_cpu: bool, archs: Sequence[str]
                 f"{field} has head_dim {head}, which vLLM's CPU attention does not serve (it "
                 f"takes {sorted(sizes)}): validate it with engines=[ours] or on a GPU"
             )
-
-
-def draft_sample_method(node: Any) -> str | None:
-    """`vllm.draft_sample_method`: null (vLLM's default) or one of DRAFT_SAMPLE_METHODS."""
-    method = node.get("draft_sample_method")
-    if method is not None and method not in DRAFT_SAMPLE_METHODS:
-        raise ConfigError(
-            f"vllm.draft_sample_method={method!r}: use null (vLLM's default), "
-            + " or ".join(DRAFT_SAMPLE_METHODS)
-        )
-    return method
-
-
-def preflight(cfg: Any, spec: PairSpec) -> EngineSettings:
-    """Every check that needs no weights, before anything loads: settings, configs, vLLM."""
-    from transformers import AutoConfig
-
-    settings = check_engine_settings(cfg.vllm)
-    draft_sample_method(cfg.vllm)
-
-    def config(name: str, rev: str | None) -> Any:
-        return AutoConfig.from_pretrained(
-            name, revision=rev, trust_remote_code=spec.trust_remote_code
-        )
-
-    target = config(spec.target, spec.revision)
-    drafter = config(spec.drafter, spec.drafter_revision)
-    check_configs(target, drafter, spec.drafter, mapped=spec.vocab == "mapped")
-    vllm = require_vllm(ASKED_BY)
-    check_version(getattr(vllm, "__version__", ""))
-    from vllm.platforms import current_platform
-
-    on_cpu = current_platform.is_cpu()
-    check_servable(target, drafter, on_cpu, list(vllm.ModelRegistry.get_supported_archs()))
-    return settings
 
 
 def model_len(settings: EngineSettings, target_config: Any, need: int) -> int:

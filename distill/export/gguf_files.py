@@ -128,17 +128,9 @@ def gguf_section(
     serve it is the Use section's (export/deploy.py)."""
     if not record:
         return []
-    from specdistill.decode.validate.llamacpp_engine import (
-        SUMMARY_HEAD,
-        summary_caption,
-        summary_rows,
-    )
+    from specdistill.decode.validate.engines import ENGINES
 
-    served = (
-        ["", summary_caption(measured), "", *SUMMARY_HEAD, *summary_rows(measured, "this drafter")]
-        if measured
-        else []
-    )
+    served = ENGINES["llamacpp"].summary_lines([("this drafter", measured)] if measured else [])
     rows = [
         f"| `{f['file']}` | {kind} | {f['file_type']} | {f['bytes'] / 1e6:.1f} MB |"
         for kind, f in record["files"].items()

@@ -113,6 +113,6 @@ def _vllm_asked_by(stage: str) -> str:
 
 def _llama_server() -> None:
     from specdistill.decode.llamacpp.build import llama_server_binary
-    from specdistill.decode.validate.llamacpp_engine import ASKED_BY
+    from specdistill.decode.llamacpp.files import ASKED_BY
 
     llama_server_binary(ASKED_BY)

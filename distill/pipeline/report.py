@@ -19,8 +19,9 @@ from typing import Any
 
 from specdistill.data.io import atomic_write_text, read_json
 from specdistill.decode.validate.buckets import drafter_alpha_text
+from specdistill.decode.validate.engines.ours import NO_OWN_DRAFTS
 from specdistill.decode.validate.modes import has_range, positions
-from specdistill.decode.validate.report import NO_DRAFTS, NO_OWN_DRAFTS, mode_value
+from specdistill.decode.validate.report import NO_DRAFTS, mode_value
 from specdistill.distill.pipeline.category_report import category_table, plot_categories
 from specdistill.distill.pipeline.chat_mode_report import chat_mode_lines
 from specdistill.distill.pipeline.llamacpp_report import llamacpp_lines
@@ -127,7 +128,7 @@ def _value(stages: dict[str, dict], stage: str, key: str, distilled: bool) -> An
     if key == "lookup":  # decoder.lookup (decode/lookup.py): copied from the context, no drafter
         lk = v.get("lookup")
         return f"{lk['round_share']:.2f} ({lk['acceptance']:.2f})" if lk else None
-    if key == "recommended":  # validate.stage.recommendation: this machine's costs first
+    if key == "recommended":  # validate.recommend.recommendation: this machine's costs first
         by_cost = (v.get("recommended_k") or {}).get("by_cost") or []
         if not by_cost:
             return None

@@ -39,7 +39,7 @@ def test_distill_eval_and_online_render_with_the_kwargs(chat_set):
 
 
 def test_validate_decodes_prompts_rendered_with_the_kwargs(chat_set):
-    from specdistill.decode.validate.stage import setup
+    from specdistill.decode.validate.setup import setup
 
     tok, tok_dir, node = chat_set
     with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):

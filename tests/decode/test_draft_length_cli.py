@@ -26,7 +26,7 @@ def _cfg(tmp_path, *extra: str):
 def test_validate_reports_the_policy_and_its_draft_lengths(tmp_path, toy_tiny, caplog, capsys):
     from specdistill.decode.validate.stage import run
 
-    caplog.set_level(logging.INFO, logger="specdistill.decode.validate.stage")
+    caplog.set_level(logging.INFO, logger="specdistill.decode.validate.engines.ours")
     r = run(_cfg(tmp_path, "decoder.draft_length=heuristic", "decoder.max_draft=6"))
     # each phase says what it runs; each timed pass has its bar (progress: true), on stderr
     assert "validate: untimed warm-up, then the timed repeats (1)" in caplog.text

@@ -14,7 +14,8 @@ from hydra import compose, initialize_config_module
 
 from specdistill.data.prompts import fit_to_context, load_prompts
 from specdistill.data.runtime import ConfigError
-from specdistill.decode.validate.stage import main, setup
+from specdistill.decode.validate.setup import setup
+from specdistill.decode.validate.stage import main
 from tests.conftest import main_in_process
 
 # One short prompt (<= 256 tokens) and one far past toy-tiny's 512 positions, in that order.

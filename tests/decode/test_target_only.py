@@ -110,14 +110,14 @@ def test_validate_steps_reuse_the_target_only_side(toy_tiny, tmp_path, monkeypat
     """A second validate step with the same cache decodes no target-only pass and asks no
     earlier-turn answer, and reports what a step without the cache reports."""
     from specdistill.decode.speculative import SpeculativeDecoder
-    from specdistill.decode.validate import stage
+    from specdistill.decode.validate import setup, stage
 
     tok_dir = tmp_path / "tok"
     chat_tokenizer(toy_tiny, tok_dir)
     path = write_jsonl(tmp_path / "q.jsonl", _rows(4))
     calls: list[int] = []
     asked: list[int] = []
-    baseline, answers = SpeculativeDecoder.baseline, stage.greedy_answers
+    baseline, answers = SpeculativeDecoder.baseline, setup.greedy_answers
 
     def counted_baseline(self, ids, mask=None, generator=None):
         calls.append(ids.shape[0])
@@ -133,7 +133,7 @@ def test_validate_steps_reuse_the_target_only_side(toy_tiny, tmp_path, monkeypat
         return answer
 
     monkeypatch.setattr(SpeculativeDecoder, "baseline", counted_baseline)
-    monkeypatch.setattr(stage, "greedy_answers", counted_answers)
+    monkeypatch.setattr(setup, "greedy_answers", counted_answers)
 
     def run(name: str, *more: str):
         with initialize_config_module(config_module="specdistill.conf", version_base="1.3"):

@@ -106,7 +106,7 @@ def test_batched_decodes_give_the_category_figures_of_their_rows():
 
 
 def test_batches_hold_prompts_of_similar_length():
-    from specdistill.decode.validate.stage import by_length
+    from specdistill.decode.validate.setup import by_length
 
     rows = [[1] * n for n in (5, 1, 3, 1, 4, 2)]
     prompts, ordered = by_length(list("abcdef"), rows)

@@ -17,11 +17,13 @@ from hydra import compose, initialize_config_module
 
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import Sampling
-from specdistill.decode.llamacpp.server import Completion
-from specdistill.decode.validate import llamacpp_engine as le
+from specdistill.decode.llamacpp import files as llamacpp_files
+from specdistill.decode.llamacpp.server import Completion, interleaved
+from specdistill.decode.validate import setup as validate_setup
 from specdistill.decode.validate import stage as validate
-from specdistill.decode.validate.agreement import Acceptance
-from specdistill.decode.validate.vllm_engine import parse_engines
+from specdistill.decode.validate.agreement import Acceptance, totals_agreement
+from specdistill.decode.validate.engines import llamacpp as le
+from specdistill.decode.validate.engines import parse_engines
 from tests.conftest import main_in_process
 
 
@@ -66,7 +68,7 @@ def test_a_missing_binary_is_one_error_line_before_any_weights_load(tmp_path, mo
     def no_loading(*a, **k):
         raise AssertionError("weights loaded before the llama.cpp check")
 
-    monkeypatch.setattr(validate, "load_pair", no_loading)
+    monkeypatch.setattr(validate_setup, "load_pair", no_loading)
     argv = ["validate", "pair=toy-tiny", f"output_dir={tmp_path / 'v'}", "engines=[ours,llamacpp]"]
     code, err = main_in_process(validate.main, argv, monkeypatch, capsys)
     assert code == 2 and len(err) == 1
@@ -107,8 +109,8 @@ def test_a_draft_vocabulary_head_is_refused(toy_tiny_pair):
         get_input_embeddings=drafter.get_input_embeddings,
     )
     with pytest.raises(ConfigError, match="draft-vocabulary checkpoint"):
-        le.check_rows(small)
-    le.check_rows(drafter)  # full head: fine
+        llamacpp_files.check_rows(small)
+    llamacpp_files.check_rows(drafter)  # full head: fine
 
 
 # ---------------------------------------------------------------- figures from counters
@@ -133,7 +135,7 @@ def test_prompts_are_asked_of_both_servers_in_turn_and_counted():
     plain = FakeServer("plain", log, {0: ([5, 6, 7, 8, 9], 0, 0), 1: ([1, 2, 3], 0, 0)})
     spec = FakeServer("spec", log, {0: ([5, 6, 7, 8, 9], 3, 6), 1: ([1, 2, 4], 1, 3)})
     s = Sampling(0.0)
-    plains, specs = le.interleaved(plain, spec, [[0], [1]], s, 8, seed=7, repeats=2)
+    plains, specs = interleaved(plain, spec, [[0], [1]], s, 8, seed=7, repeats=2)
     assert [x[:3] for x in log[:4]] == [("plain", 0, 7), ("spec", 0, 7), ("plain", 1, 8),
                                         ("spec", 1, 8)]  # fmt: skip
     assert len(log) == 8 and len(plains) == len(specs) == 2
@@ -154,13 +156,17 @@ def test_tau_agreement_against_brute_force():
     ours = Acceptance.from_ours(counts, [300, 0, 0])
     mean = sum(lengths) / 300
     var = sum((x - mean) ** 2 for x in lengths) / 300
-    a = le.tau_agreement(ours, accepted=400, rounds=250)
+
+    def tau_agreement(accepted: int, rounds: int) -> dict:
+        return totals_agreement(ours, accepted, rounds).as_dict("llamacpp", z_digits=2)
+
+    a = tau_agreement(accepted=400, rounds=250)
     z = (400 / 250 - mean) / math.sqrt(var * (1 / 300 + 1 / 250))
     assert a["z"] == pytest.approx(z, abs=0.01) and a["beyond_noise"] == (abs(z) > 3)
     assert a["ours"] == pytest.approx(1 + mean, abs=1e-4) and a["llamacpp"] == 2.6
-    near = le.tau_agreement(ours, accepted=round(mean * 280), rounds=280)
+    near = tau_agreement(accepted=round(mean * 280), rounds=280)
     assert not near["beyond_noise"]
-    assert le.tau_agreement(ours, 0, 0)["z"] is None
+    assert tau_agreement(0, 0)["z"] is None
 
 
 def test_ours_on_llama_cpp_footing_and_the_table():

@@ -19,10 +19,13 @@ from hydra import compose, initialize_config_module
 
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.speculative import DecoderConfig, SpeculativeDecoder
+from specdistill.decode.validate import setup as validate_setup
 from specdistill.decode.validate import stage as validate
 from specdistill.decode.validate import vllm_engine as ve
 from specdistill.decode.validate.agreement import Acceptance, agreement
-from specdistill.decode.validate.report import two_engine_table
+from specdistill.decode.validate.engines import parse_engines
+from specdistill.decode.validate.engines import vllm as vllm_engine
+from specdistill.decode.validate.engines.vllm import two_engine_table
 from tests.conftest import main_in_process
 
 
@@ -94,7 +97,7 @@ def test_two_engine_table_shows_both_engines_and_the_verdict():
         "speedup": 2.0,
         "identical_to_plain": True,
         "ours": a.figures() | {"speedup": 1.5},
-        "agreement": agreement(a, Acceptance.from_vllm(50, (5, 0, 0, 0))).as_dict(),
+        "agreement": agreement(a, Acceptance.from_vllm(50, (5, 0, 0, 0))).as_dict("vllm"),
     }
     v = {"version": "x", "method": "draft_model", "num_speculative_tokens": 4, "dtype": "float32"}
     text = "\n".join(two_engine_table(v | {"modes": {"greedy": row}}))
@@ -107,19 +110,21 @@ def test_two_engine_table_shows_both_engines_and_the_verdict():
 
 
 def test_engines_setting_is_checked():
-    assert ve.parse_engines({"engines": ["ours", "vllm"]}) == ("ours", "vllm")
+    assert parse_engines({"engines": ["ours", "vllm"]}) == ("ours", "vllm")
     for bad in (["vllm"], ["ours", "trt"]):
         with pytest.raises(
             ConfigError, match=r"engines=.*use \[ours\], \[ours,vllm\] or \[ours,llamacpp\]"
         ):
-            ve.parse_engines({"engines": bad})
+            parse_engines({"engines": bad})
 
 
 def test_draft_sample_method_is_checked():
-    assert ve.draft_sample_method({"draft_sample_method": None}) is None
-    assert ve.draft_sample_method({"draft_sample_method": "probabilistic"}) == "probabilistic"
+    assert vllm_engine.draft_sample_method({"draft_sample_method": None}) is None
+    assert (
+        vllm_engine.draft_sample_method({"draft_sample_method": "probabilistic"}) == "probabilistic"
+    )
     with pytest.raises(ConfigError, match=r"vllm\.draft_sample_method='beam': use null"):
-        ve.draft_sample_method({"draft_sample_method": "beam"})
+        vllm_engine.draft_sample_method({"draft_sample_method": "beam"})
 
 
 def _config(archs, vocab, hidden=128, heads=2):
@@ -155,7 +160,7 @@ def _no_loading(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the error")
 
-    monkeypatch.setattr(validate, "load_pair", refuse)
+    monkeypatch.setattr(validate_setup, "load_pair", refuse)
 
 
 def test_vllm_missing_is_one_line_naming_the_extra(toy_tiny, tmp_path, monkeypatch, capsys):

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_module
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.validate import stage as validate
 from specdistill.decode.validate import vllm_engine as ve
-from specdistill.decode.validate.report import two_engine_table
+from specdistill.decode.validate.engines.vllm import two_engine_table
 from specdistill.distill.export import stage as export
 from tests.conftest import main_in_process
 from tests.decode.test_validate_vllm import _config, _no_loading, _run_in_vllm, served_pair

@@ -114,7 +114,7 @@ def test_validates_hf_assisted_figure_with_the_real_tokenizers(real_pair):
 
     from specdistill.data.sampling import Sampling
     from specdistill.decode.speculative import DecoderConfig
-    from specdistill.decode.validate.timing import hf_assisted_speed
+    from specdistill.decode.validate.engines.hf_assisted import hf_assisted_speed
 
     target_dir, drafter_dir = real_pair
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -128,7 +128,7 @@ def test_validates_hf_assisted_figure_with_the_real_tokenizers(real_pair):
         gamma=4, max_new_tokens=48, eos_token_id=(tok.eos_token_id,), sampling=Sampling()
     )
     figure = hf_assisted_speed(
-        target, drafter, tok, batches[:1], batches, cfg, repeats=1, ours_baseline=None,
+        target, drafter, tok, batches[:1], batches, cfg, repeats=1, ours_greedy_tokens=None,
         assistant_tokenizer=AutoTokenizer.from_pretrained(drafter_dir),
     )  # fmt: skip
     if figure.get("error") is None:

@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_module
 
 from specdistill.data.io import read_json
 from specdistill.data.runtime import ConfigError
-from specdistill.decode.validate.report import NO_OWN_DRAFTS
+from specdistill.decode.validate.engines.ours import NO_OWN_DRAFTS
 from specdistill.distill.pipeline import execute
 from specdistill.distill.pipeline import stage as pipeline
 

@@ -1,4 +1,4 @@
-"""The validate stage inside llama.cpp (`engines=[ours,llamacpp]`): the CPU engine users deploy.
+"""llama.cpp as an engine (`engines=[ours,llamacpp]`): the CPU engine users deploy.
 
 On CPUs and laptops a drafter is served by `llama-server -m TARGET.gguf -md DRAFT.gguf`, and
 what it is worth there is llama.cpp's acceptance and speed, not our decoder's. So validate can
@@ -7,7 +7,8 @@ modes and seeds): the target alone and with the drafter, two servers side by sid
 asked of both in turn (`repeats` times) so drift in the machine's speed hits both alike. It
 reports llama.cpp's own counters (acceptance = accepted / drafted tokens, tau, tokens/s, the
 speedup over its plain decoding), whether greedy output with the drafter equals the plain
-output, and our decoder's figures beside them on llama.cpp's footing (`beside_ours`).
+output, and our decoder's figures beside them on llama.cpp's footing (`beside_ours`), with
+the tau comparison of decode/validate/agreement.py.
 
 The drafter is the very one validate loaded, written as GGUF into `output_dir/llamacpp/`
 (`llamacpp.drafter_type`: the target file's recipe by default, so its steps cost llama.cpp the
@@ -25,22 +26,33 @@ llama.cpp's own arithmetic (quantised activations).
 
 from __future__ import annotations
 
-import json
-import math
+import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+import torch
 
 from specdistill.data.models.gguf_writer import TARGET_RECIPE
+from specdistill.data.models.pairs import PairSpec
 from specdistill.data.runtime import ConfigError, setting, spread
-from specdistill.data.sampling import Sampling
-from specdistill.decode.llamacpp.server import DRAFT_SAMPLING
-from specdistill.decode.validate.agreement import Z_LIMIT, Acceptance, same_outputs, token_lists
+from specdistill.decode.llamacpp.files import ASKED_BY, check_files, drafter_gguf
+from specdistill.decode.llamacpp.server import DRAFT_SAMPLING, interleaved
+from specdistill.decode.validate.agreement import token_lists, totals_agreement
+from specdistill.decode.validate.engines import base
+from specdistill.decode.validate.engines.base import EngineDefaults, EngineRun, Job, ReportPart
 from specdistill.decode.validate.modes import rate_text, speedup_range
 
-ASKED_BY = "engines=[ours,llamacpp]"
+log = logging.getLogger(__name__)
+# where our decode differs from how llama.cpp serves (base.caveats)
+CAVEATS = {
+    "draft_length": "llama.cpp drafts up to a fixed K={gamma}; ours used draft_length={draft_length}",
+    "lossy": "llama.cpp verifies losslessly; ours used a lossy lenience: acceptance differs",
+    "lookup": "llama.cpp drafts with the drafter alone; ours also by prompt lookup",
+    "parallel": "llama.cpp runs the parallel drafter autoregressively (one token a forward)",
+}
 
 
 @dataclass(frozen=True)
@@ -93,8 +105,6 @@ class LlamaCppSettings:
 
 def preflight(settings: LlamaCppSettings, spec: Any) -> Path:
     """Everything llama.cpp needs that can be checked before weights load; the binary's path."""
-    from specdistill.data.models.gguf_writer import check_architecture
-    from specdistill.data.models.target_gguf import gguf_source
     from specdistill.decode.llamacpp.build import llama_server_binary
 
     if spec.vocab == "mapped":
@@ -103,91 +113,8 @@ def preflight(settings: LlamaCppSettings, spec: Any) -> Path:
             "mapping (its drafter must share the target's tokens); use engines=[ours]"
         )
     binary = llama_server_binary(ASKED_BY)
-    if settings.target is None and gguf_source(spec.target) is None:
-        config = Path(str(spec.target)) / "config.json"
-        if not config.is_file():
-            raise ConfigError(
-                f"{ASKED_BY}: pair.target={spec.target!r} is neither a GGUF file nor a local "
-                "checkpoint; give its GGUF file as llamacpp.target"
-            )
-        kind = json.loads(config.read_text()).get("model_type")
-        if kind != "llama":
-            raise ConfigError(
-                f"{ASKED_BY}: pair.target is {kind!r} and specdistill writes Llama GGUF files "
-                "only; convert the target with llama.cpp's convert_hf_to_gguf.py and give the "
-                "file as llamacpp.target"
-            )
-    if settings.drafter is None:
-        config = Path(str(spec.drafter)) / "config.json"
-        if config.is_file():  # a hub id is checked once its weights load
-            kind = json.loads(config.read_text()).get("model_type")
-            check_architecture(kind, ASKED_BY, "llamacpp.drafter to a .gguf file")
-    target = settings.target or gguf_source(spec.target)
-    if settings.drafter is not None and target is not None:  # both files exist: pair them now
-        check_pairing(Path(target), Path(settings.drafter))
+    check_files(settings.target, settings.drafter, spec)
     return binary
-
-
-def check_pairing(target: Path, drafter: Path) -> None:
-    """llama.cpp's drafter rule on the two files (data/models/gguf_vocab.py), one line."""
-    from specdistill.data.models.gguf_vocab import compatibility_problems, read_gguf_vocab
-
-    problems = compatibility_problems(read_gguf_vocab(target), read_gguf_vocab(drafter))
-    if problems:
-        raise ConfigError(
-            f"{ASKED_BY}: llama.cpp would refuse {drafter.name} as a drafter of {target.name}: "
-            f"{problems[0]}"
-        )
-
-
-def drafter_gguf(settings: LlamaCppSettings, drafter: Any, target_file: Path, folder: Path):
-    """(the drafter's GGUF path, its record): the given file, or `drafter` written as
-    `llamacpp.drafter_type`; checked against the target's GGUF by llama.cpp's drafter rule."""
-    from specdistill.data.models.gguf_writer import types_for, write_llama_gguf
-
-    record: dict[str, Any]
-    if settings.drafter is not None:
-        path = Path(settings.drafter)
-        record = {"file": str(path), "written": False, "bytes": path.stat().st_size}
-    else:
-        kind = settings.drafter_type
-        check_rows(drafter)
-        path = folder / f"drafter-{kind}.gguf"
-        written = write_llama_gguf(drafter, path, types=types_for(kind, target_file),
-                                   tokenizer_gguf=target_file,
-                                   name=f"drafter-{kind}")  # fmt: skip
-        record = {"file": str(path), "written": True, "type": kind, "bytes": written.bytes,
-                  "file_type": written.file_type}  # fmt: skip
-    check_pairing(target_file, path)
-    return path, record
-
-
-def check_rows(drafter: Any) -> None:
-    """A head of other rows than the embedding (a draft-vocabulary checkpoint) is not servable:
-    llama.cpp scores every token of the shared vocabulary."""
-    head = drafter.get_output_embeddings()
-    emb = drafter.get_input_embeddings()
-    if head is not None and head.weight.shape[0] != emb.weight.shape[0]:
-        raise ConfigError(
-            f"{ASKED_BY}: the drafter's head has {head.weight.shape[0]} rows and its embedding "
-            f"{emb.weight.shape[0]} (a draft-vocabulary checkpoint); export it (the export "
-            "restores the full head) and validate the exported folder"
-        )
-
-
-def interleaved(plain, spec, prompts, s: Sampling, max_new: int, seed: int, repeats: int):
-    """([plain completions per repeat], [speculative completions per repeat]): each prompt
-    asked of the plain server, then of the speculative one, with the same sampling and seed."""
-    plains, specs = [], []
-    for _ in range(repeats):
-        p_pass, s_pass = [], []
-        for i, ids in enumerate(prompts):
-            kw = dict(temperature=s.temperature, seed=seed + i, top_k=s.top_k, top_p=s.top_p)
-            p_pass.append(plain.complete(ids, max_new, **kw))
-            s_pass.append(spec.complete(ids, max_new, **kw))
-        plains.append(p_pass)
-        specs.append(s_pass)
-    return plains, specs
 
 
 def mode_row(plains: list, specs: list, greedy: bool) -> dict[str, Any]:
@@ -232,80 +159,45 @@ def category_rows(keys: Sequence[tuple[str, str]], plains: list, specs: list) ->
     return out
 
 
-def tau_agreement(ours: Acceptance, accepted: int, rounds: int) -> dict[str, Any]:
-    """llama.cpp's mean acceptance length against ours, a two-sample z statistic.
-
-    llama.cpp reports totals only (accepted drafts, rounds), so the per-round spread is taken
-    from ours: under the hypothesis that both engines accept alike, both samples share it.
-    Rounds of one sequence are not independent, so the noise is a lower bound and |z| > 3 is
-    called a disagreement, as for vLLM (agreement.py)."""
-    theirs = accepted / rounds if rounds else 0.0
-    diff = theirs - ours.mean_accepted
-    if not ours.rounds or not rounds:
-        return {"ours": round(1 + ours.mean_accepted, 4), "llamacpp": round(1 + theirs, 4),
-                "difference": round(diff, 4), "noise": 0.0, "z": None, "beyond_noise": False}  # fmt: skip
-    se = math.sqrt(ours.variance * (1 / ours.rounds + 1 / rounds))
-    if se == 0.0:
-        z = 0.0 if diff == 0 else math.copysign(math.inf, diff)
-    else:
-        z = diff / se
-    return {
-        "ours": round(1 + ours.mean_accepted, 4),
-        "llamacpp": round(1 + theirs, 4),
-        "difference": round(diff, 4),
-        "noise": round(se, 4),
-        "z": round(z, 2) if math.isfinite(z) else z,
-        "beyond_noise": abs(z) > Z_LIMIT,
-    }
-
-
-def beside_ours(row: dict[str, Any], mine: dict[str, Any]) -> None:
+def beside_ours(row: dict[str, Any], mine: Mapping[str, Any]) -> None:
     """Our decoder's figures of the same mode on llama.cpp's footing, into `row["ours"]`, and
-    the tau comparison into `row["agreement"]`; nothing without our counters."""
-    if not mine.get("trials_at"):
+    the tau comparison into `row["agreement"]`; nothing without our counters. llama.cpp
+    reports totals only, so the per-round spread is ours (`totals_agreement`)."""
+    side = base.ours_side(mine)
+    if side is None:
         return
-    acc = Acceptance.from_ours(mine["accepted_at"], mine["trials_at"])
+    acc, figures = side
     drafted = mine.get("drafted")
-    row["ours"] = {
-        # llama.cpp counts every drafted token, those after a round's first rejection too
-        "acceptance": round(acc.accepted / drafted, 4) if drafted else None,
-        "tau": mine.get("tau"),
-        "alpha": mine.get("alpha"),
-        "speedup": mine.get("speedup"),
-        "target_only_tokens_per_s": mine.get("baseline_tokens_per_s"),
-        "speculative_tokens_per_s": mine.get("speculative_tokens_per_s"),
-    }
-    row["agreement"] = tau_agreement(acc, row["accepted"], row["rounds"])
+    # llama.cpp counts every drafted token, those after a round's first rejection too
+    row["ours"] = {"acceptance": round(acc.accepted / drafted, 4) if drafted else None} | figures
+    agree = totals_agreement(acc, row["accepted"], row["rounds"])
+    row["agreement"] = agree.as_dict("llamacpp", z_digits=2)
 
 
-def validate_in_llamacpp(
-    settings: LlamaCppSettings,
-    binary: Path,
-    st: Any,
-    samplings: dict[str, Sampling],
-    ours: dict[str, dict[str, Any]],
-    ours_greedy_tokens: list[list[int]] | None,
-    *,
-    gamma: int,
-    max_new_tokens: int,
-    repeats: int,
-    seed: int,
-    threads: int,
-    output_dir: Path,
-) -> tuple[dict[str, Any], list[str]]:
+class Ready(NamedTuple):
+    """What the preflight hands to the run: the settings and llama-server's path."""
+
+    settings: LlamaCppSettings
+    binary: Path
+
+
+def validate_in_llamacpp(job: Job, ready: Ready) -> tuple[dict[str, Any], list[str]]:
     """(report.json's `llamacpp` section, notes): the pair in llama-server in every mode."""
     from specdistill.data.models.target_gguf import target_gguf
     from specdistill.decode.llamacpp.server import LlamaServer, version
 
+    settings, binary, st, ours = ready.settings, ready.binary, job.st, job.beside
+    gamma, seed, max_new_tokens = ours.gamma, job.seed, job.max_new_tokens
     target_file = Path(settings.target) if settings.target else target_gguf(st.spec.target)
-    drafter_file, drafter = drafter_gguf(settings, st.drafter, target_file, output_dir / "llamacpp")
+    drafter_file, drafter = drafter_gguf(settings.drafter, settings.drafter_type, st.drafter,
+                                         target_file, job.output_dir / "llamacpp")  # fmt: skip
     prompts = [p for batch in token_lists(st.batches) for p in batch]
     need = max(len(p) for p in prompts) + max_new_tokens + gamma + 8
     ctx = -(-need // 256) * 256
-    threads = settings.threads or threads
-    notes: list[str] = []
+    threads = settings.threads or torch.get_num_threads()
+    notes = base.caveats(ours, CAVEATS)
     modes: dict[str, dict[str, Any]] = {}
-    for mode, s in samplings.items():
+    for mode, s in job.samplings.items():
         method = None if s.greedy else settings.sampled_drafts
         common = dict(threads=threads, ctx=ctx)
         with (
@@ -315,21 +207,15 @@ def validate_in_llamacpp(
         ):  # fmt: skip
             for server in (plain, spec):  # warm-up, untimed
                 server.complete(prompts[0], 4, temperature=s.temperature, seed=seed)
-            plains, specs = interleaved(plain, spec, prompts, s, max_new_tokens, seed, repeats)
+            plains, specs = interleaved(plain, spec, prompts, s, max_new_tokens, seed, job.repeats)
         row = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
                "draft_sampling": method or "greedy"} | mode_row(plains, specs, s.greedy)  # fmt: skip
-        beside_ours(row, ours.get(mode) or {})
+        beside_ours(row, ours.modes.get(mode) or {})
         if st.categories:
             row["categories"] = category_rows(st.categories, plains, specs)
-        if s.greedy and ours_greedy_tokens is not None:
-            row["plain_equals_ours_target_only"] = same_outputs(
-                [c.tokens for c in plains[0]], ours_greedy_tokens, st.eos
-            )
-        if s.greedy and not row["identical_to_plain"]:
-            notes.append(
-                f"llama.cpp greedy with the drafter differs from its plain greedy output in "
-                f"{row['mismatched_sequences']} sequences"
-            )
+        differs = "llama.cpp greedy with the drafter differs from its plain greedy output in {n} sequences"
+        note = base.against_plain(row, job, s, [c.tokens for c in plains[0]], differs)
+        notes += [note] if note else []
         a = row.get("agreement")
         if a and a["beyond_noise"]:
             why = "" if s.greedy else f" (llama.cpp drafts {method}: q is the drafter's top 10)"
@@ -397,9 +283,7 @@ def llamacpp_table(v: dict[str, Any]) -> list[str]:
         f"K={v['k']}, p_min {v['p_min']}, {v['threads']} threads; drafter "
         f"`{Path(d['file']).name}` ({what}, {d['bytes'] / 1e6:.1f} MB))",
         "",
-        "| figure | " + " | ".join(modes) + " |",
-        "|---|" + "---|" * len(modes),
-        *[f"| {k} | {' | '.join(cells)} |" for k, cells in rows],
+        *base.table(modes, rows),
         "",
         *_category_lines(v),
         "llama.cpp's tokens/s are this machine's; sampled runs draft with "
@@ -464,3 +348,38 @@ def summary_caption(v: dict[str, Any]) -> str:
         f"p_min {v['p_min']}, drafter GGUF {kind} {d['bytes'] / 1e6:.1f} MB, {v['threads']} "
         "threads; tokens/s and speedups are this machine's):"
     )
+
+
+class LlamaCppEngine(EngineDefaults):
+    """llama.cpp's llama-server (`engines=[ours,llamacpp]`, `llamacpp.*`)."""
+
+    name = "llamacpp"
+
+    def settings(self, cfg: Any) -> LlamaCppSettings:
+        """`llamacpp.*` typed and checked."""
+        return LlamaCppSettings.from_node(cfg.get("llamacpp"))
+
+    def preflight(self, cfg: Any, spec: PairSpec, settings: LlamaCppSettings) -> Ready:
+        """The binary, the pair's architectures and files (`preflight`)."""
+        return Ready(settings, preflight(settings, spec))
+
+    def run(self, job: Job, ready: Ready) -> EngineRun:
+        """The pair in llama-server in every serving mode, beside ours."""
+        log.info("validate: the pair in llama.cpp's llama-server on the same prompts")
+        return EngineRun(*validate_in_llamacpp(job, ready))
+
+    def report(self, record: Mapping[str, Any]) -> ReportPart:
+        """report.md's llama.cpp section."""
+        return base.own_section(record, self.name, llamacpp_table)
+
+    def summary_lines(self, sections: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
+        """summary.md's and the model card's table: a row per (label, `llamacpp` section) and
+        serving mode, captioned by the last section; nothing without a section."""
+        found = [(label, v) for label, v in sections if v]
+        if not found:
+            return []
+        rows = [row for label, v in found for row in summary_rows(v, label)]
+        return ["", summary_caption(found[-1][1]), "", *SUMMARY_HEAD, *rows]
+
+
+ENGINE = LlamaCppEngine()
