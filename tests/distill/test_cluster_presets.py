@@ -159,3 +159,29 @@ def test_chat_modes_served_first(tmp_path):
     assert [m for m, _ in chat_modes(_cfg(tmp_path, modes))] == ["a", "b"]
     assert [m for m, _ in chat_modes(_cfg(tmp_path, modes, "served_chat_mode=b"))] == ["b", "a"]
     assert chat_modes(_cfg(tmp_path)) == []
+
+
+@pytest.mark.parametrize(
+    ("pair", "train_set"),
+    [("llama3", "HuggingFaceH4/ultrachat_200k"), ("qwen3", "HuggingFaceH4/ultrachat_200k"),
+     ("smollm2-chat", "mixture")],
+)  # fmt: skip
+def test_a_key_of_the_set_a_sizing_picks_keeps_the_set(tmp_path, pair, train_set):
+    """`generate.dataset.limit=N` over a pair whose sizing picks the set (conf/sizing/cluster.yaml's
+    `/dataset@generate.dataset: ultrachat`) changes that set's key: the set stays, it does not
+    fall back to the stage's default code prompts."""
+    keys = ["++generate.dataset.limit=100", "++distill.dataset.seed=7"]
+    steps = build_plan(_cfg(tmp_path / "r", f"pair={pair}", *keys))
+    gens = [s.config["dataset"] for s in steps if s.stage == "generate"]
+    d = next(s.config["dataset"] for s in steps if s.name == "distill")
+    for dataset in (*gens, d):
+        assert dataset.get("name") == train_set or dataset["source"] == train_set, dataset
+    assert all(g["limit"] == 100 for g in gens) and d["seed"] == 7
+    assert next(s for s in steps if s.name == "validate").config["dataset"]["source"] == "mixture"
+
+
+def test_a_validate_set_reads_its_own_set_where_the_sizing_picks_validate_s(tmp_path):
+    steps = {s.name: s for s in build_plan(_cfg(tmp_path / "r", "pair=smollm2-chat",
+                                                "validate_sets=[gsm8k]"))}  # fmt: skip
+    assert steps["validate"].config["dataset"]["source"] == "mixture"  # chat_bench
+    assert steps["validate_gsm8k"].config["dataset"]["path"]["test"] == "local:gsm8k/test.jsonl"
