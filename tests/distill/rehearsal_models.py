@@ -2,15 +2,16 @@
 run time as local folders laid out as the hub's, for the dress rehearsal (test_rehearsal.py).
 
 What is kept from the real models is what the pipeline's code paths depend on: the architecture
-class, the vocabulary size (which switches the draft vocabulary on: `draft_vocab: auto` at 16k
-rows, `draft_vocab_train: auto` at 128k), the special tokens and their roles (Llama 3 adds
-`<|begin_of_text|>` and has no pad token; Qwen3 has no bos token and pads with
-`<|endoftext|>`), the chat template's behaviour (Llama 3's headers; Qwen3's `enable_thinking`
-switch and its reasoning block dropped from earlier answers), tied or untied heads, RoPE
-settings, bf16 weights and the sampling defaults of `generation_config.json`. Widths and depths
-are tiny. The tokenizer is a byte-level BPE whose merges are generated (every pair, then every
-triple, of a small alphabet) up to the real vocabulary size, so a random model's tokens decode to
-text and re-encode.
+class; the vocabulary size, which switches the draft vocabulary on (`draft_vocab: auto` from 16k
+rows; `draft_vocab_train: auto` from 131072 rows: on for Qwen3's 151936, off for Llama 3's
+128256); the special tokens and their roles (Llama 3 adds `<|begin_of_text|>` and has no pad
+token; Qwen3 has no bos token, pads with `<|endoftext|>` and its head has rows past the
+tokenizer, which a trained model never predicts); the chat template's behaviour (Llama 3's
+headers; Qwen3's `enable_thinking` switch and its reasoning block dropped from earlier answers);
+tied or untied heads, RoPE settings, bf16 weights and the sampling defaults of
+`generation_config.json`. Widths and depths are tiny. The tokenizer is a byte-level BPE whose
+merges are generated (every pair, then every triple, of a small alphabet) up to the real
+vocabulary size, so a random model's tokens decode to text and re-encode.
 """
 
 from __future__ import annotations
@@ -220,12 +221,24 @@ def llama3_pair(root: Path) -> HubPair:
     return pair
 
 
+def _untrained_rows(model, first: int):
+    """Head and embedding rows from `first` on set to zero: the rows past the tokenizer, which
+    a trained model never predicts (a random one would, as often as any other)."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight[first:] = 0
+        model.get_input_embeddings().weight[first:] = 0
+    return model
+
+
 def qwen3_pair(root: Path) -> HubPair:
     """Qwen3-8B <- Qwen3-0.6B in miniature (untied target, tied drafter)."""
     gen = {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
            "do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}  # fmt: skip
     pair = HubPair(root / "Qwen3-8B", root / "Qwen3-0.6B")
-    for folder, model in ((pair.target, _qwen3(False, 2, 0)), (pair.drafter, _qwen3(True, 1, 1))):
+    size = 151643 + len(QWEN3_SPECIAL) + len(QWEN3_ADDED)  # the tokenizer's 151669
+    target, drafter = (_untrained_rows(_qwen3(tie, n, seed), size)
+                       for tie, n, seed in ((False, 2, 0), (True, 1, 1)))  # fmt: skip
+    for folder, model in ((pair.target, target), (pair.drafter, drafter)):
         _save_model(model, folder, gen)
         qwen3_tokenizer(folder)
     return pair

@@ -51,9 +51,12 @@ REHEARSAL = {
         "++distill.eval_every=2",
         "++distill.save_every=2",
         "++distill.eval.max_new_tokens=8",
+        "++validate.dtype=fp32",  # random weights' flat logits tie in bf16; fp32 keeps lossless exact
         "++validate.num_prompts=2",
+        "++validate.max_prompt_tokens=48",
         "++validate.max_new_tokens=8",
         "++validate.step_time_iters=2",
+        "++validate.recommend_max_k=4",
         "++export.check.max_new_tokens=8",
     ],
     "qwen3": [
@@ -67,12 +70,26 @@ REHEARSAL = {
         "++distill.eval_every=2",
         "++distill.save_every=2",
         "++distill.eval.max_new_tokens=8",
+        "++validate.dtype=fp32",  # random weights' flat logits tie in bf16; fp32 keeps lossless exact
         "++validate.num_prompts=2",
+        "++validate.max_prompt_tokens=48",
         "++validate.max_new_tokens=8",
         "++validate.step_time_iters=2",
+        "++validate.recommend_max_k=4",
         "++export.check.max_new_tokens=8",
     ],
 }
+# Values of the cluster plan the rehearsal keeps (every other one is kept too, and checked).
+KEPT = {
+    "generate": ["topk_logprobs", "max_prompt_tokens", "dtype", "dataset.splits.train",
+                 "dataset.chat_template_kwargs", "chunk_size"],
+    "distill": ["optim.optimizer.lr", "optim.warmup_steps", "max_seq_len", "micro_batch_size",
+                "pack_sequences", "fsdp", "mixed_precision", "draft_vocab_train",
+                "onpolicy.engine", "dataset.splits.test", "eval.split",
+                "dataset.chat_template_kwargs"],
+    "validate": ["decoder.gamma", "dataset.source", "dataset.chat_template_kwargs", "both_modes"],
+    "export": ["dtype"],
+}  # fmt: skip
 ARCHITECTURES = {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 CRASH_SCRIPT = Path(__file__).with_name("rehearsal_crash.py")
 STEP_MODULE = "specdistill.distill.pipeline.step"
@@ -110,15 +127,19 @@ def _overridden(overrides: list[str]) -> dict[str, set[str]]:
 
 
 def _assert_only_overrides_differ(rehearsal, preset, overrides: list[str]) -> None:
-    """Every value of every step is the preset's, except the keys the overrides set (and the
-    drafter that distill hands validate and export, which is the same path in both plans)."""
+    """Every value of every step is the preset's except the keys the overrides set, and every
+    override changes a value (none is lost on the way into a stage's config)."""
     assert [s.name for s in rehearsal] == [s.name for s in preset]
     keys = _overridden(overrides)
+    changed_somewhere: set[str] = set()
     for ours, theirs in zip(rehearsal, preset):
         mine, cluster = _flat(ours.config), _flat(theirs.config)
         assert mine.keys() == cluster.keys(), ours.name
         changed = {k for k in mine if mine[k] != cluster[k]}
         assert changed <= keys.get(ours.stage, set()), (ours.name, changed)
+        changed_somewhere |= {f"{ours.stage}.{k}" for k in changed}
+    wanted = {f"{stage}.{k}" for stage, ks in keys.items() for k in ks}
+    assert wanted <= changed_somewhere, wanted - changed_somewhere
 
 
 def _torchrun(run_dir: Path, script: list[str], **env: str) -> subprocess.CompletedProcess:
@@ -147,14 +168,16 @@ def test_dress_rehearsal(tmp_path, monkeypatch, pair):
     overrides = [o.format(**paths) for o in REHEARSAL[pair]]
     run = tmp_path / "run"
     cfg = _cfg(run, pair, overrides)
-    steps = build_plan(cfg)
-    _assert_only_overrides_differ(steps, build_plan(_cfg(run, pair, [])), overrides)
+    steps, preset = build_plan(cfg), build_plan(_cfg(run, pair, []))
+    _assert_only_overrides_differ(steps, preset, overrides)
     by_name = {s.name: s for s in steps}
+    cluster = {s.name: _flat(s.config) for s in preset}
+    for name, keys in KEPT.items():  # spelled out: the cluster values a reader looks for
+        for step, key in ((s, k) for s in by_name if s.startswith(name) for k in keys):
+            assert _flat(by_name[step].config)[key] == cluster[step][key], (step, key)
     d = by_name["distill"].config
     assert (d["fsdp"], d["pack_sequences"], d["mixed_precision"]) == (True, True, "bf16")
-    assert d["max_seq_len"] >= 2048
     gens = [s for s in steps if s.stage == "generate"]
-    assert all(g.config["topk_logprobs"] == 32 for g in gens)
     write_plan(steps)
 
     # generate: UltraChat's train_sft, through the preset's split mapping
@@ -168,8 +191,8 @@ def test_dress_rehearsal(tmp_path, monkeypatch, pair):
         thinking, direct = (
             _prompts(by_name[f"generate_{m}"].out_dir) for m in ("thinking", "direct")
         )
-        assert all(p.endswith("<think>\n\n</think>\n\n") for p in direct)
-        assert not any("<think>" in p for p in thinking)
+        assert all(p.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for p in direct)
+        assert all(p.endswith("<|im_start|>assistant\n") for p in thinking)
 
     # distill as its Slurm job runs it: 2 processes, FSDP2; killed after step 3, then resumed
     crashed = _torchrun(run, [str(CRASH_SCRIPT)], SPECDISTILL_TEST_CRASH_AT="3")
@@ -188,7 +211,10 @@ def test_dress_rehearsal(tmp_path, monkeypatch, pair):
     assert not set(eval_prompts) & set(train_prompts)
 
     # the rest as the local executor runs it: finished steps skipped by their fingerprints
+    markers = [Path(s.out_dir) / execute.DONE for s in (*gens, by_name["distill"])]
+    finished = [m.stat().st_mtime_ns for m in markers]
     result = local.run(cfg)
+    assert [m.stat().st_mtime_ns for m in markers] == finished  # not run again
     ran = {s.name for s in steps[:-1]}
     assert set(result.stages) == ran
     for s in steps:
