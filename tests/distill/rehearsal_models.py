@@ -141,15 +141,18 @@ def byte_bpe(size: int) -> Tokenizer:
     return tok
 
 
-def _save_tokenizer(tok: Tokenizer, folder: Path, template: str, **roles: str | None) -> None:
+def _save_tokenizer(
+    tok: Tokenizer, folders: list[Path], template: str, **roles: str | None
+) -> None:
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **roles)
     fast.chat_template = template
-    fast.save_pretrained(folder)
+    for folder in folders:
+        fast.save_pretrained(folder)
 
 
-def llama3_tokenizer(folder: Path) -> None:
+def llama3_tokenizer(folders: list[Path]) -> None:
     """Llama 3's layout: 128000 BPE tokens, then 256 special ones (the named ones at their ids,
     the rest reserved); `<|begin_of_text|>` added in front of every encoding; no pad token."""
     tok = byte_bpe(128000)
@@ -161,17 +164,17 @@ def llama3_tokenizer(folder: Path) -> None:
         pair="<|begin_of_text|> $A <|begin_of_text|> $B",
         special_tokens=[("<|begin_of_text|>", 128000)],
     )
-    _save_tokenizer(tok, folder, LLAMA3_TEMPLATE, bos_token="<|begin_of_text|>",
+    _save_tokenizer(tok, folders, LLAMA3_TEMPLATE, bos_token="<|begin_of_text|>",
                     eos_token="<|eot_id|>")  # fmt: skip
 
 
-def qwen3_tokenizer(folder: Path) -> None:
+def qwen3_tokenizer(folders: list[Path]) -> None:
     """Qwen3's layout: 151643 BPE tokens, its special tokens from 151643, the reasoning tags as
     added non-special tokens (151669 in all; the model's 151936 rows pad past them); no bos."""
     tok = byte_bpe(151643)
     tok.add_special_tokens(QWEN3_SPECIAL)
     tok.add_tokens(QWEN3_ADDED)
-    _save_tokenizer(tok, folder, QWEN3_TEMPLATE, eos_token="<|im_end|>",
+    _save_tokenizer(tok, folders, QWEN3_TEMPLATE, eos_token="<|im_end|>",
                     pad_token="<|endoftext|>")  # fmt: skip
 
 
@@ -217,7 +220,7 @@ def llama3_pair(root: Path) -> HubPair:
     pair = HubPair(root / "Llama-3.1-8B-Instruct", root / "Llama-3.2-1B-Instruct")
     for folder, model in ((pair.target, _llama(False, 2, 0)), (pair.drafter, _llama(True, 1, 1))):
         _save_model(model, folder, gen)
-        llama3_tokenizer(folder)
+    llama3_tokenizer([pair.target, pair.drafter])
     return pair
 
 
@@ -240,7 +243,7 @@ def qwen3_pair(root: Path) -> HubPair:
                        for tie, n, seed in ((False, 2, 0), (True, 1, 1)))  # fmt: skip
     for folder, model in ((pair.target, target), (pair.drafter, drafter)):
         _save_model(model, folder, gen)
-        qwen3_tokenizer(folder)
+    qwen3_tokenizer([pair.target, pair.drafter])
     return pair
 
 
