@@ -14,6 +14,7 @@ from specdistill.distill.export.card import _chat_line
 from specdistill.distill.pipeline import slurm
 from specdistill.distill.pipeline.chat_modes import chat_modes
 from specdistill.distill.pipeline.plan import build_plan
+from specdistill.distill.pipeline.stage import check_set_keys
 from specdistill.distill.train import rollouts
 from specdistill.distill.train.data import chat_record
 from specdistill.distill.train.settings import DataSettings
@@ -185,3 +186,17 @@ def test_a_validate_set_reads_its_own_set_where_the_sizing_picks_validate_s(tmp_
                                                 "validate_sets=[gsm8k]"))}  # fmt: skip
     assert steps["validate"].config["dataset"]["source"] == "mixture"  # chat_bench
     assert steps["validate_gsm8k"].config["dataset"]["path"]["test"] == "local:gsm8k/test.jsonl"
+
+
+def test_a_set_picked_by_name_with_a_key_of_it_is_refused_and_the_node_form_plans(tmp_path):
+    """`generate.dataset=chat_mix generate.dataset.limit=5` would read the toy set (Hydra replaces
+    the name with the key's node): one line naming the spelling that keeps both, which plans."""
+    with pytest.raises(ConfigError, match=r"^generate.dataset=chat_mix with generate.dataset."
+                                          r"limit: .*\+dataset@generate.dataset=chat_mix"):  # fmt: skip
+        check_set_keys(["pair=toy-tiny", "generate.dataset=chat_mix", "generate.dataset.limit=5"])
+    check_set_keys(["generate.dataset=chat_mix", "distill.dataset.limit=5"])  # another stage's
+    check_set_keys(["generate.dataset={source: jsonl}", "generate.dataset.path=x.jsonl"])
+    cfg = _cfg(tmp_path, "pair=toy-tiny", "+dataset@generate.dataset=chat_mix",
+               "++generate.dataset.limit=5")  # fmt: skip
+    gen = build_plan(cfg)[0].config["dataset"]
+    assert (gen["source"], gen["limit"]) == ("mixture", 5)
