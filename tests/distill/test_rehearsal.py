@@ -6,8 +6,9 @@ What runs is the preset's plan (conf/sizing/cluster.yaml and the pair's sizing) 
 overrides in REHEARSAL below: model folders and UltraChat's name (tiny random-weight models of
 the preset's own classes, vocabularies, special tokens and chat templates, and a local folder
 laid out as the hub's UltraChat, all written at run time by rehearsal_models.py), the vLLM
-backend (it needs a GPU) and sizes. Every other value of every step is the preset's, which the
-test asserts key by key. Then, as the cluster runs it:
+backend (it needs a GPU), validate's dtype (random weights tie in bf16), transformers'
+timing-only assisted run, and sizes. Every other value of every step is the preset's, which the
+test asserts key by key, and every override is asserted to land. Then, as the cluster runs it:
 
 - generate (each chat mode's step for qwen3) reads UltraChat's `train_sft` through the preset's
   split mapping; distill's held-out eval reads `test_sft` (no eval prompt is a training row);
@@ -16,7 +17,8 @@ test asserts key by key. Then, as the cluster runs it:
   stored top-32; every rank is killed after step 3, and the same command resumes from the step-2
   checkpoint and finishes;
 - the local executor then skips the finished steps by fingerprint and runs validate_base,
-  validate (and validate_direct for qwen3's non-thinking mode), export and the report.
+  validate (and validate_direct for qwen3's non-thinking mode), each refusing prompts among the
+  Seq-KD rows of its mode (`training_data`), export and the report.
 
 Slow: a few minutes for both presets on 2 CPU cores (tests/README.md).
 """
@@ -37,50 +39,30 @@ from specdistill.distill.pipeline import execute, local
 from specdistill.distill.pipeline.plan import build_plan, step_file, write_plan
 from tests.distill.rehearsal_models import PAIRS, ultrachat_folder
 
-# What the rehearsal changes in each preset's plan, and nothing else. Paths are filled in at run
-# time: {target}, {drafter} (rehearsal_models.py's tiny models), {ultrachat} (its local UltraChat).
-REHEARSAL = {
-    "llama3": [
-        "pair.target={target}",  # a tiny random LlamaForCausalLM with Llama 3's tokenizer layout
-        "pair.drafter={drafter}",
-        "++generate.dataset.name={ultrachat}",  # train_sft / test_sft as on the hub, read locally
-        "++distill.dataset.name={ultrachat}",
-        "++generate.backend=hf",  # vLLM needs a GPU
-        "++generate.max_new_tokens=16",  # sizes from here on
-        "++distill.max_steps=4",
-        "++distill.eval_every=2",
-        "++distill.save_every=2",
-        "++distill.eval.max_new_tokens=8",
-        "++validate.dtype=fp32",  # random weights' flat logits tie in bf16; fp32 keeps lossless exact
-        "++validate.num_prompts=2",
-        "++validate.max_prompt_tokens=48",
-        "++validate.max_new_tokens=8",
-        "++validate.step_time_iters=2",
-        "++validate.hf_assisted=false",  # timing only; export's self-check runs assisted generation
-        "++validate.recommend_max_k=4",
-        "++export.check.max_new_tokens=8",
-    ],
-    "qwen3": [
-        "pair.target={target}",  # a tiny random Qwen3ForCausalLM with Qwen3's tokenizer layout
-        "pair.drafter={drafter}",
-        "++generate.dataset.name={ultrachat}",  # train_sft / test_sft as on the hub, read locally
-        "++distill.dataset.name={ultrachat}",
-        "++generate.backend=hf",  # vLLM needs a GPU
-        "++generate.max_new_tokens=16",  # sizes from here on
-        "++distill.max_steps=4",
-        "++distill.eval_every=2",
-        "++distill.save_every=2",
-        "++distill.eval.max_new_tokens=8",
-        "++validate.dtype=fp32",  # random weights' flat logits tie in bf16; fp32 keeps lossless exact
-        "++validate.num_prompts=2",
-        "++validate.max_prompt_tokens=48",
-        "++validate.max_new_tokens=8",
-        "++validate.step_time_iters=2",
-        "++validate.hf_assisted=false",  # timing only; export's self-check runs assisted generation
-        "++validate.recommend_max_k=4",
-        "++export.check.max_new_tokens=8",
-    ],
-}
+# What the rehearsal changes in each preset's plan, and nothing else (the same list for both).
+# Paths are filled in at run time: {target}, {drafter} (rehearsal_models.py's tiny models of the
+# preset's classes), {ultrachat} (its local UltraChat).
+REHEARSAL = [
+    "pair.target={target}",
+    "pair.drafter={drafter}",
+    "++generate.dataset.name={ultrachat}",  # train_sft / test_sft as on the hub, read locally
+    "++distill.dataset.name={ultrachat}",
+    "++generate.backend=hf",  # vLLM needs a GPU
+    "++validate.dtype=fp32",  # random weights' flat logits tie in bf16; fp32 keeps lossless exact
+    "++validate.hf_assisted=false",  # timing only; export's self-check runs assisted generation
+    "++generate.max_new_tokens=16",  # sizes from here on
+    "++distill.max_steps=4",
+    "++distill.eval_every=2",
+    "++distill.save_every=2",
+    "++distill.eval.max_new_tokens=8",
+    "++validate.num_prompts=2",
+    "++validate.max_prompt_tokens=48",
+    "++validate.max_new_tokens=8",
+    "++validate.step_time_iters=2",
+    "++validate.recommend_max_k=4",
+    "++export.check.max_new_tokens=8",
+]
+PRESETS = ("llama3", "qwen3")
 # Values of the cluster plan the rehearsal keeps (every other one is kept too, and checked).
 KEPT = {
     "generate": ["topk_logprobs", "max_prompt_tokens", "dtype", "dataset.splits.train",
@@ -158,16 +140,10 @@ def _prompts(folder: str) -> list[str]:
     return list(datasets.load_from_disk(folder)["prompt"])
 
 
-@pytest.mark.slow  # the preset's whole pipeline, distill as 2 torchrun processes twice: minutes
-@pytest.mark.parametrize("pair", sorted(REHEARSAL))
-def test_dress_rehearsal(tmp_path, monkeypatch, pair):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing from the hub: every model and set is local
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets_cache"))
-    models = PAIRS[pair](tmp_path / "hub")
-    chat = ultrachat_folder(tmp_path / "sets")
-    paths = {"target": models.target, "drafter": models.drafter, "ultrachat": chat}
-    overrides = [o.format(**paths) for o in REHEARSAL[pair]]
-    run = tmp_path / "run"
+def _checked_plan(run: Path, pair: str, paths: dict[str, Path]):
+    """The rehearsal's plan (the pipeline config and its steps), after checking it against the
+    preset's own: only the overrides differ, each lands, the kept values read as the cluster's."""
+    overrides = [o.format(**paths) for o in REHEARSAL]
     cfg = _cfg(run, pair, overrides)
     steps, preset = build_plan(cfg), build_plan(_cfg(run, pair, []))
     _assert_only_overrides_differ(steps, preset, overrides)
@@ -187,6 +163,28 @@ def test_dress_rehearsal(tmp_path, monkeypatch, pair):
         assert modes["distill"] == modes["validate"] == {"enable_thinking": True}
     d = by_name["distill"].config
     assert (d["fsdp"], d["pack_sequences"], d["mixed_precision"]) == (True, True, "bf16")
+    return cfg, steps
+
+
+@pytest.mark.parametrize("pair", PRESETS)
+def test_the_rehearsal_plan_is_the_preset_s_but_for_its_overrides(tmp_path, pair):
+    """The plan half of the rehearsal, in seconds (nothing is loaded): a preset change that an
+    override no longer reaches, or that the rehearsal would silently replace, fails here."""
+    paths = {name: tmp_path / name for name in ("target", "drafter", "ultrachat")}
+    _checked_plan(tmp_path / "run", pair, paths)
+
+
+@pytest.mark.slow  # the preset's whole pipeline, distill as 2 torchrun processes twice: minutes
+@pytest.mark.parametrize("pair", PRESETS)
+def test_dress_rehearsal(tmp_path, monkeypatch, pair):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing from the hub: every model and set is local
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets_cache"))
+    models = PAIRS[pair](tmp_path / "hub")
+    chat = ultrachat_folder(tmp_path / "sets")
+    paths = {"target": models.target, "drafter": models.drafter, "ultrachat": chat}
+    run = tmp_path / "run"
+    cfg, steps = _checked_plan(run, pair, paths)
+    by_name = {s.name: s for s in steps}
     gens = [s for s in steps if s.stage == "generate"]
     write_plan(steps)
 
@@ -227,10 +225,12 @@ def test_dress_rehearsal(tmp_path, monkeypatch, pair):
     assert [m.stat().st_mtime_ns for m in markers] == finished  # not run again
     ran = {s.name for s in steps[:-1]}
     assert set(result.stages) == ran
-    for s in steps:
-        if s.stage == "validate":
-            report = read_json(s.result_path)
-            assert report["lossless"] is True, s.name
+    rows = {"validate_direct": "generate_direct"} if pair == "qwen3" else {}
+    for s in (s for s in steps if s.stage == "validate"):
+        report = read_json(s.result_path)
+        assert report["lossless"] is True, s.name
+        trained = by_name[rows.get(s.name, gens[0].name)].out_dir  # checked disjoint at run time
+        assert report["config"]["training_data"] == trained, s.name
     exported = read_json(by_name["export"].result_path)
     assert exported["check"]["tokenizer_matches_target"] is True
     config = json.loads((Path(by_name["export"].out_dir) / "drafter" / "config.json").read_text())
