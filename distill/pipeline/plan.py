@@ -148,11 +148,11 @@ class _Planner:
         extra = StageOverrides(own_groups, typed)
         stage_cfg = compose_stage(stage, cfg, self.overrides.get(stage, StageOverrides()) + extra)
         own = (cfg.get(stage) or {}).get("dataset")
-        picked = (
-            isinstance(own, str) or whole_set(cfg.get(stage)) is not None or dataset is not None
-        )
+        whole = whole_set(cfg.get(stage)) is not None  # a sizing's pick, set by compose_stage
+        picked = isinstance(own, str) or whole or dataset is not None
         if cfg.get("dataset") is not None and stage in DATASET_STAGES:
-            stage_cfg.dataset = pipeline_dataset(cfg.dataset, stage_cfg.dataset, own, picked)
+            keys = None if whole else own  # a whole set is no keys over a step's own pick
+            stage_cfg.dataset = pipeline_dataset(cfg.dataset, stage_cfg.dataset, keys, picked)
         if (
             self.modes and stage in DATASET_STAGES
         ):  # the served chat mode; a mode's step sets its own

@@ -181,11 +181,16 @@ def test_a_key_of_the_set_a_sizing_picks_keeps_the_set(tmp_path, pair, train_set
     assert next(s for s in steps if s.name == "validate").config["dataset"]["source"] == "mixture"
 
 
-def test_a_validate_set_reads_its_own_set_where_the_sizing_picks_validate_s(tmp_path):
-    steps = {s.name: s for s in build_plan(_cfg(tmp_path / "r", "pair=smollm2-chat",
-                                                "validate_sets=[gsm8k]"))}  # fmt: skip
+@pytest.mark.parametrize("keys", [[], ["+dataset.chat_template_kwargs={enable_thinking: false}"]])
+def test_a_validate_set_reads_its_own_set_where_the_sizing_picks_validate_s(tmp_path, keys):
+    """validate_<set> reads the set it names, also under a pipeline `dataset` node (whose
+    template arguments it takes), though the sizing picks validate's set as a whole node."""
+    cfg = _cfg(tmp_path / "r", "pair=smollm2-chat", "validate_sets=[gsm8k]", *keys)
+    steps = {s.name: s for s in build_plan(cfg)}
     assert steps["validate"].config["dataset"]["source"] == "mixture"  # chat_bench
-    assert steps["validate_gsm8k"].config["dataset"]["path"]["test"] == "local:gsm8k/test.jsonl"
+    own = steps["validate_gsm8k"].config["dataset"]
+    assert own["path"]["test"] == "local:gsm8k/test.jsonl" and "mixture" not in own
+    assert own["chat_template_kwargs"] == ({"enable_thinking": False} if keys else {})
 
 
 def test_a_set_picked_by_name_with_a_key_of_it_is_refused_and_the_node_form_plans(tmp_path):
