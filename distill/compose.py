@@ -108,6 +108,16 @@ def _user_values(node: Any, prefix: str = "") -> list[str]:
     return out
 
 
+def whole_set(section: Any) -> Any:
+    """The section's `dataset` when it is a whole prompt set (a node naming its `source`, as a
+    sizing's `/dataset@generate.dataset: ultrachat` default composes it), else None. A whole set
+    replaces the stage's own set rather than setting keys of it: it is how a pair's sizing picks
+    a set that `generate.dataset.limit=N` can still change, since a key set on a bare name
+    (`generate.dataset: ultrachat`) replaces the name and the stage's default set comes back."""
+    node = section.get("dataset") if section else None
+    return node if isinstance(node, DictConfig | Mapping) and "source" in node else None
+
+
 def compose_stage(
     stage: str, cfg: DictConfig, overrides: StageOverrides | list[str] | None = None
 ) -> DictConfig:
@@ -117,6 +127,13 @@ def compose_stage(
     if not isinstance(overrides, StageOverrides):
         overrides = StageOverrides(tuple(overrides or ()))
     section = cfg.get(stage) or {}
+    own_pick = any(g.partition("=")[0] == "dataset" for g in overrides.groups)
+    whole = whole_set(section)
+    if whole is not None or (own_pick and isinstance(section.get("dataset"), str)):
+        # the step's own pick (a validate_<set> step) or the section's whole set stands alone
+        if isinstance(section, DictConfig):
+            section = OmegaConf.to_container(section, resolve=True)
+        section = {k: v for k, v in section.items() if k != "dataset"}
     user = flatten_overrides(section)
     stage_cfg = compose_checked(
         stage, [*overrides.groups, *user], removed_keys(stage), section=stage
@@ -131,5 +148,7 @@ def compose_stage(
             OmegaConf.update(stage_cfg, key, value, merge=True)
         for key, value in keep.items():  # the user's keys, as Hydra composed them, win
             OmegaConf.update(stage_cfg, key, value, merge=False)
+    if whole is not None and not own_pick:
+        stage_cfg.dataset = OmegaConf.create(OmegaConf.to_container(whole, resolve=False))
     stage_cfg.pair = OmegaConf.merge(stage_cfg.pair, cfg.pair)
     return stage_cfg

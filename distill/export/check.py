@@ -158,7 +158,9 @@ def self_check(
     drift = logit_drift(drafter, probe, reference_logits)
 
     target = load_role(spec, "target", dtype=target_dtype, device=device)
-    drafter = drafter.to(device)
+    # decoded in the target's dtype (fp32 by default: no near-ties): a bf16 export upcasts
+    # exactly, and our decoder takes a pair of one dtype only
+    drafter = drafter.to(device=device, dtype=target_dtype)
     same_tokens = 0
     for text in prompts:
         _, plain = assisted_equals_greedy(

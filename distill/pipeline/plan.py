@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from specdistill.data.io import atomic_write_text
 from specdistill.data.runtime import ConfigError
 from specdistill.data.stage_config import config_module
-from specdistill.distill.compose import StageOverrides, compose_stage
+from specdistill.distill.compose import StageOverrides, compose_stage, whole_set
 from specdistill.distill.export.hub import check_repo_id
 from specdistill.distill.pipeline.category_report import COMPARED
 from specdistill.distill.pipeline.chat_modes import chat_modes
@@ -149,9 +149,11 @@ class _Planner:
         extra = StageOverrides(own_groups, typed)
         stage_cfg = compose_stage(stage, cfg, self.overrides.get(stage, StageOverrides()) + extra)
         own = (cfg.get(stage) or {}).get("dataset")
-        picked = isinstance(own, str) or dataset is not None
+        whole = whole_set(cfg.get(stage)) is not None  # a sizing's pick, set by compose_stage
+        picked = isinstance(own, str) or whole or dataset is not None
         if cfg.get("dataset") is not None and stage in DATASET_STAGES:
-            stage_cfg.dataset = pipeline_dataset(cfg.dataset, stage_cfg.dataset, own, picked)
+            keys = None if whole else own  # a whole set is no keys over a step's own pick
+            stage_cfg.dataset = pipeline_dataset(cfg.dataset, stage_cfg.dataset, keys, picked)
         if (
             self.modes and stage in DATASET_STAGES
         ):  # the served chat mode; a mode's step sets its own

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 
 import hydra
@@ -91,6 +92,30 @@ def stage_keys_addable(argv: list[str]) -> list[str]:
     return out
 
 
+def check_set_keys(argv: list[str]) -> None:
+    """A stage's prompt set picked by name and a key of it in one command
+    (`generate.dataset=chat_mix generate.dataset.limit=64`): Hydra would replace the name with
+    the key's node, and the stage would read its default set with that key. Refused in one line
+    naming the spelling that keeps both (the set as a whole node, as the sizings pick it)."""
+    picked: dict[str, str] = {}
+    for arg in argv:
+        key, eq, value = arg.lstrip("+").partition("=")
+        stage, _, rest = key.partition(".")
+        if eq and stage in STAGES and rest == "dataset" and re.fullmatch(r"[\w.-]+", value):
+            picked[stage] = value
+    for arg in argv:
+        key, eq, _ = arg.lstrip("+").partition("=")
+        stage, _, rest = key.partition(".")
+        if eq and stage in picked and rest.startswith("dataset."):
+            name = picked[stage]
+            raise ConfigError(
+                f"{stage}.dataset={name} with {key}: a key over a set picked by name replaces "
+                f"the name, and {stage} would read its default set; pick it as a node instead: "
+                f"+dataset@{stage}.dataset={name} (without the + where the pair's sizing picks "
+                f"{stage}'s set), then {key}=..."
+            )
+
+
 def plan_mode_quiet(argv: list[str]) -> list[str]:
     """With `plan=true`, Hydra writes no config copies, log files or run folder: the plan is
     printed, nothing else happens (a multirun still makes its sweep folders)."""
@@ -111,6 +136,7 @@ def plan_mode_quiet(argv: list[str]) -> list[str]:
 def main() -> None:
     """Console script `specdistill`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    run_or_exit(check_set_keys, sys.argv[1:])
     sys.argv[1:] = plan_mode_quiet(stage_keys_addable(sys.argv[1:]))
     check_command_line("pipeline")  # a pipeline key's typo; stage keys are checked per stage
     _hydra_main()

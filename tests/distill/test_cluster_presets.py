@@ -14,6 +14,7 @@ from specdistill.distill.export.card import _chat_line
 from specdistill.distill.pipeline import slurm
 from specdistill.distill.pipeline.chat_modes import chat_modes
 from specdistill.distill.pipeline.plan import build_plan
+from specdistill.distill.pipeline.stage import check_set_keys
 from specdistill.distill.train import rollouts
 from specdistill.distill.train.data import chat_record
 from specdistill.distill.train.settings import DataSettings
@@ -141,3 +142,48 @@ def test_chat_modes_served_first(tmp_path):
     assert [m for m, _ in chat_modes(_cfg(tmp_path, modes))] == ["a", "b"]
     assert [m for m, _ in chat_modes(_cfg(tmp_path, modes, "served_chat_mode=b"))] == ["b", "a"]
     assert chat_modes(_cfg(tmp_path)) == []
+
+
+@pytest.mark.parametrize(
+    ("pair", "train_set"),
+    [("llama3", "HuggingFaceH4/ultrachat_200k"), ("qwen3", "HuggingFaceH4/ultrachat_200k"),
+     ("smollm2-chat", "mixture")],
+)  # fmt: skip
+def test_a_key_of_the_set_a_sizing_picks_keeps_the_set(tmp_path, pair, train_set):
+    """`generate.dataset.limit=N` over a pair whose sizing picks the set (conf/sizing/cluster.yaml's
+    `/dataset@generate.dataset: ultrachat`) changes that set's key: the set stays, it does not
+    fall back to the stage's default code prompts."""
+    keys = ["++generate.dataset.limit=100", "++distill.dataset.seed=7"]
+    steps = build_plan(_cfg(tmp_path / "r", f"pair={pair}", *keys))
+    gens = [s.config["dataset"] for s in steps if s.stage == "generate"]
+    d = next(s.config["dataset"] for s in steps if s.name == "distill")
+    for dataset in (*gens, d):
+        assert dataset.get("name") == train_set or dataset["source"] == train_set, dataset
+    assert all(g["limit"] == 100 for g in gens) and d["seed"] == 7
+    assert next(s for s in steps if s.name == "validate").config["dataset"]["source"] == "mixture"
+
+
+@pytest.mark.parametrize("keys", [[], ["+dataset.chat_template_kwargs={enable_thinking: false}"]])
+def test_a_validate_set_reads_its_own_set_where_the_sizing_picks_validate_s(tmp_path, keys):
+    """validate_<set> reads the set it names, also under a pipeline `dataset` node (whose
+    template arguments it takes), though the sizing picks validate's set as a whole node."""
+    cfg = _cfg(tmp_path / "r", "pair=smollm2-chat", "validate_sets=[gsm8k]", *keys)
+    steps = {s.name: s for s in build_plan(cfg)}
+    assert steps["validate"].config["dataset"]["source"] == "mixture"  # chat_bench
+    own = steps["validate_gsm8k"].config["dataset"]
+    assert own["path"]["test"] == "local:gsm8k/test.jsonl" and "mixture" not in own
+    assert own["chat_template_kwargs"] == ({"enable_thinking": False} if keys else {})
+
+
+def test_a_set_picked_by_name_with_a_key_of_it_is_refused_and_the_node_form_plans(tmp_path):
+    """`generate.dataset=chat_mix generate.dataset.limit=5` would read the toy set (Hydra replaces
+    the name with the key's node): one line naming the spelling that keeps both, which plans."""
+    with pytest.raises(ConfigError, match=r"^generate.dataset=chat_mix with generate.dataset."
+                                          r"limit: .*\+dataset@generate.dataset=chat_mix"):  # fmt: skip
+        check_set_keys(["pair=toy-tiny", "generate.dataset=chat_mix", "generate.dataset.limit=5"])
+    check_set_keys(["generate.dataset=chat_mix", "distill.dataset.limit=5"])  # another stage's
+    check_set_keys(["generate.dataset={source: jsonl}", "generate.dataset.path=x.jsonl"])
+    cfg = _cfg(tmp_path, "pair=toy-tiny", "+dataset@generate.dataset=chat_mix",
+               "++generate.dataset.limit=5")  # fmt: skip
+    gen = build_plan(cfg)[0].config["dataset"]
+    assert (gen["source"], gen["limit"]) == ("mixture", 5)

@@ -410,3 +410,15 @@ def test_draft_vocab_survives_export_and_is_in_the_card(tmp_path, toy_tiny):
     assert result.check["draft_vocab"] == len(ids)
     assert "draft_vocab_equals_target_greedy" in result.check
     assert f"`draft_vocab_ids` lists {len(ids)} token" in (out / "README.md").read_text()
+
+
+def test_bf16_export_of_a_drafter_with_a_draft_vocabulary_passes_its_self_check(tmp_path, toy_tiny):
+    """A bf16 export (the cluster presets' export.dtype) of a drafter carrying draft_vocab_ids
+    (every pair of 16k+ tokens): the self-check decodes it beside the fp32 target, upcast."""
+    src = tmp_path / "best"
+    model = AutoModelForCausalLM.from_pretrained(str(toy_tiny.drafter_dir))
+    model.config.draft_vocab_ids = list(range(0, model.config.vocab_size, 2))
+    model.save_pretrained(str(src))
+    AutoTokenizer.from_pretrained(str(toy_tiny.drafter_dir)).save_pretrained(str(src))
+    res = export.run(_cfg(tmp_path / "out", f"drafter={src}", "dtype=bf16"))
+    assert res.dtype == "bfloat16" and res.check["draft_vocab"] == len(model.config.draft_vocab_ids)
