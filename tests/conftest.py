@@ -134,11 +134,11 @@ def main_in_process(main, argv: list[str], monkeypatch, capsys) -> tuple[int, li
     return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
 
 
-@pytest.fixture
-def engines_installed(monkeypatch, tmp_path):
+def fake_engines(patch, folder) -> None:
     """vLLM (a stand-in module at the oldest release tested) and llama-server (an executable
-    stub) present, for plans that name them: the plan refuses a run that would lack either
-    (distill/pipeline/preflight_plan.py). Nothing here starts either engine."""
+    stub in `folder`) present, through `patch` (a monkeypatch or its context), for plans that
+    name them: the plan refuses a run that would lack either (distill/pipeline/preflight_plan.py).
+    Nothing here starts either engine."""
     import re
     import types
 
@@ -146,8 +146,15 @@ def engines_installed(monkeypatch, tmp_path):
 
     vllm = types.ModuleType("vllm")
     vllm.__version__ = re.search(r">=([\d.]+)", TESTED)[1]
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
-    stub = tmp_path / "llama-server"
+    patch.setitem(sys.modules, "vllm", vllm)
+    stub = folder / "llama-server"
+    stub.parent.mkdir(parents=True, exist_ok=True)
     stub.write_text("#!/bin/sh\nexit 0\n")
     stub.chmod(0o755)
-    monkeypatch.setenv("SPECDISTILL_LLAMA_SERVER", str(stub))
+    patch.setenv("SPECDISTILL_LLAMA_SERVER", str(stub))
+
+
+@pytest.fixture
+def engines_installed(monkeypatch, tmp_path):
+    """`fake_engines` for one test."""
+    fake_engines(monkeypatch, tmp_path)

@@ -149,7 +149,9 @@ def test_chat_modes_served_first(tmp_path):
     [("llama3", "HuggingFaceH4/ultrachat_200k"), ("qwen3", "HuggingFaceH4/ultrachat_200k"),
      ("smollm2-chat", "mixture")],
 )  # fmt: skip
-def test_a_key_of_the_set_a_sizing_picks_keeps_the_set(tmp_path, pair, train_set):
+def test_a_key_of_the_set_a_sizing_picks_keeps_the_set(
+    tmp_path, pair, train_set, engines_installed
+):
     """`generate.dataset.limit=N` over a pair whose sizing picks the set (conf/sizing/cluster.yaml's
     `/dataset@generate.dataset: ultrachat`) changes that set's key: the set stays, it does not
     fall back to the stage's default code prompts."""

@@ -37,6 +37,7 @@ from hydra import compose, initialize_config_module
 from specdistill.data.io import read_json
 from specdistill.distill.pipeline import execute, local
 from specdistill.distill.pipeline.plan import build_plan, step_file, write_plan
+from tests.conftest import fake_engines
 from tests.distill.rehearsal_models import PAIRS, ultrachat_folder
 
 # What the rehearsal changes in each preset's plan, and nothing else (the same list for both).
@@ -140,12 +141,17 @@ def _prompts(folder: str) -> list[str]:
     return list(datasets.load_from_disk(folder)["prompt"])
 
 
-def _checked_plan(run: Path, pair: str, paths: dict[str, Path]):
+def _checked_plan(run: Path, pair: str, paths: dict[str, Path], monkeypatch):
     """The rehearsal's plan (the pipeline config and its steps), after checking it against the
-    preset's own: only the overrides differ, each lands, the kept values read as the cluster's."""
+    preset's own: only the overrides differ, each lands, the kept values read as the cluster's.
+    The preset's own plan is built as on its cluster, with vLLM there (a stand-in: nothing of it
+    runs), since the plan refuses a vLLM generate where none is installed."""
     overrides = [o.format(**paths) for o in REHEARSAL]
     cfg = _cfg(run, pair, overrides)
-    steps, preset = build_plan(cfg), build_plan(_cfg(run, pair, []))
+    steps = build_plan(cfg)
+    with monkeypatch.context() as cluster_venv:
+        fake_engines(cluster_venv, run.parent / "cluster-bin")
+        preset = build_plan(_cfg(run, pair, []))
     _assert_only_overrides_differ(steps, preset, overrides)
     by_name = {s.name: s for s in steps}
     cluster = {s.name: _flat(s.config) for s in preset}
@@ -167,11 +173,14 @@ def _checked_plan(run: Path, pair: str, paths: dict[str, Path]):
 
 
 @pytest.mark.parametrize("pair", PRESETS)
-def test_the_rehearsal_plan_is_the_preset_s_but_for_its_overrides(tmp_path, pair):
+def test_the_rehearsal_plan_is_the_preset_s_but_for_its_overrides(tmp_path, pair, monkeypatch):
     """The plan half of the rehearsal, in seconds (nothing is loaded): a preset change that an
     override no longer reaches, or that the rehearsal would silently replace, fails here."""
     paths = {name: tmp_path / name for name in ("target", "drafter", "ultrachat")}
-    _checked_plan(tmp_path / "run", pair, paths)
+    for role in ("target", "drafter"):  # folders the plan finds (it checks they are there)
+        paths[role].mkdir()
+        (paths[role] / "config.json").write_text("{}")
+    _checked_plan(tmp_path / "run", pair, paths, monkeypatch)
 
 
 @pytest.mark.slow  # the preset's whole pipeline, distill as 2 torchrun processes twice: minutes
@@ -183,7 +192,7 @@ def test_dress_rehearsal(tmp_path, monkeypatch, pair):
     chat = ultrachat_folder(tmp_path / "sets")
     paths = {"target": models.target, "drafter": models.drafter, "ultrachat": chat}
     run = tmp_path / "run"
-    cfg, steps = _checked_plan(run, pair, paths)
+    cfg, steps = _checked_plan(run, pair, paths, monkeypatch)
     by_name = {s.name: s for s in steps}
     gens = [s for s in steps if s.stage == "generate"]
     write_plan(steps)
