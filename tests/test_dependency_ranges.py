@@ -51,6 +51,17 @@ def _lock(name: str = "constraints.txt") -> dict[str, Version]:
     return pins
 
 
+def _inside_ranges(lock: dict[str, Version]) -> int:
+    """How many of pyproject's requirements `lock` pins, each asserted inside its range."""
+    checked = 0
+    for req in _requirements():
+        pinned = lock.get(canonicalize_name(req.name))
+        if pinned is not None:
+            assert req.specifier.contains(pinned, prereleases=True), f"lock {pinned} vs {req}"
+            checked += 1
+    return checked
+
+
 def test_every_range_has_an_upper_bound():
     for req in _requirements():
         uppers = [s for s in req.specifier if s.operator in ("<", "<=", "==", "~=")]
@@ -60,12 +71,7 @@ def test_every_range_has_an_upper_bound():
 def test_the_lock_lies_inside_every_range():
     lock = _lock()
     assert "torch" not in lock, "the README's commands pin torch; the lock must not fight them"
-    checked = 0
-    for req in _requirements():
-        pinned = lock.get(canonicalize_name(req.name))
-        if pinned is not None:
-            assert req.specifier.contains(pinned, prereleases=True), f"lock {pinned} vs {req}"
-            checked += 1
+    checked = _inside_ranges(lock)
     # every core dependency is in the lock (vllm, an extra CI runs in its own venv, is not)
     core = {canonicalize_name(Requirement(r).name) for r in _project()["dependencies"]}
     assert core - {"torch"} <= set(lock), core - {"torch"} - set(lock)
@@ -97,12 +103,7 @@ def test_the_cuda_lock_lies_inside_every_range_and_names_the_tested_vllm():
     assert {str(lock["vllm"])} == {s.version for s in cpu.specifier}
     readme = (ROOT / "README.md").read_text()
     assert f"torch=={lock['torch']}" in readme
-    checked = 0
-    for req in _requirements():
-        pinned = lock.get(canonicalize_name(req.name))
-        if pinned is not None:
-            assert req.specifier.contains(pinned, prereleases=True), f"lock {pinned} vs {req}"
-            checked += 1
+    checked = _inside_ranges(lock)
     core = {canonicalize_name(Requirement(r).name) for r in _project()["dependencies"]}
     assert core <= set(lock), core - set(lock)
     assert checked >= len(core)
