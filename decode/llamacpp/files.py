@@ -15,10 +15,13 @@ from specdistill.data.runtime import ConfigError
 ASKED_BY = "engines=[ours,llamacpp]"  # the setting that asks for llama.cpp, named in its refusals
 
 
-def check_files(target: str | None, drafter: str | None, spec: Any) -> None:
+def check_files(
+    target: str | None, drafter: str | None, spec: Any, asked_by: str = ASKED_BY
+) -> None:
     """The pair's files before weights load: a target llama.cpp can be given (its GGUF file, or
     a Llama checkpoint specdistill writes as GGUF), a drafter specdistill can write, and two
-    given files llama.cpp would pair (`target`, `drafter`: `llamacpp.target`, `.drafter`)."""
+    given files llama.cpp would pair (`target`, `drafter`: `llamacpp.target`, `.drafter`);
+    `asked_by`: the setting that asked for llama.cpp, named in each refusal."""
     from specdistill.data.models.gguf_writer import check_architecture
     from specdistill.data.models.target_gguf import gguf_source
 
@@ -26,13 +29,13 @@ def check_files(target: str | None, drafter: str | None, spec: Any) -> None:
         config = Path(str(spec.target)) / "config.json"
         if not config.is_file():
             raise ConfigError(
-                f"{ASKED_BY}: pair.target={spec.target!r} is neither a GGUF file nor a local "
+                f"{asked_by}: pair.target={spec.target!r} is neither a GGUF file nor a local "
                 "checkpoint; give its GGUF file as llamacpp.target"
             )
         kind = json.loads(config.read_text()).get("model_type")
         if kind != "llama":
             raise ConfigError(
-                f"{ASKED_BY}: pair.target is {kind!r} and specdistill writes Llama GGUF files "
+                f"{asked_by}: pair.target is {kind!r} and specdistill writes Llama GGUF files "
                 "only; convert the target with llama.cpp's convert_hf_to_gguf.py and give the "
                 "file as llamacpp.target"
             )
@@ -40,20 +43,20 @@ def check_files(target: str | None, drafter: str | None, spec: Any) -> None:
         config = Path(str(spec.drafter)) / "config.json"
         if config.is_file():  # a hub id is checked once its weights load
             kind = json.loads(config.read_text()).get("model_type")
-            check_architecture(kind, ASKED_BY, "llamacpp.drafter to a .gguf file")
+            check_architecture(kind, asked_by, "llamacpp.drafter to a .gguf file")
     target = target or gguf_source(spec.target)
     if drafter is not None and target is not None:  # both files exist: pair them now
-        check_pairing(Path(target), Path(drafter))
+        check_pairing(Path(target), Path(drafter), asked_by)
 
 
-def check_pairing(target: Path, drafter: Path) -> None:
+def check_pairing(target: Path, drafter: Path, asked_by: str = ASKED_BY) -> None:
     """llama.cpp's drafter rule on the two files (data/models/gguf_vocab.py), one line."""
     from specdistill.data.models.gguf_vocab import compatibility_problems, read_gguf_vocab
 
     problems = compatibility_problems(read_gguf_vocab(target), read_gguf_vocab(drafter))
     if problems:
         raise ConfigError(
-            f"{ASKED_BY}: llama.cpp would refuse {drafter.name} as a drafter of {target.name}: "
+            f"{asked_by}: llama.cpp would refuse {drafter.name} as a drafter of {target.name}: "
             f"{problems[0]}"
         )
 

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -102,6 +104,16 @@ def version(binary: str | Path) -> str:
     if done.returncode != 0 or not found:
         raise LlamaServerError(f"{binary} --version exited {done.returncode}: {lines[-1:]}")
     return found[0]
+
+
+def _die_with_parent() -> None:
+    """Run in the child before exec (Linux): SIGTERM when the process that started the server
+    dies, so that a killed stage leaves no server holding a port, memory and its model file."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError):  # no glibc: the server outlives a killed parent
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _temp_log() -> str:
@@ -226,6 +238,7 @@ class LlamaServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
         try:
             self._wait_healthy()

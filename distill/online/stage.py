@@ -25,7 +25,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 import torch
@@ -51,6 +51,7 @@ from specdistill.distill.online.config import (
     removed_keys,
 )
 from specdistill.distill.online.drift import DriftGate
+from specdistill.distill.online.engine_settings import EngineSettings, check_served
 from specdistill.distill.online.report import Window, markdown, plot, segment_summary, write_jsonl
 from specdistill.distill.online.stream import (
     boundaries,
@@ -60,6 +61,9 @@ from specdistill.distill.online.stream import (
 )
 from specdistill.distill.online.update import Updater
 from specdistill.distill.online.util import StopOnSignal, export_atomic, saved_state, wandb_tracker
+
+if TYPE_CHECKING:
+    from specdistill.distill.online.in_engine import ServedResult
 
 log = logging.getLogger("specdistill.online")
 STATE_FILE = "online_state.pt"
@@ -293,16 +297,23 @@ class OnlineRun:
         write_jsonl(self.out / "online.jsonl", self.rows)
 
 
-def run(cfg: DictConfig) -> OnlineResult:
+def run(cfg: DictConfig) -> OnlineResult | ServedResult:
     """Serve the stream with the drafter learning from the target's verdicts; see the module
-    docstring. Continues OUT/online_state.pt of the same config (resume=auto)."""
+    docstring (`engine=llamacpp`: distill/online/in_engine.py). Continues OUT/online_state.pt
+    of the same config (resume=auto)."""
     t_start = time.perf_counter()
     s = check_config(cfg)
+    engine = EngineSettings.from_cfg(cfg)
+    check_served(cfg, s, engine)
     out = s.output_dir
     device = resolve_device(s.device)
     set_threads(s.threads, device)
     dtype = parse_dtype(s.dtype, device)
     spec = resolve_pair(cfg.pair, stage="online")
+    if engine.served:  # the engine's binary and files before any prompt or model loads
+        from specdistill.distill.online.in_engine import preflight
+
+        preflight(engine, spec)
     tok = load_tokenizer(spec)
     topk = check_topk(s, len(tok))
     sources = load_sources(list(s.segments), spec.toy, tok, target=spec.target)
@@ -310,7 +321,6 @@ def run(cfg: DictConfig) -> OnlineResult:
         list(s.segments), {k: len(v) for k, v in sources.items()}, s.stream_blend, s.seed
     )
     fp = fingerprint(cfg, plan_fingerprint(plan))
-    state = saved_state(out / STATE_FILE, s.resume, fp, cfg.get("run_key"))
     # Prompts are tokenised once, cut to their last max_prompt_tokens tokens.
     keep = s.max_prompt_tokens
     prompts = {
@@ -318,6 +328,11 @@ def run(cfg: DictConfig) -> OnlineResult:
                 for p in plist]
         for label, plist in sources.items()
     }  # fmt: skip
+    if engine.served:  # llama-server serves the stream (distill/online/in_engine.py)
+        from specdistill.distill.online.in_engine import run_served
+
+        return run_served(cfg, s, engine, spec, plan, prompts, fp, t_start)
+    state = saved_state(out / STATE_FILE, s.resume, fp, cfg.get("run_key"))
 
     target, drafter, tok = load_pair(spec, device=device, dtype=dtype)
     target.requires_grad_(False)
@@ -418,6 +433,14 @@ def _serve(cfg: DictConfig, s: OnlineSettings, job: OnlineRun, plan, fp: str, de
 def _hydra_main(cfg: DictConfig) -> None:
     r = run_or_exit(run, cfg)
     fw = r.final_window or {}
+    if not isinstance(r, OnlineResult):  # served by an engine
+        print(
+            f"online in {r.engine}: {r.requests} requests, {r.updates} updates ({r.swaps} "
+            f"swaps, {r.rollbacks} rolled back, {r.restarts} server restarts); final window "
+            f"acceptance adapted {fw.get('alpha_adapted')} vs frozen {fw.get('alpha_frozen')}; "
+            f"greedy = plain: {r.identical}; drafter: {r.drafter_path}"
+        )
+        return
     print(
         f"online: {r.requests} requests, {r.updates} updates ({r.rollbacks} rolled back, "
         f"{r.gated_steps} steps gated, {r.relaxed_updates} relaxed); final "

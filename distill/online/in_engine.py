@@ -1,0 +1,461 @@
+"""Online adaptation where the drafter is served: llama-server answers the stream, the drafter
+learns from what it answered, and the running server gets each new drafter.
+
+    python -m specdistill.distill.online engine=llamacpp pair=smollm2 pair.drafter=DIR
+
+Each request is asked of three servers in turn with the same seed: the target with the adapted
+drafter (the one a user is served by), with the frozen starting drafter, and alone
+(`llamacpp.compare_plain`). The adapted server's answer becomes replay-buffer positions whose
+label is the target's emitted token (distill/online/engine_settings.py says why tokens, not
+log-probabilities), and every `update_every` requests the drafter takes the stage's usual
+optimizer steps (distill/online/update.py: its agreement gate and drift relaxation included).
+The new weights are written as GGUF, checked by llama.cpp's drafter rule, and served by a
+candidate server that takes over once ready (distill/online/served.py); on a guarded update
+the candidate first answers the probe (the latest requests, held out of the update) and is
+dropped, the weights rolled back, if its acceptance in the engine's counters falls more than
+`guard_margin` below the serving drafter's on the same requests.
+
+Nothing is lost: every answer and every update's outcome is journaled as it happens
+(distill/online/journal.py), the drafter, optimizer and buffer are checkpointed every
+`save_every` updates and on SIGINT/SIGTERM, and a rerun of the same command replays the
+journal past the checkpoint instead of asking again, then brings the server back on the drafter
+it served. A server that dies is restarted and its request asked once more (served.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from specdistill.data.io import atomic_write_json, atomic_write_text, guard_write
+from specdistill.data.models.pairs import PairSpec, load_pair, vocab_size
+from specdistill.data.runtime import ConfigError
+from specdistill.decode.llamacpp.measure import acceptance
+from specdistill.distill.online.buffer import Entry, ReplayBuffer
+from specdistill.distill.online.config import OnlineSettings
+from specdistill.distill.online.drift import DriftGate
+from specdistill.distill.online.engine_settings import EngineSettings
+from specdistill.distill.online.engine_window import EngineWindow, markdown
+from specdistill.distill.online.journal import Journal
+from specdistill.distill.online.report import plot, segment_summary, write_jsonl
+from specdistill.distill.online.served import (
+    Served,
+    ServerSpec,
+    completion_from,
+    completion_record,
+)
+from specdistill.distill.online.stream import Request, boundaries
+from specdistill.distill.online.update import Updater
+from specdistill.distill.online.util import StopOnSignal, export_atomic, saved_state
+
+log = logging.getLogger("specdistill.online")
+STATE_FILE = "online_state.pt"
+
+
+def entry_from_tokens(request: int, prompt: list[int], tokens: list[int]) -> Entry | None:
+    """The served answer as buffer positions: the logits at position P-1+j (P: the prompt's
+    length) predict emitted token j, whose label is that token with probability 1 (top-1, no
+    rest mass): the (K+1)-way forward KL is then the cross-entropy on the target's token."""
+    if not tokens:
+        return None
+    ids = torch.tensor(prompt + tokens, dtype=torch.int32)
+    positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens), dtype=torch.int64)
+    labels = torch.tensor(tokens, dtype=torch.int32)[:, None]
+    return Entry(request, ids, positions, labels, torch.zeros(len(tokens), 1))
+
+
+def weights_digest(model) -> str:
+    """A short digest of the drafter's weights: a replayed update is checked against the
+    journal's (training is reproducible on one CPU, not across CPUs)."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().float().contiguous().numpy().tobytes()[:: max(1, t.numel() // 64)])
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class ServedResult:
+    """result.json of a served run."""
+
+    output_dir: str
+    drafter_path: str
+    drafter_start: str
+    engine: str
+    version: str
+    k: int
+    decoder: str
+    requests: int
+    updates: int
+    rollbacks: int
+    swaps: int
+    swap_seconds_max: float | None
+    swap_seconds_median: float | None
+    gguf_write_seconds_median: float | None
+    restarts: int
+    replayed: int
+    resumed_same_drafter: bool | None
+    identical: bool | None
+    final_window: dict[str, Any] | None
+    segments: list[dict] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+class ServedRun:
+    """The served loop's state and steps; `run_served` below wires it to the config."""
+
+    def __init__(self, cfg: DictConfig, s: OnlineSettings, spec: ServerSpec, plan: list[Request],
+                 prompts: dict[str, list[list[int]]], drafter, tok, write_gguf,
+                 plain: bool) -> None:  # fmt: skip
+        self.plain = plain
+        self.s, self.spec, self.plan, self.prompts, self.tok = s, spec, plan, prompts, tok
+        self.out, self.write_gguf = s.output_dir, write_gguf
+        self.files = s.output_dir / "llamacpp"
+        self.run_key = cfg.get("run_key")
+        total = (len(plan) // s.update_every) * s.update_steps
+        self.updater = Updater(drafter, cfg, total, vocab_size(drafter), tok.pad_token_id,
+                               settings=s)  # fmt: skip
+        self.buffer, self.drift = (
+            ReplayBuffer(s.buffer_tokens),
+            DriftGate(s.gate_relax_margin, s.window),
+        )
+        self.pos, self.updates, self.rollbacks, self.swaps = 0, 0, 0, 0
+        self.pending: list[Entry] = []
+        self.recent: list[dict[str, Any]] = []  # the requests since the last update, answered
+        self.window, self.rows = EngineWindow(first_request=0), []
+        self.swap_seconds: list[float] = []
+        self.write_seconds: list[float] = []
+        self.journal = Journal(s.output_dir / "journal.jsonl")
+        self.servers: dict[str, Served] = {}
+        self.replayed, self.same_drafter = 0, None
+
+    # ------------------------------------------------------------ servers
+    def roles(self) -> list[str]:
+        return ["adapted"] + ["frozen"] * self.s.compare_frozen + ["plain"] * self.plain
+
+    def start_servers(self) -> None:
+        """The servers, once the journal has nothing left to replay: the adapted one on the
+        current weights (checked against the file served before a resume), the frozen one on
+        the starting drafter's file."""
+        if self.servers:
+            return
+        served = self.files / "served.gguf"
+        fresh = self.files / "served.next.gguf"
+        self._write(fresh)
+        if served.is_file() and self.pos > 0:
+            self.same_drafter = served.read_bytes() == fresh.read_bytes()
+        os.replace(fresh, served)
+        drafts = {"adapted": served, "frozen": self.files / "frozen.gguf", "plain": None}
+        for role in self.roles():
+            self.servers[role] = Served(self.spec, role, drafts[role]).start()
+
+    def stop_servers(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+        self.servers = {}
+
+    def _write(self, path: Path) -> float:
+        t = time.perf_counter()
+        self.write_gguf(self.updater.drafter, path)
+        return time.perf_counter() - t
+
+    # ------------------------------------------------------------ serving
+    def replaying(self) -> bool:
+        """Whether the journal holds answers from here on (a resumed run catching up)."""
+        return max(self.journal.requests, default=-1) >= self.pos
+
+    def seed(self, request: int) -> int:
+        return self.s.seed * 1_000_003 + request
+
+    def answer(self, req: Request) -> tuple[dict[str, Any], int]:
+        """(answers by role, server restarts): the journal's when it has them, else asked."""
+        rec = self.journal.requests.get(req.id)
+        if rec is not None:
+            self.replayed += 1
+            return {r: completion_from(c) for r, c in rec["answers"].items()}, rec["restarts"]
+        self.start_servers()
+        ids, answers, restarts = self.prompts[req.source][req.prompt], {}, 0
+        for role in self.roles():
+            answers[role], n = self.servers[role].ask(
+                ids, self.s.max_new_tokens, self.s.decoder.sampling, self.seed(req.id)
+            )
+            restarts += n  # fmt: skip
+        self.journal.append("request", req.id, {
+            "answers": {r: completion_record(c) for r, c in answers.items()},
+            "restarts": restarts})  # fmt: skip
+        return answers, restarts
+
+    def serve_one(self) -> None:
+        req = self.plan[self.pos]
+        answers, restarts = self.answer(req)
+        ids = self.prompts[req.source][req.prompt]
+        entry = entry_from_tokens(req.id, ids, answers["adapted"].tokens)
+        self.pending += [entry] if entry is not None else []
+        self.recent.append({"request": req.id, "source": req.source, "prompt": req.prompt,
+                            **{r: completion_record(c) for r, c in answers.items()}})  # fmt: skip
+        self.window.add(answers, req.segment, restarts)
+        c = answers["adapted"]
+        self.drift.observe(c.draft_n_accepted, c.draft_n, 1)
+        self.pos += 1
+
+    # ------------------------------------------------------------ updates
+    def update(self) -> None:
+        s = self.s
+        guarded = s.guard_every > 0 and (self.updates + 1) % s.guard_every == 0
+        probe = self.recent[len(self.recent) - s.guard_probe :] if guarded else []
+        held = {p["request"] for p in probe}
+        for e in self.pending:
+            if e.request not in held:
+                self.buffer.add(e)
+        journaled = self.journal.updates.get(self.updates + 1)
+        if journaled is None and not self.replaying():
+            self.start_servers()  # they serve the weights before this update
+        snapshot = self.updater.state_dict() if guarded else None
+        t = time.perf_counter()
+        gated = self.updater.gated
+        losses = self.updater.update(self.buffer, self.updates, self.drift.decide())
+        self.window.update_seconds += time.perf_counter() - t
+        self.window.losses += losses
+        self.updater.agreements = []
+        self.updates += 1
+        self.window.updates += 1
+        stepped = len(losses) - (self.updater.gated - gated) > 0  # new weights to serve
+        outcome = journaled
+        if journaled is not None:
+            if journaled.get("digest") != weights_digest(self.updater.drafter):
+                log.warning("update %d replayed with other weights than it was served with "
+                            "(another CPU?): serving goes on from the replayed weights",
+                            self.updates)  # fmt: skip
+        elif stepped:
+            outcome = self._swap(probe)
+            outcome["digest"] = weights_digest(self.updater.drafter)
+            self.journal.append("update", self.updates, outcome)
+        if outcome is not None:
+            self._count(outcome)
+            if not outcome["promoted"]:
+                self.updater.load_state_dict(snapshot)  # type: ignore[arg-type]
+        for e in self.pending:
+            if e.request in held:
+                self.buffer.add(e)
+        self.pending, self.recent = [], []
+
+    def _count(self, outcome: dict[str, Any]) -> None:
+        if outcome["promoted"]:
+            self.swaps += 1
+            self.window.swaps += 1
+            self.window.swap_seconds.append(outcome["swap_seconds"])
+            self.swap_seconds.append(outcome["swap_seconds"])
+        else:
+            self.rollbacks += 1
+            self.window.rollbacks += 1
+        self.window.restarts += outcome.get("restarts", 0)
+        self.window.write_seconds.append(outcome["write_seconds"])
+        self.write_seconds.append(outcome["write_seconds"])
+
+    def _swap(self, probe: list[dict[str, Any]]) -> dict[str, Any]:
+        """The new weights to a candidate server; on a guarded update the candidate answers the
+        probe first. Promoted, or dropped (the caller rolls the weights back)."""
+        from specdistill.decode.llamacpp.files import check_pairing
+
+        self.start_servers()
+        candidate_file = self.files / "candidate.gguf"
+        write = self._write(candidate_file)
+        check_pairing(
+            self.spec.target, candidate_file, "engine=llamacpp"
+        )  # llama.cpp's drafter rule, before serving
+        adapted = self.servers["adapted"]
+        candidate, ready = adapted.candidate(candidate_file)
+        promoted, probe_answers, restarts = True, [], 0
+        if probe:
+            sampling = self.s.decoder.sampling
+            for p in probe:
+                ids = self.prompts[p["source"]][p["prompt"]]
+                c, n = candidate.ask(ids, self.s.max_new_tokens, sampling, self.seed(p["request"]))
+                probe_answers.append(completion_record(c))
+                restarts += n
+            before = acceptance([completion_from(p["adapted"]) for p in probe])
+            after = acceptance([completion_from(c) for c in probe_answers])
+            start = (acceptance([completion_from(p["frozen"]) for p in probe])
+                     if self.s.guard_start else 0.0)  # fmt: skip
+            promoted = after >= max(before, start) - self.s.guard_margin
+            if not promoted:
+                log.warning("guard: update %d dropped (probe acceptance %.3f served, %.3f new, "
+                            "margin %.3f)", self.updates, before, after, self.s.guard_margin)  # fmt: skip
+        if promoted:
+            self.servers["adapted"] = adapted.promote(candidate, self.files / "served.gguf")
+        else:
+            candidate.stop()
+            candidate_file.unlink(missing_ok=True)
+        return {"promoted": promoted, "swap_seconds": round(ready, 4), "write_seconds":
+                round(write, 4), "probe": probe_answers, "restarts": restarts}  # fmt: skip
+
+    def close_window(self) -> dict[str, Any]:
+        row = self.window.row(self.pos, self.s.decoder.sampling.greedy)
+        self.rows.append(row)
+        self.window = EngineWindow(first_request=self.pos)
+        write_jsonl(self.out / "online.jsonl", self.rows)
+        return row
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self, fp: str) -> dict[str, Any]:
+        return {
+            "fingerprint": fp, "run_key": self.run_key, "pos": self.pos,
+            "updates": self.updates, "rollbacks": self.rollbacks, "swaps": self.swaps,
+            "updater": self.updater.state_dict(), "buffer": self.buffer.state_dict(),
+            "drift": self.drift.state_dict(),
+            "pending": [(e.request, e.ids, e.positions, e.topk_ids, e.topk_lp)
+                        for e in self.pending],
+            "recent": self.recent, "window": self.window.to_state(), "rows": self.rows,
+            "swap_seconds": self.swap_seconds, "write_seconds": self.write_seconds,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pos, self.updates = int(state["pos"]), int(state["updates"])
+        self.rollbacks, self.swaps = int(state["rollbacks"]), int(state["swaps"])
+        self.updater.load_state_dict(state["updater"])
+        self.buffer.load_state_dict(state["buffer"])
+        self.drift.load_state_dict(state["drift"])
+        self.pending = [Entry(*row) for row in state["pending"]]
+        self.recent, self.rows = state["recent"], state["rows"]
+        self.window = EngineWindow.from_state(state["window"])
+        self.swap_seconds, self.write_seconds = state["swap_seconds"], state["write_seconds"]
+
+    def save(self, fp: str) -> None:
+        """Atomic: the state file is replaced whole, then the drafter export."""
+        tmp = self.out / f".{STATE_FILE}.tmp"
+        with guard_write(self.out / STATE_FILE, cleanup=(tmp,)):
+            torch.save(self.state_dict(fp), tmp)
+            os.replace(tmp, self.out / STATE_FILE)
+        export_atomic(self.updater.drafter, self.tok, self.out / "drafter")
+        write_jsonl(self.out / "online.jsonl", self.rows)
+
+
+def serve_loop(job: ServedRun, fp: str) -> None:
+    """Requests one at a time, an update every `update_every`, a row per window, checkpoints;
+    SIGINT/SIGTERM save and exit (the same command continues)."""
+    s = job.s
+    with StopOnSignal() as stop:
+        while job.pos < len(job.plan) and stop.signum is None:
+            job.serve_one()
+            updated = job.pos % s.update_every == 0
+            if updated:
+                job.update()
+            if job.pos % s.window == 0 or job.pos == len(job.plan):
+                row = job.close_window()
+                log.info("requests %d: acceptance adapted %s frozen %s, tau %s/%s, swap %s s",
+                         row["requests"], row["alpha_adapted"], row["alpha_frozen"],
+                         row["tau_adapted"], row["tau_frozen"], row["swap_seconds_max"])  # fmt: skip
+            if updated and job.updates % s.save_every == 0:
+                job.save(fp)
+        job.save(fp)
+        if stop.signum is not None:
+            log.warning("stopped by signal %d at request %d; rerun the same command to continue",
+                        stop.signum, job.pos)  # fmt: skip
+            job.stop_servers()
+            sys.exit(128 + stop.signum)
+
+
+def preflight(e: EngineSettings, pair: PairSpec) -> Path:
+    """What serving in llama.cpp needs, checked before any prompt or model loads: the built
+    binary, a drafter that shares the target's tokens, files llama.cpp can be given."""
+    from specdistill.decode.llamacpp.build import llama_server_binary
+    from specdistill.decode.llamacpp.files import check_files
+
+    asked = f"engine={e.engine}"
+    if pair.vocab == "mapped":
+        raise ConfigError(
+            f"{asked} with a drafter of its own tokenizer: llama.cpp has no vocabulary mapping; "
+            "use engine=ours"
+        )
+    binary = llama_server_binary(asked)
+    check_files(e.target, None, pair, asked)
+    return binary
+
+
+def run_served(cfg: DictConfig, s: OnlineSettings, e: EngineSettings, pair: PairSpec,
+               plan: list[Request], prompts: dict[str, list[list[int]]], fp: str,
+               t_start: float) -> ServedResult:  # fmt: skip
+    """The served run (module docstring); the stage has checked the config and planned the
+    stream. Only the drafter loads into torch: the target is served by llama-server."""
+    from specdistill.data.models.gguf_writer import types_for, write_llama_gguf
+    from specdistill.data.models.target_gguf import target_gguf
+    from specdistill.decode.llamacpp.server import version
+
+    binary = preflight(e, pair)
+    state = saved_state(s.output_dir / STATE_FILE, s.resume, fp, cfg.get("run_key"))
+    _, drafter, tok = load_pair(pair, target=False)
+    target_file = Path(e.target) if e.target else target_gguf(pair.target)
+    types = types_for(e.drafter_type, target_file)
+
+    def write_gguf(model, path: Path) -> None:
+        write_llama_gguf(model, path, types=types, tokenizer_gguf=target_file,
+                         name=f"drafter-{e.drafter_type}")  # fmt: skip
+
+    need = max(len(p) for ps in prompts.values() for p in ps) + s.max_new_tokens + s.decoder.gamma
+    sampling = s.decoder.sampling
+    spec = ServerSpec(binary=binary, target=target_file, k=s.decoder.gamma,
+                      threads=e.threads or torch.get_num_threads(), ctx=-(-(need + 8) // 256) * 256,
+                      draft_sampling=None if sampling.greedy else "probabilistic",
+                      startup_timeout=e.startup_timeout,
+                      log_dir=s.output_dir / "llamacpp")  # fmt: skip
+    s.output_dir.mkdir(parents=True, exist_ok=True)
+    job = ServedRun(cfg, s, spec, plan, prompts, drafter, tok, write_gguf, e.compare_plain)
+    frozen = job.files / "frozen.gguf"
+    if state is None or not frozen.is_file():
+        write_gguf(copy.deepcopy(drafter), frozen)  # the starting drafter, before any update
+    if state is None:
+        job.journal.reset()
+        (job.files / "served.gguf").unlink(missing_ok=True)
+    else:
+        job.load_state_dict(state)
+        job.journal.load()
+        log.info("resumed at request %d (%d updates); the journal holds %d answers",
+                 job.pos, job.updates, len(job.journal.requests))  # fmt: skip
+    try:
+        serve_loop(job, fp)
+        ver = version(binary)
+    finally:
+        job.stop_servers()
+    return _result(cfg, s, e, pair, job, ver, t_start)
+
+
+def _result(cfg, s, e, pair, job: ServedRun, ver: str, t_start: float) -> ServedResult:
+    segments = list(s.segments)
+    bounds, labels = boundaries(segments), [seg.label for seg in segments]
+    seg = segment_summary(job.rows, bounds, labels)
+    sp = s.decoder.sampling
+    same = [r["identical"] for r in job.rows if r["identical"] is not None]
+    med = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
+    result = ServedResult(
+        output_dir=str(s.output_dir), drafter_path=str(s.output_dir / "drafter"),
+        drafter_start=pair.drafter, engine=e.engine, version=ver.removeprefix("version: "),
+        k=s.decoder.gamma,
+        decoder="greedy" if sp.greedy else f"sampling T={sp.temperature} top_k={sp.top_k} "
+        f"top_p={sp.top_p}", requests=job.pos, updates=job.updates, rollbacks=job.rollbacks,
+        swaps=job.swaps, swap_seconds_max=max(job.swap_seconds) if job.swap_seconds else None,
+        swap_seconds_median=med(job.swap_seconds), gguf_write_seconds_median=med(job.write_seconds),
+        restarts=sum(r["restarts"] for r in job.rows), replayed=job.replayed,
+        resumed_same_drafter=job.same_drafter, identical=all(same) if same else None,
+        final_window=job.rows[-1] if job.rows else None, segments=seg,
+        wall_seconds=round(time.perf_counter() - t_start, 1),
+        config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+    )  # fmt: skip
+    from dataclasses import asdict
+
+    if s.plot:
+        plot(job.rows, bounds, labels, s.output_dir / "online.png")
+    atomic_write_text(s.output_dir / "online.md", markdown(asdict(result), job.rows))
+    atomic_write_json(s.output_dir / "result.json", result)
+    return result
