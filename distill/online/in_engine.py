@@ -28,17 +28,15 @@ import copy
 import hashlib
 import logging
 import os
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from specdistill.data.io import atomic_write_json, atomic_write_text, guard_write
+from specdistill.data.io import guard_write
 from specdistill.data.models.pairs import PairSpec, load_pair, vocab_size
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.llamacpp.measure import acceptance
@@ -46,16 +44,16 @@ from specdistill.distill.online.buffer import Entry, ReplayBuffer
 from specdistill.distill.online.config import OnlineSettings
 from specdistill.distill.online.drift import DriftGate
 from specdistill.distill.online.engine_settings import EngineSettings
-from specdistill.distill.online.engine_window import EngineWindow, markdown
 from specdistill.distill.online.journal import Journal
-from specdistill.distill.online.report import plot, segment_summary, write_jsonl
+from specdistill.distill.online.report import write_jsonl
 from specdistill.distill.online.served import (
     Served,
     ServerSpec,
     completion_from,
     completion_record,
 )
-from specdistill.distill.online.stream import Request, boundaries
+from specdistill.distill.online.served_report import EngineWindow, ServedResult, write_result
+from specdistill.distill.online.stream import Request
 from specdistill.distill.online.update import Updater
 from specdistill.distill.online.util import StopOnSignal, export_atomic, saved_state
 
@@ -83,34 +81,6 @@ def weights_digest(model) -> str:
         h.update(name.encode())
         h.update(t.detach().float().contiguous().numpy().tobytes()[:: max(1, t.numel() // 64)])
     return h.hexdigest()[:16]
-
-
-@dataclass
-class ServedResult:
-    """result.json of a served run."""
-
-    output_dir: str
-    drafter_path: str
-    drafter_start: str
-    engine: str
-    version: str
-    k: int
-    decoder: str
-    requests: int
-    updates: int
-    rollbacks: int
-    swaps: int
-    swap_seconds_max: float | None
-    swap_seconds_median: float | None
-    gguf_write_seconds_median: float | None
-    restarts: int
-    replayed: int
-    resumed_same_drafter: bool | None
-    identical: bool | None
-    final_window: dict[str, Any] | None
-    segments: list[dict] = field(default_factory=list)
-    wall_seconds: float = 0.0
-    config: dict[str, Any] = field(default_factory=dict)
 
 
 class ServedRun:
@@ -428,34 +398,4 @@ def run_served(cfg: DictConfig, s: OnlineSettings, e: EngineSettings, pair: Pair
         ver = version(binary)
     finally:
         job.stop_servers()
-    return _result(cfg, s, e, pair, job, ver, t_start)
-
-
-def _result(cfg, s, e, pair, job: ServedRun, ver: str, t_start: float) -> ServedResult:
-    segments = list(s.segments)
-    bounds, labels = boundaries(segments), [seg.label for seg in segments]
-    seg = segment_summary(job.rows, bounds, labels)
-    sp = s.decoder.sampling
-    same = [r["identical"] for r in job.rows if r["identical"] is not None]
-    med = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
-    result = ServedResult(
-        output_dir=str(s.output_dir), drafter_path=str(s.output_dir / "drafter"),
-        drafter_start=pair.drafter, engine=e.engine, version=ver.removeprefix("version: "),
-        k=s.decoder.gamma,
-        decoder="greedy" if sp.greedy else f"sampling T={sp.temperature} top_k={sp.top_k} "
-        f"top_p={sp.top_p}", requests=job.pos, updates=job.updates, rollbacks=job.rollbacks,
-        swaps=job.swaps, swap_seconds_max=max(job.swap_seconds) if job.swap_seconds else None,
-        swap_seconds_median=med(job.swap_seconds), gguf_write_seconds_median=med(job.write_seconds),
-        restarts=sum(r["restarts"] for r in job.rows), replayed=job.replayed,
-        resumed_same_drafter=job.same_drafter, identical=all(same) if same else None,
-        final_window=job.rows[-1] if job.rows else None, segments=seg,
-        wall_seconds=round(time.perf_counter() - t_start, 1),
-        config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
-    )  # fmt: skip
-    from dataclasses import asdict
-
-    if s.plot:
-        plot(job.rows, bounds, labels, s.output_dir / "online.png")
-    atomic_write_text(s.output_dir / "online.md", markdown(asdict(result), job.rows))
-    atomic_write_json(s.output_dir / "result.json", result)
-    return result
+    return write_result(cfg, s, e, pair.drafter, job, ver, t_start)

@@ -63,6 +63,8 @@ def _checks(step: Any, produced: list[Path]) -> Iterator[Check]:
             yield _vllm(step.stage)
         if "llamacpp" in engines:
             yield _llama_server
+    elif step.stage == "online" and cfg.get("engine", "ours") == "llamacpp":
+        yield lambda: _llama_server("engine=llamacpp")
     elif step.stage == "export" and (cfg.get("vllm") or {}).get("enabled"):
         yield _vllm(step.stage)
 
@@ -111,8 +113,8 @@ def _vllm_asked_by(stage: str) -> str:
     return ASKED_BY
 
 
-def _llama_server() -> None:
+def _llama_server(asked_by: str | None = None) -> None:
     from specdistill.decode.llamacpp.build import llama_server_binary
     from specdistill.decode.llamacpp.files import ASKED_BY
 
-    llama_server_binary(ASKED_BY)
+    llama_server_binary(asked_by or ASKED_BY)

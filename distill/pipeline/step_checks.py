@@ -38,8 +38,9 @@ def _distill(cfg: DictConfig) -> None:
 
 def _online(cfg: DictConfig) -> None:
     from specdistill.distill.online.config import check_config
+    from specdistill.distill.online.engine_settings import EngineSettings, check_served
 
-    check_config(cfg)
+    check_served(cfg, check_config(cfg), EngineSettings.from_cfg(cfg))
 
 
 def _validate(cfg: DictConfig) -> None:

@@ -95,6 +95,20 @@ def _rows(tmp_path, world) -> list[tuple[str, list[str], str]]:
             ["++distill.fsdp=true", "++distill.mixed_precision=fp16"],
             r"^fsdp=true with mixed_precision=fp16",
         ),
+        (
+            "online",
+            ["stages=[online]", "++online.engine=llamacpp"],
+            re.escape("engine=llamacpp: llama-server is not built"),
+        ),
+        (
+            "online",
+            [
+                "stages=[generate,distill,online]",
+                "++online.engine=llamacpp",
+                "++online.record=rejected",
+            ],
+            r"^record=rejected with engine=llamacpp: the server reports",
+        ),
         ("generate", ["++generate.topk_logprobs=-1"], r"^topk_logprobs=-1"),
         ("export", ["++export.min_positions=0"], r"^min_positions=0"),
     ]
@@ -102,7 +116,8 @@ def _rows(tmp_path, world) -> list[tuple[str, list[str], str]]:
 
 ROW_IDS = ["generate-vllm", "distill-rollouts-vllm", "validate-vllm", "validate-llamacpp",
            "export-vllm", "pair-path", "generate-file", "validate-file", "attention-kernel",
-           "fsdp-deepspeed", "fsdp-vllm-rollouts", "zero3-vllm-rollouts", "fsdp-fp16", "generate-setting", "export-setting"]  # fmt: skip
+           "fsdp-deepspeed", "fsdp-vllm-rollouts", "zero3-vllm-rollouts", "fsdp-fp16",
+           "online-llamacpp", "online-engine-setting", "generate-setting", "export-setting"]  # fmt: skip
 
 
 def _cfg(run_dir, overrides: list[str]):

@@ -1,4 +1,5 @@
-"""Figures of a served run, from the engine's own counters: one row per window of requests.
+"""Figures of a served run, from the engine's own counters: one row per window of requests, and
+its result.json, online.md and online.png.
 
 Every figure comes from llama-server's per-request counters (decode/llamacpp/measure.py):
 acceptance = accepted / drafted tokens, tau = decode tokens per target round, tokens/s over
@@ -11,12 +12,18 @@ stage's segment summary, plot and drift gate read served runs as they read ours.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.decode.llamacpp.measure import acceptance, tau, tokens_per_second
+from specdistill.distill.online.report import plot, segment_summary
 from specdistill.distill.online.served import completion_from, completion_record
+from specdistill.distill.online.stream import boundaries
 
 ROLES = ("adapted", "frozen", "plain")
 
@@ -134,3 +141,61 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+@dataclass
+class ServedResult:
+    """result.json of a served run."""
+
+    output_dir: str
+    drafter_path: str
+    drafter_start: str
+    engine: str
+    version: str
+    k: int
+    decoder: str
+    requests: int
+    updates: int
+    rollbacks: int
+    swaps: int
+    swap_seconds_max: float | None
+    swap_seconds_median: float | None
+    gguf_write_seconds_median: float | None
+    restarts: int
+    replayed: int
+    resumed_same_drafter: bool | None
+    identical: bool | None
+    final_window: dict[str, Any] | None
+    segments: list[dict] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def write_result(cfg: Any, s: Any, e: Any, drafter_start: str, job: Any, ver: str,
+                 t_start: float) -> ServedResult:  # fmt: skip
+    """result.json, online.md and online.png of a finished served run (`job`: its ServedRun)."""
+    segments = list(s.segments)
+    bounds, labels = boundaries(segments), [seg.label for seg in segments]
+    seg = segment_summary(job.rows, bounds, labels)
+    sp = s.decoder.sampling
+    same = [r["identical"] for r in job.rows if r["identical"] is not None]
+    med = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
+    result = ServedResult(
+        output_dir=str(s.output_dir), drafter_path=str(s.output_dir / "drafter"),
+        drafter_start=drafter_start, engine=e.engine, version=ver.removeprefix("version: "),
+        k=s.decoder.gamma,
+        decoder="greedy" if sp.greedy else f"sampling T={sp.temperature} top_k={sp.top_k} "
+        f"top_p={sp.top_p}", requests=job.pos, updates=job.updates, rollbacks=job.rollbacks,
+        swaps=job.swaps, swap_seconds_max=max(job.swap_seconds) if job.swap_seconds else None,
+        swap_seconds_median=med(job.swap_seconds), gguf_write_seconds_median=med(job.write_seconds),
+        restarts=sum(r["restarts"] for r in job.rows), replayed=job.replayed,
+        resumed_same_drafter=job.same_drafter, identical=all(same) if same else None,
+        final_window=job.rows[-1] if job.rows else None, segments=seg,
+        wall_seconds=round(time.perf_counter() - t_start, 1),
+        config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+    )  # fmt: skip
+    if s.plot:
+        plot(job.rows, bounds, labels, s.output_dir / "online.png")
+    atomic_write_text(s.output_dir / "online.md", markdown(asdict(result), job.rows))
+    atomic_write_json(s.output_dir / "result.json", result)
+    return result
