@@ -272,3 +272,21 @@ def test_a_killed_stage_resumes_without_losing_or_doubling_a_request(clean_run, 
     rows = [json.loads(x) for x in (out / "online.jsonl").read_text().splitlines()]
     clean = [json.loads(x) for x in (clean_run[0] / "online.jsonl").read_text().splitlines()]
     assert _figures(rows) == _figures(clean)
+
+
+def test_a_request_log_is_a_stream_segment(tmp_path, toy_tiny_pair):
+    """A user's log of an OpenAI-compatible server (completions: `prompt` and the `choices` it
+    was served) streams its prompts as they were asked; the engine answers them again."""
+    from specdistill.distill.online.stream import load_sources, parse_stream
+
+    log_file = tmp_path / "requests.jsonl"
+    rows = [
+        {"model": "m", "prompt": "def add(a, b):\n    ", "choices": [{"text": "return a + b"}]},
+        {"model": "m", "prompt": "import os\n", "choices": [{"text": "import sys"}]},
+    ]
+    log_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = {"source": "jsonl", "path": str(log_file), "format": "plain", "field": "prompt"}
+    segments = parse_stream([{"dataset": ds, "requests": 4}])
+    sources = load_sources(segments, None, toy_tiny_pair[2])
+    (prompts,) = sources.values()
+    assert [p.text for p in prompts] == [r["prompt"] for r in rows]
