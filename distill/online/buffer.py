@@ -99,6 +99,19 @@ def entries_from_output(
     return entries
 
 
+def entry_from_tokens(request: int, prompt: list[int], tokens: list[int]) -> Entry | None:
+    """An engine's served answer as buffer positions (engine=llamacpp reports no probabilities):
+    the logits at position P-1+j (P: the prompt's length) predict emitted token j, labelled with
+    that token at probability 1 (top-1, no rest mass), so the (K+1)-way forward KL there is the
+    cross-entropy on the target's token."""
+    if not tokens:
+        return None
+    ids = torch.tensor(prompt + tokens, dtype=torch.int32)
+    positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens), dtype=torch.int64)
+    labels = torch.tensor(tokens, dtype=torch.int32)[:, None]
+    return Entry(request, ids, positions, labels, torch.zeros(len(tokens), 1))
+
+
 class ReplayBuffer:
     """Kept positions of recent requests, at most `capacity` positions; oldest out first."""
 

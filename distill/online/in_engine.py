@@ -40,7 +40,7 @@ from specdistill.data.io import guard_write
 from specdistill.data.models.pairs import PairSpec, load_pair, vocab_size
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.llamacpp.measure import acceptance
-from specdistill.distill.online.buffer import Entry, ReplayBuffer
+from specdistill.distill.online.buffer import Entry, ReplayBuffer, entry_from_tokens
 from specdistill.distill.online.config import OnlineSettings
 from specdistill.distill.online.drift import DriftGate
 from specdistill.distill.online.engine_settings import EngineSettings
@@ -59,18 +59,6 @@ from specdistill.distill.online.util import StopOnSignal, export_atomic, saved_s
 
 log = logging.getLogger("specdistill.online")
 STATE_FILE = "online_state.pt"
-
-
-def entry_from_tokens(request: int, prompt: list[int], tokens: list[int]) -> Entry | None:
-    """The served answer as buffer positions: the logits at position P-1+j (P: the prompt's
-    length) predict emitted token j, whose label is that token with probability 1 (top-1, no
-    rest mass): the (K+1)-way forward KL is then the cross-entropy on the target's token."""
-    if not tokens:
-        return None
-    ids = torch.tensor(prompt + tokens, dtype=torch.int32)
-    positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens), dtype=torch.int64)
-    labels = torch.tensor(tokens, dtype=torch.int32)[:, None]
-    return Entry(request, ids, positions, labels, torch.zeros(len(tokens), 1))
 
 
 def weights_digest(model) -> str:

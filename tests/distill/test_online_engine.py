@@ -21,8 +21,8 @@ from specdistill.data.runtime import ConfigError
 from specdistill.decode.llamacpp.server import Completion
 from specdistill.distill.losses import distill_loss
 from specdistill.distill.online import stage as online
+from specdistill.distill.online.buffer import entry_from_tokens
 from specdistill.distill.online.engine_settings import EngineSettings, check_served
-from specdistill.distill.online.in_engine import entry_from_tokens
 from specdistill.distill.online.journal import Journal
 from specdistill.distill.online.served_report import EngineWindow, identical
 from specdistill.distill.online.update import buffer_loss
