@@ -290,3 +290,33 @@ def test_a_request_log_is_a_stream_segment(tmp_path, toy_tiny_pair):
     sources = load_sources(segments, None, toy_tiny_pair[2])
     (prompts,) = sources.values()
     assert [p.text for p in prompts] == [r["prompt"] for r in rows]
+
+
+@pytest.mark.llamacpp
+def test_sampled_serving_drafts_probabilistically_and_learns_from_samples(binary, tmp_path):
+    """Temperature 1: the drafter proposes by llama.cpp's rejection sampling and learns from
+    the target's sampled tokens; identity with the plain server is not asked of sampling."""
+    out = tmp_path / "s"
+    r = online.run(served_cfg(out, "decoder=sampling", "stream=[{dataset:toy-test,requests:4}]"))
+    assert r.requests == 4 and r.decoder.startswith("sampling T=1.0") and r.identical is None
+    journal = [json.loads(x) for x in (out / "journal.jsonl").read_text().splitlines()]
+    answers = [x["answers"]["adapted"] for x in journal if x["kind"] == "request"]
+    assert len(answers) == 4 and all(a["draft_n"] > 0 for a in answers)
+
+
+def test_servers_draft_as_the_serving_mode_asks(tmp_path):
+    """Greedy: llama.cpp's own greedy drafts; sampled: rejection sampling (probabilistic)."""
+    from specdistill.distill.online.served import ServerSpec
+
+    draft = tmp_path / "d.gguf"
+    for path in (draft, tmp_path / "t.gguf"):
+        path.write_bytes(b"GGUF")
+    for method, want in ((None, None), ("probabilistic", "probabilistic")):
+        spec = ServerSpec(binary=Path("llama-server"), target=tmp_path / "t.gguf", k=4, threads=1,
+                          ctx=512, draft_sampling=method, startup_timeout=5.0,
+                          log_dir=tmp_path)  # fmt: skip
+        cmd = spec.server("adapted-0", draft).command(8080)
+        assert cmd[cmd.index("--spec-draft-n-max") + 1] == "4"
+        got = cmd[cmd.index("--spec-draft-sampling") + 1] if want else None
+        assert got == want and ("--spec-draft-sampling" in cmd) == bool(want)
+        assert "-md" not in spec.server("plain-0", None).command(8080)
