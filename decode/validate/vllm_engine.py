@@ -9,7 +9,6 @@ q = drafter.
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -42,23 +41,6 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 # The plain and the speculative engine live side by side (interleaved repeats): each takes this
 # part of `vllm.gpu_memory_utilization`.
 ENGINE_SHARE = 0.5
-
-
-# The oldest vLLM tested with what validate and the card use: speculative_config method
-# draft_model, use_heterogeneous_vocab (TLI) and parallel_drafting (pyproject's `vllm` extra).
-MIN_VERSION = (0, 32)
-
-
-def check_version(version: str) -> None:
-    """Refuse, in one line, a vLLM older than MIN_VERSION (a dev or local build of a newer
-    release passes; an unparsable version is let through to fail, if at all, in vLLM)."""
-    parts = re.match(r"(\d+)\.(\d+)", version or "")
-    if parts and (int(parts[1]), int(parts[2])) < MIN_VERSION:
-        need = ".".join(map(str, MIN_VERSION))
-        raise ConfigError(
-            f"{ASKED_BY} but vLLM {version} is older than {need}, the oldest release tested "
-            f"with draft-model speculation as validate runs it: pip install 'vllm>={need}'"
-        )
 
 
 def _head_dim(config: Any) -> int | None:

@@ -403,10 +403,18 @@ def test_vllm_unservable_pairs_fail_before_loading(served_pair, toy_tiny, tmp_pa
             validate.run(compose_validate(tmp_path / "b", "engines=[ours,vllm]"))
 
 
-def test_a_vllm_older_than_the_tested_release_is_refused():
-    ve.check_version("0.32.0")
-    ve.check_version("0.33.1.dev12+gabc")
-    ve.check_version("1.0.0")
-    ve.check_version("unknown")  # unparsable: let through
-    with pytest.raises(ConfigError, match=r"vLLM 0.31.2 is older than 0.32.*vllm>=0.32"):
-        ve.check_version("0.31.2")
+def test_a_vllm_outside_the_tested_releases_is_refused(monkeypatch):
+    """One rule for every stage (data/generate/vllm_engine.TESTED): validate's require_vllm
+    refuses an older or newer release in one line; a source build without a version passes."""
+    from specdistill.data.generate import vllm_engine as ge
+
+    for version, refused in (("0.32.0", False), ("0.32.1.dev12+gabc", False), ("", False),
+                             ("0.31.2", True), ("0.33.0", True), ("1.0.0", True)):  # fmt: skip
+        monkeypatch.setattr(ge, "installed_vllm", lambda v=version: v)
+        if refused:
+            with pytest.raises(
+                ConfigError, match=rf"vLLM {re.escape(version)} is installed, outside"
+            ):
+                ge.check_vllm_installed(ve.ASKED_BY)
+        else:
+            ge.check_vllm_installed(ve.ASKED_BY)
