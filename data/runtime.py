@@ -184,14 +184,18 @@ def number_as_float(value: Any) -> Any:
     return value
 
 
-def setting(node: Any, settings_type: type, key: str) -> Any:
-    """`node[key]`, or the default that the typed settings dataclass `settings_type` declares for
-    `key` when the node lacks it: the default is written once, on the dataclass (a key set to
-    null stays None: for some settings null means something, e.g. `threads: null`)."""
-    if key in node:
-        return node[key]
-    field = settings_type.__dataclass_fields__[key]
-    return field.default_factory() if callable(field.default_factory) else field.default
+def required(node: Any, key: str, field: str = "") -> Any:
+    """`node[key]` (a key set to null stays None: for some settings null means something, e.g.
+    `threads: null`). A stage key's default has one home, the stage's YAML in conf/, which every
+    composed config carries; a hand-built node without the key is one ConfigError naming the
+    field (`field` is the node's dotted path, e.g. `eval`), not a second default written here."""
+    if node is None or key not in node:
+        name = f"{field}.{key}" if field else key
+        raise ConfigError(
+            f"{name} is missing: its default is in the stage's YAML (conf/); compose the "
+            f"stage's config from it, or set {name}"
+        )
+    return node[key]
 
 
 def cache_argument(model: Any) -> str:

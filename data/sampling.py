@@ -22,7 +22,12 @@ KEYS = ("temperature", "top_k", "top_p")
 
 @dataclass(frozen=True)
 class Sampling:
-    """Logits processing shared by target p and drafter q; temperature 0 means greedy (argmax)."""
+    """Logits processing shared by target p and drafter q; temperature 0 means greedy (argmax).
+
+    The fields' values are what off means (temperature 0: greedy; top_k 0 and top_p 1: no
+    filter): the type's meaning, which code relies on when it builds greedy as `Sampling()`, not
+    a stage's default. Every sampling node in conf/ states all three keys, so no stage key takes
+    its value from here (tests/test_single_default.py)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0: off
@@ -64,9 +69,9 @@ class Sampling:
             )
         t, k, p = (values.get(key) for key in KEYS)
         spec = cls(
-            temperature=_number(t, 0.0),
-            top_k=_integer(k, 0),
-            top_p=_number(p, 1.0),
+            temperature=_number(t, cls.temperature),
+            top_k=_integer(k, cls.top_k),
+            top_p=_number(p, cls.top_p),
         )
         return spec.check(field)
 

@@ -22,6 +22,7 @@ import io
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from importlib.resources import files
+from typing import Any
 
 import hydra
 from hydra import initialize_config_module
@@ -29,11 +30,21 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, OverrideType
 from hydra.errors import MissingConfigException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.runtime import ConfigError, run_or_exit
 
 _CONF = files("specdistill.conf")
+
+
+def conf_values(name: str) -> dict[str, Any]:
+    """conf/<name> (one YAML file of the config package, e.g. `decoder/greedy.yaml`) as plain
+    values: how a library type whose defaults have their one home in that file (`DecoderConfig`)
+    reads them, so a Python caller's default and a composed stage's are the same value."""
+    node = OmegaConf.load(str(_CONF.joinpath(*name.split("/"))))
+    values = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(values, dict), name
+    return {str(k): v for k, v in values.items()}
 
 
 def removed_message(key: str, why: str) -> str:

@@ -1,8 +1,10 @@
 """The decoder's one config type and the checks that run before any decoding.
 
 `DecoderConfig` is the `decoder` config node typed once and what one `SpeculativeDecoder` runs
-with: every key of conf/decoder/*.yaml with its default (the defaults live here only), plus what
-a stage adds (`decoder_config`). p = target, q = drafter. Every bad setting is one `ConfigError`
+with: every key of conf/decoder/*.yaml, plus what a stage adds (`decoder_config`). The keys'
+defaults have one home, conf/decoder/greedy.yaml (each with why): the stages compose that file,
+and the fields here take their defaults from it (`conf_values`), so a Python caller's
+`DecoderConfig()` is the greedy preset with no value written twice (tests/test_single_default.py). p = target, q = drafter. Every bad setting is one `ConfigError`
 naming its config field, raised before weights are touched.
 """
 
@@ -18,13 +20,14 @@ import torch
 from specdistill.data.models.pairs import check_vocab, vocab_size
 from specdistill.data.runtime import ConfigError, number_as_float
 from specdistill.data.sampling import Sampling
-from specdistill.data.stage_config import removed_message
+from specdistill.data.stage_config import conf_values, removed_message
 from specdistill.decode.draft_length import POLICIES
 from specdistill.decode.drafters import DRAFTING
 from specdistill.decode.drafters.context import check_drafter_context
 from specdistill.decode.drafters.mapped import check_context
 
-DEFAULT_GAMMA = 4  # drafts per round: the K vLLM and SGLang examples serve small drafters at
+_GREEDY = conf_values("decoder/greedy.yaml")  # every decoder key's default
+DEFAULT_GAMMA: int = _GREEDY["gamma"]  # drafts per round (greedy.yaml says why)
 MAX_DRAFT = 15  # most drafts a round may verify (the heuristic policy's ceiling)
 # removed settings and why (a user's override gets this, not a typo hint)
 REMOVED = {
@@ -49,23 +52,27 @@ class DecoderConfig:
     DistillSpec's lossy rule (reported as lossy)."""
 
     gamma: int = DEFAULT_GAMMA
-    max_new_tokens: int = 64
-    sampling: Sampling = field(default_factory=Sampling)
-    lenience: float = 1.0
-    eos_token_id: tuple[int, ...] = ()
-    cache: str = "auto"  # auto (static on CUDA, dynamic on CPU) | static | dynamic
-    compile: str | bool = "auto"  # auto: CUDA graphs on CUDA | true | false | drafter
-    record_probs: bool = False  # keep the target's probabilities per verified position
-    host_sync_every: int = 0  # target-only decoding: tokens reach the host every N steps; 0: auto
-    draft_length: str = "fixed"  # fixed | heuristic | confidence (decode.draft_length.policies)
-    max_draft: int = 8  # heuristic: most drafts a round
-    p_min: float = 0.75  # confidence: stop at a draft whose q's top probability is below this
-    drafting: str = "autoregressive"  # autoregressive | parallel (PARD mask tokens)
-    mask_token_id: int | None = None  # parallel: None reads the drafter's config.mask_token_id
-    draft_vocab: str = "auto"  # auto: the drafter's config draft_vocab_ids when present | full
-    lookup: bool = False  # prompt lookup drafts at batch 1 (decode.lookup), opt-in
-    drafter_context: int | str = 1024  # auto | all | N last prompt tokens (drafters.context)
-    mapped_context: str = "tli"  # another tokenizer's drafter: tli | text (drafters.mapped)
+    max_new_tokens: int = (
+        64  # a stage's per-decode budget: not a config key, so its default is here
+    )
+    sampling: Sampling = field(default_factory=lambda: Sampling(**_GREEDY["sampling"]))
+    lenience: float = _GREEDY["lenience"]
+    eos_token_id: tuple[int, ...] = ()  # the tokenizer's, added per decode: not a config key either
+    cache: str = _GREEDY["cache"]  # auto (static on CUDA, dynamic on CPU) | static | dynamic
+    compile: str | bool = _GREEDY["compile"]  # auto: CUDA graphs on CUDA | true | false | drafter
+    record_probs: bool = _GREEDY["record_probs"]  # the target's probabilities per verified position
+    host_sync_every: int = _GREEDY[
+        "host_sync_every"
+    ]  # target-only: host sync every N steps; 0: auto
+    draft_length: str = _GREEDY["draft_length"]  # fixed | heuristic | confidence
+    max_draft: int = _GREEDY["max_draft"]  # heuristic: most drafts a round
+    p_min: float = _GREEDY["p_min"]  # confidence: stop at a draft whose q's top prob is below this
+    drafting: str = _GREEDY["drafting"]  # autoregressive | parallel (PARD mask tokens)
+    mask_token_id: int | None = _GREEDY["mask_token_id"]  # parallel: None reads the drafter's
+    draft_vocab: str = _GREEDY["draft_vocab"]  # auto: the drafter's draft_vocab_ids | full
+    lookup: bool = _GREEDY["lookup"]  # prompt lookup drafts at batch 1 (decode.lookup), opt-in
+    drafter_context: int | str = _GREEDY["drafter_context"]  # auto | all | N last prompt tokens
+    mapped_context: str = _GREEDY["mapped_context"]  # another tokenizer's drafter: tli | text
 
     @property
     def lossy(self) -> bool:

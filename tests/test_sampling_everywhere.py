@@ -201,7 +201,9 @@ def test_vllm_sampling_params_follow_the_spec(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", fake)
 
     def params(sampling: Sampling, seed: int | None) -> dict:
-        s = GenerationSettings(max_new_tokens=8, sampling=sampling, num_samples=1, seed=0)
+        s = GenerationSettings(
+            max_new_tokens=8, sampling=sampling, num_samples=1, seed=0, sampled_share=1.0
+        )
         return vllm_engine.sampling_params(s, [2], 0, seed)
 
     greedy = params(Sampling(), None)

@@ -45,7 +45,7 @@ class GenerationSettings:
     sampling: Sampling
     num_samples: int
     seed: int
-    sampled_share: float = 1.0
+    sampled_share: float
 
     @property
     def do_sample(self) -> bool:

@@ -1,9 +1,10 @@
 """The generate stage's config typed once: `GenerateSettings.from_cfg(cfg)` at the top of `run`.
 
-conf/generate.yaml lists the values users see; the defaults of a key a caller's config lacks (a
-pipeline's or distill's generate node, a test's), and every check of the stage's own settings,
-live here, so the stage and its benchmark (bench.py, which runs on the same config) read typed
-fields instead of parsing nodes again. The `pair` and `dataset` groups stay nodes (read by
+conf/generate.yaml is the one home of every key's default, with why (the fields here have none,
+so no value is written twice: tests/test_single_default.py); the types and every check of the
+stage's own settings live here, so the stage and its benchmark (bench.py, which runs on the same
+config) read typed fields instead of parsing nodes again. A config built by hand without a key
+is one `error:` line naming it (`data.runtime.required`). The `pair` and `dataset` groups stay nodes (read by
 `resolve_pair` and `load_prompts`). What needs the machine, the files or the target's config
 (vLLM importable, the shard's rank, the device, the context left for prompts, `topk_logprobs`
 within the vocabulary) is checked by `run`, still before any weights load. `merge_only` is read
@@ -19,7 +20,7 @@ from typing import Any
 from specdistill.data.generate import vllm_engine as vllm_backend
 from specdistill.data.generate.batched import GenerationSettings
 from specdistill.data.prompts import check_long_prompts
-from specdistill.data.runtime import ConfigError, setting
+from specdistill.data.runtime import ConfigError, required
 from specdistill.data.sampling import Sampling, replaced_keys
 
 _POSITIVE = ("max_new_tokens", "batch_size", "num_samples", "chunk_size")
@@ -32,8 +33,8 @@ def removed_keys() -> dict[str, str]:
 
 
 def _sampled_share(cfg: Any) -> float:
-    """`sampled_share` (absent: 1), checked: a share in (0, 1]."""
-    raw = cfg.get("sampled_share", 1.0) if hasattr(cfg, "get") else 1.0
+    """`sampled_share`, checked: a share in (0, 1]."""
+    raw = required(cfg, "sampled_share")
     try:
         share = float(raw)
     except (TypeError, ValueError):
@@ -56,27 +57,27 @@ class GenerateSettings:
 
     output_dir: Path
     generation: GenerationSettings
-    engine: vllm_backend.EngineSettings | None = None
-    backend: str = "hf"
-    split: str = "train"
-    batch_size: int = 16
-    topk_logprobs: int = 0
-    chunk_size: int = 64
-    long_prompts: str = "truncate"
-    max_prompt_tokens: int | None = None  # None: the context left after max_new_tokens
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: Any = "default"  # default | auto | N (data.runtime.set_threads checks it)
-    processes: int | str = 1  # N or auto (shard_processes.local_processes resolves it)
-    progress: bool = True
-    overwrite: bool = False
-    shard_index: int | None = None  # None: the rank under a launcher, else 0
-    shard_count: int | None = None  # None: the world size, else 1
+    engine: vllm_backend.EngineSettings | None
+    backend: str
+    split: str
+    batch_size: int
+    topk_logprobs: int
+    chunk_size: int
+    long_prompts: str
+    max_prompt_tokens: int | None  # None: the context left after max_new_tokens
+    device: str
+    dtype: str
+    threads: Any  # default | auto | N (data.runtime.set_threads checks it)
+    processes: int | str  # N or auto (shard_processes.local_processes resolves it)
+    progress: bool
+    overwrite: bool
+    shard_index: int | None  # None: the rank under a launcher, else 0
+    shard_count: int | None  # None: the world size, else 1
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> GenerateSettings:
         """The stage's config (DictConfig) checked and typed; a ConfigError names the field."""
-        processes = setting(cfg, cls, "processes")
+        processes = required(cfg, "processes")
         if processes != "auto" and (
             isinstance(processes, bool) or not isinstance(processes, int) or processes < 1
         ):
@@ -111,7 +112,7 @@ class GenerateSettings:
         if int(cfg.topk_logprobs) < 0:
             raise ConfigError(f"topk_logprobs={cfg.topk_logprobs} must be >= 0 (0: not stored)")
         check_long_prompts(cfg.long_prompts)
-        backend = str(setting(cfg, cls, "backend"))
+        backend = str(required(cfg, "backend"))
         if backend not in vllm_backend.BACKENDS:
             raise ConfigError(
                 f"backend={backend!r} is not known; use one of {', '.join(vllm_backend.BACKENDS)}"
@@ -127,12 +128,12 @@ class GenerateSettings:
             chunk_size=int(cfg.chunk_size),
             long_prompts=str(cfg.long_prompts),
             max_prompt_tokens=cfg.max_prompt_tokens,
-            device=str(setting(cfg, cls, "device")),
-            dtype=str(setting(cfg, cls, "dtype")),
-            threads=setting(cfg, cls, "threads"),
+            device=str(required(cfg, "device")),
+            dtype=str(required(cfg, "dtype")),
+            threads=required(cfg, "threads"),
             processes=processes,
-            progress=bool(setting(cfg, cls, "progress")),
-            overwrite=bool(setting(cfg, cls, "overwrite")),
+            progress=bool(required(cfg, "progress")),
+            overwrite=bool(required(cfg, "overwrite")),
             shard_index=cfg.shard.index,
             shard_count=cfg.shard.count,
         )
@@ -146,11 +147,11 @@ class BenchSettings:
     """
 
     output: Path
-    batch_sizes: tuple[int, ...] = (1, 8, 32)
-    num_prompts: int = 64
-    repeats: int = 1  # best of N wall times per mode
-    backends: tuple[str, ...] = ("hf",)
-    engine: vllm_backend.EngineSettings | None = None
+    batch_sizes: tuple[int, ...]
+    num_prompts: int
+    repeats: int  # best of N wall times per mode
+    backends: tuple[str, ...]
+    engine: vllm_backend.EngineSettings | None
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> BenchSettings:
@@ -161,14 +162,14 @@ class BenchSettings:
             raise ConfigError(f"bench.batch_sizes={sizes} must be positive integers, e.g. [1,8,32]")
         if int(bench.num_prompts) <= 0:
             raise ConfigError(f"bench.num_prompts={bench.num_prompts} must be positive, e.g. 64")
-        backends = [str(b) for b in setting(bench, cls, "backends")]
+        backends = [str(b) for b in required(bench, "backends", "bench")]
         if not set(backends) <= set(vllm_backend.BACKENDS) or "hf" not in backends:
             raise ConfigError(f"bench.backends={backends} must be [hf] or [hf,vllm]")
         return cls(
             output=Path(str(bench.output)),
             batch_sizes=tuple(sizes),
             num_prompts=int(bench.num_prompts),
-            repeats=max(1, int(setting(bench, cls, "repeats"))),
+            repeats=max(1, int(required(bench, "repeats", "bench"))),
             backends=tuple(backends),
             engine=vllm_backend.check_engine_settings(cfg.vllm) if "vllm" in backends else None,
         )

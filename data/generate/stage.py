@@ -72,7 +72,13 @@ from specdistill.data.generate.shards import (
 from specdistill.data.generate.turns import read_answers, turn_plan, turn_prompts
 from specdistill.data.models.pairs import PairSpec, load_role, load_tokenizer, resolve_pair
 from specdistill.data.prompts import check_prompt_settings
-from specdistill.data.runtime import ConfigError, parse_dtype, run_or_exit, set_threads
+from specdistill.data.runtime import (
+    ConfigError,
+    parse_dtype,
+    required,
+    run_or_exit,
+    set_threads,
+)
 from specdistill.data.stage_config import check_command_line
 
 log = logging.getLogger(__name__)
@@ -141,7 +147,7 @@ def config_record(
 def run(cfg: DictConfig) -> GenerateResult:
     """Generate this process's shard (resuming), then merge if every shard is finished."""
     t0 = time.perf_counter()
-    if cfg.get("merge_only", False):  # a merge reads only what the shards wrote, no setting
+    if required(cfg, "merge_only"):  # a merge reads only what the shards wrote, no setting
         out = Path(str(cfg.output_dir)).expanduser().absolute()
         return merged_result(out, merge_shards(out, wall_seconds=None), time.perf_counter() - t0)
     s = GenerateSettings.from_cfg(cfg)  # bad settings fail once, here, before any process starts

@@ -29,7 +29,7 @@ from specdistill.data.generate.batched import (
     split_completion,
 )
 from specdistill.data.models.pairs import PairSpec
-from specdistill.data.runtime import ConfigError, eos_ids
+from specdistill.data.runtime import ConfigError, eos_ids, required
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class EngineSettings:
     max_model_len: int | None
     enforce_eager: bool
     cpu_kvcache_gib: float
-    in_process: bool | None = None
+    in_process: bool | None  # None: in this process on CPU only (engine_in_process)
 
 
 def check_engine_settings(node: Any) -> EngineSettings:
@@ -76,7 +76,7 @@ def check_engine_settings(node: Any) -> EngineSettings:
         max_model_len=None if node.max_model_len is None else int(node.max_model_len),
         enforce_eager=bool(node.enforce_eager),
         cpu_kvcache_gib=float(node.cpu_kvcache_gib),
-        in_process=None if node.get("in_process") is None else bool(node.in_process),
+        in_process=None if required(node, "in_process", "vllm") is None else bool(node.in_process),
     )
     for field in ("tensor_parallel_size", "max_num_seqs"):
         if getattr(s, field) < 1:
@@ -225,7 +225,7 @@ BACKENDS = ("hf", "vllm")
 
 def backend_settings(cfg: Any) -> EngineSettings | None:
     """The engine settings for backend=vllm (checked importable), None for backend=hf."""
-    backend = str(cfg.get("backend", "hf"))
+    backend = str(required(cfg, "backend"))
     if backend not in BACKENDS:
         raise ConfigError(f"backend={backend!r} is not known; use one of {', '.join(BACKENDS)}")
     if backend == "hf":

@@ -12,12 +12,14 @@ from typing import Any
 
 from specdistill.data.models.pair_vocab import pair_mapping
 from specdistill.data.models.pairs import load_drafter_tokenizer, vocab_size
+from specdistill.decode.config import DecoderConfig
 from specdistill.decode.drafters.mapped import MappedVocab, check_context, make_mapped_vocab
 
 
 def mapped_context(cfg: Any) -> str:
-    """`decoder.mapped_context` (tli when absent), checked before anything loads."""
-    return check_context(cfg.decoder.get("mapped_context", "tli"))
+    """`decoder.mapped_context` (absent: the decoder's default, conf/decoder/greedy.yaml's),
+    checked before anything loads."""
+    return check_context(cfg.decoder.get("mapped_context", DecoderConfig.mapped_context))
 
 
 def load_mapped(cfg: Any, spec: Any, target, drafter, tok) -> MappedVocab | None:

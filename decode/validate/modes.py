@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from specdistill.data.runtime import ConfigError, spread
+from specdistill.data.runtime import ConfigError, required, spread
 from specdistill.data.sampling import Sampling
 from specdistill.decode.config import DecoderSettings
 from specdistill.decode.outputs import emitted_tokens
@@ -90,7 +90,7 @@ def mode_name(temperature: float) -> str:
 
 def both_modes(cfg: Any) -> bool:
     """Whether validate also decodes the other serving mode (`both_modes`)."""
-    return bool(cfg.get("both_modes", True))
+    return bool(required(cfg, "both_modes"))
 
 
 def other_decoder(decoder: DecoderSettings, other_sampling: Any) -> DecoderSettings:
@@ -98,9 +98,7 @@ def other_decoder(decoder: DecoderSettings, other_sampling: Any) -> DecoderSetti
     sampling with `other_sampling` (gamma, cache, compile kept). Checks that spec (ConfigError)."""
     if not decoder.sampling.greedy:
         return decoder.replace(sampling=Sampling())
-    side = Sampling.from_node(
-        other_sampling if other_sampling is not None else {"temperature": 1.0}, "other_sampling"
-    )
+    side = Sampling.from_node(other_sampling, "other_sampling")
     if side.greedy:
         raise ConfigError(
             "other_sampling.temperature=0: the mode decoded beside a greedy decoder samples; "

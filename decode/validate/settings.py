@@ -1,7 +1,8 @@
 """The validate stage's config typed once: `ValidateSettings.from_cfg(cfg)` at the top of `run`.
 
-conf/validate.yaml lists the values users see; the defaults of a key a caller's config lacks, and
-every check of the stage's own settings, live here, so the stage and the decoder benchmark
+conf/validate.yaml is the one home of every key's default, with why (the fields here have none:
+tests/test_single_default.py); the types and every check of the stage's own settings live here
+(a config built by hand without a key is one `error:` line naming it), so the stage and the decoder benchmark
 (decode/bench/, which runs on the same config) read typed fields instead of parsing nodes again.
 Each engine's own node (`vllm.*`, `llamacpp.*`) is typed by that engine (decode/validate/engines/)
 into `engine_settings`. What needs the machine or the files (device, dtype, threads, the pair,
@@ -11,14 +12,14 @@ the dataset, each engine's install) is checked by `setup`, still before any weig
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from omegaconf import Container, OmegaConf
 
 from specdistill.data.prompts import check_long_prompts
-from specdistill.data.runtime import ConfigError, setting
+from specdistill.data.runtime import ConfigError, required
 from specdistill.data.sampling import Sampling
 from specdistill.data.stage_config import removed_message
 from specdistill.decode.config import MAX_DRAFT, DecoderSettings
@@ -56,30 +57,30 @@ class ValidateSettings:
     output_dir: Path
     decoder: DecoderSettings
     other: DecoderSettings | None
-    max_new_tokens: int = 64
-    num_prompts: int | None = 32  # None (or 0): every prompt of the split
-    max_prompt_tokens: int | None = None  # None: the context left after max_new_tokens, gamma
-    long_prompts: str = "truncate"
-    batch_size: int = 1
-    repeats: int = 1
-    step_time_iters: int = 20
-    seed: int = 0
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: Any = "default"  # default (torch's: every core) | auto (1) | N (set_threads checks it)
-    hf_assisted: bool = True
-    plot: bool = True
-    progress: bool = True  # a bar over the timed decodes (stderr)
+    max_new_tokens: int
+    num_prompts: int | None  # None (or 0): every prompt of the split
+    max_prompt_tokens: int | None  # None: the context left after max_new_tokens, gamma
+    long_prompts: str
+    batch_size: int
+    repeats: int
+    step_time_iters: int
+    seed: int
+    device: str
+    dtype: str
+    threads: Any  # default (torch's: every core) | auto (1) | N (set_threads checks it)
+    hf_assisted: bool
+    plot: bool
+    progress: bool  # a bar over the timed decodes (stderr)
     # the recommended K: acceptance by position up to this K (0: no recommendation), priced at
     # this machine's costs and at each `cost_model` entry's (a user's hardware, per batch size)
-    recommend_max_k: int = 8
-    cost_model: tuple[CostModel, ...] = ()
-    engines: tuple[str, ...] = ("ours",)
+    recommend_max_k: int
+    cost_model: tuple[CostModel, ...]
+    engines: tuple[str, ...]
     # each chosen engine's own settings, typed by it (e.g. llamacpp: LlamaCppSettings), by name
-    engine_settings: dict[str, Any] = field(default_factory=dict)
-    training_data: str | None = None  # a Seq-KD dataset: no prompt may be among its rows
+    engine_settings: dict[str, Any]
+    training_data: str | None  # a Seq-KD dataset: no prompt may be among its rows
     # a folder the run's validate steps share their target-only side through (target_only.py)
-    target_only_cache: Path | None = None
+    target_only_cache: Path | None
 
     @property
     def both_modes(self) -> bool:
@@ -95,16 +96,16 @@ class ValidateSettings:
         """The stage's config (DictConfig) checked and typed; a ConfigError names the field."""
         decoder = DecoderSettings.from_node(cfg.decoder, "decoder")
         for key in _POSITIVE:
-            value = cfg.get(key)
+            value = required(cfg, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{key}={value!r} must be a positive integer")
-        long_prompts = setting(cfg, cls, "long_prompts")
+        long_prompts = required(cfg, "long_prompts")
         check_long_prompts(long_prompts)
         engines = parse_engines(cfg)
-        other = other_decoder(decoder, cfg.get("other_sampling")) if both_modes(cfg) else None
+        other = other_decoder(decoder, required(cfg, "other_sampling")) if both_modes(cfg) else None
         if cfg.get("prefill_once") is not None:
             raise ConfigError(PREFILL_ONCE)
-        top = setting(cfg, cls, "recommend_max_k")
+        top = required(cfg, "recommend_max_k")
         if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_DRAFT:
             raise ConfigError(f"recommend_max_k={top!r} must be an integer in 0..{MAX_DRAFT}")
         own = {name: ENGINES[name].settings(cfg) for name in engines}
@@ -113,27 +114,29 @@ class ValidateSettings:
             decoder=decoder,
             other=other,
             max_new_tokens=int(cfg.max_new_tokens),
-            num_prompts=int(cfg.num_prompts) if cfg.get("num_prompts") else None,  # 0/null: all
-            max_prompt_tokens=cfg.get("max_prompt_tokens") or None,
+            num_prompts=int(cfg.num_prompts)
+            if required(cfg, "num_prompts")
+            else None,  # 0/null: all
+            max_prompt_tokens=required(cfg, "max_prompt_tokens") or None,
             long_prompts=str(long_prompts),
             batch_size=int(cfg.batch_size),
             repeats=int(cfg.repeats),
             step_time_iters=int(cfg.step_time_iters),
-            seed=int(setting(cfg, cls, "seed")),
-            device=str(setting(cfg, cls, "device")),
-            dtype=str(setting(cfg, cls, "dtype")),
-            threads=setting(cfg, cls, "threads"),
-            hf_assisted=bool(setting(cfg, cls, "hf_assisted")),
-            plot=bool(setting(cfg, cls, "plot")),
-            progress=bool(setting(cfg, cls, "progress")),
+            seed=int(required(cfg, "seed")),
+            device=str(required(cfg, "device")),
+            dtype=str(required(cfg, "dtype")),
+            threads=required(cfg, "threads"),
+            hf_assisted=bool(required(cfg, "hf_assisted")),
+            plot=bool(required(cfg, "plot")),
+            progress=bool(required(cfg, "progress")),
             recommend_max_k=top,
-            cost_model=cost_models(cfg.get("cost_model")),
+            cost_model=cost_models(required(cfg, "cost_model")),
             engines=engines,
             engine_settings=own,
-            training_data=str(cfg.training_data) if cfg.get("training_data") else None,
+            training_data=str(cfg.training_data) if required(cfg, "training_data") else None,
             target_only_cache=(
                 Path(str(cfg.target_only_cache)).expanduser().absolute()
-                if cfg.get("target_only_cache")
+                if required(cfg, "target_only_cache")
                 else None
             ),
         )

@@ -21,28 +21,26 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.data.models.gguf_writer import TARGET_RECIPE
-from specdistill.data.runtime import ConfigError, setting
+from specdistill.data.runtime import ConfigError, required
 
 
 @dataclass(frozen=True)
 class GGUFSettings:
     """`gguf.*` of conf/export.yaml."""
 
-    enabled: bool = False
-    types: tuple[str, ...] = ("f16", "q8_0", TARGET_RECIPE)
-    target: str | None = None  # the target's GGUF; None: the pair's own file, or one written
+    enabled: bool
+    types: tuple[str, ...]  # f16, q8_0, ... (gguf_writer.QUANT_TYPES) or `target`
+    target: str | None  # the target's GGUF; None: the pair's own file, or one written
 
     @classmethod
     def from_node(cls, node: Any) -> GGUFSettings:
         """The node checked and typed; a ConfigError names the field."""
         from specdistill.data.models.gguf_writer import QUANT_TYPES
 
-        if node is None:
-            return cls()
-        enabled = setting(node, cls, "enabled")
+        enabled = required(node, "enabled", "gguf")
         if not isinstance(enabled, bool):
             raise ConfigError(f"gguf.enabled={enabled!r} must be true or false")
-        types = tuple(str(t).lower() for t in setting(node, cls, "types") or ())
+        types = tuple(str(t).lower() for t in required(node, "types", "gguf") or ())
         allowed = (*QUANT_TYPES, TARGET_RECIPE)
         bad = [t for t in types if t not in allowed]
         if enabled and (bad or not types):
@@ -51,7 +49,7 @@ class GGUFSettings:
                 + (f"{bad} unknown" if bad else "empty")
                 + f"; choose from {list(allowed)}"
             )
-        target = setting(node, cls, "target")
+        target = required(node, "target", "gguf")
         if enabled and target and not Path(str(target)).expanduser().is_file():
             raise ConfigError(
                 f"gguf.target={target!r} does not exist: point it at the target's .gguf"

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.generate.vllm_engine import require_vllm
 from specdistill.data.models.pair_vocab import resolves_to_mapped
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, required
 from specdistill.data.stage_config import config_module
 from specdistill.decode.validate.stage import run as validate
 from specdistill.distill.compose import compose_stage
@@ -32,8 +32,8 @@ ASKED_BY = "vllm.enabled=true"
 def check_vllm_settings(cfg: DictConfig) -> bool:
     """Whether the export validates in vLLM; refuses early (before any model loads) when vLLM
     cannot be imported."""
-    node = cfg.get("vllm") or {}
-    if not node.get("enabled", False):
+    node = required(cfg, "vllm")
+    if not required(node, "enabled", "vllm"):
         return False
     if not node.get("output_dir"):
         raise ConfigError("vllm.output_dir is empty: name the folder for the vLLM validate report")

@@ -1,6 +1,8 @@
 """The online stage's config typed once: `OnlineSettings.from_cfg(cfg)` at the top of `run`
 holds the stage's own settings, every check (each error names its field, before any model
-loads) and the typed `decoder` node. The `loss`, `optim` and `logger` groups stay nodes: the
+loads) and the typed `decoder` node. conf/online.yaml is the one home of each key's default,
+with why: the fields here have none (tests/test_single_default.py), and a config built by hand
+without a key is one error naming it. The `loss`, `optim` and `logger` groups stay nodes: the
 optimizer is instantiated from `optim.optimizer`'s `_target_` and the loss node is shared with
 the distill stage's loss code."""
 
@@ -13,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.runtime import ConfigError, number_as_float, setting
+from specdistill.data.runtime import ConfigError, number_as_float, required
 from specdistill.decode.config import DecoderSettings
 from specdistill.decode.config import removed_keys as removed_decoder_keys
 from specdistill.distill.losses import DIVERGENCES
@@ -91,26 +93,26 @@ class OnlineSettings:
     update_steps: int
     update_batch: int
     save_every: int
-    topk: int | str = "auto"  # auto: by the decoder's serving mode (resolve_topk)
-    stream_blend: int = 0
-    record: str = "all"
-    guard_every: int = 4
-    guard_probe: int = 2
-    guard_margin: float = 0.05
-    guard_start: bool = False
-    gate_agreement: float | str | None = "auto"  # auto: by serving mode (resolve_gate)
-    gate_relax_margin: float | None = 0.15
-    gate_relaxed: float | None = None
-    anchor_kl: float = 0.0
-    loss_chunk_size: int = 256
-    compare_frozen: bool = True
-    seed: int = 0
-    resume: bool | str = "auto"  # auto: continue this run's own state (saved_state)
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: Any = "default"  # torch's own count: every core (conf/online.yaml)
-    log_tokens: bool = False
-    plot: bool = True
+    topk: int | str  # auto: by the decoder's serving mode (resolve_topk)
+    stream_blend: int
+    record: str
+    guard_every: int
+    guard_probe: int
+    guard_margin: float
+    guard_start: bool
+    gate_agreement: float | str | None  # auto: by serving mode (resolve_gate)
+    gate_relax_margin: float | None
+    gate_relaxed: float | None
+    anchor_kl: float
+    loss_chunk_size: int
+    compare_frozen: bool
+    seed: int
+    resume: bool | str  # auto: continue this run's own state (saved_state)
+    device: str
+    dtype: str
+    threads: Any  # default | auto | N (data.runtime.set_threads checks it)
+    log_tokens: bool
+    plot: bool
 
     @property
     def gate(self) -> float | None:
@@ -132,20 +134,20 @@ class OnlineSettings:
             guard_every=int(cfg.guard_every),
             guard_probe=int(cfg.guard_probe),
             guard_margin=float(cfg.guard_margin),
-            guard_start=bool(setting(cfg, cls, "guard_start")),
-            gate_agreement=number_as_float(setting(cfg, cls, "gate_agreement")),
-            gate_relax_margin=number_as_float(setting(cfg, cls, "gate_relax_margin")),
-            gate_relaxed=number_as_float(setting(cfg, cls, "gate_relaxed")),
-            anchor_kl=float(setting(cfg, cls, "anchor_kl")),
-            loss_chunk_size=int(setting(cfg, cls, "loss_chunk_size")),
-            compare_frozen=bool(setting(cfg, cls, "compare_frozen")),
-            seed=int(setting(cfg, cls, "seed")),
-            resume=_resume(setting(cfg, cls, "resume")),
-            device=str(setting(cfg, cls, "device")),
-            dtype=str(setting(cfg, cls, "dtype")),
-            threads=setting(cfg, cls, "threads"),
-            log_tokens=bool(setting(cfg, cls, "log_tokens")),
-            plot=bool(setting(cfg, cls, "plot")),
+            guard_start=bool(required(cfg, "guard_start")),
+            gate_agreement=number_as_float(required(cfg, "gate_agreement")),
+            gate_relax_margin=number_as_float(required(cfg, "gate_relax_margin")),
+            gate_relaxed=number_as_float(required(cfg, "gate_relaxed")),
+            anchor_kl=float(required(cfg, "anchor_kl")),
+            loss_chunk_size=int(required(cfg, "loss_chunk_size")),
+            compare_frozen=bool(required(cfg, "compare_frozen")),
+            seed=int(required(cfg, "seed")),
+            resume=_resume(required(cfg, "resume")),
+            device=str(required(cfg, "device")),
+            dtype=str(required(cfg, "dtype")),
+            threads=required(cfg, "threads"),
+            log_tokens=bool(required(cfg, "log_tokens")),
+            plot=bool(required(cfg, "plot")),
         )
 
 
@@ -180,7 +182,7 @@ def _check(cfg: DictConfig) -> list[Segment]:
                 f"guard_probe={probe} must be a positive multiple of batch_size={b} and at most "
                 f"update_every={cfg.update_every} (the probe is the latest traffic)"
             )
-    gate = cfg.get("gate_agreement")
+    gate = required(cfg, "gate_agreement")
     if gate is not None and gate != "auto":
         if isinstance(gate, bool) or not isinstance(gate, int | float) or not -1 <= gate <= 1:
             raise ConfigError(
@@ -191,17 +193,17 @@ def _check(cfg: DictConfig) -> list[Segment]:
                 f"update_batch={cfg.update_batch} must be >= 2 with gate_agreement (it is split "
                 "into two half-batches whose gradients must agree)"
             )
-    if not _in_range_or_null(cfg.get("gate_relax_margin"), 0, 1):
+    if not _in_range_or_null(required(cfg, "gate_relax_margin"), 0, 1):
         raise ConfigError(
             f"gate_relax_margin={cfg.get('gate_relax_margin')!r} must be an alpha drop in [0, 1] "
             "or null (the gate never relaxes)"
         )
-    if not _in_range_or_null(cfg.get("gate_relaxed"), -1, 1):
+    if not _in_range_or_null(required(cfg, "gate_relaxed"), -1, 1):
         raise ConfigError(
             f"gate_relaxed={cfg.get('gate_relaxed')!r} must be a cosine in [-1, 1] or null (no "
             "gate while relaxed)"
         )
-    if not float(cfg.get("anchor_kl", 0.0)) >= 0:
+    if not float(required(cfg, "anchor_kl")) >= 0:
         raise ConfigError(f"anchor_kl={cfg.anchor_kl} must be >= 0 (0: no trust region)")
     if not float(cfg.guard_margin) >= 0:
         raise ConfigError(f"guard_margin={cfg.guard_margin} must be >= 0")

@@ -1,8 +1,9 @@
 """The distill stage's config typed once: `TrainSettings.from_cfg(cfg)` at the top of `run`.
 
-conf/distill.yaml lists the values users see; the defaults of a key a caller's config lacks (a
-hand-built config, a plan file from an older run) and every check of the stage's own settings
-live here, each error one line naming the field, before any model loads. The loop, its helpers
+conf/distill.yaml is the one home of every key's default, with why (the fields here and in
+settings_sections.py have none: tests/test_single_default.py); the types and every check of the
+stage's own settings live here, each error one line naming the field (a config built by hand
+without a key too), before any model loads. The loop, its helpers
 and result.json read typed fields instead of parsing nodes again. The config groups that are
 objects of their own stay nodes on the config: `pair` and `dataset` (resolved by data/),
 `optim` (its optimizer is instantiated from `_target_`; its schedule is checked here),
@@ -12,13 +13,13 @@ devices, fp16 on CPU) is checked by `setup.check_config`, still before any weigh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.runtime import ConfigError, setting
+from specdistill.data.runtime import ConfigError, required
 from specdistill.data.sampling import replaced_keys
 from specdistill.decode.draft_vocab import draft_vocab_size
 from specdistill.distill.head_loss import AUTO_MIN_VOCAB
@@ -66,55 +67,57 @@ class TrainSettings:
     data: DataSettings
     eval: EvalSettings
     onpolicy: OnpolicySettings
-    lmbda: float = 0.0
-    switch: SwitchSettings = field(default_factory=SwitchSettings)
-    seed: int = 0
-    max_steps: int = 200
-    micro_batch_size: int = 8
-    grad_accum: int = 1
-    max_seq_len: int = 256
+    lmbda: float
+    switch: SwitchSettings
+    seed: int
+    max_steps: int
+    micro_batch_size: int
+    grad_accum: int
+    max_seq_len: int
     # auto: continue from the latest checkpoint of the same config (a preempted or killed run's
     # rerun); true: from the latest checkpoint whatever changed but the data layout; false: afresh
-    resume: bool | str = "auto"
-    eval_every: int = 50
-    save_every: int = 50
-    keep_checkpoints: int = 1
-    mixed_precision: str = "auto"  # auto | no | bf16 | fp16
-    device: str = "auto"
-    target_dtype: str = "auto"
-    loss_chunk_size: int | None = 256
-    group_by_length: int = 0  # micro-batches whose rows are sorted by length together (0: off)
-    pack_sequences: bool = False  # a micro-batch's sequences end to end in rows (train/packing.py)
-    gradient_checkpointing: bool = False  # the drafter's layers recompute activations in backward
-    drafting: str = "autoregressive"  # autoregressive | parallel
-    parallel: ParallelSettings | None = None  # drafting=parallel only
-    masked_head: bool = True
-    chunked_loss: bool | str = "auto"
-    draft_vocab: Any = "auto"  # auto | none | N (decode/draft_vocab.py checks the form)
+    resume: bool | str
+    eval_every: int
+    save_every: int
+    keep_checkpoints: int
+    mixed_precision: str  # auto | no | bf16 | fp16
+    device: str
+    target_dtype: str
+    loss_chunk_size: int | None
+    group_by_length: int  # micro-batches whose rows are sorted by length together (0: off)
+    pack_sequences: bool  # a micro-batch's sequences end to end in rows (train/packing.py)
+    gradient_checkpointing: bool  # the drafter's layers recompute activations in backward
+    drafting: str  # autoregressive | parallel
+    parallel: ParallelSettings | None  # drafting=parallel only
+    masked_head: bool
+    chunked_loss: bool | str
+    draft_vocab: Any  # auto | none | N (decode/draft_vocab.py checks the form)
     # auto: on for heads of >= DRAFT_VOCAB_TRAIN_MIN rows (`trains_draft_vocab`)
-    draft_vocab_train: bool | str = "auto"
+    draft_vocab_train: bool | str
     # greedy serving: positions whose target argmax q can never propose (outside a mapped pair's
     # vocabulary intersection, or outside the draft vocabulary under draft_vocab_train) add no
     # loss; resolved by `mask_unreachable`
-    tli_mask_unreachable: bool | str = "auto"
-    freeze_embeddings: bool | str = "auto"
-    deepspeed: bool = False
-    zero_stage: int = 0  # 0 without DeepSpeed
-    fsdp: bool = False  # FSDP2: the drafter sharded with torch's fully_shard (train/fsdp.py)
-    sweep_dir: str | None = None  # a loss sweep's folder: its summary is rewritten after each run
+    tli_mask_unreachable: bool | str
+    freeze_embeddings: bool | str
+    deepspeed: bool
+    zero_stage: int  # 0 without DeepSpeed
+    fsdp: bool  # FSDP2: the drafter sharded with torch's fully_shard (train/fsdp.py)
+    # a loss sweep's folder, its summary rewritten after each run: an experiment's key
+    # (conf/experiment/loss_sweep.yaml), not the stage's, so absent (None) means no sweep
+    sweep_dir: str | None
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> TrainSettings:
         """The distill config checked and typed; a ConfigError names the field."""
         _check_scalars(cfg)
         for key in _AUTO_OR_BOOL_KEYS:
-            value = setting(cfg, cls, key)
+            value = required(cfg, key)
             if value not in _AUTO_OR_BOOL:
                 raise ConfigError(f"{key}={value!r}: use auto, true or false")
         ev = EvalSettings.from_node(cfg.eval)
         onpolicy = OnpolicySettings.from_node(cfg.onpolicy)
-        switch = SwitchSettings.from_node(OmegaConf.select(cfg, "switch"))
-        drafting = setting(cfg, cls, "drafting")
+        switch = SwitchSettings.from_node(required(cfg, "switch"))
+        drafting = required(cfg, "drafting")
         if drafting not in ("autoregressive", "parallel"):
             raise ConfigError(f"drafting={drafting!r}: use autoregressive or parallel")
         par = ParallelSettings.from_node(cfg.parallel) if drafting == "parallel" else None
@@ -122,10 +125,10 @@ class TrainSettings:
             raise ConfigError(
                 f"optim.schedule={cfg.optim.schedule!r}: use cosine, linear or constant"
             )
-        draft_vocab = setting(cfg, cls, "draft_vocab")
+        draft_vocab = required(cfg, "draft_vocab")
         draft_vocab_size(draft_vocab, 1 << 30)  # the setting's form only
         sweep_dir = OmegaConf.select(cfg, "sweep_dir")
-        sharded = _fsdp(_bool(cfg, cls, "fsdp"), cfg, drafting)
+        sharded = _fsdp(_bool(cfg, "fsdp"), cfg, drafting)
         return cls(
             output_dir=Path(str(cfg.output_dir)),
             loss=LossSettings(
@@ -136,25 +139,25 @@ class TrainSettings:
             onpolicy=onpolicy,
             lmbda=float(cfg.lmbda),
             switch=switch,
-            seed=int(setting(cfg, cls, "seed")),
+            seed=int(required(cfg, "seed")),
             **{key: int(cfg[key]) for key in (*_POSITIVE, "max_seq_len")},
-            resume=setting(cfg, cls, "resume"),
-            keep_checkpoints=int(setting(cfg, cls, "keep_checkpoints")),
-            mixed_precision=str(setting(cfg, cls, "mixed_precision")),
-            device=str(setting(cfg, cls, "device")),
-            target_dtype=str(setting(cfg, cls, "target_dtype")),
-            loss_chunk_size=_int_or_none(setting(cfg, cls, "loss_chunk_size")),
-            group_by_length=int(setting(cfg, cls, "group_by_length")),
-            pack_sequences=_pack_sequences(_bool(cfg, cls, "pack_sequences"), drafting),
-            gradient_checkpointing=_bool(cfg, cls, "gradient_checkpointing"),
+            resume=required(cfg, "resume"),
+            keep_checkpoints=int(required(cfg, "keep_checkpoints")),
+            mixed_precision=str(required(cfg, "mixed_precision")),
+            device=str(required(cfg, "device")),
+            target_dtype=str(required(cfg, "target_dtype")),
+            loss_chunk_size=_int_or_none(required(cfg, "loss_chunk_size")),
+            group_by_length=int(required(cfg, "group_by_length")),
+            pack_sequences=_pack_sequences(_bool(cfg, "pack_sequences"), drafting),
+            gradient_checkpointing=_bool(cfg, "gradient_checkpointing"),
             drafting=str(drafting),
             parallel=par,
-            masked_head=bool(setting(cfg, cls, "masked_head")),
-            chunked_loss=setting(cfg, cls, "chunked_loss"),
+            masked_head=bool(required(cfg, "masked_head")),
+            chunked_loss=required(cfg, "chunked_loss"),
             draft_vocab=draft_vocab,
-            draft_vocab_train=setting(cfg, cls, "draft_vocab_train"),
-            tli_mask_unreachable=setting(cfg, cls, "tli_mask_unreachable"),
-            freeze_embeddings=setting(cfg, cls, "freeze_embeddings"),
+            draft_vocab_train=required(cfg, "draft_vocab_train"),
+            tli_mask_unreachable=required(cfg, "tli_mask_unreachable"),
+            freeze_embeddings=required(cfg, "freeze_embeddings"),
             deepspeed=bool(cfg.deepspeed.enabled),
             zero_stage=zero_stage(cfg),
             fsdp=sharded,
@@ -232,10 +235,10 @@ def _check_scalars(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be a positive integer")
     if int(cfg.max_seq_len) < 2:
         raise ConfigError(f"max_seq_len={cfg.max_seq_len} must be at least 2")
-    chunk = cfg.get("loss_chunk_size")
+    chunk = required(cfg, "loss_chunk_size")
     if chunk is not None and int(chunk) <= 0:
         raise ConfigError(f"loss_chunk_size={chunk} must be positive or null")
-    group = cfg.get("group_by_length", 0)
+    group = required(cfg, "group_by_length")
     if isinstance(group, bool) or not isinstance(group, int) or group < 0:
         raise ConfigError(
             f"group_by_length={group!r} must be a whole number of micro-batches (0: off)"
@@ -244,8 +247,8 @@ def _check_scalars(cfg: DictConfig) -> None:
         raise ConfigError(f"mixed_precision={cfg.mixed_precision!r}: use auto, no, bf16 or fp16")
 
 
-def _bool(cfg: Any, cls: type, key: str) -> bool:
-    value = setting(cfg, cls, key)
+def _bool(cfg: Any, key: str) -> bool:
+    value = required(cfg, key)
     if not isinstance(value, bool):
         raise ConfigError(f"{key}={value!r}: use true or false")
     return value

@@ -1,20 +1,21 @@
 """The sections of conf/distill.yaml that are settings of their own (`loss`, `switch`,
 `parallel`, `data`, `eval` with `eval.predict`, `onpolicy`), each typed and checked once by its
 `from_node`; `TrainSettings.from_cfg` (train/settings.py) holds them. Every error is one line
-naming the field.
+naming the field. conf/distill.yaml is the one home of each key's default: the fields here have
+none (tests/test_single_default.py), and a node built by hand without a key is one error too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from specdistill.data.runtime import ConfigError, number_as_float, setting
+from specdistill.data.runtime import ConfigError, number_as_float, required
 from specdistill.data.sampling import Sampling
-from specdistill.decode.config import DEFAULT_GAMMA, MAX_DRAFT, DecoderConfig
+from specdistill.decode.config import MAX_DRAFT
 from specdistill.decode.draft_length import costs_from_mapping
 from specdistill.distill.losses import DIVERGENCES
 from specdistill.distill.parallel import check_parallel_config
@@ -24,9 +25,9 @@ from specdistill.distill.parallel import check_parallel_config
 class LossSettings:
     """`loss` (conf/loss/): the divergence, GKD's beta, the softmax temperature of p and q."""
 
-    name: str = "fkl"
-    beta: float = 0.0
-    temperature: float = 1.0
+    name: str
+    beta: float
+    temperature: float
 
 
 @dataclass(frozen=True)
@@ -34,44 +35,43 @@ class SwitchSettings:
     """`switch`: an optional second phase from step int(at * max_steps) on (e.g. greedy Seq-KD +
     FKL, then on-policy TVD); None keeps the stage's own value. Checked only when `at` is set."""
 
-    at: float | None = None
-    loss: str | None = None
-    beta: float | None = None
-    lmbda: float | None = None
+    at: float | None
+    loss: str | None
+    beta: float | None
+    lmbda: float | None
 
     @classmethod
     def from_node(cls, sw: Any) -> SwitchSettings:
-        if sw is None:
-            return cls()
-        if sw.get("at") is None:  # no second phase: its lmbda still counts in `most_onpolicy`
-            return cls(lmbda=_float_or_none(sw.get("lmbda")))
-        at = float(sw.at)
-        if not 0.0 < at < 1.0:
+        at, loss, beta, lmbda = (
+            required(sw, key, "switch") for key in ("at", "loss", "beta", "lmbda")
+        )
+        if at is None:  # no second phase: its lmbda still counts in `most_onpolicy`
+            return cls(None, None, None, _float_or_none(lmbda))
+        if not 0.0 < float(at) < 1.0:
             raise ConfigError(
-                f"switch.at={at} must lie in (0, 1): the share of max_steps before it"
+                f"switch.at={float(at)} must lie in (0, 1): the share of max_steps before it"
             )
-        if sw.get("loss") is not None and sw.loss not in DIVERGENCES:
-            raise ConfigError(f"switch.loss={sw.loss!r} is not one of {', '.join(DIVERGENCES)}")
-        for key in ("lmbda", "beta"):
-            v = sw.get(key)
+        if loss is not None and loss not in DIVERGENCES:
+            raise ConfigError(f"switch.loss={loss!r} is not one of {', '.join(DIVERGENCES)}")
+        for key, v in (("lmbda", lmbda), ("beta", beta)):
             if v is not None and not 0.0 <= float(v) <= 1.0:
                 raise ConfigError(f"switch.{key}={v} must lie in [0, 1] or be null")
-        loss = None if sw.get("loss") is None else str(sw.loss)
-        return cls(at, loss, _float_or_none(sw.get("beta")), _float_or_none(sw.get("lmbda")))
+        loss = None if loss is None else str(loss)
+        return cls(float(at), loss, _float_or_none(beta), _float_or_none(lmbda))
 
 
 @dataclass(frozen=True)
 class ParallelSettings:
     """`parallel.*` (drafting=parallel only; distill/parallel.py checks them)."""
 
-    depth: int = 8
-    anchors: int = 16
-    decay: float = 0.8
-    objective: str = "token"  # token | cat | acceptance_length
-    length_weight: float = 1.0
-    cat_mix: float = 1.0  # cat / acceptance_length: the share of the cat weights (rest: token)
-    miss_weight: float = 1.0  # contexts just after a drafter miss, where rounds start
-    mask_token_id: int | str | None = "auto"  # auto: the tokenizer's pad id
+    depth: int
+    anchors: int
+    decay: float
+    objective: str  # token | cat | acceptance_length
+    length_weight: float
+    cat_mix: float  # cat / acceptance_length: the share of the cat weights (rest: token)
+    miss_weight: float  # contexts just after a drafter miss, where rounds start
+    mask_token_id: int | str | None  # auto: the tokenizer's pad id
 
     @classmethod
     def from_node(cls, node: Any) -> ParallelSettings:
@@ -80,11 +80,11 @@ class ParallelSettings:
             depth=int(node.depth),
             anchors=int(node.anchors),
             decay=float(node.decay),
-            objective=str(setting(node, cls, "objective")),
-            length_weight=float(setting(node, cls, "length_weight")),
-            cat_mix=float(setting(node, cls, "cat_mix")),
-            miss_weight=float(setting(node, cls, "miss_weight")),
-            mask_token_id=setting(node, cls, "mask_token_id"),
+            objective=str(required(node, "objective", "parallel")),
+            length_weight=float(required(node, "length_weight", "parallel")),
+            cat_mix=float(required(node, "cat_mix", "parallel")),
+            miss_weight=float(required(node, "miss_weight", "parallel")),
+            mask_token_id=required(node, "mask_token_id", "parallel"),
         )
 
 
@@ -92,12 +92,12 @@ class ParallelSettings:
 class DataSettings:
     """`data`: the training rows' sources (values as given: paths and limits go to data/)."""
 
-    path: Any = None  # a generate-stage (Seq-KD) dataset, or a list of them (read in turn)
-    seq_kd: bool = True  # build one with the generate stage when path is null
-    reference: bool = False
-    use_topk: Any = "auto"  # auto | true | false
-    limit: Any = None
-    generate: dict[str, Any] = field(default_factory=dict)  # the generate stage's overrides
+    path: Any  # a generate-stage (Seq-KD) dataset, or a list of them (read in turn)
+    seq_kd: bool  # build one with the generate stage when path is null
+    reference: bool
+    use_topk: Any  # auto | true | false
+    limit: Any
+    generate: dict[str, Any]  # the generate stage's overrides
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -108,8 +108,8 @@ class DataSettings:
 
     @classmethod
     def from_node(cls, node: Any) -> DataSettings:
-        gen = node.get("generate")
-        path = setting(node, cls, "path")
+        gen = required(node, "generate", "data")
+        path = required(node, "path", "data")
         if isinstance(path, ListConfig | list | tuple):  # several Seq-KD sets (chat modes)
             if not path or not all(isinstance(p, str) and p for p in path):
                 raise ConfigError(
@@ -118,10 +118,10 @@ class DataSettings:
             path = tuple(str(p) for p in path)
         return cls(
             path=path,
-            seq_kd=bool(setting(node, cls, "seq_kd")),
-            reference=bool(setting(node, cls, "reference")),
-            use_topk=setting(node, cls, "use_topk"),
-            limit=setting(node, cls, "limit"),
+            seq_kd=bool(required(node, "seq_kd", "data")),
+            reference=bool(required(node, "reference", "data")),
+            use_topk=required(node, "use_topk", "data"),
+            limit=required(node, "limit", "data"),
             generate=OmegaConf.to_container(gen, resolve=True) if gen is not None else {},  # type: ignore[arg-type]
         )
 
@@ -132,16 +132,15 @@ class PredictSettings:
     `costs`: null (the cost model's defaults, re-priced in the summary with validate's measured
     c and verify cost) or a mapping {c, verify_per_token}; nothing is timed."""
 
-    enabled: bool = True
-    gamma: int = DEFAULT_GAMMA
-    max_draft: int = 8
-    p_min: float = DecoderConfig.p_min
-    costs: dict[str, Any] | None = None
+    enabled: bool
+    gamma: int
+    max_draft: int
+    p_min: float
+    costs: dict[str, Any] | None
 
     @classmethod
     def from_node(cls, node: Any) -> PredictSettings:
-        node = node or {}
-        costs = node.get("costs", cls.costs)
+        costs = required(node, "costs", "eval.predict")
         if isinstance(costs, DictConfig):
             costs = OmegaConf.to_container(costs, resolve=True)
         if costs == "auto":
@@ -161,10 +160,10 @@ class PredictSettings:
                 raise ConfigError(f"eval.predict.costs: {err}") from None
             costs = dict(costs)
         out = cls(
-            enabled=bool(node.get("enabled", cls.enabled)),
-            gamma=node.get("gamma", cls.gamma),
-            max_draft=node.get("max_draft", cls.max_draft),
-            p_min=number_as_float(node.get("p_min", cls.p_min)),
+            enabled=bool(required(node, "enabled", "eval.predict")),
+            gamma=required(node, "gamma", "eval.predict"),
+            max_draft=required(node, "max_draft", "eval.predict"),
+            p_min=number_as_float(required(node, "p_min", "eval.predict")),
             costs=costs,
         )
         for key in ("gamma", "max_draft"):
@@ -180,54 +179,54 @@ class PredictSettings:
 class OnpolicySettings:
     """`onpolicy`: the drafter's own completions (lmbda > 0)."""
 
-    max_new_tokens: int = 64
-    sampling: Sampling = field(default_factory=lambda: Sampling(temperature=1.0))
-    engine: str = "auto"  # transformers | vllm | auto (train/rollouts.py)
+    max_new_tokens: int
+    sampling: Sampling
+    engine: str  # transformers | vllm | auto (train/rollouts.py)
 
     @classmethod
     def from_node(cls, node: Any) -> OnpolicySettings:
         from specdistill.distill.train.rollouts import ENGINES
 
         sampling = Sampling.from_parent(node, "onpolicy.sampling")
-        engine = str(setting(node, cls, "engine"))
+        engine = str(required(node, "engine", "onpolicy"))
         if engine not in ENGINES:
             raise ConfigError(f"onpolicy.engine={engine!r}: choose one of {list(ENGINES)}")
-        return cls(int(setting(node, cls, "max_new_tokens")), sampling, engine)
+        return cls(int(required(node, "max_new_tokens", "onpolicy")), sampling, engine)
 
 
 @dataclass(frozen=True)
 class EvalSettings:
     """`eval`: the held-out figure that picks best/ (acceptance in the serving mode)."""
 
-    source: str = "reference"  # reference | path | target
-    path: Any = None
-    split: Any = "test"
-    limit: Any = 64
-    batch_size: int = 16
-    max_new_tokens: int = 64
-    topk_logprobs: int | str = "auto"
-    sampling: Sampling = field(default_factory=lambda: Sampling(temperature=1.0))
-    predict: PredictSettings = field(default_factory=PredictSettings)
+    source: str  # reference | path | target
+    path: Any
+    split: Any
+    limit: Any
+    batch_size: int
+    max_new_tokens: int
+    topk_logprobs: int | str
+    sampling: Sampling
+    predict: PredictSettings
 
     @classmethod
     def from_node(cls, node: Any) -> EvalSettings:
-        source = setting(node, cls, "source")
+        source = required(node, "source", "eval")
         if source not in ("reference", "path", "target"):
             raise ConfigError(f"eval.source={source!r}: use reference, path or target")
         sampling = Sampling.from_parent(node, "eval.sampling")
-        k = setting(node, cls, "topk_logprobs")
+        k = required(node, "topk_logprobs", "eval")
         if k != "auto" and int(k) < 0:
             raise ConfigError(f"eval.topk_logprobs={k} must be >= 0 or auto")
         return cls(
             source=str(source),
-            path=setting(node, cls, "path"),
-            split=setting(node, cls, "split"),
-            limit=setting(node, cls, "limit"),
-            batch_size=int(setting(node, cls, "batch_size")),
-            max_new_tokens=int(setting(node, cls, "max_new_tokens")),
+            path=required(node, "path", "eval"),
+            split=required(node, "split", "eval"),
+            limit=required(node, "limit", "eval"),
+            batch_size=int(required(node, "batch_size", "eval")),
+            max_new_tokens=int(required(node, "max_new_tokens", "eval")),
             topk_logprobs=k if k == "auto" else int(k),
             sampling=sampling,
-            predict=PredictSettings.from_node(node.get("predict")),
+            predict=PredictSettings.from_node(required(node, "predict", "eval")),
         )
 
 

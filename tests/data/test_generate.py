@@ -60,7 +60,9 @@ def test_batched_greedy_equals_one_at_a_time_generate(toy_tiny_pair):
     target, _, tok = toy_tiny_pair
     prompts = _prepared(tok, 12)
     assert len({len(p.ids) for p in prompts}) > 6  # lengths differ, so padding is exercised
-    s = batched.GenerationSettings(max_new_tokens=12, sampling=Sampling(), num_samples=1, seed=0)
+    s = batched.GenerationSettings(
+        max_new_tokens=12, sampling=Sampling(), num_samples=1, seed=0, sampled_share=1.0
+    )
     rows, tokens = batched.generate_rows(target, tok, prompts, s, batch_size=8, topk=0)
     eos = eos_ids(target.generation_config, tok)
     for p, row in zip(prompts, rows):
@@ -233,7 +235,9 @@ def test_topk_rides_in_the_generation_config_not_beside_it(toy_tiny_pair, monkey
         return real(**kw)
 
     monkeypatch.setattr(target, "generate", recording)
-    s = batched.GenerationSettings(max_new_tokens=6, sampling=Sampling(), num_samples=1, seed=0)
+    s = batched.GenerationSettings(
+        max_new_tokens=6, sampling=Sampling(), num_samples=1, seed=0, sampled_share=1.0
+    )
     eos = eos_ids(target.generation_config, tok)
     gc = batched.generation_config(s, tok.pad_token_id, eos)
     prompts = [p.ids for p in _prepared(tok, 3)]

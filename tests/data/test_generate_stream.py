@@ -94,7 +94,7 @@ def _chunks(n_chunks: int, size: int):
 @pytest.mark.parametrize("samples", [1, 2])
 def test_chunks_stream_through_a_full_engine_with_the_rows_of_one_call_each(fake_vllm, samples):
     s = GenerationSettings(max_new_tokens=5, sampling=Sampling(temperature=1.0),
-                           num_samples=samples, seed=3)  # fmt: skip
+                           num_samples=samples, seed=3, sampled_share=1.0)  # fmt: skip
     chunks = _chunks(6, 4)
     core = FakeCore(batch=3)
     seen = []
@@ -115,14 +115,18 @@ def test_chunks_stream_through_a_full_engine_with_the_rows_of_one_call_each(fake
 
 
 def test_a_chunk_larger_than_the_window_still_runs(fake_vllm):
-    s = GenerationSettings(max_new_tokens=2, sampling=Sampling(), num_samples=1, seed=0)
+    s = GenerationSettings(
+        max_new_tokens=2, sampling=Sampling(), num_samples=1, seed=0, sampled_share=1.0
+    )
     got = list(ve.stream_rows_vllm(FakeCore(batch=2), Tok(), _chunks(2, 5), s, 0, [2],
                                    lambda r, t: None, 1))  # fmt: skip
     assert sorted(k for k, _ in got) == [0, 1] and all(len(rows) == 5 for _, rows in got)
 
 
 def test_a_stream_stopped_early_aborts_what_it_left_running(fake_vllm):
-    s = GenerationSettings(max_new_tokens=2, sampling=Sampling(), num_samples=1, seed=0)
+    s = GenerationSettings(
+        max_new_tokens=2, sampling=Sampling(), num_samples=1, seed=0, sampled_share=1.0
+    )
     core = FakeCore(batch=2)
     aborted = []
     core.abort_request = aborted.extend

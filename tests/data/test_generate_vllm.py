@@ -30,8 +30,10 @@ from specdistill.data.sampling import Sampling
 from tests.conftest import main_in_process
 from tests.data.conftest import compose_generate
 
-GREEDY = GenerationSettings(max_new_tokens=8, sampling=Sampling(), num_samples=1, seed=0)
-ENGINE = vb.EngineSettings(1, 0.9, 16, None, True, 1.0)
+GREEDY = GenerationSettings(
+    max_new_tokens=8, sampling=Sampling(), num_samples=1, seed=0, sampled_share=1.0
+)
+ENGINE = vb.EngineSettings(1, 0.9, 16, None, True, 1.0, None)
 # In-process runs share one engine (same settings: same key); CLI runs start their own.
 VLLM_QUICK = ["backend=vllm", "vllm.enforce_eager=true", "vllm.max_num_seqs=16"]
 
@@ -79,7 +81,7 @@ def test_engine_environment_hides_launcher_and_slices_gpus(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
-    tp4 = vb.EngineSettings(4, 0.9, 16, None, False, 2.0)
+    tp4 = vb.EngineSettings(4, 0.9, 16, None, False, 2.0, None)
     with vb.engine_environment(tp4, local_rank=1):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
         assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ
@@ -97,7 +99,7 @@ def test_check_target_refuses_unservable_head_dim_and_short_model_len(monkeypatc
     cfg.hidden_size = 256
     assert vb.check_target(ENGINE, cfg, True, 40, 256) == 40  # what the prompts need
     assert vb.check_target(ENGINE, cfg, True, 400, 256) == 256  # capped at the context
-    short = vb.EngineSettings(1, 0.9, 16, 32, True, 1.0)
+    short = vb.EngineSettings(1, 0.9, 16, 32, True, 1.0, None)
     with pytest.raises(ConfigError, match=r"vllm.max_model_len=32 .*\(40\)"):
         vb.check_target(short, cfg, True, 40, 256)
     with pytest.raises(ConfigError, match="architectures"):

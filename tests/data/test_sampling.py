@@ -66,7 +66,7 @@ def test_there_is_one_sampling_class():
 
     assert acceptance.Sampling is Sampling and batched.Sampling is Sampling
     settings = batched.GenerationSettings(
-        max_new_tokens=1, sampling=Sampling(), num_samples=1, seed=0
+        max_new_tokens=1, sampling=Sampling(), num_samples=1, seed=0, sampled_share=1.0
     )
     assert not settings.do_sample  # derived from the spec: temperature 0 is greedy
     defs = [

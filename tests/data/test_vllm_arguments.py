@@ -24,6 +24,7 @@ SETTINGS = ve.EngineSettings(
     max_model_len=None,
     enforce_eager=True,
     cpu_kvcache_gib=1.0,
+    in_process=None,
 )
 SPEC = PairSpec(target="/m/target", drafter="/m/drafter", tokenizer="/m/tok", revision="r1")
 # What every engine of the target is given (dtype, max_model_len and seed as the tests pass them)
@@ -61,7 +62,7 @@ def test_the_executor_follows_where_the_engine_core_runs():
     launched = _arguments(in_process=True, external_launcher=True)
     assert launched["distributed_executor_backend"] == "external_launcher"
     tp2 = ve.engine_arguments(
-        SPEC, ve.EngineSettings(2, 0.9, 16, None, True, 1.0),
+        SPEC, ve.EngineSettings(2, 0.9, 16, None, True, 1.0, None),
         dtype="bfloat16", max_model_len=96, seed=7, in_process=True,
     )  # fmt: skip
     assert "distributed_executor_backend" not in tp2

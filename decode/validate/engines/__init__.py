@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, required
 from specdistill.decode.validate.engines import hf_assisted, llamacpp, ours, vllm
 from specdistill.decode.validate.engines.base import Engine
 
@@ -20,7 +20,7 @@ SELECTABLE = ("ours", "vllm", "llamacpp")  # `engines`; hf_assisted: its own swi
 
 def parse_engines(cfg: Any) -> tuple[str, ...]:
     """`engines`: which engines validate runs; ours always (vLLM and llama.cpp beside it)."""
-    raw = cfg.get("engines", ["ours"])
+    raw = required(cfg, "engines")
     names = [raw] if isinstance(raw, str) else list(raw or [])
     unknown = [n for n in names if n not in SELECTABLE]
     if unknown or "ours" not in names:

@@ -37,7 +37,7 @@ import torch
 
 from specdistill.data.models.gguf_writer import TARGET_RECIPE
 from specdistill.data.models.pairs import PairSpec
-from specdistill.data.runtime import ConfigError, setting, spread
+from specdistill.data.runtime import ConfigError, required, spread
 from specdistill.decode.llamacpp.files import ASKED_BY, check_files, drafter_gguf
 from specdistill.decode.llamacpp.server import DRAFT_SAMPLING, interleaved
 from specdistill.decode.validate.agreement import token_lists, totals_agreement
@@ -59,43 +59,42 @@ CAVEATS = {
 class LlamaCppSettings:
     """`llamacpp.*` of conf/validate.yaml."""
 
-    target: str | None = None  # the target's .gguf; None: the pair's own file, or one written
-    drafter: str | None = None  # the drafter's .gguf; None: written from pair.drafter
-    drafter_type: str = TARGET_RECIPE  # f16, q8_0, q4_0, ... or `target`
-    threads: int | None = None  # None: the stage's CPU threads (torch's, after `threads`)
-    p_min: float = 0.0  # --spec-draft-p-min: llama.cpp stops a round's drafting below it
+    target: str | None  # the target's .gguf; None: the pair's own file, or one written
+    drafter: str | None  # the drafter's .gguf; None: written from pair.drafter
+    drafter_type: str  # f16, q8_0, q4_0, ... or `target`
+    threads: int | None  # None: the stage's CPU threads (torch's, after `threads`)
+    p_min: float  # --spec-draft-p-min: llama.cpp stops a round's drafting below it
     # --spec-draft-sampling of the sampled mode: probabilistic (rejection sampling against q =
     # the drafter's top 10) or greedy (q's argmax, accepted when the target samples it)
-    sampled_drafts: str = "probabilistic"
+    sampled_drafts: str
 
     @classmethod
     def from_node(cls, node: Any) -> LlamaCppSettings:
         """The node checked and typed; a ConfigError names the field and the fix."""
         from specdistill.data.models.gguf_writer import QUANT_TYPES
 
-        node = node or {}
         out = {}
         for key in ("target", "drafter"):
-            value = setting(node, cls, key)
+            value = required(node, key, "llamacpp")
             if value is not None and not Path(str(value)).expanduser().is_file():
                 raise ConfigError(
                     f"llamacpp.{key}={value!r} does not exist: point it at a .gguf file, or "
                     "null for " + ("the pair's own" if key == "target" else "one written from it")
                 )
             out[key] = str(Path(str(value)).expanduser()) if value is not None else None
-        kind = str(setting(node, cls, "drafter_type")).lower()
+        kind = str(required(node, "drafter_type", "llamacpp")).lower()
         if kind not in (*QUANT_TYPES, TARGET_RECIPE):
             raise ConfigError(
                 f"llamacpp.drafter_type={kind!r}: choose one of {[*QUANT_TYPES, TARGET_RECIPE]}"
             )
-        threads = setting(node, cls, "threads")
+        threads = required(node, "threads", "llamacpp")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                     or threads < 1):  # fmt: skip
             raise ConfigError(f"llamacpp.threads={threads!r}: a positive integer, or null")
-        p_min = setting(node, cls, "p_min")
+        p_min = required(node, "p_min", "llamacpp")
         if isinstance(p_min, bool) or not isinstance(p_min, int | float) or not 0 <= p_min <= 1:
             raise ConfigError(f"llamacpp.p_min={p_min!r} must lie in [0, 1] (0: off)")
-        drafts = setting(node, cls, "sampled_drafts")
+        drafts = required(node, "sampled_drafts", "llamacpp")
         if drafts not in DRAFT_SAMPLING:
             raise ConfigError(
                 f"llamacpp.sampled_drafts={drafts!r}: choose one of {list(DRAFT_SAMPLING)}"
@@ -357,7 +356,7 @@ class LlamaCppEngine(EngineDefaults):
 
     def settings(self, cfg: Any) -> LlamaCppSettings:
         """`llamacpp.*` typed and checked."""
-        return LlamaCppSettings.from_node(cfg.get("llamacpp"))
+        return LlamaCppSettings.from_node(required(cfg, "llamacpp"))
 
     def preflight(self, cfg: Any, spec: PairSpec, settings: LlamaCppSettings) -> Ready:
         """The binary, the pair's architectures and files (`preflight`)."""

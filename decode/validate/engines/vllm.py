@@ -28,7 +28,7 @@ from specdistill.data.generate.vllm_engine import (
     require_vllm,
 )
 from specdistill.data.models.pairs import PairSpec
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, required
 from specdistill.decode.drafters.mapped import MappedVocab
 from specdistill.decode.validate.agreement import Acceptance, Agreement, agreement, token_lists
 from specdistill.decode.validate.engines import base
@@ -63,12 +63,12 @@ class VllmSettings:
     the speculative engine samples its drafts (None: vLLM's default)."""
 
     engine: EngineSettings
-    draft_sample_method: str | None = None
+    draft_sample_method: str | None  # None: vLLM's default
 
 
 def draft_sample_method(node: Any) -> str | None:
     """`vllm.draft_sample_method`: null (vLLM's default) or one of DRAFT_SAMPLE_METHODS."""
-    method = node.get("draft_sample_method")
+    method = required(node, "draft_sample_method", "vllm")
     if method is not None and method not in DRAFT_SAMPLE_METHODS:
         raise ConfigError(
             f"vllm.draft_sample_method={method!r}: use null (vLLM's default), "
