@@ -6,6 +6,7 @@ import importlib.util
 import os
 import socket
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -158,3 +159,19 @@ def fake_engines(patch, folder) -> None:
 def engines_installed(monkeypatch, tmp_path):
     """`fake_engines` for one test."""
     fake_engines(monkeypatch, tmp_path)
+
+
+def stage_node(stage: str, key: str, **changes: Any) -> dict[str, Any]:
+    """The node at `key` of the stage's composed config as a plain dict, `changes` over it: a
+    settings node built by a test starts from the stage's YAML, the one home of each default
+    (tests/test_single_default.py), rather than relying on defaults written in code."""
+    from hydra import compose
+    from omegaconf import OmegaConf
+
+    from specdistill.data.stage_config import config_module
+
+    with config_module():
+        node = OmegaConf.select(compose(config_name=stage), key)
+    values = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(values, dict), key
+    return {**values, **changes}

@@ -1,6 +1,8 @@
 """The typed config nodes: the `decoder` node (DecoderSettings) and the validate stage's config
-(ValidateSettings) hold the defaults; the yaml files list the same values for users, and these
-tests keep the two from drifting apart."""
+(ValidateSettings). Their defaults have one home, the YAML (conf/decoder/greedy.yaml,
+conf/validate.yaml; tests/test_single_default.py): these tests check that greedy.yaml lists
+every decoder setting, that the presets and the composed config type as documented, and each
+bad value's one line."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def _compose(config: str, *overrides: str):
         return compose(config_name=config, overrides=list(overrides))
 
 
-def test_greedy_yaml_lists_every_setting_with_the_dataclass_default():
+def test_greedy_yaml_lists_every_decoder_setting():
     node = _yaml("decoder/greedy.yaml")
     # what a stage adds per decode (its token budget, the tokenizer's EOS ids) is not a setting
     fields = {f.name for f in dataclasses.fields(DecoderSettings)} - {
@@ -48,14 +50,9 @@ def test_a_missing_key_takes_the_dataclass_default():
     assert DecoderSettings.from_node({"max_draft": None}).max_draft == 8
 
 
-def test_validate_yaml_defaults_equal_the_dataclass_defaults():
+def test_validate_yaml_types_both_modes_at_the_decoder_defaults():
     vs = ValidateSettings.from_cfg(_compose("validate"))
-    defaults = {
-        f.name: f.default
-        for f in dataclasses.fields(ValidateSettings)
-        if f.default is not dataclasses.MISSING
-    }
-    assert {k: getattr(vs, k) for k in defaults} == defaults
+    assert (vs.num_prompts, vs.recommend_max_k, vs.engines) == (32, 8, ("ours",))
     assert vs.decoder == DecoderSettings()
     assert vs.other == DecoderSettings(sampling=Sampling(temperature=1.0))  # both modes
 
@@ -113,10 +110,12 @@ def test_validate_settings_name_the_field():
     assert off.other is None and off.samplings == [Sampling()]
 
 
-def test_a_key_the_config_lacks_takes_the_dataclass_default_and_null_stays_null():
+def test_a_key_the_config_lacks_is_named_and_null_stays_null():
+    """No second default fills in a key a hand-built config lacks: validate.yaml is its home."""
     cfg = _compose("validate", "seed=5")
     OmegaConf.set_struct(cfg, False)
-    del cfg["seed"], cfg["plot"]
     cfg.threads = None  # null means something for threads (torch's own choice)
-    vs = ValidateSettings.from_cfg(cfg)
-    assert (vs.seed, vs.plot, vs.threads) == (0, True, None)
+    assert ValidateSettings.from_cfg(cfg).threads is None
+    del cfg["plot"]
+    with pytest.raises(ConfigError, match=r"^plot is missing: its default is in the stage's YAML"):
+        ValidateSettings.from_cfg(cfg)

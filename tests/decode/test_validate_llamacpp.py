@@ -24,7 +24,9 @@ from specdistill.decode.validate import stage as validate
 from specdistill.decode.validate.agreement import Acceptance, totals_agreement
 from specdistill.decode.validate.engines import llamacpp as le
 from specdistill.decode.validate.engines import parse_engines
-from tests.conftest import main_in_process
+from tests.conftest import main_in_process, stage_node
+
+LLAMACPP = ("validate", "llamacpp")
 
 
 def compose_validate(out: Path, *overrides: str):
@@ -42,7 +44,11 @@ def test_engines_and_settings_are_checked(tmp_path):
     assert parse_engines({"engines": ["ours", "llamacpp"]}) == ("ours", "llamacpp")
     with pytest.raises(ConfigError, match=r"\[ours,llamacpp\]"):
         parse_engines({"engines": ["llamacpp"]})
-    assert le.LlamaCppSettings.from_node(None) == le.LlamaCppSettings()
+    default = le.LlamaCppSettings.from_node(stage_node("validate", "llamacpp"))
+    assert (default.drafter_type, default.threads, default.sampled_drafts) == (
+        "target", None, "probabilistic")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^llamacpp\.target is missing"):
+        le.LlamaCppSettings.from_node({})  # a node without a key: no second default fills it
     for node, field in (
         ({"drafter_type": "q3_k"}, "llamacpp.drafter_type='q3_k'"),
         ({"threads": 0}, "llamacpp.threads=0"),
@@ -52,7 +58,7 @@ def test_engines_and_settings_are_checked(tmp_path):
         ({"drafter": str(tmp_path / "no.gguf")}, "llamacpp.drafter="),
     ):
         with pytest.raises(ConfigError, match=field.replace("[", r"\[")):
-            le.LlamaCppSettings.from_node(node)
+            le.LlamaCppSettings.from_node(stage_node("validate", "llamacpp", **node))
 
 
 def _no_binary(monkeypatch, tmp_path):
@@ -82,7 +88,7 @@ def test_what_llama_cpp_cannot_serve_is_refused_up_front(tmp_path, monkeypatch):
     fake.write_text("#!/bin/sh\n")
     fake.chmod(0o755)
     monkeypatch.setenv("SPECDISTILL_LLAMA_SERVER", str(fake))
-    settings = le.LlamaCppSettings()
+    settings = le.LlamaCppSettings.from_node(stage_node("validate", "llamacpp"))
     with pytest.raises(ConfigError, match="no vocabulary mapping"):
         le.preflight(settings, SimpleNamespace(vocab="mapped", target="t", drafter="d"))
     gpt2 = tmp_path / "gpt2"
@@ -275,8 +281,11 @@ def test_a_given_drafter_gguf_llama_cpp_would_refuse_is_refused_before_loading(
     same = write_llama_gguf(tmp_path / "s.gguf", tiny_llama(len(small), layers=1), small)
     spec = SimpleNamespace(vocab="shared", target=str(target), drafter="org/any")
     with pytest.raises(ConfigError, match=r"llama.cpp would refuse d.gguf as a drafter of t.gguf"):
-        le.preflight(le.LlamaCppSettings(drafter=str(other)), spec)
-    assert le.preflight(le.LlamaCppSettings(drafter=str(same)), spec) == fake
+        le.preflight(le.LlamaCppSettings.from_node(stage_node(*LLAMACPP, drafter=str(other))), spec)
+    assert (
+        le.preflight(le.LlamaCppSettings.from_node(stage_node(*LLAMACPP, drafter=str(same))), spec)
+        == fake
+    )
 
 
 def test_llama_cpp_figures_by_benchmark_category():

@@ -12,6 +12,7 @@ from specdistill.data.models.gguf_vocab import compatibility_problems, read_gguf
 from specdistill.data.runtime import ConfigError
 from specdistill.distill.export import stage as export
 from specdistill.distill.export.gguf_files import GGUFSettings, check_gguf_export
+from tests.conftest import stage_node
 from tests.distill.test_export import _cfg
 
 PROMPT = "def add(a, b):\n    return"
@@ -67,13 +68,15 @@ def test_bad_gguf_settings_fail_before_loading(tmp_path, overrides, words):
 
 
 def test_mapped_and_non_llama_drafters_are_refused_up_front():
-    on = GGUFSettings(enabled=True)
+    on = GGUFSettings.from_node(stage_node("export", "gguf", enabled=True))
     with pytest.raises(ConfigError, match="llama.cpp has no vocabulary mapping"):
         check_gguf_export(on, "mapped", {"model_type": "llama"})
     with pytest.raises(ConfigError, match="the drafter is 'qwen2'"):
         check_gguf_export(on, "shared", {"model_type": "qwen2"})
     check_gguf_export(on, "shared", {})  # a hub id: checked when its weights load
-    check_gguf_export(GGUFSettings(), "mapped", {"model_type": "qwen2"})  # not asked: no check
+    check_gguf_export(
+        GGUFSettings.from_node(stage_node("export", "gguf")), "mapped", {"model_type": "qwen2"}
+    )  # not asked: no check
 
 
 @pytest.mark.llamacpp

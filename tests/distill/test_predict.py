@@ -12,6 +12,13 @@ from specdistill.data.runtime import ConfigError
 from specdistill.decode.draft_length import DraftCosts, expected_tokens, make_policy
 from specdistill.distill.train.predict import Rounds, predict, replay
 from specdistill.distill.train.settings_sections import PredictSettings
+from tests.conftest import stage_node
+
+
+def _predict(**keys):
+    """distill.yaml's `eval.predict` node with `keys` over it."""
+    return stage_node("distill", "eval.predict", **keys)
+
 
 COSTS = DraftCosts(c=0.25, verify_per_token=0.05)
 
@@ -162,10 +169,12 @@ def test_replay_rejects_mismatched_inputs():
 
 
 def test_predict_settings_take_mappings_and_name_removed_or_bad_costs():
-    s = PredictSettings.from_node({"costs": {"c": 0.2, "verify_per_token": 0.01}, "p_min": 1})
+    s = PredictSettings.from_node(_predict(costs={"c": 0.2, "verify_per_token": 0.01}, p_min=1))
     assert s.costs == {"c": 0.2, "verify_per_token": 0.01} and s.p_min == 1.0
-    assert PredictSettings.from_node(None) == PredictSettings()
-    assert PredictSettings().costs is None and PredictSettings().p_min == 0.75
+    default = PredictSettings.from_node(_predict())
+    assert default.costs is None and default.p_min == 0.75
+    with pytest.raises(ConfigError, match=r"^eval\.predict\.costs is missing"):
+        PredictSettings.from_node({})  # a node without a key: no second default fills it
     for node, message in [
         ({"costs": "auto"}, "eval.predict.costs=auto was removed"),
         ({"costs": {"round_overhead": 0.1}}, "eval.predict.costs: unknown key(s)"),
@@ -175,5 +184,5 @@ def test_predict_settings_take_mappings_and_name_removed_or_bad_costs():
         ({"p_min": 2}, "eval.predict.p_min=2.0 must lie in [0, 1]"),
     ]:
         with pytest.raises(ConfigError) as err:
-            PredictSettings.from_node(node)
+            PredictSettings.from_node(_predict(**node))
         assert str(err.value).startswith(message), node
