@@ -161,10 +161,10 @@ def engines_installed(monkeypatch, tmp_path):
     fake_engines(monkeypatch, tmp_path)
 
 
-def stage_node(stage: str, key: str, **changes: Any) -> dict[str, Any]:
-    """The node at `key` of the stage's composed config as a plain dict, `changes` over it: a
-    settings node built by a test starts from the stage's YAML, the one home of each default
-    (tests/test_single_default.py), rather than relying on defaults written in code."""
+def stage_node(stage: str, key: str, **changes: Any) -> Any:
+    """The node at `key` of the stage's composed config (a DictConfig, as the stage gets it),
+    `changes` over it: a settings node built by a test starts from the stage's YAML, the one home
+    of each default (tests/test_single_default.py), rather than relying on defaults in code."""
     from hydra import compose
     from omegaconf import OmegaConf
 
@@ -174,4 +174,4 @@ def stage_node(stage: str, key: str, **changes: Any) -> dict[str, Any]:
         node = OmegaConf.select(compose(config_name=stage), key)
     values = OmegaConf.to_container(node, resolve=True)
     assert isinstance(values, dict), key
-    return {**values, **changes}
+    return OmegaConf.create({**values, **changes})

@@ -4,11 +4,12 @@ conf/generate.yaml is the one home of every key's default, with why (the fields 
 so no value is written twice: tests/test_single_default.py); the types and every check of the
 stage's own settings live here, so the stage and its benchmark (bench.py, which runs on the same
 config) read typed fields instead of parsing nodes again. A config built by hand without a key
-is one `error:` line naming it (`data.runtime.required`). The `pair` and `dataset` groups stay nodes (read by
-`resolve_pair` and `load_prompts`). What needs the machine, the files or the target's config
-(vLLM importable, the shard's rank, the device, the context left for prompts, `topk_logprobs`
-within the vocabulary) is checked by `run`, still before any weights load. `merge_only` is read
-by `run` before these settings: a merge uses only `output_dir` and what the shards wrote.
+is one `error:` line naming it (`data.runtime.required`). The `pair` and `dataset` groups stay
+nodes (read by `resolve_pair` and `load_prompts`). What needs the machine, the files or the
+target's config (vLLM importable, the shard's rank, the device, the context left for prompts,
+`topk_logprobs` within the vocabulary) is checked by `run`, still before any weights load.
+`merge_only` is read by `run` before these settings: a merge uses only `output_dir` and what the
+shards wrote.
 """
 
 from __future__ import annotations

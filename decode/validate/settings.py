@@ -2,11 +2,12 @@
 
 conf/validate.yaml is the one home of every key's default, with why (the fields here have none:
 tests/test_single_default.py); the types and every check of the stage's own settings live here
-(a config built by hand without a key is one `error:` line naming it), so the stage and the decoder benchmark
-(decode/bench/, which runs on the same config) read typed fields instead of parsing nodes again.
-Each engine's own node (`vllm.*`, `llamacpp.*`) is typed by that engine (decode/validate/engines/)
-into `engine_settings`. What needs the machine or the files (device, dtype, threads, the pair,
-the dataset, each engine's install) is checked by `setup`, still before any weights load.
+(a config built by hand without a key is one `error:` line naming it), so the stage and the
+decoder benchmark (decode/bench/, which runs on the same config) read typed fields instead of
+parsing nodes again. Each engine's own node (`vllm.*`, `llamacpp.*`) is typed by that engine
+(decode/validate/engines/) into `engine_settings`. What needs the machine or the files (device,
+dtype, threads, the pair, the dataset, each engine's install) is checked by `setup`, still
+before any weights load.
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 
 conf/export.yaml is the one home of every key's default, with why (the fields here and in
 gguf_files.py have none: tests/test_single_default.py); the types and every check of the stage's
-own settings live here (a config built by hand without a key is one error naming it), so the stage reads typed fields instead of
-parsing nodes again. What needs the machine or the files (the check's device and its `auto`
-dtype, the destination, the report, the drafter folder, whether vLLM imports) is checked by the
-stage, still before any weights load. The `pair` and `vllm` nodes stay nodes: `resolve_pair`
-types the first, and in_vllm.py builds the validate stage's config from the second.
+own settings live here (a config built by hand without a key is one error naming it), so the
+stage reads typed fields instead of parsing nodes again. What needs the machine or the files
+(the check's device and its `auto` dtype, the destination, the report, the drafter folder,
+whether vLLM imports) is checked by the stage, still before any weights load. The `pair` and
+`vllm` nodes stay nodes: `resolve_pair` types the first, and in_vllm.py builds the validate
+stage's config from the second.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 conf/distill.yaml is the one home of every key's default, with why (the fields here and in
 settings_sections.py have none: tests/test_single_default.py); the types and every check of the
 stage's own settings live here, each error one line naming the field (a config built by hand
-without a key too), before any model loads. The loop, its helpers
-and result.json read typed fields instead of parsing nodes again. The config groups that are
-objects of their own stay nodes on the config: `pair` and `dataset` (resolved by data/),
-`optim` (its optimizer is instantiated from `_target_`; its schedule is checked here),
-`deepspeed` (distill/train/zero.py) and `logger`. What needs the machine (DeepSpeed's offload
-devices, fp16 on CPU) is checked by `setup.check_config`, still before any weights load.
+without a key too), before any model loads. The loop, its helpers and result.json read typed
+fields instead of parsing nodes again. The config groups that are objects of their own stay
+nodes on the config: `pair` and `dataset` (resolved by data/), `optim` (its optimizer is
+instantiated from `_target_`; its schedule is checked here), `deepspeed` (distill/train/zero.py)
+and `logger`. What needs the machine (DeepSpeed's offload devices, fp16 on CPU) is checked by
+`setup.check_config`, still before any weights load.
 """
 
 from __future__ import annotations

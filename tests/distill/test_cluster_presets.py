@@ -18,6 +18,7 @@ from specdistill.distill.pipeline.stage import check_set_keys
 from specdistill.distill.train import rollouts
 from specdistill.distill.train.data import chat_record
 from specdistill.distill.train.settings import DataSettings
+from tests.conftest import stage_node
 from tests.distill.test_pipeline_slurm import slurm_env
 
 
@@ -121,11 +122,13 @@ def test_distill_reads_every_chat_modes_rows_and_the_card_names_the_served_mode(
         record = {"chat_turns": 2 + thinking, "chat_template_kwargs": {"enable_thinking": thinking}}
         (folder / "generation_config.json").write_text(json.dumps(record))
         folders.append(str(folder))
-    data = DataSettings.from_node({"path": folders})
+    data = DataSettings.from_node(stage_node("distill", "data", path=folders))
     assert data.paths == tuple(folders)
-    assert DataSettings.from_node({"path": folders[0]}).paths == (folders[0],)
+    assert DataSettings.from_node(stage_node("distill", "data", path=folders[0])).paths == (
+        folders[0],
+    )
     with pytest.raises(ConfigError, match=r"^data.path=\[\] must be a folder or a non-empty list"):
-        DataSettings.from_node({"path": []})
+        DataSettings.from_node(stage_node("distill", "data", path=[]))
     chat = chat_record(data.paths)["chat"]
     assert chat["template_kwargs"] == {"enable_thinking": True} and chat["turns"] == 3
     assert chat["trained_template_kwargs"] == [{"enable_thinking": True},
