@@ -39,7 +39,6 @@ from hydra import compose
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specdistill.data.generate.settings import BenchSettings, GenerateSettings
-from specdistill.data.generate.vllm_engine import EngineSettings
 from specdistill.data.runtime import ConfigError
 from specdistill.data.sampling import KEYS, Sampling
 from specdistill.data.stage_config import config_module
@@ -47,7 +46,6 @@ from specdistill.decode.config import DecoderConfig
 from specdistill.decode.validate.engines.llamacpp import LlamaCppSettings
 from specdistill.decode.validate.engines.vllm import VllmSettings
 from specdistill.decode.validate.settings import ValidateSettings
-from specdistill.distill.export.gguf_files import GGUFSettings
 from specdistill.distill.export.settings import ExportSettings
 from specdistill.distill.online.config import OnlineSettings
 from specdistill.distill.train.settings import TrainSettings
@@ -63,14 +61,21 @@ ROOTS: list[tuple[str, type, str]] = [
     ("validate", VllmSettings, "vllm"),
     ("export", ExportSettings, ""),
 ]
-# A nested settings field whose keys do not sit under the field's own name: "." = its parent's
-# node, "/a.b" = that node of the stage's config. Every other nested field types node <field>.
-NODES: dict[tuple[type, str], str] = {
+# A field whose key is not its own name under its parent's node: "." = the parent's node itself,
+# "/a.b" = that node of the stage's config, "a.b" = under the parent's node, None = no stage key
+# (an experiment's key). Every other field's key is <parent node>.<field>.
+PLACES: dict[tuple[type, str], str | None] = {
     (GenerateSettings, "generation"): ".",  # max_new_tokens, sampling, ... at the root
     (GenerateSettings, "engine"): "/vllm",
+    (GenerateSettings, "shard_index"): "shard.index",
+    (GenerateSettings, "shard_count"): "shard.count",
     (BenchSettings, "engine"): "/vllm",
-    (VllmSettings, "engine"): ".",  # vllm.tensor_parallel_size, ... beside draft_sample_method
+    (TrainSettings, "zero_stage"): "deepspeed",  # from the deepspeed group's config
+    (TrainSettings, "sweep_dir"): None,  # conf/experiment/loss_sweep.yaml's
+    (OnlineSettings, "segments"): "stream",
     (ValidateSettings, "other"): "/decoder",  # the decoder's keys, at other_sampling's spec
+    (ValidateSettings, "engine_settings"): "engines",  # each chosen engine's node: ROOTS
+    (VllmSettings, "engine"): ".",  # vllm.tensor_parallel_size, ... beside draft_sample_method
 }
 # library types whose defaults are read from one YAML file (checked by `_defaults_from_file`)
 FROM_FILE: dict[type, str] = {DecoderConfig: "decoder/greedy.yaml"}
@@ -80,7 +85,7 @@ VALUE_TYPES = (Sampling,)  # the type's own meaning of off (module docstring)
 class Location(typing.NamedTuple):
     owner: type
     field: str
-    key: str  # the dotted key in the stage's config
+    key: str | None  # the dotted key in the stage's config ("": its root; None: no stage key)
     has_default: bool
 
 
@@ -104,20 +109,23 @@ def walk(cls: type, node: str) -> Iterator[Location]:
         default = (
             f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
         )
-        key = _join(node, f.name)
+        where = PLACES.get((cls, f.name), f.name)
+        if where is None or where == ".":
+            key = None if where is None else node
+        else:
+            key = where[1:] if where.startswith("/") else _join(node, where)
         yield Location(cls, f.name, key, default)
         for inner in _nested(hints[f.name]):
-            if inner in VALUE_TYPES:
-                continue
-            where = NODES.get((cls, f.name), f.name)
-            child = node if where == "." else where[1:] if where.startswith("/") else key
-            yield from walk(inner, child)
+            if inner not in VALUE_TYPES and key is not None:
+                yield from walk(inner, key)
 
 
-def states(cfg: DictConfig, key: str) -> bool:
-    """Whether the composed config states `key` (a dotted path), resolving nothing."""
+def states(cfg: DictConfig, key: str | None) -> bool:
+    """Whether the composed config states `key` (a dotted path; "" its root), resolving nothing."""
+    if key is None:
+        return False
     node: Any = cfg
-    for part in key.split("."):
+    for part in key.split(".") if key else []:
         if not isinstance(node, DictConfig) or part not in node:
             return False
         node = node._get_node(part)
@@ -197,18 +205,30 @@ def test_no_stage_key_has_a_second_default(stage, cls, node):
 
 def test_the_walk_reaches_every_nested_settings_type():
     """The walk follows nested settings to their nodes; a type it missed would go unchecked."""
-    reached = {(loc.owner, loc.key.rpartition(".")[0]) for s, c, n in ROOTS for loc in walk(c, n)}
-    owners = {owner for owner, _ in reached}
+    reached = {(loc.owner.__name__, loc.key) for s, c, n in ROOTS for loc in walk(c, n)}
     names = {"LossSettings", "SwitchSettings", "ParallelSettings", "DataSettings"}
     names |= {"EvalSettings", "PredictSettings", "OnpolicySettings", "CheckSettings"}
     names |= {"GenerationSettings", "EngineSettings", "GGUFSettings", "DecoderConfig"}
-    assert names <= {o.__name__ for o in owners}
-    assert (EngineSettings, "vllm") in reached and (GGUFSettings, "gguf") in reached
-    assert (DecoderConfig, "decoder") in reached
-    for stage, cls, node in ROOTS:  # every walked key with no default is one the stage states
-        cfg = stage_config(stage)
-        keys = {loc.key for loc in walk(cls, node) if loc.owner not in FROM_FILE}
-        assert any(states(cfg, k) for k in keys), (stage, cls)
+    assert names <= {owner for owner, _ in reached}
+    assert ("EngineSettings", "vllm.in_process") in reached
+    assert ("GGUFSettings", "gguf.types") in reached
+    assert ("GenerationSettings", "sampled_share") in reached
+    assert ("DecoderConfig", "decoder.gamma") in reached
+
+
+@pytest.mark.parametrize(
+    ("stage", "cls", "node"), ROOTS, ids=[f"{s}-{c.__name__}" for s, c, _ in ROOTS]
+)
+def test_every_field_is_at_a_key_the_yaml_states(stage, cls, node):
+    """Each field's default is looked for at the field's key: a field read from another key
+    that PLACES does not name would be looked for where no YAML states it, and pass unseen."""
+    cfg = stage_config(stage)
+    unplaced = [
+        f"{loc.owner.__name__}.{loc.field} at `{loc.key}`"
+        for loc in walk(cls, node)
+        if loc.key is not None and not states(cfg, loc.key) and loc.owner not in FROM_FILE
+    ]
+    assert unplaced == []
 
 
 def test_the_decoder_defaults_are_read_from_their_yaml():
@@ -216,20 +236,21 @@ def test_the_decoder_defaults_are_read_from_their_yaml():
 
 
 def test_every_sampling_node_states_the_whole_spec():
-    """No stage key takes its value from Sampling's fields: every node typed as a spec says all."""
+    """No stage key takes its value from Sampling's fields: every node typed as a spec says all
+    (validate's `other_sampling` becomes the other decoder's spec, `modes.other_decoder`)."""
+    checked = set()
     for stage, cls, node in ROOTS:
         cfg = stage_config(stage)
-        hints_of = {}
+        spec_keys = ["other_sampling"] if cls is ValidateSettings else []
         for loc in walk(cls, node):
-            hints = hints_of.setdefault(loc.owner, typing.get_type_hints(loc.owner))
-            if Sampling in _nested(hints[loc.field]):
-                key = (
-                    "other_sampling"
-                    if (loc.owner, loc.field) == (ValidateSettings, "other")
-                    else loc.key
-                )
-                for k in KEYS:
-                    assert states(cfg, f"{key}.{k}"), (stage, f"{key}.{k}")
+            if Sampling in _nested(typing.get_type_hints(loc.owner)[loc.field]):
+                spec_keys.append(str(loc.key))
+        for key in spec_keys:
+            assert all(states(cfg, f"{key}.{k}") for k in KEYS), (stage, key)
+            checked.add((stage, key))
+    assert {("generate", "sampling"), ("distill", "eval.sampling")} <= checked
+    assert {("distill", "onpolicy.sampling"), ("validate", "other_sampling")} <= checked
+    assert {("validate", "decoder.sampling"), ("online", "decoder.sampling")} <= checked
 
 
 # --- the checkers fail on planted duplicates ------------------------------------------------
