@@ -4,7 +4,8 @@
 with: every key of conf/decoder/*.yaml, plus what a stage adds (`decoder_config`). The keys'
 defaults have one home, conf/decoder/greedy.yaml (each with why): the stages compose that file,
 and the fields here take their defaults from it (`conf_values`), so a Python caller's
-`DecoderConfig()` is the greedy preset with no value written twice (tests/test_single_default.py). p = target, q = drafter. Every bad setting is one `ConfigError`
+`DecoderConfig()` is the greedy preset with no value written twice
+(tests/test_single_default.py). p = target, q = drafter. Every bad setting is one `ConfigError`
 naming its config field, raised before weights are touched.
 """
 
@@ -52,21 +53,19 @@ class DecoderConfig:
     DistillSpec's lossy rule (reported as lossy)."""
 
     gamma: int = DEFAULT_GAMMA
-    max_new_tokens: int = (
-        64  # a stage's per-decode budget: not a config key, so its default is here
-    )
+    # a stage's per-decode budget and the tokenizer's EOS ids: not config keys, so their
+    # defaults are here (decoder_config sets both per decode)
+    max_new_tokens: int = 64
     sampling: Sampling = field(default_factory=lambda: Sampling(**_GREEDY["sampling"]))
     lenience: float = _GREEDY["lenience"]
-    eos_token_id: tuple[int, ...] = ()  # the tokenizer's, added per decode: not a config key either
+    eos_token_id: tuple[int, ...] = ()
     cache: str = _GREEDY["cache"]  # auto (static on CUDA, dynamic on CPU) | static | dynamic
     compile: str | bool = _GREEDY["compile"]  # auto: CUDA graphs on CUDA | true | false | drafter
-    record_probs: bool = _GREEDY["record_probs"]  # the target's probabilities per verified position
-    host_sync_every: int = _GREEDY[
-        "host_sync_every"
-    ]  # target-only: host sync every N steps; 0: auto
+    record_probs: bool = _GREEDY["record_probs"]  # the target's probabilities per position
+    host_sync_every: int = _GREEDY["host_sync_every"]  # target-only: host sync every N; 0: auto
     draft_length: str = _GREEDY["draft_length"]  # fixed | heuristic | confidence
     max_draft: int = _GREEDY["max_draft"]  # heuristic: most drafts a round
-    p_min: float = _GREEDY["p_min"]  # confidence: stop at a draft whose q's top prob is below this
+    p_min: float = _GREEDY["p_min"]  # confidence: stop at a draft whose q top prob is below this
     drafting: str = _GREEDY["drafting"]  # autoregressive | parallel (PARD mask tokens)
     mask_token_id: int | None = _GREEDY["mask_token_id"]  # parallel: None reads the drafter's
     draft_vocab: str = _GREEDY["draft_vocab"]  # auto: the drafter's draft_vocab_ids | full
