@@ -48,6 +48,7 @@ from specdistill.decode.validate.engines.vllm import VllmSettings
 from specdistill.decode.validate.settings import ValidateSettings
 from specdistill.distill.export.settings import ExportSettings
 from specdistill.distill.online.config import OnlineSettings
+from specdistill.distill.online.engine_settings import EngineSettings as OnlineEngine
 from specdistill.distill.train.settings import TrainSettings
 
 # (stage, settings type, the node of the stage's config whose keys it types; "" = the root)
@@ -56,6 +57,7 @@ ROOTS: list[tuple[str, type, str]] = [
     ("generate", BenchSettings, "bench"),
     ("distill", TrainSettings, ""),
     ("online", OnlineSettings, ""),
+    ("online", OnlineEngine, ""),  # `engine` and the `llamacpp` node
     ("validate", ValidateSettings, ""),
     ("validate", LlamaCppSettings, "llamacpp"),  # held in ValidateSettings.engine_settings
     ("validate", VllmSettings, "vllm"),
@@ -73,6 +75,8 @@ PLACES: dict[tuple[type, str], str | None] = {
     (TrainSettings, "zero_stage"): "deepspeed",  # from the deepspeed group's config
     (TrainSettings, "sweep_dir"): None,  # conf/experiment/loss_sweep.yaml's
     (OnlineSettings, "segments"): "stream",
+    **{(OnlineEngine, k): f"llamacpp.{k}" for k in ("target", "drafter_type", "threads")},
+    **{(OnlineEngine, k): f"llamacpp.{k}" for k in ("compare_plain", "startup_timeout")},
     (ValidateSettings, "other"): "/decoder",  # the decoder's keys, at other_sampling's spec
     (ValidateSettings, "engine_settings"): "engines",  # each chosen engine's node: ROOTS
     (VllmSettings, "engine"): ".",  # vllm.tensor_parallel_size, ... beside draft_sample_method

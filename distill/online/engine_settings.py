@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, required
 
 ENGINES = ("ours", "llamacpp")
 
@@ -46,29 +46,27 @@ class EngineSettings:
         """`engine` and `llamacpp.*` checked and typed; a ConfigError names the field."""
         from specdistill.data.models.gguf_writer import QUANT_TYPES, TARGET_RECIPE
 
-        engine = cfg.get("engine")
+        engine = required(cfg, "engine")
         if engine not in ENGINES:
             raise ConfigError(f"engine={engine!r}: choose one of {', '.join(ENGINES)}")
-        node = cfg.get("llamacpp")
-        if node is None:
-            raise ConfigError("llamacpp: the node is missing; restore it from conf/online.yaml")
-        target = node.get("target")
+        node = required(cfg, "llamacpp")
+        target = required(node, "target", "llamacpp")
         if target is not None and not Path(str(target)).expanduser().is_file():
             raise ConfigError(
                 f"llamacpp.target={target!r} does not exist: point it at the target's .gguf "
                 "file, or null for the pair's own"
             )
-        kind = str(node.get("drafter_type")).lower()
+        kind = str(required(node, "drafter_type", "llamacpp")).lower()
         if kind not in (*QUANT_TYPES, TARGET_RECIPE):
             raise ConfigError(
                 f"llamacpp.drafter_type={kind!r}: choose one of {[*QUANT_TYPES, TARGET_RECIPE]}"
             )
-        threads = node.get("threads")
+        threads = required(node, "threads", "llamacpp")
         if threads is not None and (
             isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
         ):
             raise ConfigError(f"llamacpp.threads={threads!r}: a positive integer, or null")
-        timeout = node.get("startup_timeout")
+        timeout = required(node, "startup_timeout", "llamacpp")
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise ConfigError(f"llamacpp.startup_timeout={timeout!r}: positive seconds")
         return cls(
@@ -76,7 +74,7 @@ class EngineSettings:
             target=str(Path(str(target)).expanduser()) if target is not None else None,
             drafter_type=kind,
             threads=threads,
-            compare_plain=bool(node.get("compare_plain")),
+            compare_plain=bool(required(node, "compare_plain", "llamacpp")),
             startup_timeout=float(timeout),
         )
 
