@@ -49,6 +49,10 @@ class Entry:
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.ids, self.positions, self.topk_ids, self.topk_lp)
 
+    def row(self) -> tuple:
+        """The entry as a checkpoint keeps it (`Entry(*row)` reads it back)."""
+        return (self.request, self.ids, self.positions, self.topk_ids, self.topk_lp)
+
     def trimmed(self, keep: int) -> Entry:
         """The newest `keep` positions only."""
         s = slice(len(self.positions) - keep, None)

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from specdistill.data.io import guard_write
 from specdistill.data.models.pairs import PairSpec, load_pair, vocab_size
 from specdistill.data.runtime import ConfigError
 from specdistill.decode.llamacpp.measure import acceptance
@@ -55,7 +54,7 @@ from specdistill.distill.online.served import (
 from specdistill.distill.online.served_report import EngineWindow, ServedResult, write_result
 from specdistill.distill.online.stream import Request
 from specdistill.distill.online.update import Updater
-from specdistill.distill.online.util import StopOnSignal, export_atomic, saved_state
+from specdistill.distill.online.util import StopOnSignal, save_checkpoint, saved_state
 
 log = logging.getLogger("specdistill.online")
 STATE_FILE = "online_state.pt"
@@ -273,8 +272,7 @@ class ServedRun:
             "updates": self.updates, "rollbacks": self.rollbacks, "swaps": self.swaps,
             "updater": self.updater.state_dict(), "buffer": self.buffer.state_dict(),
             "drift": self.drift.state_dict(),
-            "pending": [(e.request, e.ids, e.positions, e.topk_ids, e.topk_lp)
-                        for e in self.pending],
+            "pending": [e.row() for e in self.pending],
             "recent": self.recent, "window": self.window.to_state(), "rows": self.rows,
             "swap_seconds": self.swap_seconds, "write_seconds": self.write_seconds,
         }  # fmt: skip
@@ -291,13 +289,8 @@ class ServedRun:
         self.swap_seconds, self.write_seconds = state["swap_seconds"], state["write_seconds"]
 
     def save(self, fp: str) -> None:
-        """Atomic: the state file is replaced whole, then the drafter export."""
-        tmp = self.out / f".{STATE_FILE}.tmp"
-        with guard_write(self.out / STATE_FILE, cleanup=(tmp,)):
-            torch.save(self.state_dict(fp), tmp)
-            os.replace(tmp, self.out / STATE_FILE)
-        export_atomic(self.updater.drafter, self.tok, self.out / "drafter")
-        write_jsonl(self.out / "online.jsonl", self.rows)
+        save_checkpoint(self.out, STATE_FILE, self.state_dict(fp), self.updater.drafter, self.tok,
+                        self.rows)  # fmt: skip
 
 
 def serve_loop(job: ServedRun, fp: str) -> None:

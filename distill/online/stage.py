@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.io import atomic_write_json, atomic_write_text, guard_write
+from specdistill.data.io import atomic_write_json, atomic_write_text
 from specdistill.data.models.pairs import load_pair, load_tokenizer, resolve_pair
 from specdistill.data.runtime import (
     pad_rows,
@@ -60,7 +59,12 @@ from specdistill.distill.online.stream import (
     plan_requests,
 )
 from specdistill.distill.online.update import Updater
-from specdistill.distill.online.util import StopOnSignal, export_atomic, saved_state, wandb_tracker
+from specdistill.distill.online.util import (
+    StopOnSignal,
+    save_checkpoint,
+    saved_state,
+    wandb_tracker,
+)
 
 if TYPE_CHECKING:
     from specdistill.distill.online.in_engine import ServedResult
@@ -96,10 +100,6 @@ class OnlineResult:
     segments: list[dict] = field(default_factory=list)
     wall_seconds: float = 0.0
     config: dict[str, Any] = field(default_factory=dict)
-
-
-def _entry_rows(entries: list[Entry]) -> list[tuple]:
-    return [(e.request, e.ids, e.positions, e.topk_ids, e.topk_lp) for e in entries]
 
 
 class OnlineRun:
@@ -266,7 +266,7 @@ class OnlineRun:
             "updater": self.updater.state_dict(),
             "buffer": self.buffer.state_dict(),
             "drift": self.drift.state_dict(),
-            "pending": _entry_rows(self.pending),
+            "pending": [e.row() for e in self.pending],
             "recent": self.recent,
             "window": self.window.to_state(),
             "rows": self.rows,
@@ -288,13 +288,8 @@ class OnlineRun:
         torch.set_rng_state(state["torch_rng"])
 
     def save(self, fp: str) -> None:
-        """Atomic: the state file is replaced whole, then the drafter export."""
-        tmp = self.out / f".{STATE_FILE}.tmp"
-        with guard_write(self.out / STATE_FILE, cleanup=(tmp,)):  # no half state file left
-            torch.save(self.state_dict(fp), tmp)
-            os.replace(tmp, self.out / STATE_FILE)
-        export_atomic(self.updater.drafter, self.tok, self.out / "drafter")
-        write_jsonl(self.out / "online.jsonl", self.rows)
+        save_checkpoint(self.out, STATE_FILE, self.state_dict(fp), self.updater.drafter, self.tok,
+                        self.rows)  # fmt: skip
 
 
 def run(cfg: DictConfig) -> OnlineResult | ServedResult:

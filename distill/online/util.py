@@ -50,6 +50,23 @@ def saved_state(
     return state
 
 
+def save_checkpoint(
+    out: Path, state_file: str, state: dict, drafter, tok, rows: list[dict]
+) -> None:
+    """A run's checkpoint, each part atomic: the state file replaced whole, then the drafter
+    export (`out/drafter`) and `online.jsonl` (the stage's and the served loop's alike)."""
+    import os
+
+    from specdistill.distill.online.report import write_jsonl
+
+    tmp = out / f".{state_file}.tmp"
+    with guard_write(out / state_file, cleanup=(tmp,)):  # no half state file left
+        torch.save(state, tmp)
+        os.replace(tmp, out / state_file)
+    export_atomic(drafter, tok, out / "drafter")
+    write_jsonl(out / "online.jsonl", rows)
+
+
 def export_atomic(drafter, tok, path: Path) -> None:
     """save_pretrained into a temp folder renamed over `path`: never half a checkpoint."""
     tmp = path.with_name(f".{path.name}.tmp")
