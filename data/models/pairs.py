@@ -18,6 +18,7 @@ import torch
 
 from specdistill.data.models.attention import check_attn_implementation, kernel_on
 from specdistill.data.models.checkpoints import check_checkpoint_files
+from specdistill.data.models.gguf import is_gguf
 from specdistill.data.models.pair_vocab import check_pair_vocab, mapped_unsupported
 from specdistill.data.models.tokenizer_identity import (
     TokenizerInfo,
@@ -55,6 +56,8 @@ def resolve_pair(pair: Any, *, stage: str = "this", mapped_ok: bool = False) -> 
     """
     get = pair.get if hasattr(pair, "get") else lambda k, d=None: getattr(pair, k, d)
     attention = check_attn_implementation(get("attn_implementation"))
+    for field, name in named_folders(get):  # before the toy world or a conversion is built
+        check_model_path(field, name)
     toy = get("toy")
     target, drafter, tokenizer = get("target"), get("drafter"), get("tokenizer")
     if toy:
@@ -112,6 +115,15 @@ def resolve_pair(pair: Any, *, stage: str = "this", mapped_ok: bool = False) -> 
         drafter_tokenizer=vocab.drafter_tokenizer,
         attn_implementation=attention,
     )
+
+
+def named_folders(get: Any) -> list[tuple[str, str]]:
+    """(field, name) of each model the pair names and `resolve_pair` reads as given: a name
+    wins over what would be built for its role (the toy world's, the packaged target, a drafter
+    cut from the target's layers), except a .gguf file, which is converted. The plan checks the
+    same list (distill/pipeline/preflight_plan.py), so neither restates the other's rule."""
+    named = ((role, get(role)) for role in ("target", "drafter"))
+    return [(f"pair.{role}", str(name)) for role, name in named if name and not is_gguf(name)]
 
 
 def check_model_path(field: str, name: str) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_json, read_json
-from specdistill.data.runtime import ConfigError, kept_threads
+from specdistill.data.runtime import ConfigError, kept_threads, required
 from specdistill.distill.pipeline.plan import STAGES, Step
 from specdistill.distill.pipeline.report import summarize, write_report
 
@@ -69,7 +69,7 @@ def distill_resume(cfg: DictConfig, fingerprint: str, out_dir: str) -> None:
     from specdistill.distill.train.checkpoint import latest_config
 
     cfg.run_key = fingerprint
-    if cfg.get("resume", "auto") != "auto":
+    if required(cfg, "resume") != "auto":
         return  # the user's own resume=true / false
     folder = Path(str(cfg.get("output_dir") or out_dir))
     saved = latest_config(folder / "checkpoints")

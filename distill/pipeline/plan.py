@@ -29,7 +29,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specdistill.data.io import atomic_write_text
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, required
 from specdistill.data.stage_config import config_module
 from specdistill.distill.compose import StageOverrides, compose_stage, whole_set
 from specdistill.distill.export.hub import check_repo_id
@@ -99,7 +99,7 @@ def serving_overrides(cfg: DictConfig) -> dict[str, StageOverrides]:
             )
         out = stage_overrides(check_serving(cfg.serving), check_recipe(cfg.recipe))
     stages = list(cfg.get("stages") or [])
-    for stage, extra in drafting_overrides(cfg.get("drafting", "autoregressive"), stages).items():
+    for stage, extra in drafting_overrides(required(cfg, "drafting"), stages).items():
         out[stage] = out.get(stage, StageOverrides()) + extra
     return out
 
@@ -143,7 +143,7 @@ class _Planner:
         folders, hand-offs; dotted keys spelled with `__`), the seed; `dataset` picks a set."""
         cfg = self.cfg
         typed = {k.replace("__", "."): v for k, v in values.items()} | {"seed": cfg.seed}
-        if stage == "validate" and cfg.get("llamacpp", False):  # the drafters in llama.cpp too
+        if stage == "validate" and required(cfg, "llamacpp"):  # the drafters in llama.cpp too
             typed.setdefault("engines", ["ours", "llamacpp"])
         own_groups = (f"dataset={dataset}",) if dataset else ()
         extra = StageOverrides(own_groups, typed)
@@ -170,7 +170,7 @@ class _Planner:
         (validate.target_only_cache): the first to run decodes it, the others reuse it."""
         held: dict[str, Any] = {"training_data": data.out_dir} if data else {}
         held["target_only_cache"] = _target_only(run_dir)
-        if drafter_path and self.cfg.get("validate_base", True):
+        if drafter_path and required(self.cfg, "validate_base"):
             out = run_dir / "validate_base"
             # an autoregressive base drafter: validated as one, whatever `drafting` is
             base = self.compose(
@@ -262,9 +262,9 @@ class _Planner:
             values["drafter"] = drafter_path
         if report:
             values["report"] = str(Path(report.result_path))
-        if self.cfg.get("vllm", False):  # validate the exported folder in vLLM before publishing
+        if required(self.cfg, "vllm"):  # validate the exported folder in vLLM before publishing
             values["vllm.enabled"] = True
-        if self.cfg.get("llamacpp", False):  # the drafter as GGUF files beside the checkpoint
+        if required(self.cfg, "llamacpp"):  # the drafter as GGUF files beside the checkpoint
             values["gguf.enabled"] = True
         # no serving keys, no seed: a copy
         ecfg = compose_stage("export", self.cfg, StageOverrides(values=values))
@@ -398,7 +398,7 @@ def build_plan(cfg: DictConfig) -> list[Step]:
         reads = [drafter] if drafter else []
         if "validate" in stages:
             report = plan.validate_steps(run_dir, drafter_path, reads, data)
-        if (cfg.get("long_context") or {}).get("enabled", False):
+        if required(required(cfg, "long_context"), "enabled", "long_context"):
             plan.long_context_steps(run_dir, drafter_path, drafter)
         if "export" in stages:
             plan.export_step(run_dir, drafter_path, reads, report)

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from specdistill.data.dataset_files import check_files
-from specdistill.data.models.pairs import check_model_path
+from specdistill.data.models.pairs import check_model_path, named_folders
+from specdistill.data.runtime import required
 from specdistill.data.splits import EVAL, TRAIN
 from specdistill.distill.pipeline.heldout_plan import EVAL_SOURCES
 
@@ -48,7 +49,7 @@ def _checks(step: Any, produced: list[Path]) -> Iterator[Check]:
     if step.stage == "generate":
         if dataset:
             yield lambda: check_files(dataset, str(cfg.get("split") or TRAIN))
-        if str(cfg.get("backend", "hf")) == "vllm":
+        if str(required(cfg, "backend")) == "vllm":
             yield _vllm(step.stage)
     elif step.stage == "distill":
         if dataset and (cfg.get("eval") or {}).get("source") in EVAL_SOURCES:
@@ -70,17 +71,13 @@ def _checks(step: Any, produced: list[Path]) -> Iterator[Check]:
 
 
 def _pair_paths(pair: dict[str, Any], produced: list[Path]) -> Iterator[Check]:
-    """The pair's local folders, as `resolve_pair` checks them, where nothing builds them (the
-    toy world, a packaged model, layers cut from the target) and no earlier step writes them."""
-    built = {"target": bool(pair.get("real")), "drafter": pair.get("drafter_layers") is not None}
-    for role in ("target", "drafter"):
-        name = pair.get(role)
-        if not name or built[role] or str(name).lower().endswith(".gguf"):
-            continue
-        path = Path(str(name)).expanduser().resolve()
+    """The pair's named local folders, as `resolve_pair` checks them (`named_folders`), except
+    where an earlier step writes them."""
+    for field, name in named_folders(pair.get):
+        path = Path(name).expanduser().resolve()
         if any(path.is_relative_to(out) for out in produced):
             continue
-        yield lambda role=role, name=str(name): check_model_path(f"pair.{role}", name)
+        yield lambda field=field, name=name: check_model_path(field, name)
 
 
 def _vllm_rollouts(cfg: dict[str, Any]) -> bool:

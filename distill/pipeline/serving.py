@@ -27,7 +27,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from specdistill.data.runtime import ConfigError
+from specdistill.data.runtime import ConfigError, required
 from specdistill.data.sampling import Sampling
 from specdistill.distill.compose import StageOverrides
 from specdistill.distill.losses import DIVERGENCES
@@ -89,7 +89,7 @@ def check_recipe(node: Any) -> dict[str, Any]:
     r = _plain(node)
     if r.get("seqkd") not in SEQKD:
         raise ConfigError(f"recipe.seqkd={r.get('seqkd')!r}: use greedy, sampled or mixed")
-    share = r.get("seqkd_share", 0.5)
+    share = required(r, "seqkd_share", "recipe")
     if r["seqkd"] == "mixed" and (
         isinstance(share, bool)
         or not isinstance(share, (int, float))
@@ -135,12 +135,14 @@ def stage_overrides(serving: Serving, recipe: dict[str, Any]) -> dict[str, Stage
     if recipe["seqkd"] == "greedy":
         seqkd = Sampling()
     else:
-        t = _temperature(recipe.get("seqkd_temperature", 1.0), serving)
+        t = _temperature(required(recipe, "seqkd_temperature", "recipe"), serving)
         seqkd = Sampling(temperature=t, top_k=s.top_k, top_p=s.top_p)
         if recipe["seqkd"] == "mixed":
-            generate["sampled_share"] = float(recipe.get("seqkd_share", 0.5))
+            generate["sampled_share"] = float(required(recipe, "seqkd_share", "recipe"))
     # The drafter samples its on-policy batches at the recipe's temperature, nothing cut.
-    onpolicy = Sampling(temperature=_temperature(recipe.get("onpolicy_temperature", 1.0), serving))
+    onpolicy = Sampling(
+        temperature=_temperature(required(recipe, "onpolicy_temperature", "recipe"), serving)
+    )
     distill: dict[str, Any] = {
         # sampling serving: p and q are compared at the serving temperature, as the decoder does
         "loss.temperature": s.temperature if serving.mode == "sampling" else 1.0,

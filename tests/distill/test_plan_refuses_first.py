@@ -57,6 +57,11 @@ def _rows(tmp_path, world) -> list[tuple[str, list[str], str]]:
         ),
         ("generate", ["pair.target=/nope/target"], r"^pair.target='/nope/target' does not exist"),
         (
+            "generate",  # a named drafter wins over one cut from the target's layers
+            ["++pair.drafter_layers=first:1", "pair.drafter=/nope/drafter"],
+            r"^pair.drafter='/nope/drafter' does not exist",
+        ),
+        (
             "generate",
             ["dataset=jsonl", f"dataset.path={{train: {missing}, test: {present}}}"],
             f"^dataset.path='{missing}' does not exist: point it at a jsonl file",
@@ -115,7 +120,7 @@ def _rows(tmp_path, world) -> list[tuple[str, list[str], str]]:
 
 
 ROW_IDS = ["generate-vllm", "distill-rollouts-vllm", "validate-vllm", "validate-llamacpp",
-           "export-vllm", "pair-path", "generate-file", "validate-file", "attention-kernel",
+           "export-vllm", "pair-path", "named-drafter-path", "generate-file", "validate-file", "attention-kernel",
            "fsdp-deepspeed", "fsdp-vllm-rollouts", "zero3-vllm-rollouts", "fsdp-fp16",
            "online-llamacpp", "online-engine-setting", "generate-setting", "export-setting"]  # fmt: skip
 
