@@ -315,8 +315,7 @@ def run_served(cfg: DictConfig, s: OnlineSettings, e: EngineSettings, pair: Pair
                plan: list[Request], prompts: dict[str, list[list[int]]], fp: str,
                t_start: float) -> ServedResult:  # fmt: skip
     """The served run (module docstring); the stage has checked the config and planned the
-    stream. Only the drafter loads into torch: the target is the engine's."""
-    preflight(e, pair)
+    stream and run `preflight`. Only the drafter loads into torch: the target is the engine's."""
     state = saved_state(s.output_dir / STATE_FILE, s.resume, fp, cfg.get("run_key"))
     _, drafter, tok = load_pair(pair, target=False)
     s.output_dir.mkdir(parents=True, exist_ok=True)

@@ -65,9 +65,9 @@ def _checks(step: Any, produced: list[Path]) -> Iterator[Check]:
             yield _llama_server
     elif step.stage == "online" and cfg.get("engine", "ours") == "llamacpp":
         yield lambda: _llama_server("engine=llamacpp")
-    elif step.stage == "online" and cfg.get("engine", "ours") == "vllm":
-        yield _vllm(step.stage)
-    elif step.stage == "export" and (cfg.get("vllm") or {}).get("enabled"):
+    elif (step.stage == "online" and cfg.get("engine", "ours") == "vllm") or (
+        step.stage == "export" and (cfg.get("vllm") or {}).get("enabled")
+    ):
         yield _vllm(step.stage)
 
 

