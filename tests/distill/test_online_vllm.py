@@ -23,8 +23,8 @@ from specdistill.distill.online import stage as online
 from specdistill.distill.online.engine_settings import EngineSettings, check_served
 from specdistill.distill.online.engines.base import Answer, tau
 from tests.distill.test_online_engine import SERVED as LLAMACPP
+from tests.distill.test_online_engine import _figures
 
-K = 4  # decoder.gamma of conf/decoder/greedy.yaml, which the runs below keep
 OWN = ("engine", "stream", "max_new_tokens", "llamacpp.threads")
 SERVED = [
     *(o for o in LLAMACPP if o.split("=")[0] not in OWN),  # the llama.cpp runs' loop settings
@@ -152,13 +152,6 @@ def _requests(out: Path) -> list[int]:
     return [r["index"] for r in _journal(out) if r["kind"] == "request"]
 
 
-def _figures(rows: list[dict]) -> list[tuple]:
-    """What a window measured that no timing changes."""
-    keys = ("requests", "alpha_adapted", "alpha_frozen", "tau_adapted", "tau_frozen",
-            "drafted_adapted", "accepted_adapted", "identical", "updates", "rollbacks", "swaps")  # fmt: skip
-    return [tuple(r[k] for k in keys) for r in rows]
-
-
 def _rows(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "online.jsonl").read_text().splitlines()]
 
@@ -188,17 +181,18 @@ def test_vllm_run_is_greedy_identical_and_reloads_the_drafter(clean_run):
 
 @pytest.mark.vllm
 def test_vllm_counters_add_up(clean_run):
-    """Per request: accepted <= drafted = K x rounds (vLLM drafts K every round), and the
+    """Per request: accepted <= drafted = K x rounds (vLLM drafts K = gamma every round), and the
     tokens after the first are the rounds' accepted drafts plus one target token each (up to
     drafts accepted past the answer's end); each window's tau is its tokens over its rounds."""
-    out, _ = clean_run
+    out, r = clean_run
+    k = r.k  # decoder.gamma
     answers = {"adapted": [], "frozen": []}
     for rec in (x for x in _journal(out) if x["kind"] == "request"):
         for role in answers:
             a = Answer.from_record(rec["answers"][role])
             answers[role].append(a)
-            assert 0 <= a.accepted <= a.drafted == K * a.rounds
-            assert len(a.tokens) - 1 <= a.rounds + a.accepted <= len(a.tokens) - 1 + K
+            assert 0 <= a.accepted <= a.drafted == k * a.rounds
+            assert len(a.tokens) - 1 <= a.rounds + a.accepted <= len(a.tokens) - 1 + k
         plain = Answer.from_record(rec["answers"]["plain"])
         assert plain.drafted == 0 and plain.rounds == len(plain.tokens) - 1
     assert sum(a.accepted for a in answers["adapted"] + answers["frozen"]) > 0
