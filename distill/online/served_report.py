@@ -1,11 +1,10 @@
 """Figures of a served run, from the engine's own counters: one row per window of requests, and
 its result.json, online.md and online.png.
 
-Every figure comes from llama-server's per-request counters (decode/llamacpp/measure.py):
+Every figure comes from the engine's per-request counters (distill/online/engines/base.py):
 acceptance = accepted / drafted tokens, tau = decode tokens per target round, tokens/s over
-the decode part. The frozen starting drafter answers the same requests with the same seeds
-(its own server), and the target alone answers them once more for greedy identity and the
-plain speed. The keys `alpha_adapted` / `alpha_frozen` hold the engine's acceptance so that the
+the decode part. The frozen starting drafter answers the same requests with the same seeds,
+and the target alone answers them once more for greedy identity and the plain speed. The keys `alpha_adapted` / `alpha_frozen` hold the engine's acceptance so that the
 stage's segment summary, plot and drift gate read served runs as they read ours.
 """
 
@@ -20,12 +19,21 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from specdistill.data.io import atomic_write_json, atomic_write_text
-from specdistill.decode.llamacpp.measure import acceptance, tau, tokens_per_second
+from specdistill.distill.online.engines.base import (
+    ROLES,
+    Answer,
+    acceptance,
+    tau,
+    tokens_per_second,
+)
 from specdistill.distill.online.report import plot, segment_summary
-from specdistill.distill.online.served import completion_from, completion_record
 from specdistill.distill.online.stream import boundaries
 
-ROLES = ("adapted", "frozen", "plain")
+# what a swap's seconds measure, by engine
+SWAP = {
+    "llamacpp": "a second llama-server started on the new GGUF until /health answers",
+    "vllm": "the weights loaded into the running engine in place",
+}
 
 
 def _rounded(value: float, digits: int, present: bool) -> float | None:
@@ -51,23 +59,23 @@ class EngineWindow:
     losses: list[float] = field(default_factory=list)
 
     def add(self, answers: dict[str, Any], segment: int, restarts: int) -> None:
-        """One request's answers (`Completion`s by role)."""
-        for role, c in answers.items():
-            self.answers[role].append(completion_record(c))
+        """One request's answers (`Answer`s by role)."""
+        for role, a in answers.items():
+            self.answers[role].append(a.record())
         self.segments.append(segment)
         self.restarts += restarts
 
     def row(self, requests: int, greedy: bool) -> dict[str, Any]:
         """The window's figures; `requests`: requests served so far."""
-        got = {r: [completion_from(x) for x in self.answers[r]] for r in ROLES}
+        got = {r: [Answer.from_record(x) for x in self.answers[r]] for r in ROLES}
         figures: dict[str, Any] = {"requests": requests, "first_request": self.first_request,
                                    "segments": sorted(set(self.segments))}  # fmt: skip
         for role in ("adapted", "frozen"):
             cs = got[role]
             figures[f"alpha_{role}"] = _rounded(acceptance(cs), 4, bool(cs))
             figures[f"tau_{role}"] = _rounded(tau(cs), 3, bool(cs))
-            figures[f"drafted_{role}"] = sum(c.draft_n for c in cs)
-            figures[f"accepted_{role}"] = sum(c.draft_n_accepted for c in cs)
+            figures[f"drafted_{role}"] = sum(a.drafted for a in cs)
+            figures[f"accepted_{role}"] = sum(a.accepted for a in cs)
         for role in ROLES:
             cs = got[role]
             figures[f"tokens_per_s_{role}"] = _rounded(tokens_per_second(cs), 1, bool(cs))
@@ -75,7 +83,7 @@ class EngineWindow:
         figures |= {
             "updates": self.updates, "rollbacks": self.rollbacks, "swaps": self.swaps,
             "swap_seconds_max": round(max(self.swap_seconds), 3) if self.swap_seconds else None,
-            "gguf_write_seconds": (round(statistics.median(self.write_seconds), 3)
+            "write_seconds": (round(statistics.median(self.write_seconds), 3)
                                    if self.write_seconds else None),
             "update_seconds": round(self.update_seconds, 2),
             "restarts": self.restarts,
@@ -130,11 +138,12 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         )
     lines += [
         "",
-        f"- swaps {result['swaps']}: the new server ready in {fmt(result['swap_seconds_max'])} s "
-        f"at most (median {fmt(result['swap_seconds_median'])} s), the GGUF written in "
-        f"{fmt(result['gguf_write_seconds_median'])} s (median; learner time, between requests)",
-        f"- server restarts {result['restarts']}; requests replayed from the journal on resume "
-        f"{result['replayed']}; the resumed server's drafter identical to the one served "
+        f"- swaps {result['swaps']}: the new drafter served after {fmt(result['swap_seconds_max'])}"
+        f" s at most (median {fmt(result['swap_seconds_median'])} s; {SWAP[result['engine']]}), "
+        f"its weights prepared in {fmt(result['write_seconds_median'])} s (median; learner time, "
+        f"between requests)",
+        f"- engine restarts {result['restarts']}; requests replayed from the journal on resume "
+        f"{result['replayed']}; the resumed engine's drafter identical to the one served "
         f"before: {fmt(result['resumed_same_drafter'])}",
         f"- greedy output identical to the target alone in every window: "
         f"{fmt(result['identical'])}",
@@ -160,7 +169,7 @@ class ServedResult:
     swaps: int
     swap_seconds_max: float | None
     swap_seconds_median: float | None
-    gguf_write_seconds_median: float | None
+    write_seconds_median: float | None
     restarts: int
     replayed: int
     resumed_same_drafter: bool | None
@@ -187,7 +196,7 @@ def write_result(cfg: Any, s: Any, e: Any, drafter_start: str, job: Any, ver: st
         decoder="greedy" if sp.greedy else f"sampling T={sp.temperature} top_k={sp.top_k} "
         f"top_p={sp.top_p}", requests=job.pos, updates=job.updates, rollbacks=job.rollbacks,
         swaps=job.swaps, swap_seconds_max=max(job.swap_seconds) if job.swap_seconds else None,
-        swap_seconds_median=med(job.swap_seconds), gguf_write_seconds_median=med(job.write_seconds),
+        swap_seconds_median=med(job.swap_seconds), write_seconds_median=med(job.write_seconds),
         restarts=sum(r["restarts"] for r in job.rows), replayed=job.replayed,
         resumed_same_drafter=job.same_drafter, identical=all(same) if same else None,
         final_window=job.rows[-1] if job.rows else None, segments=seg,

@@ -294,7 +294,7 @@ class OnlineRun:
 
 def run(cfg: DictConfig) -> OnlineResult | ServedResult:
     """Serve the stream with the drafter learning from the target's verdicts; see the module
-    docstring (`engine=llamacpp`: distill/online/in_engine.py). Continues OUT/online_state.pt
+    docstring (`engine=llamacpp` or `vllm`: distill/online/in_engine.py). Continues OUT/online_state.pt
     of the same config (resume=auto)."""
     t_start = time.perf_counter()
     s = check_config(cfg)
@@ -323,7 +323,7 @@ def run(cfg: DictConfig) -> OnlineResult | ServedResult:
                 for p in plist]
         for label, plist in sources.items()
     }  # fmt: skip
-    if engine.served:  # llama-server serves the stream (distill/online/in_engine.py)
+    if engine.served:  # llama-server or vLLM serves the stream (distill/online/in_engine.py)
         from specdistill.distill.online.in_engine import run_served
 
         return run_served(cfg, s, engine, spec, plan, prompts, fp, t_start)

@@ -66,7 +66,9 @@ def _checks(step: Any, produced: list[Path]) -> Iterator[Check]:
             yield _llama_server
     elif step.stage == "online" and cfg.get("engine", "ours") == "llamacpp":
         yield lambda: _llama_server("engine=llamacpp")
-    elif step.stage == "export" and (cfg.get("vllm") or {}).get("enabled"):
+    elif (step.stage == "online" and cfg.get("engine", "ours") == "vllm") or (
+        step.stage == "export" and (cfg.get("vllm") or {}).get("enabled")
+    ):
         yield _vllm(step.stage)
 
 
@@ -105,6 +107,8 @@ def _vllm_asked_by(stage: str) -> str:
         from specdistill.distill.train.rollouts import ASKED_BY
     elif stage == "validate":
         from specdistill.decode.validate.vllm_engine import ASKED_BY
+    elif stage == "online":
+        from specdistill.distill.online.engines.vllm import ASKED_BY
     else:
         from specdistill.distill.export.in_vllm import ASKED_BY
     return ASKED_BY

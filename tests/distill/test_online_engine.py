@@ -18,11 +18,11 @@ import torch
 from hydra import compose, initialize_config_module
 
 from specdistill.data.runtime import ConfigError
-from specdistill.decode.llamacpp.server import Completion
 from specdistill.distill.losses import distill_loss
 from specdistill.distill.online import stage as online
 from specdistill.distill.online.buffer import entry_from_tokens
 from specdistill.distill.online.engine_settings import EngineSettings, check_served
+from specdistill.distill.online.engines.base import Answer
 from specdistill.distill.online.journal import Journal
 from specdistill.distill.online.served_report import EngineWindow, identical
 from specdistill.distill.online.update import buffer_loss
@@ -50,10 +50,11 @@ def served_cfg(out, *overrides):
         return compose(config_name="online", overrides=[*SERVED, f"output_dir={out}", *overrides])
 
 
-def _completion(tokens, drafted=0, accepted=0, ms=10.0) -> Completion:
-    return Completion(tokens=list(tokens), predicted_n=len(tokens), predicted_ms=ms,
-                      predicted_per_second=0.0, prompt_n=3, prompt_ms=1.0, draft_n=drafted,
-                      draft_n_accepted=accepted)  # fmt: skip
+def _completion(tokens, drafted=0, accepted=0, ms=10.0) -> Answer:
+    """An answer as llama-server counts it: every round after the first token emits its
+    accepted drafts and one token of the target's."""
+    return Answer(tokens=list(tokens), drafted=drafted, accepted=accepted,
+                  rounds=len(tokens) - 1 - accepted, decode_ms=ms, prompt_ms=1.0)  # fmt: skip
 
 
 def test_the_engines_tokens_train_the_cross_entropy_on_them(toy_tiny_pair):
@@ -301,7 +302,7 @@ def test_sampled_serving_drafts_probabilistically_and_learns_from_samples(binary
     assert r.requests == 4 and r.decoder.startswith("sampling T=1.0") and r.identical is None
     journal = [json.loads(x) for x in (out / "journal.jsonl").read_text().splitlines()]
     answers = [x["answers"]["adapted"] for x in journal if x["kind"] == "request"]
-    assert len(answers) == 4 and all(a["draft_n"] > 0 for a in answers)
+    assert len(answers) == 4 and all(a["drafted"] > 0 for a in answers)
 
 
 def test_servers_draft_as_the_serving_mode_asks(tmp_path):

@@ -107,6 +107,11 @@ def _rows(tmp_path, world) -> list[tuple[str, list[str], str]]:
         ),
         (
             "online",
+            ["stages=[online]", "++online.engine=vllm"],
+            f"^engine=vllm {VLLM_MISSING}",
+        ),
+        (
+            "online",
             [
                 "stages=[generate,distill,online]",
                 "++online.engine=llamacpp",
@@ -122,7 +127,7 @@ def _rows(tmp_path, world) -> list[tuple[str, list[str], str]]:
 ROW_IDS = ["generate-vllm", "distill-rollouts-vllm", "validate-vllm", "validate-llamacpp",
            "export-vllm", "pair-path", "named-drafter-path", "generate-file", "validate-file", "attention-kernel",
            "fsdp-deepspeed", "fsdp-vllm-rollouts", "zero3-vllm-rollouts", "fsdp-fp16",
-           "online-llamacpp", "online-engine-setting", "generate-setting", "export-setting"]  # fmt: skip
+           "online-llamacpp", "online-vllm", "online-engine-setting", "generate-setting", "export-setting"]  # fmt: skip
 
 
 def _cfg(run_dir, overrides: list[str]):
