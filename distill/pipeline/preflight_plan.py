@@ -64,10 +64,10 @@ def _checks(step: Any, produced: list[Path]) -> Iterator[Check]:
             yield _vllm(step.stage)
         if "llamacpp" in engines:
             yield _llama_server
-    elif step.stage == "online" and cfg.get("engine", "ours") == "llamacpp":
+    elif step.stage == "online" and required(cfg, "engine") == "llamacpp":
         yield lambda: _llama_server("engine=llamacpp")
-    elif (step.stage == "online" and cfg.get("engine", "ours") == "vllm") or (
-        step.stage == "export" and (cfg.get("vllm") or {}).get("enabled")
+    elif (step.stage == "online" and required(cfg, "engine") == "vllm") or (
+        step.stage == "export" and required(required(cfg, "vllm"), "enabled", "vllm")
     ):
         yield _vllm(step.stage)
 
