@@ -48,6 +48,19 @@ def toy_tiny_pair(toy_tiny):
     return load_pair(resolve_pair({"toy": "toy-tiny"}))
 
 
+@pytest.fixture(scope="session")
+def llama_server():
+    """The llama-server this machine built (decode/llamacpp/build.py); without one, the tests
+    that serve through it skip and say why."""
+    from specdistill.data.runtime import ConfigError
+    from specdistill.decode.llamacpp.build import llama_server_binary
+
+    try:
+        return llama_server_binary()
+    except ConfigError as e:
+        pytest.skip(f"no llama-server binary: {e}")
+
+
 def free_port() -> int:
     """A TCP port free on this host now: a test that starts a rendezvous (accelerate, Slurm's
     shim) takes its own, so tests on parallel xdist workers do not meet on a default port."""

@@ -25,14 +25,6 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def binary():
-    try:
-        return b.llama_server_binary()
-    except ConfigError as e:
-        pytest.skip(f"no llama-server binary: {e}")
-
-
-@pytest.fixture(scope="module")
 def gguf():
     from specdistill.data.models.gguf import packaged_gguf
 
@@ -94,24 +86,24 @@ def test_the_command_line(tmp_path):
 
 
 @pytest.mark.llamacpp
-def test_every_flag_we_pass_exists_in_this_build(binary, tmp_path):
+def test_every_flag_we_pass_exists_in_this_build(llama_server, tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
-    cmd = LlamaServer(binary, model, draft=model, draft_sampling="greedy").command(8080)
+    cmd = LlamaServer(llama_server, model, draft=model, draft_sampling="greedy").command(8080)
     helptext = subprocess.run(
-        [str(binary), "--help"], capture_output=True, text=True, timeout=60
+        [str(llama_server), "--help"], capture_output=True, text=True, timeout=60
     ).stdout
     flags = [
         x for x in cmd[1:] if x.startswith("-") and not x.lstrip("-").replace(".", "").isdigit()
     ]
     missing = [f for f in flags if f not in helptext]
     assert not missing, f"llama-server --help does not list {missing}"
-    assert version(binary).startswith("version:")
+    assert version(llama_server).startswith("version:")
 
 
 @pytest.mark.llamacpp
-def test_start_stop_frees_the_process_and_port(binary, gguf):
-    with LlamaServer(binary, gguf, threads=THREADS, ctx=512) as server:
+def test_start_stop_frees_the_process_and_port(llama_server, gguf):
+    with LlamaServer(llama_server, gguf, threads=THREADS, ctx=512) as server:
         proc, port = server.process, server.port
         assert proc is not None and proc.poll() is None and not _port_free(port)
         ids = server.tokenize("Hello")
@@ -121,25 +113,27 @@ def test_start_stop_frees_the_process_and_port(binary, gguf):
 
 
 @pytest.mark.llamacpp
-def test_a_server_that_dies_reports_its_log(binary, tmp_path):
+def test_a_server_that_dies_reports_its_log(llama_server, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file at all")
-    server = LlamaServer(binary, bad, ctx=256, startup_timeout=60, log_path=tmp_path / "s.log")
+    server = LlamaServer(
+        llama_server, bad, ctx=256, startup_timeout=60, log_path=tmp_path / "s.log"
+    )
     with pytest.raises(LlamaServerError, match="exited with status") as e:
         server.start()
     assert str(tmp_path / "s.log") in str(e.value) and server.process is None
 
 
 @pytest.mark.llamacpp
-def test_self_drafting_is_greedy_identical_with_acceptance_near_one(binary, gguf):
+def test_self_drafting_is_greedy_identical_with_acceptance_near_one(llama_server, gguf):
     """The target drafting for itself: every draft should be accepted (counters > 0, acceptance
     near 1) and the tokens must equal plain greedy decoding's: losslessness in llama.cpp."""
     n_predict = 24
-    with LlamaServer(binary, gguf, threads=THREADS, ctx=512) as plain_server:
+    with LlamaServer(llama_server, gguf, threads=THREADS, ctx=512) as plain_server:
         prompts = [plain_server.tokenize(p) for p in PROMPTS]
         plain = [plain_server.complete(ids, n_predict, ignore_eos=True) for ids in prompts]
     with LlamaServer(
-        binary, gguf, draft=gguf, draft_max=3, threads=THREADS, ctx=512
+        llama_server, gguf, draft=gguf, draft_max=3, threads=THREADS, ctx=512
     ) as spec_server:
         spec = [spec_server.complete(ids, n_predict, ignore_eos=True) for ids in prompts]
     for ids, c in zip(prompts, plain + spec):

@@ -177,16 +177,6 @@ def test_a_missing_build_is_one_error_line_before_any_model_loads(tmp_path, monk
 # ---------------------------------------------------------------- with a built llama-server
 
 
-@pytest.fixture(scope="module")
-def binary():
-    from specdistill.decode.llamacpp import build
-
-    try:
-        return build.llama_server_binary()
-    except ConfigError as e:
-        pytest.skip(f"no llama-server binary: {e}")
-
-
 def _requests(out: Path) -> list[int]:
     """The request ids the journal holds, in order (a line being written is not counted)."""
     text = (out / "journal.jsonl").read_text()
@@ -202,7 +192,7 @@ def _figures(rows: list[dict]) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def clean_run(binary, tmp_path_factory):
+def clean_run(llama_server, tmp_path_factory):
     out = tmp_path_factory.mktemp("served") / "clean"
     return out, online.run(served_cfg(out))
 
@@ -294,7 +284,7 @@ def test_a_request_log_is_a_stream_segment(tmp_path, toy_tiny_pair):
 
 
 @pytest.mark.llamacpp
-def test_sampled_serving_drafts_probabilistically_and_learns_from_samples(binary, tmp_path):
+def test_sampled_serving_drafts_probabilistically_and_learns_from_samples(llama_server, tmp_path):
     """Temperature 1: the drafter proposes by llama.cpp's rejection sampling and learns from
     the target's sampled tokens; identity with the plain server is not asked of sampling."""
     out = tmp_path / "s"
