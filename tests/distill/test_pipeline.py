@@ -124,7 +124,7 @@ def test_a_stage_thread_setting_does_not_leak_into_the_next(tmp_path, monkeypatc
     try:
         torch.set_num_threads(2)
         for name in ("generate", "distill"):
-            config = {"name": name}
+            config = {"name": name, "resume": False}  # the user's own: no checkpoint lookup
             execute.run_step(
                 Step(name, name, "m", str(tmp_path / name), "result.json", config=config)
             )

@@ -117,7 +117,8 @@ def _param(form: str):
 
 @pytest.mark.parametrize("form", [_param(f) for f in documented_forms()])
 def test_documented_form_plans(form, cli, tmp_path, engines_installed):
-    (tmp_path / "sweep").mkdir()  # DIR: a folder that exists (a sweep's, a drafter's)
+    (tmp_path / "sweep").mkdir()  # DIR: a folder that exists (a sweep's, a drafter's: the plan
+    (tmp_path / "sweep" / "config.json").write_text("{}")  # checks a named drafter's config.json)
     args = [a.replace("DIR", str(tmp_path / "sweep")) for a in shlex.split(form)[1:]]
     args = [a for a in args if a != "plan=true"]
     if "hydra/launcher=slurm" in args:  # a multirun sent to Slurm: compose it, submit nothing
