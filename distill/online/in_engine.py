@@ -284,42 +284,43 @@ def serve_loop(job: ServedRun, fp: str) -> None:
             sys.exit(128 + stop.signum)
 
 
-def preflight(e: EngineSettings, pair: PairSpec) -> None:
+def preflight(e: EngineSettings, pair: PairSpec) -> Any:
     """The serving engine's own checks (its install, files, configs), before any prompt or
-    model loads."""
+    model loads; what they found is what `build_engine` builds on (llama.cpp: the binary;
+    vLLM: the target's config), so nothing is checked twice."""
     if e.engine == "llamacpp":
         from specdistill.distill.online.engines.llamacpp import preflight as llamacpp
 
-        llamacpp(e, pair)
-    else:
-        from specdistill.distill.online.engines.vllm import preflight as vllm
+        return llamacpp(e, pair)
+    from specdistill.distill.online.engines.vllm import preflight as vllm
 
-        vllm(pair)
+    return vllm(pair)
 
 
-def build_engine(s: OnlineSettings, e: EngineSettings, pair: PairSpec, drafter,
+def build_engine(s: OnlineSettings, e: EngineSettings, pair: PairSpec, checked: Any, drafter,
                  prompts: dict[str, list[list[int]]], fresh: bool) -> ServedEngine:  # fmt: skip
-    """The engine `e.engine` names, on the starting `drafter` (before a resumed state loads)."""
+    """The engine `e.engine` names, on the starting `drafter` (before a resumed state loads);
+    `checked`: what `preflight` returned."""
     need = max(len(p) for ps in prompts.values() for p in ps) + s.max_new_tokens + s.decoder.gamma
     if e.engine == "llamacpp":
         from specdistill.distill.online.engines import llamacpp
 
-        return llamacpp.build(s, e, pair, drafter, fresh, need)
+        return llamacpp.build(s, e, pair, checked, drafter, fresh, need)
     from specdistill.distill.online.engines import vllm
 
     dtype = str(next(drafter.parameters()).dtype).removeprefix("torch.")
-    return vllm.build(s, e.vllm, pair, drafter, need + 1, dtype)
+    return vllm.build(s, e.vllm, pair, checked, drafter, need + 1, dtype)
 
 
 def run_served(cfg: DictConfig, s: OnlineSettings, e: EngineSettings, pair: PairSpec,
-               plan: list[Request], prompts: dict[str, list[list[int]]], fp: str,
+               checked: Any, plan: list[Request], prompts: dict[str, list[list[int]]], fp: str,
                t_start: float) -> ServedResult:  # fmt: skip
     """The served run (module docstring); the stage has checked the config and planned the
-    stream and run `preflight`. Only the drafter loads into torch: the target is the engine's."""
+    stream and run `preflight` (`checked`: what it returned). Only the drafter loads into torch: the target is the engine's."""
     state = saved_state(s.output_dir / STATE_FILE, s.resume, fp, cfg.get("run_key"))
     _, drafter, tok = load_pair(pair, target=False)
     s.output_dir.mkdir(parents=True, exist_ok=True)
-    engine = build_engine(s, e, pair, drafter, prompts, fresh=state is None)
+    engine = build_engine(s, e, pair, checked, drafter, prompts, fresh=state is None)
     job = ServedRun(cfg, s, engine, plan, prompts, drafter, tok, e.compare_plain_for())
     if state is None:
         job.journal.reset()

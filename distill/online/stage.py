@@ -305,10 +305,11 @@ def run(cfg: DictConfig) -> OnlineResult | ServedResult:
     set_threads(s.threads, device)
     dtype = parse_dtype(s.dtype, device)
     spec = resolve_pair(cfg.pair, stage="online")
+    checked = None
     if engine.served:  # the engine's binary and files before any prompt or model loads
         from specdistill.distill.online.in_engine import preflight
 
-        preflight(engine, spec)
+        checked = preflight(engine, spec)
     tok = load_tokenizer(spec)
     topk = check_topk(s, len(tok))
     sources = load_sources(list(s.segments), spec.toy, tok, target=spec.target)
@@ -326,7 +327,7 @@ def run(cfg: DictConfig) -> OnlineResult | ServedResult:
     if engine.served:  # llama-server or vLLM serves the stream (distill/online/in_engine.py)
         from specdistill.distill.online.in_engine import run_served
 
-        return run_served(cfg, s, engine, spec, plan, prompts, fp, t_start)
+        return run_served(cfg, s, engine, spec, checked, plan, prompts, fp, t_start)
     state = saved_state(out / STATE_FILE, s.resume, fp, cfg.get("run_key"))
 
     target, drafter, tok = load_pair(spec, device=device, dtype=dtype)

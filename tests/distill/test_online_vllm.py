@@ -213,7 +213,7 @@ def test_a_reload_takes_and_the_frozen_weights_restore_the_frozen_engine(vllm_pa
 
     from specdistill.data.models.pairs import load_pair
     from specdistill.data.sampling import Sampling
-    from specdistill.distill.online.engines.vllm import build
+    from specdistill.distill.online.engines.vllm import build, preflight
 
     cfg = served_cfg(tmp_path, *vllm_pair)
     s = online.check_config(cfg)
@@ -221,7 +221,7 @@ def test_a_reload_takes_and_the_frozen_weights_restore_the_frozen_engine(vllm_pa
     _, drafter, tok = load_pair(pair, target=False)
     texts = ["def add(a, b):\n    return", "import os\n", "Subject: hello\n\n", "x = 1\ny ="]
     prompts = [tok(t, add_special_tokens=False).input_ids for t in texts]
-    engine = build(s, cfg.vllm, pair, drafter, need=64, dtype="float32")
+    engine = build(s, cfg.vllm, pair, preflight(pair), drafter, need=64, dtype="float32")
     greedy = Sampling()
 
     def ask(role: str) -> list[Answer]:

@@ -133,14 +133,14 @@ def preflight(e: EngineSettings, pair: PairSpec) -> Path:
     return binary
 
 
-def build(s: Any, e: EngineSettings, pair: PairSpec, drafter: Any, fresh: bool,
+def build(s: Any, e: EngineSettings, pair: PairSpec, binary: Path, drafter: Any, fresh: bool,
           need: int) -> LlamaCppEngine:  # fmt: skip
-    """The engine for a checked config (`s`: OnlineSettings; `need`: the longest context a
-    request takes). Only the drafter is in torch: the target is served from its GGUF."""
+    """The engine for a checked config (`s`: OnlineSettings; `binary`: what `preflight`
+    returned; `need`: the longest context a request takes). Only the drafter is in torch: the
+    target is served from its GGUF."""
     from specdistill.data.models.gguf_writer import types_for, write_llama_gguf
     from specdistill.data.models.target_gguf import target_gguf
 
-    binary = preflight(e, pair)
     target_file = Path(e.target) if e.target else target_gguf(pair.target)
     types = types_for(e.drafter_type, target_file)
 

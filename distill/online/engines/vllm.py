@@ -262,12 +262,13 @@ def preflight(pair: PairSpec) -> Any:
     return configs[0]
 
 
-def build(s: Any, node: Any, pair: PairSpec, drafter: Any, need: int, dtype: str) -> VllmEngine:
-    """The engine for a checked config (`s`: OnlineSettings; `node`: `vllm.*`; `need`: the
-    longest context a request takes); nothing starts until `start`."""
+def build(s: Any, node: Any, pair: PairSpec, target: Any, drafter: Any, need: int,
+          dtype: str) -> VllmEngine:  # fmt: skip
+    """The engine for a checked config (`s`: OnlineSettings; `node`: `vllm.*`; `target`: the
+    target's config, as `preflight` returned it; `need`: the longest context a request takes);
+    nothing starts until `start`."""
     from specdistill.data.generate.vllm_engine import check_target
 
-    target = preflight(pair)
     settings = engine_settings(node)
     context = getattr(target, "max_position_embeddings", None)
     length = check_target(settings, target, False, need, context)
